@@ -1,0 +1,35 @@
+"""Argument checks shared by the public ops: each error names the argument."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+ROW_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def check_array(name: str, value) -> mx.array:
+    if not isinstance(value, mx.array):
+        raise TypeError(f"{name}: expected an mlx.core.array, got {type(value).__name__}")
+    return value
+
+
+def check_row_dtype(name: str, dtype) -> None:
+    if dtype not in ROW_DTYPES:
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dtype}")
+
+
+def check_plan(plan) -> None:
+    from .plan import MoEPlan
+
+    if not isinstance(plan, MoEPlan):
+        raise TypeError(f"plan: expected a MoEPlan, got {type(plan).__name__}")
+
+
+def check_rows(rows, plan) -> mx.array:
+    check_array("rows", rows)
+    check_row_dtype("rows", rows.dtype)
+    if rows.ndim != 2 or rows.shape[0] != plan.capacity:
+        raise ValueError(
+            f"rows: expected shape [capacity={plan.capacity}, H], got {rows.shape}"
+        )
+    return rows

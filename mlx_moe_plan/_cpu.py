@@ -1,0 +1,27 @@
+"""The CPU implementation: thin calls into the C++ primitives of `src/`."""
+
+from __future__ import annotations
+
+try:
+    from . import _ext
+except ImportError as error:  # a missing build, not a missing symbol deep inside
+    raise ImportError(
+        "mlx_moe_plan's C++ extension is not built. Install the package with "
+        "`pip install --no-build-isolation .` next to the MLX it will run with "
+        "(see the README)."
+    ) from error
+
+
+def plan(ids, weights, *, num_experts, tile_m, top_k, stream):
+    outputs = _ext.plan(ids, weights, num_experts, tile_m, top_k, stream=stream)
+    if weights is None:
+        outputs.insert(2, None)
+    return tuple(outputs)
+
+
+def gather_rows(src, index, inverse, *, dtype, stream):
+    return _ext.gather_rows(src, index, inverse, dtype, stream=stream)
+
+
+def combine_rows(src, index, weights, inverse, *, dtype, stream):
+    return _ext.combine_rows(src, index, weights, inverse, dtype, stream=stream)

@@ -1,0 +1,54 @@
+"""`moe_combine`: the weighted sum of each token's expert rows."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import _backend
+from ._checks import check_array, check_plan, check_rows
+from .plan import MoEPlan
+
+
+def moe_combine(
+    rows: mx.array,
+    plan: MoEPlan,
+    *,
+    weights: mx.array | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """Sum each token's expert rows, weighted: ``y[t] = sum_k w[t,k] * rows[positions[t,k]]``.
+
+    The sum runs over k in ascending order in float32 and is rounded once to
+    `rows.dtype`; skipped entries add nothing, a token with none is zeros.
+
+    Args:
+        rows (array): Expert-sorted rows `[capacity, H]`.
+        plan (MoEPlan): The plan the rows were gathered with.
+        weights (array, optional): Float weights, shape of the plan's
+          `indices`. Default: the weights the plan was built with.
+        stream (Stream or Device, optional): Where to run.
+
+    Returns:
+        array: `indices.shape[:-1] + (H,)` in `rows.dtype`.
+    """
+    check_plan(plan)
+    check_rows(rows, plan)
+    if weights is None:
+        weights = plan.entry_weights
+        if weights is None:
+            raise ValueError("weights: the plan carries no weights; pass weights=")
+    else:
+        check_array("weights", weights)
+        if not mx.issubdtype(weights.dtype, mx.floating):
+            raise TypeError(f"weights: expected a floating dtype, got {weights.dtype}")
+        if weights.shape != plan.positions.shape:
+            raise ValueError(
+                f"weights: expected shape {plan.positions.shape}, got {weights.shape}"
+            )
+    stream = _backend.resolve_stream(stream)
+    positions = plan.positions.reshape(-1, plan.top_k, stream=stream)
+    weights = weights.astype(mx.float32, stream=stream).reshape(-1, plan.top_k, stream=stream)
+    out = _backend.implementation(stream).combine_rows(
+        rows, positions, weights, plan.row_entries, dtype=rows.dtype, stream=stream
+    )
+    return out.reshape(plan.positions.shape[:-1] + (rows.shape[-1],), stream=stream)

@@ -1,0 +1,169 @@
+"""`moe_plan`: a stable counting sort of the routing entries by expert."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import _backend
+from .reference import MAX_EXPERTS, capacity_for
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """Where each routed (token, k) entry lives in the expert-sorted rows.
+
+    Rows are ordered by expert; inside an expert by ascending flat entry index
+    `t * K + k`. Each expert's span starts at a multiple of `tile_m` and is its
+    count rounded up to a multiple of `tile_m`; the rows past the count are
+    padding. See DESIGN.md for the normative description of every field.
+    """
+
+    row_tokens: mx.array
+    """int32 `[capacity]`: token of each row, `-1` on padding and tail rows."""
+    row_experts: mx.array
+    """int32 `[capacity]`: expert of each row (non-decreasing)."""
+    row_weights: mx.array | None
+    """float32 `[capacity]`: the entry's weight, 0 on padding; None without weights."""
+    row_entries: mx.array
+    """int32 `[capacity]`: flat entry `t * K + k` of each row, `-1` on padding."""
+    positions: mx.array
+    """int32, `indices.shape`: row of each entry, `-1` where skipped or invalid."""
+    expert_counts: mx.array
+    """int32 `[num_experts]`: routed entries per expert (unpadded)."""
+    expert_offsets: mx.array
+    """int32 `[num_experts + 1]`: first row of each expert; the last is `num_rows`."""
+    tile_experts: mx.array
+    """int32 `[max_tiles]`: expert of each tile of `tile_m` rows, `-1` past `num_tiles`."""
+    num_rows: mx.array
+    """int32 scalar: used rows, padding included."""
+    num_tiles: mx.array
+    """int32 scalar: used tiles."""
+    num_invalid: mx.array
+    """int32 scalar: entries `>= num_experts`."""
+    num_experts: int
+    tile_m: int
+    capacity: int
+    max_tiles: int
+    top_k: int
+    entry_weights: mx.array | None = None
+    """float32 `[T, K]`: the weights the plan was built with, for `moe_combine`."""
+
+
+def _as_int32_ids(indices: mx.array, num_experts: int, stream) -> mx.array:
+    """int32 ids with every out-of-range value kept out of range.
+
+    Kernels read int32. Narrower types convert exactly; wider ones are first
+    clamped to `[-1, num_experts]`, so that no id wraps into a valid expert
+    (2**32 + 3 must stay invalid, not become expert 3).
+    """
+    if indices.dtype == mx.int32:
+        return indices
+    if indices.dtype in (mx.int64, mx.uint32, mx.uint64):
+        lowest = 0 if indices.dtype in (mx.uint32, mx.uint64) else -1
+        indices = mx.clip(indices, lowest, num_experts, stream=stream)
+    return indices.astype(mx.int32, stream=stream)
+
+
+def moe_plan(
+    indices: mx.array,
+    num_experts: int,
+    *,
+    weights: mx.array | None = None,
+    tile_m: int = 1,
+    check: bool = False,
+    stream: mx.Stream | mx.Device | None = None,
+) -> MoEPlan:
+    """Sort the routing entries by expert, stably, into padded rows.
+
+    Args:
+        indices (array): Integer expert ids of shape `[..., K]`; the leading
+          dims are the tokens. A negative id skips the entry; an id
+          `>= num_experts` is invalid, skipped too and counted in
+          `num_invalid`.
+        num_experts (int): Number of experts `E`, from 1 to 1024.
+        weights (array, optional): Float routing weights, same shape as
+          `indices`, carried to the rows (as float32).
+        tile_m (int): Each expert's rows are padded to a multiple of this.
+          Default: ``1``.
+        check (bool): Evaluate `num_invalid` now and raise ``ValueError`` if
+          any id is `>= num_experts`. Default: ``False``.
+        stream (Stream or Device, optional): Where to run.
+
+    Returns:
+        MoEPlan: The plan; its arrays are lazy.
+    """
+    if not isinstance(indices, mx.array):
+        raise TypeError(f"indices: expected an mlx.core.array, got {type(indices).__name__}")
+    if not mx.issubdtype(indices.dtype, mx.integer):
+        raise TypeError(f"indices: expected an integer dtype, got {indices.dtype}")
+    if indices.ndim < 1:
+        raise ValueError("indices: expected shape [..., K] with at least one dimension")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"num_experts: expected an int, got {type(num_experts).__name__}")
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        raise ValueError(f"num_experts: must be in [1, {MAX_EXPERTS}], got {num_experts}")
+    if isinstance(tile_m, bool) or not isinstance(tile_m, int):
+        raise TypeError(f"tile_m: expected an int, got {type(tile_m).__name__}")
+    if tile_m < 1:
+        raise ValueError(f"tile_m: must be at least 1, got {tile_m}")
+    if weights is not None:
+        if not isinstance(weights, mx.array):
+            raise TypeError(f"weights: expected an mlx.core.array, got {type(weights).__name__}")
+        if not mx.issubdtype(weights.dtype, mx.floating):
+            raise TypeError(f"weights: expected a floating dtype, got {weights.dtype}")
+        if weights.shape != indices.shape:
+            raise ValueError(
+                f"weights: shape {weights.shape} does not match indices' {indices.shape}"
+            )
+
+    top_k = indices.shape[-1]
+    if top_k == 0:
+        raise ValueError("indices: the last dimension K must be at least 1")
+    num_entries = indices.size
+    capacity = capacity_for(num_entries, num_experts, tile_m)
+    if capacity > _INT32_MAX:
+        raise ValueError(
+            f"indices: {num_entries} entries need {capacity} rows, more than int32 indexes"
+        )
+
+    stream = _backend.resolve_stream(stream)
+    ids = _as_int32_ids(indices, num_experts, stream).reshape(-1, stream=stream)
+    flat_weights = None
+    if weights is not None:
+        flat_weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
+
+    impl = _backend.implementation(stream)
+    (row_tokens, row_experts, row_weights, row_entries, positions, expert_counts,
+     expert_offsets, tile_experts, num_rows, num_tiles, num_invalid) = impl.plan(
+        ids, flat_weights, num_experts=num_experts, tile_m=tile_m, top_k=top_k, stream=stream
+    )
+    plan = MoEPlan(
+        row_tokens=row_tokens,
+        row_experts=row_experts,
+        row_weights=row_weights,
+        row_entries=row_entries,
+        positions=positions.reshape(indices.shape, stream=stream),
+        expert_counts=expert_counts,
+        expert_offsets=expert_offsets,
+        tile_experts=tile_experts,
+        num_rows=num_rows,
+        num_tiles=num_tiles,
+        num_invalid=num_invalid,
+        num_experts=num_experts,
+        tile_m=tile_m,
+        capacity=capacity,
+        max_tiles=capacity // tile_m,
+        top_k=top_k,
+        entry_weights=None if flat_weights is None else flat_weights.reshape(indices.shape),
+    )
+    if check:
+        invalid = plan.num_invalid.item()
+        if invalid:
+            raise ValueError(
+                f"indices: {invalid} entries are >= num_experts ({num_experts})"
+            )
+    return plan

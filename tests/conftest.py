@@ -1,0 +1,382 @@
+# Shared test machinery: the backend parameter, the one Hypothesis profile, the
+# routing strategy and the bit-exact comparisons against mlx_moe_plan.reference
+# (the NumPy definition of DESIGN.md's semantics that every backend must match).
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+import mlx_moe_plan
+from mlx_moe_plan import _backend
+from mlx_moe_plan import reference as ref
+
+# One profile. Small by default so that the CPU suite stays well under its time
+# budget on two cores; HYPOTHESIS_PROFILE=thorough asks for many more examples.
+# Derandomized in CI so that a red run can be reproduced from its log alone.
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE", "") == "thorough"
+settings.register_profile(
+    "mlx_moe_plan",
+    deadline=None,
+    derandomize="CI" in os.environ,
+    max_examples=400 if THOROUGH else 20,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile("mlx_moe_plan")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: runs on the GPU stream (Metal or CUDA MLX)")
+    config.addinivalue_line("markers", "pocl: runs the kernel bodies as OpenCL C on PoCL")
+
+
+# --- the backend parameter ---------------------------------------------------
+
+_NO_GPU = "this MLX has neither Metal nor CUDA (mlx_moe_plan._backend.gpu_backend() is None)"
+
+
+@pytest.fixture(
+    scope="session",  # session scope: Hypothesis refuses function-scoped fixtures
+    params=[
+        pytest.param(mx.cpu, id="cpu"),
+        pytest.param(
+            mx.gpu,
+            id="gpu",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(_backend.gpu_backend() is None, reason=_NO_GPU),
+            ],
+        ),
+    ],
+)
+def device(request) -> mx.Device:
+    """The device every op of a test runs on, passed as `stream=device`."""
+    # An mx.Device, not the bare mx.cpu / mx.gpu enum: the package's stream
+    # argument takes a Stream, a Device or None (see test_errors for the enum).
+    return mx.Device(request.param)
+
+
+# --- dtypes and conversions ----------------------------------------------------
+
+FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+FLOAT_NAMES = list(FLOAT_DTYPES)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """The reference's name of an MLX float dtype ("bfloat16" means uint16 bits)."""
+    for name, value in FLOAT_DTYPES.items():
+        if value == dtype:
+            return name
+    raise AssertionError(f"not a row dtype: {dtype}")
+
+
+def to_numpy(array: mx.array) -> np.ndarray:
+    """An MLX array as the reference takes it: bfloat16 as its raw uint16 bits."""
+    if array.dtype == mx.bfloat16:
+        return np.array(array.view(mx.uint16))
+    return np.array(array)
+
+
+def as_float32(array: mx.array) -> np.ndarray:
+    """The exact float32 values of an MLX float array (every row dtype widens exactly)."""
+    return np.array(array.astype(mx.float32))
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    if values.dtype.kind in "fc" or values.dtype.kind == "V":
+        return values.view(np.dtype(f"u{values.dtype.itemsize}"))
+    return values
+
+
+def assert_bitwise(actual, expected, what: str) -> None:
+    """`actual` (MLX array) holds exactly the bits of `expected` (NumPy array).
+
+    Floats are compared as integers of their width, so that -0.0 differs from
+    0.0 and NaN payloads count.
+    """
+    actual_np = to_numpy(actual) if isinstance(actual, mx.array) else np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual_np.shape == expected.shape, f"{what}: shape {actual_np.shape} != {expected.shape}"
+    assert actual_np.dtype == expected.dtype, f"{what}: dtype {actual_np.dtype} != {expected.dtype}"
+    actual_bits, expected_bits = _bits(actual_np), _bits(expected)
+    if not np.array_equal(actual_bits, expected_bits):
+        wrong = np.argwhere(actual_bits != expected_bits)
+        first = tuple(int(i) for i in wrong[0])
+        raise AssertionError(
+            f"{what}: {len(wrong)} of {expected.size} elements differ; first at {first}: "
+            f"got {actual_np[first]!r}, expected {expected[first]!r}"
+        )
+
+
+def random_floats(rng: np.random.Generator, shape, dtype: mx.Dtype) -> mx.array:
+    """Normal values in `dtype`: never all zeros, which would hide unwritten rows."""
+    values = rng.standard_normal(shape).astype(np.float32)
+    return mx.array(values).astype(dtype)
+
+
+# --- layouts: the same logical values, stored contiguously or not --------------
+
+LAYOUTS = ("contiguous", "transposed", "strided_last", "strided_first")
+
+
+def with_layout(values: np.ndarray, layout: str, rng: np.random.Generator) -> mx.array:
+    """An MLX array equal to `values` whose memory is laid out as `layout` says.
+
+    The strided layouts are slices of a larger buffer whose other elements hold
+    random bits, so that reading the wrong element shows.
+    """
+    if layout == "contiguous" or values.ndim == 0:
+        return mx.array(values)
+    if layout == "transposed":
+        axes = tuple(reversed(range(values.ndim)))
+        base = mx.array(np.ascontiguousarray(values.transpose(axes)))
+        return mx.transpose(base, axes)
+    axis = values.ndim - 1 if layout == "strided_last" else 0
+    shape = list(values.shape)
+    shape[axis] *= 2
+    if values.dtype.kind in "iu":
+        info = np.iinfo(values.dtype)
+        filler = rng.integers(info.min, info.max, size=shape, dtype=values.dtype, endpoint=True)
+    else:
+        filler = rng.standard_normal(shape).astype(values.dtype)
+    index = [slice(None)] * values.ndim
+    index[axis] = slice(None, None, 2)
+    filler[tuple(index)] = values
+    return mx.array(filler)[tuple(index)]
+
+
+def float_with_layout(values: np.ndarray, dtype: mx.Dtype, layout: str, rng) -> mx.array:
+    """`with_layout` for float32 `values` stored as `dtype` (converted before the view)."""
+    if layout == "broadcast":  # stride 0: every token reads the same memory
+        first = mx.array(values.reshape(-1, values.shape[-1])[:1]).astype(dtype)
+        return mx.broadcast_to(first.reshape((1,) * (values.ndim - 1) + first.shape[-1:]), values.shape)
+    if layout == "contiguous" or values.ndim == 0:
+        return mx.array(values).astype(dtype)
+    if layout == "transposed":
+        axes = tuple(reversed(range(values.ndim)))
+        base = mx.array(np.ascontiguousarray(values.transpose(axes))).astype(dtype)
+        mx.eval(base)  # the transpose below must be a view of a stored buffer
+        return mx.transpose(base, axes)
+    axis = values.ndim - 1 if layout == "strided_last" else 0
+    shape = list(values.shape)
+    shape[axis] *= 2
+    filler = rng.standard_normal(shape).astype(np.float32)
+    index = [slice(None)] * values.ndim
+    index[axis] = slice(None, None, 2)
+    filler[tuple(index)] = values
+    base = mx.array(filler).astype(dtype)
+    mx.eval(base)
+    return base[tuple(index)]
+
+
+# --- routings ------------------------------------------------------------------
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INDEX_DTYPES = ("int32", "int64", "uint32", "int16", "uint8", "int8", "uint16", "uint64")
+
+
+def _skip_values(dtype: np.dtype, rng, count: int) -> np.ndarray:
+    """Negative ids (skipped entries) representable in `dtype`, extremes included."""
+    info = np.iinfo(dtype)
+    choices = [-1, -2, info.min, -int(rng.integers(1, 1 + min(-info.min, 10**6)))]
+    if dtype == np.int64:
+        choices += [-(2**40), INT32_MIN, INT32_MIN - 1, -(2**32) + 3]
+    elif dtype == np.int32:
+        choices += [INT32_MIN]
+    return np.array(rng.choice(choices, count), dtype=np.int64)
+
+
+def _invalid_values(dtype: np.dtype, num_experts: int, rng, count: int) -> np.ndarray:
+    """Ids `>= num_experts` representable in `dtype`, including ones that would
+    alias a valid expert if truncated to 32 or 16 bits."""
+    info = np.iinfo(dtype)
+    if info.max < num_experts:
+        return np.empty(0, np.int64)
+    e = int(rng.integers(0, num_experts))
+    choices = [num_experts, min(num_experts + 1, info.max), info.max,
+               int(rng.integers(num_experts, info.max, endpoint=True))]
+    if info.max >= INT32_MAX:
+        choices += [INT32_MAX]
+    if info.max > INT32_MAX:  # wrap to int32 -1 or to a valid expert if truncated
+        choices += [2**31, 2**31 + e, 2**32 - 1, 2**32 + e]
+    if info.max > 2**32:
+        choices += [2**32 + 3, 2**40 + e, info.max]
+    if dtype == np.uint64:  # the reference reads ids as int64: stay below 2**63
+        choices = [min(c, 2**62) for c in choices]
+    return np.array(rng.choice(np.array(choices, dtype=object), count), dtype=np.int64) if False \
+        else np.array([choices[i] for i in rng.integers(0, len(choices), count)], dtype=np.uint64 if dtype == np.uint64 else np.int64)
+
+
+def make_ids(rng, shape, num_experts: int, dtype: str, mode: str,
+             skip_rate: float, invalid_rate: float) -> np.ndarray:
+    """Expert ids of `shape` ([..., K]) in `dtype`; see `routings` for the modes."""
+    dtype = np.dtype(dtype)
+    info = np.iinfo(dtype)
+    top_k = shape[-1]
+    count = int(np.prod(shape))
+    routable = min(num_experts, int(info.max) + 1)
+    if mode == "one_expert":  # one expert owns every routed entry
+        ids = np.full(count, rng.integers(0, routable), dtype=np.int64)
+    elif mode == "few_experts":
+        few = rng.integers(0, routable, size=min(3, routable))
+        ids = rng.choice(few, count).astype(np.int64)
+    elif mode == "distinct_per_token" and top_k <= routable:  # like a real top-k
+        tokens = count // top_k
+        ids = np.stack([rng.permutation(routable)[:top_k] for _ in range(tokens)]).reshape(-1) \
+            if tokens else np.empty(0, np.int64)
+        ids = ids.astype(np.int64)
+    else:
+        ids = rng.integers(0, routable, size=count).astype(np.int64)
+    if mode == "duplicates" and top_k > 1 and count:  # the same expert twice in a token
+        ids2 = ids.reshape(-1, top_k)
+        ids2[:, rng.integers(1, top_k)] = ids2[:, 0]
+        ids = ids2.reshape(-1)
+    out = ids.astype(dtype)
+    kinds = rng.random(count)
+    if info.min < 0:
+        skipped = np.flatnonzero(kinds < skip_rate)
+        out[skipped] = _skip_values(dtype, rng, skipped.size).astype(dtype)
+    invalid = np.flatnonzero((kinds >= skip_rate) & (kinds < skip_rate + invalid_rate))
+    values = _invalid_values(dtype, num_experts, rng, invalid.size)
+    if values.size:
+        out[invalid] = values.astype(dtype)
+    return out.reshape(shape)
+
+
+@dataclass
+class Routing:
+    """One drawn routing: the MLX inputs of `moe_plan` and their NumPy values."""
+
+    indices: mx.array  # possibly a non-contiguous view
+    ids: np.ndarray  # the same values, for the reference
+    num_experts: int
+    tile_m: int
+    weights: mx.array | None  # possibly a non-contiguous view, float32/16/bfloat16
+    weight_values: np.ndarray | None  # their exact float32 values
+    layout: str
+    seed: int
+
+    @property
+    def token_shape(self) -> tuple:
+        return self.ids.shape[:-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.prod(self.token_shape))
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[-1]
+
+    def plan(self, device, **kwargs) -> mlx_moe_plan.MoEPlan:
+        return mlx_moe_plan.moe_plan(
+            self.indices, self.num_experts, weights=self.weights, tile_m=self.tile_m,
+            stream=device, **kwargs,
+        )
+
+    def reference_plan(self) -> ref.ReferencePlan:
+        return ref.moe_plan(self.ids, self.num_experts, weights=self.weight_values,
+                            tile_m=self.tile_m)
+
+
+def experts_strategy(max_experts: int = mlx_moe_plan.MAX_EXPERTS):
+    """E from 1 to the limit, weighted towards small E (many collisions) and the ends."""
+    return st.one_of(
+        st.integers(1, min(8, max_experts)),
+        st.integers(1, max_experts),
+        st.sampled_from(sorted({1, 2, max_experts})),
+    )
+
+
+def token_shapes_strategy(max_tokens: int):
+    """Leading shapes: none ([K] alone), [T] with T = 0 allowed, and [B, L]."""
+    return st.one_of(
+        st.tuples(st.integers(0, max_tokens)),
+        st.tuples(st.integers(0, 4), st.integers(0, max(1, max_tokens // 4))),
+        st.just(()),
+        st.just((0,)),
+    )
+
+
+@st.composite
+def routings(
+    draw,
+    max_tokens: int = 64,
+    max_k: int = 16,
+    max_experts: int = mlx_moe_plan.MAX_EXPERTS,
+    max_tile_m: int = 128,
+    index_dtypes=INDEX_DTYPES,
+    weights: str = "maybe",  # "maybe", "always" or "never"
+    weight_dtypes=FLOAT_NAMES,
+):
+    """Routings covering DESIGN.md's cases: K from 1 to 16, E from 1 to the limit,
+    skipped (-1 and other negative) and invalid ids, duplicate experts in a token,
+    T = 0, one expert owning every entry, tile_m from 1 to 128, leading shapes
+    [K], [T, K] and [B, L, K], every index dtype, non-contiguous views, and
+    weights in every float dtype or none."""
+    top_k = draw(st.one_of(st.sampled_from([1, 2]), st.integers(1, max_k)))
+    token_shape = draw(token_shapes_strategy(max_tokens))
+    shape = token_shape + (top_k,)
+    num_experts = draw(experts_strategy(max_experts))
+    tile_m = draw(st.one_of(st.just(1), st.integers(1, max_tile_m),
+                            st.sampled_from([m for m in (4, 16, 32, 64, 128) if m <= max_tile_m])))
+    index_dtype = draw(st.sampled_from(index_dtypes))
+    mode = draw(st.sampled_from(["uniform", "uniform", "one_expert", "few_experts",
+                                 "distinct_per_token", "duplicates"]))
+    skip_rate = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 1.0]))
+    invalid_rate = draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]))
+    invalid_rate = min(invalid_rate, 1.0 - skip_rate)
+    layout = draw(st.sampled_from(LAYOUTS))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+
+    ids = make_ids(rng, shape, num_experts, index_dtype, mode, skip_rate, invalid_rate)
+    indices = with_layout(ids, layout, rng)
+
+    with_weights = weights == "always" or (weights == "maybe" and draw(st.booleans()))
+    weight_array = weight_values = None
+    if with_weights:
+        weight_dtype = FLOAT_DTYPES[draw(st.sampled_from(weight_dtypes))]
+        raw = rng.standard_normal(shape).astype(np.float32)
+        weight_array = float_with_layout(raw, weight_dtype, layout, rng)
+        weight_values = as_float32(weight_array)
+    return Routing(indices, ids, num_experts, tile_m, weight_array, weight_values, layout, seed)
+
+
+# --- the plan, field by field --------------------------------------------------
+
+ARRAY_FIELDS = ("row_tokens", "row_experts", "row_entries", "positions", "expert_counts",
+                "expert_offsets", "tile_experts")
+SCALAR_FIELDS = ("num_rows", "num_tiles", "num_invalid")
+STATIC_FIELDS = ("num_experts", "tile_m", "capacity", "max_tiles", "top_k")
+
+
+def assert_plan_matches(plan: mlx_moe_plan.MoEPlan, expected: ref.ReferencePlan) -> None:
+    """Every field of `plan` equals the reference's, bit for bit and type for type."""
+    for name in STATIC_FIELDS:
+        value = getattr(plan, name)
+        assert type(value) is int, f"{name}: a Python int, got {type(value).__name__}"
+        assert value == getattr(expected, name), f"{name}: {value} != {getattr(expected, name)}"
+    for name in ARRAY_FIELDS:
+        value = getattr(plan, name)
+        assert isinstance(value, mx.array), f"{name}: an mx.array, got {type(value).__name__}"
+        assert value.dtype == mx.int32, f"{name}: dtype {value.dtype}"
+        assert_bitwise(value, getattr(expected, name), name)
+    for name in SCALAR_FIELDS:
+        value = getattr(plan, name)
+        assert isinstance(value, mx.array), f"{name}: an mx.array, got {type(value).__name__}"
+        assert value.dtype == mx.int32 and value.shape == (), f"{name}: {value.dtype} {value.shape}"
+        assert value.item() == getattr(expected, name), f"{name}: {value.item()} != {getattr(expected, name)}"
+    if expected.row_weights is None:
+        assert plan.row_weights is None, "row_weights: None without weights"
+    else:
+        assert plan.row_weights is not None, "row_weights: missing"
+        assert plan.row_weights.dtype == mx.float32, f"row_weights: dtype {plan.row_weights.dtype}"
+        assert_bitwise(plan.row_weights, expected.row_weights, "row_weights")
