@@ -11,6 +11,15 @@ except ImportError as error:  # a missing build, not a missing symbol deep insid
         "(see the README)."
     ) from error
 
+import mlx.core as mx
+
+if _ext.built_with_mlx != mx.__version__:
+    raise ImportError(
+        f"mlx_moe_plan's C++ extension was built against MLX {_ext.built_with_mlx} but "
+        f"MLX {mx.__version__} is installed: rebuild it with "
+        "`pip install --no-build-isolation --force-reinstall --no-deps .`"
+    )
+
 
 def plan(ids, weights, *, num_experts, tile_m, top_k, stream):
     outputs = _ext.plan(ids, weights, num_experts, tile_m, top_k, stream=stream)

@@ -12,6 +12,8 @@ using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
   m.doc() = "CPU primitives of mlx_moe_plan (plan, gather_rows, combine_rows).";
+  // The MLX this extension was compiled against; it links that libmlx's ABI.
+  m.attr("built_with_mlx") = BUILT_WITH_MLX;
 
   m.def(
       "plan",

@@ -1,0 +1,50 @@
+"""Kernel texts: one body per kernel, one prelude and prologue per backend.
+
+A body is plain C in a small dialect whose names every prelude defines
+(`DIALECT_NAMES`); the prologue declares the thread indices at the top of the
+body (Metal's signature gains a thread attribute only when the body names it).
+
+| body            | Metal, CUDA (`mlx_moe_plan/_gpu.py`) | OpenCL on PoCL (tests) |
+|-----------------|--------------------------------------|------------------------|
+| `plan_hist.h`   | `moe_plan` step 1                    | `tests/test_kernels_pocl.py` |
+| `plan_scan.h`   | `moe_plan` step 2                    | same                   |
+| `plan_place.h`  | `moe_plan` step 3                    | same                   |
+| `gather.h`      | `moe_gather`, `moe_unsort`, grads    | same                   |
+| `combine.h`     | `moe_combine`, grads                 | same                   |
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+BACKENDS = ("metal", "cuda", "opencl")
+BODIES = ("plan_hist", "plan_scan", "plan_place", "gather", "combine")
+
+# Every prelude defines these; the prologues declare the last four.
+DIALECT_NAMES = (
+    "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
+    "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "MUL_RN", "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16",
+)
+THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
+
+# Entries per plan block (hist and place groups), and the expert limit, which
+# is also scan's group size. See plan_place.h for why a block is 512 entries.
+PLAN_BLOCK = 512
+MAX_EXPERTS = 1024
+
+_HERE = Path(__file__).parent
+
+
+@cache
+def text(name: str) -> str:
+    return (_HERE / f"{name}.h").read_text()
+
+
+def prelude(backend: str) -> str:
+    return text(f"prelude_{backend}")
+
+
+def body(name: str, backend: str) -> str:
+    """The kernel body as a backend compiles it: prologue, then the body."""
+    return text(f"prologue_{backend}") + text(name)
