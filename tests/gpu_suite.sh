@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU suite, on a machine whose MLX has a GPU backend (MLX's CUDA build
+# on Linux; Metal on a Mac), from the project root:
+#     bash tests/gpu_suite.sh [results-dir]
+# 1. every test on the GPU device (pytest -m gpu), bitwise against the
+#    reference, outputs poisoned before each kernel;
+# 2. compute-sanitizer memcheck, racecheck and synccheck over the same
+#    tests with fewer examples, restricted to this package's kernels (CUDA);
+# 3. the benchmark at every shape, T from 128 to 16384, as JSON.
+# Logs go to the results directory; the exit status is 1 if any step failed.
+set -uo pipefail
+results=${1:-gpu-results}
+mkdir -p "$results"
+status=0
+logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
+  local log=$1
+  shift
+  echo "+ $*"
+  "$@" >"$log" 2>&1
+  local rc=$?
+  tail -n 15 "$log"
+  [ "$rc" -eq 0 ] || { echo "FAILED ($rc): $*"; status=1; }
+}
+
+logged "$results/pytest-gpu.log" python3 -m pytest -q -m gpu tests -p no:cacheprovider
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck synccheck; do
+    HYPOTHESIS_PROFILE=sanitize logged "$results/sanitizer-$tool.log" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+      python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
+  done
+fi
+logged "$results/bench.log" python3 -m benchmarks.moe --full --json "$results/bench.json"
+exit $status
