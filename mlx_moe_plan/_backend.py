@@ -14,11 +14,13 @@ import mlx.core as mx
 def resolve_stream(stream: mx.Stream | mx.Device | None) -> mx.Stream:
     if stream is None:
         return mx.default_stream(mx.default_device())
+    if isinstance(stream, mx.DeviceType):  # mx.cpu / mx.gpu, as MLX's own ops accept
+        return mx.default_stream(mx.Device(stream))
     if isinstance(stream, mx.Device):
         return mx.default_stream(stream)
     if isinstance(stream, mx.Stream):
         return stream
-    raise TypeError(f"stream: expected a Stream, Device or None, got {type(stream).__name__}")
+    raise TypeError(f"stream: expected a Stream, Device, DeviceType or None, got {type(stream).__name__}")
 
 
 def gpu_backend() -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from . import _backend
@@ -42,7 +44,8 @@ def moe_gather(
             f"x: expected shape {token_shape + ('H',)} to match the plan's tokens, got {x.shape}"
         )
     stream = _backend.resolve_stream(stream)
-    tokens = x.reshape(-1, x.shape[-1], stream=stream)
+    num_tokens = math.prod(token_shape)
+    tokens = x.reshape(num_tokens, x.shape[-1], stream=stream)
     inverse = plan.positions.reshape(-1, plan.top_k, stream=stream)
     return _backend.implementation(stream).gather_rows(
         tokens, plan.row_tokens, inverse, dtype=dtype, stream=stream

@@ -108,8 +108,8 @@ def moe_plan(
         raise ValueError(f"num_experts: must be in [1, {MAX_EXPERTS}], got {num_experts}")
     if isinstance(tile_m, bool) or not isinstance(tile_m, int):
         raise TypeError(f"tile_m: expected an int, got {type(tile_m).__name__}")
-    if tile_m < 1:
-        raise ValueError(f"tile_m: must be at least 1, got {tile_m}")
+    if not 1 <= tile_m <= _INT32_MAX:
+        raise ValueError(f"tile_m: must be in [1, {_INT32_MAX}], got {tile_m}")
     if weights is not None:
         if not isinstance(weights, mx.array):
             raise TypeError(f"weights: expected an mlx.core.array, got {type(weights).__name__}")
@@ -127,7 +127,8 @@ def moe_plan(
     capacity = capacity_for(num_entries, num_experts, tile_m)
     if capacity > _INT32_MAX:
         raise ValueError(
-            f"indices: {num_entries} entries need {capacity} rows, more than int32 indexes"
+            f"indices, tile_m: {num_entries} entries with tile_m={tile_m} need {capacity} "
+            "rows, more than int32 indexes"
         )
 
     stream = _backend.resolve_stream(stream)
