@@ -1,7 +1,8 @@
 """The GPU implementation: the kernel texts of `kernels/` as MLX custom kernels.
 
 Each kernel object is built once per backend and name and cached; MLX then
-compiles one instance per template argument set. Gradients go through
+compiles one instance per template argument set. Launch geometry comes from
+`kernels/launch.py`, shared with the OpenCL tests. Gradients go through
 `mx.custom_function`, with the same formulas as the C++ primitives' vjp
 (`src/combine.cpp`, `src/gather.cpp`), so they run on these kernels too.
 """
@@ -13,6 +14,7 @@ from functools import cache, lru_cache
 import mlx.core as mx
 
 from . import kernels
+from .kernels import launch as geometry
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
 POISON: float | None = None
@@ -45,15 +47,20 @@ def _kernel(backend: str, name: str):
     )
 
 
-def _launch(backend, name, inputs, template, groups, group_size, shapes, dtypes, stream):
+def _mlx_value(value):
+    return getattr(mx, value) if isinstance(value, str) else value
+
+
+def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stream):
+    """Run a body with its arrays, then the `params` array, as `launch` says."""
     extra = {} if POISON is None else {"init_value": POISON}
     return _kernel(backend, name)(
-        inputs=inputs,
-        template=template,
-        grid=(groups * group_size, 1, 1),
-        threadgroup=(group_size, 1, 1),
-        output_shapes=shapes,
-        output_dtypes=dtypes,
+        inputs=[*arrays, _params(*launch.params)],
+        template=[(key, _mlx_value(value)) for key, value in launch.template],
+        grid=(launch.groups * launch.group_size, 1, 1),
+        threadgroup=(launch.group_size, 1, 1),
+        output_shapes=[shape for shape, _ in launch.outputs],
+        output_dtypes=[_mlx_value(dtype) for _, dtype in launch.outputs],
         stream=stream,
         **extra,
     )
@@ -75,12 +82,8 @@ def _unused_weights() -> mx.array:
     return mx.zeros((1,), mx.float32)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-# Groups loop over rows beyond this many, keeping every grid within limits.
-_MAX_GROUPS = 1 << 16
+def _name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 class _Backend:
@@ -88,44 +91,27 @@ class _Backend:
         self.backend = backend
 
     def plan(self, ids, weights, *, num_experts, tile_m, top_k, stream):
-        from .reference import capacity_for
-
         num_entries = ids.size
-        capacity = capacity_for(num_entries, num_experts, tile_m)
-        max_tiles = capacity // tile_m
+        has_weights = weights is not None
         if num_entries == 0:  # no kernel to run: every array but two is empty
             empty = mx.zeros((0,), mx.int32)
             zero = mx.array(0, mx.int32)
-            return (empty, empty, None if weights is None else mx.zeros((0,), mx.float32),
+            return (empty, empty, mx.zeros((0,), mx.float32) if has_weights else None,
                     empty, empty, mx.zeros((num_experts,), mx.int32),
                     mx.zeros((num_experts + 1,), mx.int32), empty, zero, zero, zero)
-        block, limit = kernels.PLAN_BLOCK, kernels.MAX_EXPERTS
-        num_blocks = max(1, -(-num_entries // block))
-        i32 = mx.int32
-        hist_counts, hist_invalid = _launch(
-            self.backend, "plan_hist", [ids, _params(num_entries, num_experts)],
-            [("BLOCK", block), ("MAX_EXPERTS", limit)], num_blocks, block,
-            [(num_blocks * num_experts,), (num_blocks,)], [i32, i32], stream,
-        )
+        hist, scan, place = geometry.plan_launches(
+            num_entries, num_experts, tile_m, top_k, has_weights)
+        # row_weights is a permutation of the weights that carries no gradient
+        # (as in the C++ primitive); combine's gradient reaches them directly.
+        if has_weights:
+            weights = mx.stop_gradient(weights)
+        block_counts, block_invalid = _launch(self.backend, "plan_hist", [ids], hist, stream)
         counts, offsets, bases, totals = _launch(
-            self.backend, "plan_scan",
-            [hist_counts, hist_invalid, _params(num_blocks, num_experts, tile_m)],
-            [("MAX_EXPERTS", limit)], 1, limit,
-            [(num_experts,), (num_experts + 1,), (num_blocks * num_experts,), (3,)],
-            [i32, i32, i32, i32], stream,
-        )
-        has_weights = weights is not None
+            self.backend, "plan_scan", [block_counts, block_invalid], scan, stream)
         weights_in = weights if has_weights else _unused_weights()
         row_tokens, row_experts, row_weights, row_entries, positions, tile_experts = _launch(
             self.backend, "plan_place",
-            [ids, weights_in, bases, counts, offsets, totals,
-             _params(num_entries, num_experts, tile_m, top_k, capacity, max_tiles)],
-            [("BLOCK", block), ("MAX_EXPERTS", limit), ("HAS_WEIGHTS", has_weights)],
-            num_blocks, block,
-            [(capacity,), (capacity,), (capacity if has_weights else 1,), (capacity,),
-             (num_entries,), (max_tiles,)],
-            [i32, i32, mx.float32, i32, i32, i32], stream,
-        )
+            [ids, weights_in, bases, counts, offsets, totals], place, stream)
         return (
             row_tokens, row_experts, row_weights if has_weights else None, row_entries,
             positions, counts, offsets, tile_experts, totals[0], totals[1], totals[2],
@@ -140,7 +126,18 @@ class _Backend:
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
 
 
-_GATHER_ROWS = 4
+def _device_rows(src, stream):
+    """`src`, padded with zero rows to 8 elements or more if it has fewer.
+
+    gather.h and combine.h cast src to raw types, which Metal allows only for
+    a `device` buffer, and MLX passes arrays of fewer than 8 elements as
+    `constant`. The kernels never read the padding (they bound rows by the
+    unpadded count).
+    """
+    if src.size >= 8:
+        return src
+    padding = mx.zeros((-(-8 // src.shape[1]), src.shape[1]), src.dtype)
+    return mx.concatenate([src, padding], stream=stream)
 
 
 def _gather(backend, src, index, dtype, stream):
@@ -148,22 +145,10 @@ def _gather(backend, src, index, dtype, stream):
     num_rows = index.shape[0]
     if num_rows == 0 or hidden == 0:
         return mx.zeros((num_rows, hidden), dtype)
-    row_bytes = hidden * src.dtype.size
-    copy_vectors = src.dtype == dtype and row_bytes % 16 == 0
-    row_vectors = row_bytes // 16 if copy_vectors else 0
-    per_row = row_vectors if copy_vectors else hidden
-    group_size = min(1024 if copy_vectors else 256, _round_up(per_row, 32))
-    groups = min(-(-num_rows // _GATHER_ROWS), _MAX_GROUPS)
-    (out,) = _launch(
-        backend, "gather", [src, index, _params(num_src, hidden, num_rows, row_vectors)],
-        [("InT", src.dtype), ("OutT", dtype), ("COPY_VECTORS", copy_vectors),
-         ("ROWS", _GATHER_ROWS)],
-        groups, group_size, [(num_rows, hidden)], [dtype], stream,
-    )
+    src = _device_rows(src, stream)
+    launch = geometry.gather_launch(num_src, hidden, num_rows, _name(src.dtype), _name(dtype))
+    (out,) = _launch(backend, "gather", [src, index], launch, stream)
     return out
-
-
-_COMBINE_UNROLL = 4
 
 
 def _combine(backend, src, index, weights, dtype, stream):
@@ -172,14 +157,11 @@ def _combine(backend, src, index, weights, dtype, stream):
     if num_out == 0 or hidden == 0:
         return mx.zeros((num_out, hidden), dtype)
     has_weights = weights is not None
+    launch = geometry.combine_launch(
+        num_src, hidden, num_out, fan_in, has_weights, _name(src.dtype), _name(dtype))
     weights_in = weights if has_weights else _unused_weights()
-    group_size = min(1024, _round_up(-(-hidden // _COMBINE_UNROLL), 32))
-    (out,) = _launch(
-        backend, "combine", [src, index, weights_in, _params(num_src, hidden, num_out)],
-        [("InT", src.dtype), ("OutT", dtype), ("FAN_IN", fan_in),
-         ("HAS_WEIGHTS", has_weights), ("UNROLL", _COMBINE_UNROLL)],
-        min(num_out, _MAX_GROUPS), group_size, [(num_out, hidden)], [dtype], stream,
-    )
+    src = _device_rows(src, stream)
+    (out,) = _launch(backend, "combine", [src, index, weights_in], launch, stream)
     return out
 
 
@@ -210,21 +192,20 @@ def _combine_function(backend, dtype, has_weights, stream):
     def combine_vjp(primals, cotangent, output):
         src, index, inverse = primals[:3]
         weights = primals[3] if has_weights else None
-        if inverse is None:
-            raise ValueError("combine: no inverse index was given, so no gradient")
         fan_in = index.shape[1]
+        # d src[r] = w[entry] * d out[entry // M], entry = inverse[r] (none: 0).
         used = inverse >= 0
         token = mx.where(used, inverse // fan_in, -1)
         grad_src = _gather_function(backend, src.dtype, stream)(cotangent, token, index)
-        grads = []
-        if has_weights:
-            row_weight = mx.where(used, mx.take(weights.reshape(-1), mx.maximum(inverse, 0)), 0.0)
-            grad_src = (grad_src.astype(mx.float32) * row_weight[:, None]).astype(src.dtype)
-            picked = _gather(backend, src, index.reshape(-1), mx.float32, stream)
-            picked = picked.reshape(index.shape + (src.shape[1],))
-            grad_weights = (picked * cotangent.astype(mx.float32)[:, None, :]).sum(-1)
-            grads = [grad_weights]
-        return (grad_src, mx.zeros_like(index), mx.zeros_like(inverse), *grads)
+        if not has_weights:
+            return grad_src, mx.zeros_like(index), mx.zeros_like(inverse)
+        row_weight = mx.where(used, mx.take(weights.reshape(-1), mx.maximum(inverse, 0)), 0.0)
+        grad_src = (grad_src.astype(mx.float32) * row_weight[:, None]).astype(src.dtype)
+        # d w[n, m] = dot(d out[n], src[index[n, m]]), in float32.
+        picked = _gather(backend, src, index.reshape(-1), mx.float32, stream)
+        picked = picked.reshape(index.shape + (src.shape[1],))
+        grad_weights = (picked * cotangent.astype(mx.float32)[:, None, :]).sum(-1)
+        return grad_src, mx.zeros_like(index), mx.zeros_like(inverse), grad_weights
 
     return combine
 

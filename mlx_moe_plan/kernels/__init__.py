@@ -11,6 +11,9 @@ body (Metal's signature gains a thread attribute only when the body names it).
 | `plan_place.h`  | `moe_plan` step 3                    | same                   |
 | `gather.h`      | `moe_gather`, `moe_unsort`, grads    | same                   |
 | `combine.h`     | `moe_combine`, grads                 | same                   |
+
+`launch.py` gives each body's grid, group size, sizes and template constants,
+for every instantiation alike.
 """
 
 from __future__ import annotations
@@ -24,14 +27,9 @@ BODIES = ("plan_hist", "plan_scan", "plan_place", "gather", "combine")
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (
     "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
-    "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "MUL_RN", "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16",
+    "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT", "MUL_RN", "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
-
-# Entries per plan block (hist and place groups), and the expert limit, which
-# is also scan's group size. See plan_place.h for why a block is 512 entries.
-PLAN_BLOCK = 512
-MAX_EXPERTS = 1024
 
 _HERE = Path(__file__).parent
 

@@ -11,6 +11,8 @@ typedef long long i64;
 #define ATOMIC_STORE(p, v) (*(volatile unsigned*)(p) = (v))
 #define LOAD_IN(p, i) static_cast<float>((p)[i])
 #define STORE_OUT(p, i, v) ((p)[i] = static_cast<OutT>(v))
+#define BITS_TO_FLOAT(u) __uint_as_float((unsigned)(u))
+#define HALF_BITS_TO_FLOAT(u) __half2float(__ushort_as_half((unsigned short)(u)))
 #define MUL_RN(a, b) __fmul_rn((a), (b))
 #define ADD_RN(a, b) __fadd_rn((a), (b))
 #define ZERO_VEC16 make_uint4(0u, 0u, 0u, 0u)

@@ -11,11 +11,14 @@ typedef long i64;
 #define ATOMIC_ADD(p, v) atomic_add((p), (v))
 #define ATOMIC_LOAD(p) (*(volatile __local uint*)(p))
 #define ATOMIC_STORE(p, v) (*(volatile __local uint*)(p) = (v))
+#define BITS_TO_FLOAT(u) as_float((uint)(u))
+#define HALF_BITS_TO_FLOAT(u) half_bits_to_float((ushort)(u))
 #define MUL_RN(a, b) ((a) * (b))
 #define ADD_RN(a, b) ((a) + (b))
 #define ZERO_VEC16 ((uint4)(0u))
 #define IS_ALIGNED16(p) ((((ulong)(p)) & 15ul) == 0)
 
+inline float half_bits_to_float(ushort bits) { return vload_half(0, (__private const half*)&bits); }
 inline float bf16_bits_to_float(ushort bits) { return as_float(((uint)bits) << 16); }
 inline ushort float_to_bf16_bits(float v) {
   uint bits = as_uint(v);

@@ -1,0 +1,112 @@
+"""Launch geometry of each kernel body: grid, group size, run-time sizes,
+template constants and outputs, as plain Python values.
+
+One source for every instantiation: `_gpu.py` launches these through MLX on
+Metal and CUDA, and the tests launch the same through OpenCL on PoCL. Dtypes
+are named ("float32", "float16", "bfloat16", "int32", "uint16", "uint32").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..reference import MAX_EXPERTS, capacity_for
+
+# Entries per plan block (hist and place groups); MAX_EXPERTS is also scan's
+# group size. See plan_place.h for why a block is 512 entries.
+PLAN_BLOCK = 512
+
+# Groups loop over rows beyond this many, keeping every grid within limits.
+MAX_GROUPS = 1 << 16
+# Row kernels stay at or under 512 threads a group: heavy register use can
+# lower a Metal pipeline's thread limit below 1024.
+MAX_ROW_GROUP = 512
+GATHER_ROWS = 4  # rows a gather group copies at a time
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Launch:
+    groups: int
+    group_size: int
+    params: tuple[int, ...]
+    template: tuple[tuple[str, object], ...]
+    outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@lru_cache(maxsize=256)
+def plan_launches(
+    num_entries: int, num_experts: int, tile_m: int, top_k: int, has_weights: bool
+) -> tuple[Launch, Launch, Launch]:
+    """hist, scan and place, for `num_entries >= 1`."""
+    capacity = capacity_for(num_entries, num_experts, tile_m)
+    max_tiles = capacity // tile_m
+    num_blocks = -(-num_entries // PLAN_BLOCK)
+    block_cells = num_blocks * num_experts
+    hist = Launch(
+        num_blocks, PLAN_BLOCK, (num_entries, num_experts),
+        (("BLOCK", PLAN_BLOCK), ("MAX_EXPERTS", MAX_EXPERTS)),
+        (((block_cells,), "int32"), ((num_blocks,), "int32")),
+    )
+    scan = Launch(
+        1, MAX_EXPERTS, (num_blocks, num_experts, tile_m),
+        (("MAX_EXPERTS", MAX_EXPERTS),),
+        (((num_experts,), "int32"), ((num_experts + 1,), "int32"),
+         ((block_cells,), "int32"), ((3,), "int32")),
+    )
+    place = Launch(
+        num_blocks, PLAN_BLOCK,
+        (num_entries, num_experts, tile_m, top_k, capacity, max_tiles),
+        (("BLOCK", PLAN_BLOCK), ("MAX_EXPERTS", MAX_EXPERTS), ("HAS_WEIGHTS", has_weights)),
+        (((capacity,), "int32"), ((capacity,), "int32"),
+         ((capacity if has_weights else 1,), "float32"), ((capacity,), "int32"),
+         ((num_entries,), "int32"), ((max_tiles,), "int32")),
+    )
+    return hist, scan, place
+
+
+@lru_cache(maxsize=256)
+def gather_launch(
+    num_src: int, hidden: int, num_rows: int, in_dtype: str, out_dtype: str
+) -> Launch:
+    """For `num_rows >= 1`, `hidden >= 1`, and src padded to 8 elements (gather.h)."""
+    same_dtype = in_dtype == out_dtype
+    row_bytes = hidden * ELEMENT_BYTES[in_dtype]
+    vectors = same_dtype and row_bytes % 16 == 0
+    row_vectors = row_bytes // 16 if vectors else 0
+    per_row = row_vectors if vectors else hidden
+    group_size = min(MAX_ROW_GROUP if vectors else 256, _round_up(per_row, 32))
+    bits = "uint16" if ELEMENT_BYTES[in_dtype] == 2 else "uint32"
+    return Launch(
+        min(-(-num_rows // GATHER_ROWS), MAX_GROUPS), group_size,
+        (num_src, hidden, num_rows, row_vectors),
+        (("InT", in_dtype), ("OutT", out_dtype), ("SAME_DTYPE", same_dtype), ("BitsT", bits),
+         ("VECTORS", vectors), ("ROWS", GATHER_ROWS)),
+        (((num_rows, hidden), out_dtype),),
+    )
+
+
+@lru_cache(maxsize=256)
+def combine_launch(
+    num_src: int, hidden: int, num_out: int, fan_in: int, has_weights: bool,
+    in_dtype: str, out_dtype: str,
+) -> Launch:
+    """For `num_out >= 1`, `hidden >= 1`, and src padded to 8 elements (combine.h)."""
+    row_bytes = hidden * ELEMENT_BYTES[in_dtype]
+    vectors = row_bytes % 16 == 0
+    row_vectors = row_bytes // 16 if vectors else 0
+    per_row = row_vectors if vectors else hidden
+    group_size = min(MAX_ROW_GROUP if vectors else 256, _round_up(per_row, 32))
+    in_kind = ("float32", "float16", "bfloat16").index(in_dtype)
+    return Launch(
+        min(num_out, MAX_GROUPS), group_size, (num_src, hidden, num_out, row_vectors),
+        (("InT", in_dtype), ("OutT", out_dtype), ("IN_KIND", in_kind), ("FAN_IN", fan_in),
+         ("HAS_WEIGHTS", has_weights), ("VECTORS", vectors)),
+        (((num_out, hidden), out_dtype),),
+    )
