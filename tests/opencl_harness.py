@@ -1,0 +1,216 @@
+"""The kernel bodies as OpenCL C on PoCL: the third instantiation of each text.
+
+A program is `#define` lines for the template constants, then
+`kernels.prelude("opencl")`, then a generated `__kernel void moe_<name>(...)`
+around `kernels.body(name, "opencl")`, its arguments named and ordered as in
+`_gpu._INPUTS_OUTPUTS` (inputs `const`). OpenCL C has no templates: a dtype
+argument becomes `#define InT half` (say), and InT / OutT also an IN_DTYPE /
+OUT_DTYPE code that picks the prelude's conversions; ints and bools become
+numbers.
+
+`plan`, `gather` and `combine` run the bodies as `_gpu.py` does, from the same
+`kernels/launch.py` geometry: arrays, params, template constants, groups and
+group sizes. Every output buffer is poisoned first (`POISON_BYTE` in every
+byte), so an element no kernel writes shows in the comparison with the
+reference.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pyopencl as cl
+
+from mlx_moe_plan import kernels
+from mlx_moe_plan import reference as ref
+from mlx_moe_plan._gpu import _INPUTS_OUTPUTS
+from mlx_moe_plan.kernels import launch as geometry
+
+# 0x7F7F7F7F: int32 2139062143, float32 3.39e38, float16 a NaN, bfloat16
+# 3.39e38. No kernel writes it: rows, ids and counts are far smaller, and the
+# tests' float values avoid it.
+POISON_BYTE = 0x7F
+
+# Dtype name: (NumPy storage, OpenCL C type). bfloat16 is stored as its bits,
+# as the reference takes it.
+DTYPES = {
+    "float32": (np.float32, "float"),
+    "float16": (np.float16, "half"),
+    "bfloat16": (np.uint16, "ushort"),
+    "int32": (np.int32, "int"),
+    "uint16": (np.uint16, "ushort"),
+    "uint32": (np.uint32, "uint"),
+}
+ROW_DTYPES = ("float32", "float16", "bfloat16")  # prelude_opencl.h's codes 0, 1, 2
+_DTYPE_CODES = {"InT": "IN_DTYPE", "OutT": "OUT_DTYPE"}
+
+# Argument types by name; every other argument is int32.
+_ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "float"}
+
+_BUILD_OPTIONS = ["-cl-std=CL1.2"]
+
+
+class Unavailable(RuntimeError):
+    """No OpenCL platform of PoCL with a device is present."""
+
+
+@cache
+def _opencl() -> tuple[cl.Context, cl.CommandQueue]:
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as error:  # no ICD loader entry at all
+        platforms, why = [], str(error)
+    else:
+        why = f"OpenCL platforms: {[platform.name for platform in platforms]}"
+    for platform in platforms:
+        if "portable computing language" in platform.name.lower():
+            devices = platform.get_devices()
+            if devices:
+                context = cl.Context(devices[:1])
+                return context, cl.CommandQueue(context)
+    raise Unavailable(f"no PoCL device ({why}); install the test extra, which brings "
+                      "pyopencl and pocl-binary-distribution")
+
+
+def device() -> cl.Device:
+    return _opencl()[0].devices[0]
+
+
+def dtype_name(array: np.ndarray) -> str:
+    """The reference's dtype name of a row array: uint16 holds bfloat16 bits."""
+    for name in ROW_DTYPES:
+        if array.dtype == DTYPES[name][0]:
+            return name
+    raise TypeError(f"not a row dtype: {array.dtype}")
+
+
+def source(name: str, template: tuple) -> str:
+    """The OpenCL C program of body `name` with `template`'s constants."""
+    defines = []
+    for key, value in template:
+        if key in _DTYPE_CODES:
+            defines.append(f"#define {_DTYPE_CODES[key]} {ROW_DTYPES.index(value)}")
+        value = DTYPES[value][1] if isinstance(value, str) else int(value)
+        defines.append(f"#define {key} {value}")
+    inputs, outputs = _INPUTS_OUTPUTS[name]
+    arguments = [f"__global const {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in inputs]
+    arguments += [f"__global {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in outputs]
+    return "\n".join([
+        *defines,
+        kernels.prelude("opencl"),
+        f"__kernel void moe_{name}({', '.join(arguments)}) {{",
+        kernels.body(name, "opencl"),
+        "}",
+    ])
+
+
+@cache
+def kernel(name: str, template: tuple) -> cl.Kernel:
+    """The built kernel, one per body and set of defines."""
+    context, _ = _opencl()
+    program = cl.Program(context, source(name, template)).build(options=_BUILD_OPTIONS)
+    return cl.Kernel(program, f"moe_{name}")
+
+
+def max_group_size(name: str, template: tuple) -> int:
+    return kernel(name, template).get_work_group_info(
+        cl.kernel_work_group_info.WORK_GROUP_SIZE, device())
+
+
+def _buffer(context: cl.Context, queue: cl.CommandQueue, array: np.ndarray) -> cl.Buffer:
+    # OpenCL has no empty buffers; an empty input is never read.
+    buffer = cl.Buffer(context, cl.mem_flags.READ_WRITE, max(array.nbytes, 16))
+    if array.nbytes:
+        cl.enqueue_copy(queue, buffer, np.ascontiguousarray(array))
+    return buffer
+
+
+def run(name: str, arrays: list[np.ndarray], launch: geometry.Launch) -> list[np.ndarray]:
+    """Body `name` on `arrays`, then the params array, as `_gpu._launch` runs it."""
+    context, queue = _opencl()
+    limit = max_group_size(name, launch.template)
+    if launch.group_size > limit:  # never shrink a group here: the bodies assume their size
+        raise RuntimeError(
+            f"moe_{name}: launch.py asks for groups of {launch.group_size} but this OpenCL "
+            f"device ({device().name}) runs at most {limit} for this kernel, so the test "
+            "cannot run it as Metal and CUDA do")
+    outputs = []
+    for shape, dtype in launch.outputs:
+        poisoned = np.empty(shape, DTYPES[dtype][0])
+        poisoned.view(np.uint8)[...] = POISON_BYTE
+        outputs.append(poisoned)
+    inputs = [*arrays, np.array(launch.params, np.int32)]
+    buffers = [_buffer(context, queue, array) for array in [*inputs, *outputs]]
+    size = launch.group_size
+    kernel(name, launch.template)(queue, (launch.groups * size,), (size,), *buffers)
+    for array, buffer in zip(outputs, buffers[len(inputs):]):
+        cl.enqueue_copy(queue, array, buffer)
+    queue.finish()
+    return outputs
+
+
+def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.ReferencePlan:
+    """hist, scan and place as `_gpu._Backend.plan` runs them; int32 `ids` [..., K]."""
+    ids = np.asarray(ids)
+    assert ids.dtype == np.int32, "the kernels read int32 ids (plan.py converts them)"
+    flat = ids.reshape(-1)
+    num_entries = flat.size
+    capacity = ref.capacity_for(num_entries, num_experts, tile_m)
+    has_weights = weights is not None
+    sizes = dict(num_experts=num_experts, tile_m=tile_m, capacity=capacity,
+                 max_tiles=capacity // tile_m, top_k=top_k)
+    if num_entries == 0:  # _gpu.py runs no kernel
+        empty = np.zeros(0, np.int32)
+        return ref.ReferencePlan(
+            empty, empty, np.zeros(0, np.float32) if has_weights else None, empty,
+            empty.reshape(ids.shape), np.zeros(num_experts, np.int32),
+            np.zeros(num_experts + 1, np.int32), empty, 0, 0, 0, **sizes)
+    hist, scan, place = geometry.plan_launches(
+        num_entries, num_experts, tile_m, top_k, has_weights)
+    block_counts, block_invalid = run("plan_hist", [flat], hist)
+    counts, offsets, bases, totals = run("plan_scan", [block_counts, block_invalid], scan)
+    weights_in = np.zeros(1, np.float32) if weights is None else np.asarray(weights, np.float32)
+    row_tokens, row_experts, row_weights, row_entries, positions, tile_experts = run(
+        "plan_place", [flat, weights_in.reshape(-1), bases, counts, offsets, totals], place)
+    return ref.ReferencePlan(
+        row_tokens=row_tokens, row_experts=row_experts,
+        row_weights=row_weights if has_weights else None, row_entries=row_entries,
+        positions=positions.reshape(ids.shape), expert_counts=counts, expert_offsets=offsets,
+        tile_experts=tile_experts, num_rows=int(totals[0]), num_tiles=int(totals[1]),
+        num_invalid=int(totals[2]), **sizes,
+    )
+
+
+def gather(src: np.ndarray, index: np.ndarray, out_dtype: str) -> np.ndarray:
+    """`out[r] = src[index[r]]` (zeros where absent) as `_gpu._gather` runs it.
+
+    `src` is [num_src, H] float32, float16 or uint16 (bfloat16 bits); `index`
+    int32 [num_rows]; `out_dtype` one of `ROW_DTYPES`.
+    """
+    num_src, hidden = src.shape
+    num_rows = index.shape[0]
+    if num_rows == 0 or hidden == 0:
+        return np.zeros((num_rows, hidden), DTYPES[out_dtype][0])
+    launch = geometry.gather_launch(num_src, hidden, num_rows, dtype_name(src), out_dtype)
+    if src.size < 8:  # as _gpu.py pads it for Metal; rows past num_src are never read
+        src = np.concatenate([src, np.zeros((-(-8 // hidden), hidden), src.dtype)])
+    (out,) = run("gather", [src, np.asarray(index, np.int32)], launch)
+    return out
+
+
+def combine(src: np.ndarray, index: np.ndarray, weights, out_dtype: str) -> np.ndarray:
+    """`out[n] = sum_m weights[n, m] * src[index[n, m]]` as `_gpu._combine` runs it.
+
+    `index` is int32 [num_out, FAN_IN]; `weights` float32 of its shape or None.
+    """
+    num_src, hidden = src.shape
+    num_out, fan_in = index.shape
+    if num_out == 0 or hidden == 0:
+        return np.zeros((num_out, hidden), DTYPES[out_dtype][0])
+    has_weights = weights is not None
+    launch = geometry.combine_launch(
+        num_src, hidden, num_out, fan_in, has_weights, dtype_name(src), out_dtype)
+    weights_in = np.asarray(weights, np.float32) if has_weights else np.zeros(1, np.float32)
+    (out,) = run("combine", [src, np.asarray(index, np.int32), weights_in], launch)
+    return out

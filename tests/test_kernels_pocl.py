@@ -1,0 +1,305 @@
+# The kernel bodies of mlx_moe_plan/kernels/, compiled as OpenCL C and run on
+# PoCL's CPU device (tests/opencl_harness.py), against mlx_moe_plan.reference
+# bit for bit: the same texts that Metal and CUDA compile, launched from the
+# same kernels/launch.py geometry as _gpu.py, every output poisoned first.
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import INT32_MAX, INT32_MIN, assert_bitwise, experts_strategy, make_ids
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_moe_plan import reference as ref
+from mlx_moe_plan.kernels import launch as geometry
+
+pytest.importorskip("pyopencl", reason="pyopencl is not installed (the test extra brings it)")
+import opencl_harness as ocl  # noqa: E402  (needs pyopencl)
+
+try:
+    ocl.device()
+except ocl.Unavailable as error:
+    pytest.skip(str(error), allow_module_level=True)
+
+pytestmark = pytest.mark.pocl
+
+NAMES = list(ocl.ROW_DTYPES)
+# Element path: 1, 3, 7, 129. 16-byte rows in every dtype (vector path when
+# in == out): 8, 64, 136, and 8200 (2050 vectors in float32: the widest
+# group loops). 4 and 12: 16-byte rows in float32 only.
+GATHER_HIDDEN = [1, 3, 7, 129, 4, 8, 12, 64, 136, 8200]
+# combine's UNROLL grows from 4 to 16 as rows widen (2100: 8, 4100: 16);
+# 8200 is past 16 * MAX_ROW_GROUP, so the widest group takes two passes.
+COMBINE_HIDDEN = [1, 3, 7, 129, 8, 64, 520, 2100, 4100, 8200]
+
+# Layout of each dtype's bits: (storage, exponent mask, mantissa mask).
+_BITS = {
+    "float32": (np.uint32, 0x7F800000, 0x007FFFFF),
+    "float16": (np.uint16, 0x7C00, 0x03FF),
+    "bfloat16": (np.uint16, 0x7F80, 0x007F),
+}
+
+
+def _stored(bits: np.ndarray, name: str) -> np.ndarray:
+    """Bits as the harness and the reference take a `name` array."""
+    return bits if name == "bfloat16" else bits.view(ocl.DTYPES[name][0])
+
+
+def _gather_values(rng, shape, name: str) -> np.ndarray:
+    """Half normal values, half random bits: every exponent, subnormals, +-0,
+    +-inf, rounding ties of every conversion. NaNs become infs (see
+    test_gather_copies_nan_payloads for NaN)."""
+    storage, exponent, mantissa = _BITS[name]
+    with np.errstate(over="ignore"):
+        normal = ref.from_float32(rng.standard_normal(shape).astype(np.float32), name)
+    bits = np.where(rng.random(shape) < 0.5, _stored(normal, name).view(storage),
+                    rng.integers(0, np.iinfo(storage).max, shape, dtype=storage, endpoint=True))
+    nan = ((bits & exponent) == exponent) & ((bits & mantissa) != 0)
+    bits[nan] &= ~storage(mantissa)
+    bits[bits == _poison(storage)] ^= 1  # an unwritten element must differ from every value
+    return _stored(bits, name)
+
+
+def _poison(storage) -> int:
+    return int.from_bytes(bytes([ocl.POISON_BYTE]) * np.dtype(storage).itemsize, "little")
+
+
+# Exponent ranges whose values stay finite through combine's sums: float32 and
+# bfloat16 reach subnormals, float16 its subnormals below 2**-14.
+_COMBINE_EXPONENTS = {"float32": (-150, 90), "float16": (-26, 11), "bfloat16": (-135, 90)}
+
+
+def _combine_values(rng, shape, name: str) -> np.ndarray:
+    low, high = _COMBINE_EXPONENTS[name]
+    values = np.ldexp(rng.standard_normal(shape), rng.integers(low, high, shape, endpoint=True))
+    values[rng.random(shape) < 0.1] = rng.choice([0.0, -0.0])
+    return ref.from_float32(values.astype(np.float32), name)
+
+
+def _index(rng, shape, num_src: int, invalid_rate: float) -> np.ndarray:
+    """Rows of src, -1 for none, and at `invalid_rate` values outside [-1, num_src)."""
+    index = rng.integers(-1, num_src, shape) if num_src else np.full(shape, -1)
+    invalid = rng.random(shape) < invalid_rate
+    outside = [num_src, num_src + 1, INT32_MAX, -2, INT32_MIN]
+    index[invalid] = rng.choice(outside, int(invalid.sum()))
+    return index.astype(np.int32)
+
+
+def _present(index: np.ndarray, num_src: int) -> np.ndarray:
+    """The reference's index: the kernels read no row outside src and treat one as -1."""
+    return np.where((index >= 0) & (index < num_src), index, -1).astype(np.int32)
+
+
+# --- plan ------------------------------------------------------------------------
+
+
+def assert_plan_equal(actual: ref.ReferencePlan, expected: ref.ReferencePlan) -> None:
+    for field in ref.ReferencePlan.__dataclass_fields__:
+        value, wanted = getattr(actual, field), getattr(expected, field)
+        if isinstance(wanted, np.ndarray):
+            assert_bitwise(value, wanted, field)
+        else:
+            assert value == wanted, f"{field}: {value} != {wanted}"  # ints, or None
+
+
+def _weights(rng, shape) -> np.ndarray:
+    """float32 weights with +-0, +-inf and a NaN payload: place copies bits."""
+    weights = rng.standard_normal(shape).astype(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf], np.float32)
+    specials = np.append(specials, np.array([0x7FC01234], np.uint32).view(np.float32))
+    pick = rng.random(shape) < 0.1
+    weights[pick] = rng.choice(specials, int(pick.sum()))
+    return weights
+
+
+def _check_plan(ids: np.ndarray, num_experts: int, tile_m: int, weights) -> None:
+    expected = ref.moe_plan(ids, num_experts, weights=weights, tile_m=tile_m)
+    actual = ocl.plan(ids, weights, num_experts, tile_m, ids.shape[-1])
+    assert_plan_equal(actual, expected)
+
+
+@st.composite
+def plan_cases(draw):
+    top_k = draw(st.one_of(st.sampled_from([1, 2]), st.integers(1, 16)))
+    block = geometry.PLAN_BLOCK  # the second branch takes more than one block
+    tokens = draw(st.one_of(st.integers(0, 48),
+                            st.integers(block // top_k + 1, 3 * block // top_k)))
+    num_experts = draw(experts_strategy())
+    tile_m = draw(st.one_of(st.just(1), st.integers(1, 128), st.sampled_from([4, 16, 64, 128])))
+    mode = draw(st.sampled_from(["uniform", "one_expert", "few_experts", "distinct_per_token",
+                                 "duplicates"]))
+    skip_rate = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+    invalid_rate = min(draw(st.sampled_from([0.0, 0.1, 0.3])), 1.0 - skip_rate)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    ids = make_ids(rng, (tokens, top_k), num_experts, "int32", mode, skip_rate, invalid_rate)
+    weights = _weights(rng, ids.shape) if draw(st.booleans()) else None
+    return ids, num_experts, tile_m, weights
+
+
+@given(case=plan_cases())
+def test_plan_matches_reference(case):
+    _check_plan(*case)
+
+
+def _tokens_of(expert_of_entry, tokens: int, top_k: int) -> np.ndarray:
+    return np.asarray(expert_of_entry, np.int32).reshape(tokens, top_k)
+
+
+# Cases every run takes, whatever Hypothesis draws: (ids, E, tile_m).
+_rng = np.random.default_rng(7)
+PLAN_EDGES = {
+    # every sub-block counter of expert 1 reaches 32, in 4 blocks
+    "one_expert_owns_all": (_tokens_of(np.ones(2000), 1000, 2), 3, 1),
+    "all_skipped": (_tokens_of(np.full(600, -1), 600, 1), 5, 4),
+    "all_invalid": (_tokens_of(_rng.integers(9, INT32_MAX, 700), 350, 2), 9, 1),
+    "one_expert_e1": (_tokens_of(_rng.integers(-1, 2, 1100), 550, 2), 1, 3),
+    "same_expert_k16": (_tokens_of(np.repeat(_rng.integers(0, 4, 100), 16), 100, 16), 4, 16),
+    "max_experts_tile128": (_tokens_of(_rng.integers(-1, 1025, 1600), 100, 16), 1024, 128),
+    "max_experts_tile1": (_tokens_of(_rng.integers(0, 1024, 1600), 1600, 1), 1024, 1),
+}
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("case", PLAN_EDGES, ids=list(PLAN_EDGES))
+def test_plan_edge_cases(case, weighted):
+    ids, num_experts, tile_m = PLAN_EDGES[case]
+    weights = _weights(np.random.default_rng(1), ids.shape) if weighted else None
+    _check_plan(ids, num_experts, tile_m, weights)
+
+
+def test_device_runs_the_plan_groups():
+    """scan runs one group of MAX_EXPERTS (1024), hist and place groups of PLAN_BLOCK."""
+    for name, launch in zip(("plan_hist", "plan_scan", "plan_place"),
+                            geometry.plan_launches(1, 1, 1, 1, True)):
+        limit = ocl.max_group_size(name, launch.template)
+        assert limit >= launch.group_size, (
+            f"{ocl.device().name} runs groups of at most {limit}: {name} needs "
+            f"{launch.group_size}")
+
+
+# --- gather ----------------------------------------------------------------------
+
+
+def _reference_gather(src: np.ndarray, index: np.ndarray, out_dtype: str) -> np.ndarray:
+    rows = SimpleNamespace(row_tokens=_present(index, src.shape[0]), capacity=index.shape[0])
+    with np.errstate(over="ignore"):  # float32 -> float16 overflows to inf, as intended
+        return ref.moe_gather(src, rows, dtype=out_dtype, x_dtype=ocl.dtype_name(src))
+
+
+def _check_gather(src, index, out_dtype):
+    expected = _reference_gather(src, index, out_dtype)
+    assert_bitwise(ocl.gather(src, index, out_dtype), expected, "out")
+
+
+@given(in_dtype=st.sampled_from(NAMES), out_dtype=st.sampled_from(NAMES),
+       hidden=st.sampled_from(GATHER_HIDDEN), num_src=st.integers(0, 40),
+       num_rows=st.integers(0, 80), invalid_rate=st.sampled_from([0.0, 0.1, 0.5]),
+       seed=st.integers(0, 2**32 - 1))
+def test_gather_matches_reference(in_dtype, out_dtype, hidden, num_src, num_rows, invalid_rate,
+                                  seed):
+    rng = np.random.default_rng(seed)
+    src = _gather_values(rng, (num_src, hidden), in_dtype)
+    _check_gather(src, _index(rng, (num_rows,), num_src, invalid_rate), out_dtype)
+
+
+@pytest.mark.parametrize("hidden", [3, 8], ids=["element_path", "vector_path_if_same_dtype"])
+@pytest.mark.parametrize("out_dtype", NAMES)
+@pytest.mark.parametrize("in_dtype", NAMES)
+def test_gather_every_dtype_pair(in_dtype, out_dtype, hidden):
+    rng = np.random.default_rng(3)
+    src = _gather_values(rng, (20, hidden), in_dtype)
+    _check_gather(src, _index(rng, (50,), 20, 0.2), out_dtype)
+
+
+def _nan_payloads(name: str) -> np.ndarray:
+    """Quiet and signalling NaNs of both signs with payloads, as stored bits."""
+    storage, exponent, mantissa = _BITS[name]
+    sign = np.iinfo(storage).max ^ (exponent | mantissa)
+    payloads = [1, 3, mantissa, mantissa >> 1, (mantissa >> 1) + 1, 0x15 & mantissa]
+    bits = [exponent | payload | s for payload in payloads for s in (0, sign)]
+    return np.array(bits, storage)
+
+
+@pytest.mark.parametrize("hidden", [
+    pytest.param(8, id="vector_path"),
+    pytest.param(3, id="element_path"),
+])
+@pytest.mark.parametrize("name", NAMES)
+def test_gather_copies_nan_payloads(name, hidden):
+    """A same-dtype gather moves bits, NaN payloads included, on both paths."""
+    bits = _nan_payloads(name)
+    src = _stored(np.resize(bits, (4, hidden)), name)
+    _check_gather(src, np.array([3, -1, 0, 2, 1], np.int32), name)
+
+
+def test_buffers_take_the_vector_path():
+    """gather checks IS_ALIGNED16 at run time and falls back to elements: the
+    vector path runs here only because OpenCL buffers start 16-byte aligned."""
+    assert ocl.device().mem_base_addr_align >= 128  # bits
+
+
+# --- combine ---------------------------------------------------------------------
+
+
+def _reference_combine(src, index, weights, out_dtype) -> np.ndarray:
+    """reference.moe_combine's float32 sums (weights of 1 when unweighted), rounded
+    once to out_dtype; with out_dtype == src's dtype this is moe_combine itself."""
+    fan_in = index.shape[1]
+    rows = SimpleNamespace(positions=_present(index, src.shape[0]), top_k=fan_in, row_weights=None)
+    weights = np.ones(index.shape, np.float32) if weights is None else weights
+    values = ref.to_float32(src, ocl.dtype_name(src))
+    with np.errstate(over="ignore"):
+        sums = ref.moe_combine(values, rows, weights=weights, rows_dtype="float32")
+        return ref.from_float32(sums, out_dtype)
+
+
+def _check_combine(src, index, weights, out_dtype):
+    expected = _reference_combine(src, index, weights, out_dtype)
+    assert_bitwise(ocl.combine(src, index, weights, out_dtype), expected, "out")
+
+
+@given(in_dtype=st.sampled_from(NAMES), out_dtype=st.sampled_from(NAMES),
+       hidden=st.sampled_from(COMBINE_HIDDEN),
+       fan_in=st.one_of(st.sampled_from([1, 2]), st.integers(1, 16)),
+       num_src=st.integers(0, 40), num_out=st.integers(0, 40), weighted=st.booleans(),
+       invalid_rate=st.sampled_from([0.0, 0.1, 0.5]), seed=st.integers(0, 2**32 - 1))
+def test_combine_matches_reference(in_dtype, out_dtype, hidden, fan_in, num_src, num_out,
+                                   weighted, invalid_rate, seed):
+    rng = np.random.default_rng(seed)
+    src = _combine_values(rng, (num_src, hidden), in_dtype)
+    index = _index(rng, (num_out, fan_in), num_src, invalid_rate)
+    weights = None
+    if weighted:
+        weights = rng.standard_normal(index.shape).astype(np.float32)
+        weights[rng.random(index.shape) < 0.1] = -0.0
+    _check_combine(src, index, weights, out_dtype)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("name", NAMES)
+def test_combine_every_dtype(name, weighted):
+    rng = np.random.default_rng(5)
+    src = _combine_values(rng, (30, 129), name)
+    index = _index(rng, (25, 10), 30, 0.2)
+    weights = rng.standard_normal(index.shape).astype(np.float32) if weighted else None
+    _check_combine(src, index, weights, name)
+
+
+# --- more rows than groups ---------------------------------------------------------
+
+
+def test_rows_beyond_max_groups():
+    """Past MAX_GROUPS groups, each group loops over more rows (gather: more
+    runs of GATHER_ROWS rows, the last one partial)."""
+    rng = np.random.default_rng(11)
+    src = _combine_values(rng, (50, 3), "float32")
+    index = _index(rng, (geometry.GATHER_ROWS * geometry.MAX_GROUPS + 1001,), 50, 0.1)
+    _check_gather(src, index, "float16")
+    _check_gather(_combine_values(rng, (50, 8), "float32"), index, "float32")  # 16-byte vectors
+    num_out = geometry.MAX_GROUPS + 1000
+    _check_combine(src, index[:num_out, None], None, "bfloat16")
+    pairs = _index(rng, (num_out, 2), 50, 0.1)
+    _check_combine(src, pairs, rng.standard_normal(pairs.shape).astype(np.float32), "float32")
