@@ -1,0 +1,457 @@
+# The Metal text of every kernel launch _gpu.py makes, checked against the
+# Metal Shading Language specification (MSL 4, section numbers below) without
+# a GPU: tests/metal_source.py builds the source as MLX 0.32.4 does, and
+# test_matches_mlx checks it against the text MLX itself generates.
+#
+# The launches are recorded, not restated: the GPU backend runs with
+# _gpu._kernel replaced by a recorder, so the template arguments, input sizes
+# (constant vs device) and group sizes are those _gpu.py really uses.
+#
+# Compiling needs Apple's Metal compiler (`xcrun metal`), which exists only on
+# macOS: test_xcrun_compiles runs there and is skipped everywhere else.
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import mlx.core as mx
+import pytest
+from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
+
+from mlx_moe_plan import _gpu, kernels
+from mlx_moe_plan.kernels import launch as launch_geometry
+from mlx_moe_plan._gpu import _INPUTS_OUTPUTS
+
+ROW_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
+THREADGROUP_MEMORY = 32 * 1024  # bytes a Metal threadgroup may declare
+MAX_THREADS = 1024  # threads a threadgroup may have
+TYPE_BYTES = {"atomic_uint": 4, "atomic_int": 4, "int": 4, "uint": 4, "unsigned": 4,
+              "float": 4, "half": 2, "bfloat": 2, "i64": 8, "long": 8, "uint4": 16}
+
+
+# --- the launches ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    name: str
+    template: tuple
+    inputs: tuple  # (dtype, shape) per input
+    output_dtypes: tuple
+    grid: tuple
+    threadgroup: tuple
+
+    def source(self, **kwargs) -> str:
+        return metal_source(self.name, self.template, self.inputs, self.output_dtypes, **kwargs)
+
+    def location(self, input_name: str) -> str:
+        names = _INPUTS_OUTPUTS[self.name][0]
+        return input_location(*self.inputs[names.index(input_name)])
+
+    @property
+    def id(self) -> str:
+        return re.search(r"\[\[kernel\]\] void custom_kernel_moe_(\w+)", self.source()).group(1)
+
+
+def _record() -> list[Launch]:
+    launches = []
+
+    def fake_kernel(backend, name):
+        def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
+            metas = tuple((a.dtype, tuple(a.shape)) for a in inputs)
+            launches.append(Launch(name, tuple(template), metas, tuple(output_dtypes),
+                                   tuple(grid), tuple(threadgroup)))
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return call
+
+    gpu = _gpu._Backend("metal")
+    with mock.patch.object(_gpu, "_kernel", fake_kernel):
+        # plan: tiny arrays (constant address space) up to the expert limit.
+        for entries, experts, tile_m, top_k in [(1, 1, 1, 1), (6, 3, 2, 2), (3000, 1024, 128, 2),
+                                                (5000, launch_geometry.MAX_EXPERTS, 16, 8)]:
+            ids = mx.zeros((entries,), mx.int32)
+            for weights in (None, mx.zeros((entries,), mx.float32)):
+                gpu.plan(ids, weights, num_experts=experts, tile_m=tile_m, top_k=top_k, stream=None)
+        for src_dtype in ROW_DTYPES:
+            for dtype in ROW_DTYPES:
+                # gather: tiny, 16-byte rows, 1024-vector rows, odd rows.
+                for num_src, hidden, num_rows in [(1, 4, 1), (16, 8, 40), (8, 4096, 9), (5, 7, 3)]:
+                    src = mx.zeros((num_src, hidden), src_dtype)
+                    index = mx.zeros((num_rows,), mx.int32)
+                    gpu.gather_rows(src, index, index, dtype=dtype, stream=None)
+                # combine: tiny, wide, odd; weighted and not.
+                combine_shapes = [(1, 1, 1, 1), (64, 5000, 8, 8), (10, 33, 3, 2)]
+                for num_src, hidden, num_out, fan_in in combine_shapes:
+                    src = mx.zeros((num_src, hidden), src_dtype)
+                    index = mx.zeros((num_out, fan_in), mx.int32)
+                    for weights in (None, mx.zeros((num_out, fan_in), mx.float32)):
+                        gpu.combine_rows(src, index, weights, index, dtype=dtype, stream=None)
+    unique = {}
+    for launch in launches:
+        unique.setdefault(launch.id, launch)
+    return list(unique.values())
+
+
+LAUNCHES = _record()
+launch_params = pytest.mark.parametrize("launch", LAUNCHES, ids=[launch.id for launch in LAUNCHES])
+
+
+def test_every_kernel_and_configuration_is_covered():
+    seen = {launch.name for launch in LAUNCHES}
+    assert seen == set(_INPUTS_OUTPUTS)
+    templates = {(launch.name, launch.template) for launch in LAUNCHES}
+    for has_weights in (False, True):
+        for name in ("plan_place", "combine"):
+            assert any(n == name and ("HAS_WEIGHTS", has_weights) in t for n, t in templates)
+    for src_dtype in ROW_DTYPES:
+        for dtype in ROW_DTYPES:
+            for name in ("gather", "combine"):
+                assert any(n == name and ("InT", src_dtype) in t and ("OutT", dtype) in t
+                           for n, t in templates)
+    # gather's 16-byte-vector flag (a bool template argument named *VECTORS), both ways
+    for flag in (False, True):
+        assert any(n == "gather" and any(k.endswith("VECTORS") and v is flag for k, v in t)
+                   for n, t in templates)
+
+
+# --- text helpers ---------------------------------------------------------------------
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+
+def _object_macros(prelude: str) -> dict[str, str]:
+    """The prelude's object-like macros (`#define NAME value`, no parameters)."""
+    return dict(re.findall(r"^\s*#\s*define\s+(\w+)(?![\w(])[ \t]*(.*)$", prelude, flags=re.M))
+
+
+def _expand(text: str, macros: dict[str, str]) -> str:
+    for _ in range(4):  # macros may use one another
+        text = re.sub(r"\b\w+\b", lambda m: macros.get(m.group(0), m.group(0)), text)
+    return text
+
+
+def _body(launch_or_name) -> str:
+    """The kernel body (prologue + body), comments gone, object-like macros expanded."""
+    name = getattr(launch_or_name, "name", launch_or_name)
+    macros = _object_macros(kernels.prelude("metal"))
+    return _expand(_strip_comments(kernels.body(name, "metal")), macros)
+
+
+def _depth_at(text: str, position: int) -> int:
+    return text.count("{", 0, position) - text.count("}", 0, position)
+
+
+def _signature(source: str) -> list[str]:
+    start = source.index("[[kernel]] void ")
+    return source[start:source.index(") {\n", start)].split("\n")[1:]
+
+
+def _threadgroup_arrays(body: str):
+    """(type, name, dims, depth, has initializer) per threadgroup variable."""
+    pattern = r"\bthreadgroup\s+([\w:<>]+)\s+(\w+)\s*((?:\[[^\]]+\])*)\s*(=?)"
+    for m in re.finditer(pattern, body):
+        dims = re.findall(r"\[([^\]]+)\]", m.group(3))
+        yield m.group(1), m.group(2), dims, _depth_at(body, m.start()), m.group(4) == "="
+
+
+BODIES = sorted(_INPUTS_OUTPUTS)
+
+
+# --- MLX agreement ----------------------------------------------------------------------
+
+
+@launch_params
+def test_matches_mlx(launch, tmp_path, capfd):
+    """metal_source is the text MLX 0.32.4 generates (printed with verbose=True).
+
+    Without a Metal device MLX generates the text only while exporting a graph,
+    so the kernel call is traced by mx.export_function.
+    """
+    kernel = _gpu._kernel("metal", launch.name)
+    _, output_names = _INPUTS_OUTPUTS[launch.name]
+
+    def call(*inputs):
+        return kernel(inputs=list(inputs), template=list(launch.template), grid=launch.grid,
+                      threadgroup=launch.threadgroup, output_shapes=[(1,)] * len(output_names),
+                      output_dtypes=list(launch.output_dtypes), verbose=True)
+
+    arrays = [mx.zeros(shape, dtype) for dtype, shape in launch.inputs]
+    capfd.readouterr()
+    mx.export_function(str(tmp_path / "kernel.mlxfn"), call, *arrays)
+    printed = capfd.readouterr().out
+    generated = printed.split("```\n", 1)[1].rsplit("\n```\n", 1)[0]
+    assert generated == launch.source()
+
+
+# --- address spaces (MSL 4.0 to 4.4) ----------------------------------------------------
+
+
+@launch_params
+def test_pointer_parameters_have_address_spaces(launch):
+    """Pointer and reference kernel arguments need an address space (MSL 4)."""
+    for line in _signature(launch.source()):
+        if "*" in line or "&" in line:
+            assert re.search(r"\b(device|constant|threadgroup)\b", line), line
+
+
+@pytest.mark.parametrize("name", BODIES)
+def test_pointers_in_bodies_have_address_spaces(name):
+    """Every pointer declared or cast to in a body names its address space (MSL 4)."""
+    body = _body(name)
+    casts = re.findall(r"\(\s*([A-Za-z_][\w\s]*?)\s*\*\s*\)", body)
+    declarations = re.findall(r"(?m)^\s*((?:\w+\s+)*\w+)\s*\*\s*\w+\s*=(?!=)", body)
+    for pointer_type in casts + declarations:
+        assert set(pointer_type.split()) & set(ADDRESS_SPACES), pointer_type
+
+
+def _casts_of_parameters(launch):
+    """(cast address space, parameter, parameter address space) for casts of kernel buffers."""
+    body = _body(launch)
+    inputs, outputs = _INPUTS_OUTPUTS[launch.name]
+    for m in re.finditer(r"\(\s*([A-Za-z_][\w\s]*?)\s*\*\s*\)\s*(\w+)", body):
+        spaces = set(m.group(1).split()) & set(ADDRESS_SPACES)
+        if m.group(2) in inputs:
+            yield spaces, m.group(2), launch.location(m.group(2))
+        elif m.group(2) in outputs:
+            yield spaces, m.group(2), "device"
+
+
+@launch_params
+def test_casts_keep_the_buffer_address_space(launch):
+    """A cast can't move a pointer between device and constant (MSL 4; casting
+    between address spaces is a compile error). MLX puts inputs of fewer than
+    8 elements in `constant`, so a body may cast an input only to a pointer
+    whose address space is the one MLX gives that input at that size."""
+    for spaces, parameter, location in _casts_of_parameters(launch):
+        cast = f"({' '.join(sorted(spaces))} ...*){parameter}"
+        assert spaces == {location}, f"{cast}, but {parameter} is {location}"
+
+
+@pytest.mark.parametrize("name", BODIES)
+def test_threadgroup_arrays_at_kernel_scope(name):
+    """Threadgroup variables are allocated by a kernel function (MSL 4.4): each
+    is declared at the top level of the body, without an initializer."""
+    body = _body(name)
+    for type_name, var, _, depth, initialized in _threadgroup_arrays(body):
+        assert depth == 0, f"threadgroup {var} declared inside a block"
+        assert not initialized, f"threadgroup {var} has an initializer"
+
+
+@launch_params
+def test_threadgroup_memory_fits(launch):
+    """All threadgroup variables together fit in 32 KiB (Metal's threadgroup
+    memory), sized from the template constants the launch uses (the expert
+    limit, MAX_EXPERTS = 1024, for the plan kernels)."""
+    constants = {name: int(value) for name, value in launch.template if isinstance(value, int)}
+    total = 0
+    for type_name, var, dims, _, _ in _threadgroup_arrays(_body(launch)):
+        count = 1
+        for dim in dims:
+            expr = re.sub(r"\b[A-Za-z_]\w*\b", lambda m: str(constants[m.group(0)]), dim)
+            count *= eval(expr.replace("/", "//"), {"__builtins__": {}})
+        total += TYPE_BYTES[type_name] * count
+    assert total <= THREADGROUP_MEMORY, f"{total} bytes of threadgroup memory"
+    if launch.name.startswith("plan"):
+        assert constants["MAX_EXPERTS"] == launch_geometry.MAX_EXPERTS
+
+
+# --- atomics and barriers (MSL 2.6, 6.9.1, 6.15) ----------------------------------------
+
+
+@pytest.mark.parametrize("name", BODIES)
+def test_shared_atomics_are_relaxed_atomic_uint(name):
+    """Shared atomics are `atomic_uint` (MSL 2.6) used through the `_explicit`
+    functions with memory_order_relaxed, the only order they take (MSL 6.15.1)."""
+    body = _body(name)
+    for type_name, var, _, _, _ in _threadgroup_arrays(body):
+        if "atomic" in type_name:
+            assert type_name == "atomic_uint", var
+    text = _strip_comments(kernels.prelude("metal")) + body
+    assert set(re.findall(r"\bmemory_order_\w+", text)) <= {"memory_order_relaxed"}
+    for call in re.findall(r"\b(atomic_\w+)\s*\(", text):
+        assert call.endswith("_explicit"), call
+
+
+def test_barrier_is_a_threadgroup_barrier():
+    """BARRIER() orders threadgroup memory among the group's threads (MSL 6.9.1)."""
+    macros = re.findall(r"#\s*define\s+BARRIER\(\)\s*(.*)", kernels.prelude("metal"))
+    assert [m.strip() for m in macros] == ["threadgroup_barrier(mem_flags::mem_threadgroup)"]
+
+
+@pytest.mark.parametrize("name", BODIES)
+def test_barriers_in_uniform_control_flow(name):
+    """Every thread of the group must reach each barrier (MSL 6.9.1): a
+    BARRIER() may sit at the top level or in `for` loops whose header does not
+    depend on the thread (no LOCAL_ID), never under an if/else/while."""
+    body = _body(name)
+    for m in re.finditer(r"\bBARRIER\s*\(", body):
+        depth = 0
+        for position in range(m.start() - 1, -1, -1):  # walk out through the enclosing blocks
+            char = body[position]
+            if char == "}":
+                depth += 1
+            elif char == "{" and depth:
+                depth -= 1
+            elif char == "{":
+                header = _block_header(body, position)
+                assert header.startswith("for") and "LOCAL_ID" not in header, header
+
+
+def _block_header(text: str, brace: int) -> str:
+    """`for (...)`, `if (...)`, `else`, ... : what opens the block at `brace`."""
+    end = len(text[:brace].rstrip())
+    start = end
+    if text[end - 1] == ")":  # back to the matching "("
+        depth = 0
+        for start in range(end - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(text[start], 0)
+            if depth == 0:
+                break
+    keyword = re.search(r"(\w*)\s*$", text[:start]).group(1)
+    return keyword + " " + text[start:end]
+
+
+# --- threads (MSL 5.2.3.6) ----------------------------------------------------------------
+
+
+@launch_params
+def test_groups_fit_and_are_full(launch):
+    """Group sizes are within 1024 threads and every group is full, which the
+    plan kernels assume (GROUP_SIZE == BLOCK, or == MAX_EXPERTS for the scan)."""
+    size = launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2]
+    assert 0 < size <= MAX_THREADS
+    assert all(g % t == 0 for g, t in zip(launch.grid, launch.threadgroup))
+    template = dict(launch.template)
+    if launch.name in ("plan_hist", "plan_place"):
+        assert launch.threadgroup[0] == template["BLOCK"]
+    if launch.name == "plan_place":
+        assert template["BLOCK"] % 128 == 0
+    if launch.name == "plan_scan":
+        assert launch.threadgroup[0] == template["MAX_EXPERTS"]
+        assert template["MAX_EXPERTS"] & (template["MAX_EXPERTS"] - 1) == 0
+
+
+@launch_params
+def test_thread_attributes_are_declared(launch):
+    """MLX declares an attribute when its name occurs in the body text: the
+    attributes the body uses are exactly the ones the signature declares
+    (none missing, none added by a substring in a comment or a longer name)."""
+    body = kernels.body(launch.name, "metal")
+    code = _strip_comments(body)
+    used = {attr for attr, _ in THREAD_ATTRIBUTES if re.search(rf"\b{attr}\b", code)}
+    signature = "\n".join(_signature(launch.source()))
+    declared = set(re.findall(r"\[\[(\w+)\]\],?$", signature, flags=re.M))
+    assert used == declared
+    assert used >= set(re.findall(r"=\s*(\w+)", kernels.text("prologue_metal")))
+
+
+# --- names ---------------------------------------------------------------------------------
+
+FOREIGN_TOKENS = [  # CUDA, OpenCL C, or C++ that MSL lacks (MSL 1.5.4, 2.1, 5.3)
+    r"__syncthreads", r"__shared__", r"__device__", r"__global__", r"__forceinline__",
+    r"\batomicAdd\b", r"\bthreadIdx\b", r"\bblockIdx\b", r"\bblockDim\b", r"\bgridDim\b",
+    r"__fmul_rn", r"__fadd_rn", r"\bmake_uint4\b", r"__restrict__", r"\b__global\b", r"\b__local\b",
+    r"\b__constant\b", r"\b__kernel\b", r"\b__private\b", r"\bget_local_id\b", r"\bget_group_id\b",
+    r"\bget_local_size\b", r"\bget_num_groups\b", r"\bget_global_id\b", r"(?<!_)\bbarrier\s*\(",
+    r"CLK_LOCAL_MEM_FENCE", r"\bvload_half\b", r"\bvstore_half", r"\bas_float\b", r"\bas_uint\b",
+    r"#pragma\s+OPENCL", r"\blong\s+long\b", r"\bdouble\b", r"\bstatic\b", r"\bgoto\b",
+    r"\bprintf\b", r"\bvolatile\b",
+]
+
+
+@launch_params
+def test_no_foreign_tokens(launch):
+    text = _strip_comments(launch.source())
+    for token in FOREIGN_TOKENS:
+        assert not re.search(token, text), token
+
+
+# Address-space and function qualifiers (MSL 4, 5.1), which can't name variables.
+MSL_KEYWORDS = {"device", "constant", "thread", "threadgroup", "threadgroup_imageblock",
+                "ray_data", "object_data", "kernel", "vertex", "fragment"}
+
+
+def _mlx_utils_macros() -> set[str]:
+    """Macro names of the MLX utils.h chain MLX puts before our header, where shipped."""
+    root = Path(mx.__file__).parent / "include" / "mlx" / "backend" / "metal" / "kernels"
+    names = set()
+    for header in ("utils.h", "bf16.h", "bf16_math.h", "complex.h", "defines.h", "logging.h"):
+        if (root / header).exists():
+            text = (root / header).read_text()
+            names |= set(re.findall(r"^\s*#\s*define\s+(\w+)", text, flags=re.M))
+    return names
+
+
+@launch_params
+def test_declared_names_are_free(launch):
+    """Variables the body declares are not MSL keywords, kernel parameters
+    (inputs, outputs, thread attributes), template parameters, or macros of
+    MLX's utils.h."""
+    body = _body(launch)
+    typenames = [name for name, value in launch.template if isinstance(value, mx.Dtype)]
+    types = "|".join(["unsigned", "int", "bool", "float", "uint4", "i64", "atomic_uint", *typenames])
+    declared = set(re.findall(rf"\b(?:{types})\s*\*?\s+(\w+)\s*[=;\[,)]", body))
+    signature = "\n".join(_signature(launch.source()))
+    parameters = set(re.findall(r"(\w+)\s+\[\[", signature))
+    taken = MSL_KEYWORDS | parameters | {name for name, _ in launch.template} | _mlx_utils_macros()
+    assert not declared & taken
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+def test_preludes_define_the_dialect(backend):
+    prelude = _strip_comments(kernels.prelude(backend))
+    defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", prelude, flags=re.M))
+    defined |= set(re.findall(r"\btypedef\b[^;]*?\b(\w+)\s*;", prelude))
+    assert defined == set(kernels.DIALECT_NAMES)
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+def test_prologues_declare_the_thread_names(backend):
+    prologue = _strip_comments(kernels.text(f"prologue_{backend}"))
+    assert re.findall(r"\bconst\s+unsigned\s+(\w+)\s*=", prologue) == list(kernels.THREAD_NAMES)
+
+
+def test_metal_contraction_is_off():
+    """The prelude turns floating-point contraction off at file scope (MSL
+    1.6.3): MLX's default math mode, safe, leaves it on within a statement, and
+    combine's ADD_RN(acc, MUL_RN(w, x)) is one statement."""
+    prelude = _strip_comments(kernels.prelude("metal"))
+    off = r"METAL\s+fp\s+contract\s*\(\s*off\s*\)|STDC\s+FP_CONTRACT\s+OFF"
+    pragma = re.search(rf"^\s*#pragma\s+({off})", prelude, flags=re.M)
+    assert pragma and _depth_at(prelude, pragma.start()) == 0
+
+
+# --- compiling (macOS only) ----------------------------------------------------------------
+
+
+def _metal_compiler() -> bool:
+    if shutil.which("xcrun") is None:
+        return False
+    found = subprocess.run(["xcrun", "-sdk", "macosx", "-f", "metal"], capture_output=True)
+    return found.returncode == 0
+
+
+@pytest.mark.skipif(not _metal_compiler(), reason="Apple's Metal compiler (xcrun) is macOS-only")
+@launch_params
+def test_xcrun_compiles(launch, tmp_path):
+    """Compiles the source as MLX does: after MLX's utils.h, MSL 3.1 (the
+    oldest MLX asks for), safe math."""
+    path = tmp_path / "kernel.metal"
+    path.write_text(launch.source(utils=True))
+    include = Path(mx.__file__).parent / "include"
+    result = subprocess.run(
+        ["xcrun", "-sdk", "macosx", "metal", "-std=metal3.1", "-fno-fast-math", f"-I{include}",
+         "-c", str(path), "-o", str(tmp_path / "kernel.air")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_type_names_cover_the_row_dtypes():
+    assert {TYPE_NAMES[d] for d in ROW_DTYPES} == {"float", "float16_t", "bfloat16_t"}
