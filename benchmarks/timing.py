@@ -1,0 +1,119 @@
+"""The one warm-up and timing helper every benchmark uses, for ours and the peer's alike.
+
+MLX is lazy: an op only records a node, and `mx.eval` runs the graph. So a
+measurement builds many calls into one graph (one per model layer, each on its
+own input arrays, so no call finds the previous call's data in a cache), then
+times a single `mx.eval` of the whole graph and divides by the number of calls.
+Launch and dispatch costs therefore count, as they do in a model's forward pass;
+the Python work of building the graph is timed apart and reported on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+try:
+    import resource
+except ImportError:  # absent on Windows: page faults are then not counted
+    resource = None
+
+
+def _page_faults() -> int:
+    """Minor page faults of this process so far (0 where not available)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call samples of one measurement, one sample per repeat."""
+
+    eval_s: tuple[float, ...]
+    """Seconds per call of `mx.eval` over the whole graph, divided by `calls`."""
+    build_s: tuple[float, ...]
+    """Seconds per call of Python graph building (not part of `eval_s`)."""
+    faults: tuple[float, ...]
+    """Minor page faults per call during `mx.eval` (host memory; on a CPU,
+    fresh output pages touched for the first time)."""
+    calls: int
+    warmup: int
+
+    @property
+    def repeats(self) -> int:
+        return len(self.eval_s)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.eval_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.eval_s)
+
+    @property
+    def build_median_s(self) -> float:
+        return statistics.median(self.build_s)
+
+
+def _run_graph(call: Callable[[int], object], calls: int) -> tuple[float, float, int]:
+    """Build `calls` calls into one graph, evaluate it; (build s, eval s, page faults)."""
+    mx.synchronize()  # nothing queued earlier may run inside the timed region
+    start = time.perf_counter()
+    outputs = [call(i) for i in range(calls)]
+    built = time.perf_counter()
+    faults = _page_faults()
+    mx.eval(outputs)
+    mx.synchronize()
+    done = time.perf_counter()
+    faults = _page_faults() - faults
+    return built - start, done - built, faults  # `outputs` is freed on return
+
+
+def time_calls(
+    call: Callable[[int], object],
+    calls: int,
+    *,
+    warmup: int = 1,
+    repeats: int | None = None,
+    min_repeats: int = 3,
+    max_repeats: int = 50,
+    target_s: float = 0.5,
+) -> Timing:
+    """Time `call(0) ... call(calls - 1)` built into one graph, evaluated at once.
+
+    Args:
+        call (callable): `call(i)` builds call `i` on input set `i` and returns
+          its outputs (an array, or a list/tuple/dict of arrays). Its inputs
+          must already be evaluated.
+        calls (int): Calls per graph.
+        warmup (int): Untimed graph evaluations first (kernel compilation,
+          allocator warm-up). Default: ``1``.
+        repeats (int, optional): Timed evaluations. Default: as many as fit in
+          `target_s` judged by the last warm-up, within
+          `[min_repeats, max_repeats]`.
+        target_s (float): Seconds of timed evaluation to aim for.
+
+    Returns:
+        Timing: per-call samples; report its median.
+    """
+    if calls < 1:
+        raise ValueError(f"calls: must be at least 1, got {calls}")
+    last = 0.0
+    for _ in range(max(warmup, 1)):
+        _, last, _ = _run_graph(call, calls)
+    if repeats is None:
+        repeats = math.ceil(target_s / max(last, 1e-9))
+        repeats = min(max(repeats, min_repeats), max_repeats)
+    builds, evals, faults = [], [], []
+    for _ in range(repeats):
+        build_s, eval_s, fault_count = _run_graph(call, calls)
+        builds.append(build_s / calls)
+        evals.append(eval_s / calls)
+        faults.append(fault_count / calls)
+    return Timing(eval_s=tuple(evals), build_s=tuple(builds), faults=tuple(faults),
+                  calls=calls, warmup=max(warmup, 1))
