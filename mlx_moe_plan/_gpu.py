@@ -55,7 +55,7 @@ def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stre
     """Run a body with its arrays, then the `params` array, as `launch` says."""
     extra = {} if POISON is None else {"init_value": POISON}
     return _kernel(backend, name)(
-        inputs=[*arrays, _params(*launch.params)],
+        inputs=[*arrays, _params(stream, *launch.params)],
         template=[(key, _mlx_value(value)) for key, value in launch.template],
         grid=(launch.groups * launch.group_size, 1, 1),
         threadgroup=(launch.group_size, 1, 1),
@@ -66,14 +66,25 @@ def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stre
     )
 
 
-@lru_cache(maxsize=1024)
-def _params(*values: int) -> mx.array:
-    """The small int32 array of run-time sizes a kernel reads.
+_PARAMS_SIZE = 8
 
-    Cached: a new array per call would be a new host-to-device transfer per
-    call, and the same sizes recur in every layer of a model.
+
+@lru_cache(maxsize=1024)
+def _params(stream: mx.Stream, *values: int) -> mx.array:
+    """The small int32 array of run-time sizes a kernel reads, in GPU memory.
+
+    MLX's CUDA backend keeps arrays made on the host, and any of 8 bytes or
+    less, in managed memory that kernels read remotely, which costs every
+    launch microseconds. So the sizes are padded to 8 ints (32 bytes) and
+    copied once by an op on the kernel's stream into device memory; cached,
+    since the same sizes recur in every layer of a model. (Sizes as template
+    constants would compile a kernel per prompt length instead.)
     """
-    return mx.array(values, dtype=mx.int32)
+    padded = list(values) + [0] * (_PARAMS_SIZE - len(values))
+    host = mx.array(padded, dtype=mx.int32)
+    on_device = mx.add(host, 0, stream=stream)
+    mx.eval(on_device)
+    return on_device
 
 
 @cache

@@ -16,9 +16,9 @@ namespace {
 
 template <typename In, typename Out>
 void combine_cpu(const In* src, int64_t num_src, const int32_t* index, const float* weights,
-                 int64_t num_out, int64_t fan_in, int64_t hidden, Out* out) {
+                 int64_t begin, int64_t end, int64_t fan_in, int64_t hidden, Out* out) {
   std::vector<float> acc(hidden);
-  for (int64_t n = 0; n < num_out; ++n) {
+  for (int64_t n = begin; n < end; ++n) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t m = 0; m < fan_in; ++m) {
       int32_t i = index[n * fan_in + m];
@@ -87,7 +87,7 @@ std::vector<mx::Shape> CombineRows::output_shapes(const std::vector<mx::array>& 
 }
 
 void CombineRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  allocate_rows(out);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) {
     encoder.set_input_array(in);
@@ -100,9 +100,13 @@ void CombineRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
       using In = decltype(in_type);
       dispatch_row_dtype(out.dtype(), [&](auto out_type) {
         using Out = decltype(out_type);
-        combine_cpu<In, Out>(src.data<In>(), src.shape(0), index.data<int32_t>(),
-                             weights ? weights->data<float>() : nullptr, index.shape(0),
-                             index.shape(1), src.shape(1), out.data<Out>());
+        // Traffic: each output row reads fan_in source rows.
+        int64_t bytes = out.nbytes() + index.size() * src.shape(1) * src.itemsize();
+        parallel_rows(index.shape(0), bytes, [&](int64_t begin, int64_t end) {
+          combine_cpu<In, Out>(src.data<In>(), src.shape(0), index.data<int32_t>(),
+                               weights ? weights->data<float>() : nullptr, begin, end,
+                               index.shape(1), src.shape(1), out.data<Out>());
+        });
       });
     });
   });

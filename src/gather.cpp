@@ -14,9 +14,9 @@ namespace mlx_moe_plan {
 namespace {
 
 template <typename In, typename Out>
-void gather_cpu(const In* src, int64_t num_src, const int32_t* index, int64_t num_rows,
-                int64_t hidden, Out* out) {
-  for (int64_t r = 0; r < num_rows; ++r) {
+void gather_cpu(const In* src, int64_t num_src, const int32_t* index, int64_t begin,
+                int64_t end, int64_t hidden, Out* out) {
+  for (int64_t r = begin; r < end; ++r) {
     Out* dst = out + r * hidden;
     int32_t i = index[r];
     if (i < 0 || i >= num_src) { // never read outside src, whatever the index says
@@ -70,7 +70,7 @@ std::vector<mx::Shape> GatherRows::output_shapes(const std::vector<mx::array>& i
 }
 
 void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  allocate_rows(out);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   encoder.set_input_array(inputs[0]);
   encoder.set_input_array(inputs[1]);
@@ -80,8 +80,11 @@ void GatherRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       using In = decltype(in_type);
       dispatch_row_dtype(out.dtype(), [&](auto out_type) {
         using Out = decltype(out_type);
-        gather_cpu<In, Out>(src.data<In>(), src.shape(0), index.data<int32_t>(),
-                            index.size(), src.shape(1), out.data<Out>());
+        int64_t bytes = out.nbytes() * 2; // read once, written once
+        parallel_rows(index.size(), bytes, [&](int64_t begin, int64_t end) {
+          gather_cpu<In, Out>(src.data<In>(), src.shape(0), index.data<int32_t>(), begin, end,
+                              src.shape(1), out.data<Out>());
+        });
       });
     });
   });

@@ -1,7 +1,11 @@
-// Shared by gather.cpp and combine.cpp: element conversion through float32
-// and the dtype dispatch over the three row dtypes.
+// Shared by gather.cpp and combine.cpp: element conversion through float32,
+// the dtype dispatch over the three row dtypes, output allocation and the
+// split of row loops over threads.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
+#include <functional>
 #include <stdexcept>
 
 #include "mlx/array.h"
@@ -9,9 +13,30 @@
 
 namespace mlx_moe_plan {
 
+// float16 to float32 by table: exact, and several times faster than MLX's
+// portable float16_t conversion on CPUs without native half arithmetic.
+const float* float16_to_float32_table();
+
 template <typename T>
 inline float to_float(T value) {
   return static_cast<float>(value);
+}
+
+template <>
+inline float to_float(mlx::core::float16_t value) {
+  uint16_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return float16_to_float32_table()[bits];
+}
+
+template <>
+inline float to_float(mlx::core::bfloat16_t value) {
+  uint16_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
 }
 
 template <typename T>
@@ -37,5 +62,15 @@ void dispatch_row_dtype(mlx::core::Dtype dtype, F&& f) {
       throw std::invalid_argument("rows: expected float32, float16 or bfloat16");
   }
 }
+
+// Allocates `out`. Large outputs ask Linux for transparent huge pages: MLX's
+// CPU allocator hands out fresh memory, and first touching it one 4 KiB page
+// at a time costs more than the copy itself.
+void allocate_rows(mlx::core::array& out);
+
+// Runs body(begin, end) over [0, count) in contiguous slices, on several
+// threads when `bytes` (the work's traffic) is large enough to pay for them.
+// Each row is written by one thread, so the result does not depend on it.
+void parallel_rows(int64_t count, int64_t bytes, const std::function<void(int64_t, int64_t)>& body);
 
 } // namespace mlx_moe_plan

@@ -19,9 +19,21 @@ const int expert = LOCAL_ID;
 if (LOCAL_ID == 0) {
   ATOMIC_STORE(&invalid_total[0], 0u);
 }
+// The column sums run 8 blocks at a time: 8 independent loads in flight per
+// thread rather than one dependent load after another.
 int count = 0;
 if (expert < num_experts) {
-  for (int g = 0; g < num_blocks; ++g) {
+  int g = 0;
+  for (; g + 8 <= num_blocks; g += 8) {
+    int block_count[8];
+    for (int u = 0; u < 8; ++u) {
+      block_count[u] = block_counts[(i64)(g + u) * num_experts + expert];
+    }
+    for (int u = 0; u < 8; ++u) {
+      count += block_count[u];
+    }
+  }
+  for (; g < num_blocks; ++g) {
     count += block_counts[(i64)g * num_experts + expert];
   }
 }
@@ -53,7 +65,18 @@ if (expert < num_experts) {
   expert_counts[expert] = count;
   expert_offsets[expert] = offset;
   int base = offset;
-  for (int g = 0; g < num_blocks; ++g) {
+  int g = 0;
+  for (; g + 8 <= num_blocks; g += 8) {
+    int block_count[8];
+    for (int u = 0; u < 8; ++u) {
+      block_count[u] = block_counts[(i64)(g + u) * num_experts + expert];
+    }
+    for (int u = 0; u < 8; ++u) {
+      block_bases[(i64)(g + u) * num_experts + expert] = base;
+      base += block_count[u];
+    }
+  }
+  for (; g < num_blocks; ++g) {
     const i64 at = (i64)g * num_experts + expert;
     block_bases[at] = base;
     base += block_counts[at];
