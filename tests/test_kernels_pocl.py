@@ -159,6 +159,8 @@ PLAN_EDGES = {
     "same_expert_k16": (_tokens_of(np.repeat(_rng.integers(0, 4, 100), 16), 100, 16), 4, 16),
     "max_experts_tile128": (_tokens_of(_rng.integers(-1, 1025, 1600), 100, 16), 1024, 128),
     "max_experts_tile1": (_tokens_of(_rng.integers(0, 1024, 1600), 1600, 1), 1024, 1),
+    # 21 blocks: scan's 8-block unrolled column sums run twice, then the rest
+    "twenty_one_blocks": (_tokens_of(_rng.integers(-1, 70, 10700), 1070, 10), 64, 8),
 }
 
 
