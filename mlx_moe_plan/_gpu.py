@@ -55,7 +55,7 @@ def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stre
     """Run a body with its arrays, then the `params` array, as `launch` says."""
     extra = {} if POISON is None else {"init_value": POISON}
     return _kernel(backend, name)(
-        inputs=[*arrays, _params(stream, *launch.params)],
+        inputs=[*arrays, _params(stream, launch.params)],
         template=[(key, _mlx_value(value)) for key, value in launch.template],
         grid=(launch.groups * launch.group_size, 1, 1),
         threadgroup=(launch.group_size, 1, 1),
@@ -69,8 +69,11 @@ def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stre
 _PARAMS_SIZE = 8
 
 
-@lru_cache(maxsize=1024)
-def _params(stream: mx.Stream, *values: int) -> mx.array:
+_PARAMS_SIZE = 8
+_params_cache: dict = {}
+
+
+def _params(stream: mx.Stream, values: tuple[int, ...]) -> mx.array:
     """The small int32 array of run-time sizes a kernel reads, in GPU memory.
 
     MLX's CUDA backend keeps arrays made on the host, and any of 8 bytes or
@@ -78,13 +81,19 @@ def _params(stream: mx.Stream, *values: int) -> mx.array:
     launch microseconds. So the sizes are padded to 8 ints (32 bytes) and
     copied once by an op on the kernel's stream into device memory; cached,
     since the same sizes recur in every layer of a model. (Sizes as template
-    constants would compile a kernel per prompt length instead.)
+    constants would compile a kernel per prompt length instead.) The key names
+    the stream by its text: Stream objects hash by identity.
     """
-    padded = list(values) + [0] * (_PARAMS_SIZE - len(values))
-    host = mx.array(padded, dtype=mx.int32)
-    on_device = mx.add(host, 0, stream=stream)
-    mx.eval(on_device)
-    return on_device
+    key = (str(stream), values)
+    cached = _params_cache.get(key)
+    if cached is None:
+        if len(_params_cache) >= 1024:
+            _params_cache.clear()
+        padded = list(values) + [0] * (_PARAMS_SIZE - len(values))
+        cached = mx.add(mx.array(padded, dtype=mx.int32), 0, stream=stream)
+        mx.eval(cached)
+        _params_cache[key] = cached
+    return cached
 
 
 @cache
