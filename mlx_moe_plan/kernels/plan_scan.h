@@ -59,7 +59,9 @@ unsigned invalid = 0;
 for (int g = LOCAL_ID; g < num_blocks; g += GROUP_SIZE) {
   invalid += (unsigned)block_invalid[g];
 }
-ATOMIC_ADD(&invalid_total[0], invalid);
+if (invalid != 0) { // most threads hold none: no contended atomics for them
+  ATOMIC_ADD(&invalid_total[0], invalid);
+}
 
 if (expert < num_experts) {
   expert_counts[expert] = count;
