@@ -3,6 +3,7 @@
     python -m benchmarks.moe                 # quick: Qwen3-Next shape, T = 128 and 2048
     python -m benchmarks.moe --full          # every model shape, T = 128 ... 16384
     python -m benchmarks.moe --shapes mixtral,deepseek-v3 --tokens 512,4096 --json out.json
+    python -m benchmarks.moe --layer         # the MoE layer end to end (benchmarks/layer.py)
 
 Runs on MLX's default device (CPU, Metal or CUDA). First it checks every op
 bit for bit against `mlx_moe_plan.reference` (and that the mlx-lm path it times
@@ -653,6 +654,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:  # the layer end to end: benchmarks/layer.py
+        from . import layer
+
+        return layer.main([a for a in argv if a != "--layer"])
     args = parse_args(argv)
     command = shlex.join(["python", "-m", "benchmarks.moe", *(sys.argv[1:] if argv is None else argv)])
     on_gpu = mx.default_device().type == mx.gpu

@@ -1,0 +1,127 @@
+"""The MoE layer end to end: mlx_moe_plan.nn.SwitchGLU against mlx-lm's.
+
+    python -m benchmarks.moe --layer                        # quick, on the default device
+    python -m benchmarks.moe --layer --shapes qwen3-next --tokens 512,2048,8192
+
+Each call is one MoE layer's expert work with 4-bit weights (group 64):
+mlx-lm's `SwitchGLU(x, indices)` then the weighted sum the model applies,
+`(y * scores[..., None]).sum(-2)`, against ours on the same weights: plan,
+gather, the three `gather_qmm` GEMMs over expert-sorted rows, and one
+`moe_combine` (`SwitchGLU.weighted_sum`). Outputs are compared first.
+Times are medians of graphs of several layers (`benchmarks.timing`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+from .timing import time_calls
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int  # D
+    intermediate: int  # I
+    experts: int  # E
+    top_k: int  # K
+
+
+SHAPES = {
+    "qwen3-next": LayerShape(2048, 512, 512, 10),
+    "qwen3-30b-a3b": LayerShape(2048, 768, 128, 8),
+    "deepseek-v3": LayerShape(7168, 2048, 256, 8),
+    "mixtral": LayerShape(4096, 14336, 8, 2),
+}
+# MLX's CPU gather_qmm runs 4-bit bfloat16 near 0.25 GFLOP/s (20 s a layer at T=64):
+# the CPU quick run is one layer of a few tokens.
+QUICK = {"gpu": (["qwen3-next", "qwen3-30b-a3b"], [2048]), "cpu": (["qwen3-30b-a3b"], [8])}
+
+
+def make_layers(shape: LayerShape, layers: int):
+    from mlx_lm.models.switch_layers import SwitchGLU as MlxLmSwitchGLU
+
+    from mlx_moe_plan.nn import SwitchGLU
+
+    theirs = []
+    for _ in range(layers):
+        layer = MlxLmSwitchGLU(shape.hidden, shape.intermediate, shape.experts)
+        layer.update(tree_map(lambda p: p.astype(mx.bfloat16), layer.parameters()))
+        nn.quantize(layer, group_size=64, bits=4)
+        mx.eval(layer.parameters())
+        theirs.append(layer)
+    return theirs, [SwitchGLU.from_mlx_lm(layer) for layer in theirs]
+
+
+def routing(tokens: int, shape: LayerShape):
+    logits = mx.random.normal((tokens, shape.experts))
+    indices = mx.argpartition(-logits, shape.top_k - 1, axis=-1)[:, : shape.top_k]
+    scores = mx.softmax(mx.take_along_axis(logits, indices, -1), axis=-1).astype(mx.bfloat16)
+    x = (mx.random.normal((tokens, shape.hidden)) * 0.5).astype(mx.bfloat16)
+    mx.eval(indices, scores, x)
+    return x, indices.astype(mx.int32), scores
+
+
+def measure(name: str, shape: LayerShape, tokens: int, layers: int) -> dict:
+    theirs, ours = make_layers(shape, layers)
+    inputs = [routing(tokens, shape) for _ in range(layers)]
+
+    def mlx_lm_call(i):
+        x, indices, scores = inputs[i]
+        return (theirs[i](x, indices) * scores[..., None]).sum(-2)
+
+    def our_call(i):
+        x, indices, scores = inputs[i]
+        return ours[i].weighted_sum(x, indices, scores)
+
+    want, got = mlx_lm_call(0), our_call(0)
+    error = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+    scale = float(mx.abs(want.astype(mx.float32)).max())
+    if not error <= 2e-2 * scale:  # bfloat16 rounding of the output, not a wrong row
+        raise SystemExit(f"{name} T={tokens}: ours differs from mlx-lm by {error} (max |y| {scale})")
+    flops = 2 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
+    result = {"model": name, "tokens": tokens, **shape.__dict__, "max_abs_diff": error}
+    for label, call in (("mlx-lm", mlx_lm_call), ("ours", our_call)):
+        timing = time_calls(call, layers, warmup=1, min_repeats=3, max_repeats=20, target_s=1.0)
+        result[f"{label}_us"] = timing.median_s * 1e6
+        result[f"{label}_gflops"] = flops / timing.median_s / 1e9
+    result["speedup"] = result["mlx-lm_us"] / result["ours_us"]
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe --layer",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", help=f"comma list from {', '.join(SHAPES)}")
+    parser.add_argument("--tokens", help="comma list of token counts T")
+    parser.add_argument("--layers", type=int, help="layers (calls) in one graph")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    shapes, tokens = QUICK[device]
+    shapes = args.shapes.split(",") if args.shapes else shapes
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tokens
+    layers = args.layers or (8 if device == "gpu" else 1)
+    mx.random.seed(0)
+    results = []
+    print(f"{'model':15s} {'D':>5s} {'I':>6s} {'E':>4s} {'K':>3s} {'T':>6s} "
+          f"{'mlx-lm us':>11s} {'ours us':>10s} {'GFLOP/s':>9s} {'speedup':>8s}")
+    for name in shapes:
+        for t in tokens:
+            row = measure(name, SHAPES[name], t, layers)
+            results.append(row)
+            print(f"{name:15s} {row['hidden']:5d} {row['intermediate']:6d} {row['experts']:4d} "
+                  f"{row['top_k']:3d} {t:6d} {row['mlx-lm_us']:11.1f} {row['ours_us']:10.1f} "
+                  f"{row['ours_gflops']:9.1f} {row['speedup']:7.2f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(mx.default_device()), "mlx": mx.__version__,
+                       "command": " ".join(["python -m benchmarks.moe --layer", *(argv or sys.argv[2:])]),
+                       "results": results}, f, indent=1)
+    return 0

@@ -1,0 +1,170 @@
+# mlx_moe_plan.nn against mlx-lm itself: real mlx-lm MoE model classes with
+# small random configurations, unpatched (mlx-lm's SwitchGLU) and patched
+# (ours), float and 4-bit, prompts shorter and longer than mlx-lm's sort
+# threshold (64 routed entries), must give the same logits and gradients.
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm", reason="mlx-lm is the reference of the layer tests")
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models import switch_layers  # noqa: E402
+
+from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
+
+_COMMON = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               rms_norm_eps=1e-5, rope_theta=10000.0)
+CONFIGS = {
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", num_hidden_layers=2, intermediate_size=96,
+                      num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1,
+                      mlp_only_layers=[], moe_intermediate_size=32, head_dim=16,
+                      tie_word_embeddings=False, max_position_embeddings=256,
+                      norm_topk_prob=True),
+    "mixtral": dict(_COMMON, model_type="mixtral", num_hidden_layers=2, intermediate_size=64,
+                    num_local_experts=8, num_experts_per_tok=2),
+    "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", num_hidden_layers=2,
+                        intermediate_size=96, moe_intermediate_size=32, n_shared_experts=1,
+                        n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=32,
+                        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=32,
+                        qk_nope_head_dim=32, n_group=2, topk_group=1,
+                        first_k_dense_replace=1),
+    "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_hidden_layers=2, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=64, head_dim=16,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "qwen3_next": dict(_COMMON, model_type="qwen3_next", num_hidden_layers=4,
+                       intermediate_size=96, linear_num_value_heads=4, linear_num_key_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4,
+                       decoder_sparse_step=1, shared_expert_intermediate_size=32,
+                       mlp_only_layers=[], moe_intermediate_size=32,
+                       max_position_embeddings=256, head_dim=16, partial_rotary_factor=0.25,
+                       full_attention_interval=2),
+}
+# Prompts of 5 and 40 tokens: K * T below and above mlx-lm's sort threshold of 64.
+PROMPT_LENGTHS = [5, 40]
+
+
+def make_model(name: str, quantized: bool):
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(CONFIGS[name]))
+    # Random (not zero) biases and weights everywhere, so a dropped term shows.
+    model.update(tree_map_random(model.parameters()))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def tree_map_random(params, rng=np.random.default_rng(5)):
+    from mlx.utils import tree_map
+
+    return tree_map(lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32) * 0.2)
+                    if mx.issubdtype(p.dtype, mx.floating) else p, params)
+
+
+def count_switch_glu(model, cls) -> int:
+    return sum(isinstance(m, cls) for _, m in model.named_modules())
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_patched_logits_match(name, quantized):
+    model = make_model(name, quantized)
+    original = count_switch_glu(model, switch_layers.SwitchGLU)
+    assert original > 0, f"{name}: the test model has no SwitchGLU to replace"
+    patched = copy.deepcopy(model)
+    assert patch_model(patched) == original
+    assert count_switch_glu(patched, switch_layers.SwitchGLU) == 0
+    assert count_switch_glu(patched, SwitchGLU) == original
+    # Same parameter names and values: checkpoints load unchanged.
+    assert [k for k, _ in tree_flatten(patched.parameters())] == \
+        [k for k, _ in tree_flatten(model.parameters())]
+
+    rng = np.random.default_rng(11)
+    for length in PROMPT_LENGTHS:
+        tokens = mx.array(rng.integers(0, 96, (2, length)))
+        want, got = model(tokens), patched(tokens)
+        assert np.all(np.isfinite(np.array(want)))
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{name} T={length}")
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+def test_layer_is_bitwise_mlx_lm_on_cpu(quantized):
+    # The same rows through the same gather_(q)mm, in expert order either way.
+    mx.random.seed(0)
+    theirs = switch_layers.SwitchGLU(64, 96, 16, bias=True)
+    theirs.update(tree_map_random(theirs.parameters()))
+    if quantized:
+        nn.quantize(theirs, group_size=32, bits=4)
+    ours = SwitchGLU.from_mlx_lm(theirs)
+    x = mx.random.normal((3, 40, 64))
+    indices = mx.argpartition(-mx.random.normal((3, 40, 16)), 3, axis=-1)[..., :4]
+    with mx.stream(mx.cpu):
+        np.testing.assert_array_equal(np.array(ours(x, indices)), np.array(theirs(x, indices)))
+
+
+def test_constructor_matches_mlx_lm():
+    ours = SwitchGLU(64, 96, 16, bias=True)
+    theirs = switch_layers.SwitchGLU(64, 96, 16, bias=True)
+    assert {k: v.shape for k, v in tree_flatten(ours.parameters())} == \
+        {k: v.shape for k, v in tree_flatten(theirs.parameters())}
+    nn.quantize(ours, group_size=32, bits=4)
+    assert isinstance(ours.up_proj, switch_layers.QuantizedSwitchLinear)
+
+
+def test_weighted_sum_is_the_fused_combine():
+    mx.random.seed(1)
+    layer = SwitchGLU(32, 48, 8)
+    x = mx.random.normal((2, 30, 32))
+    logits = mx.random.normal((2, 30, 8))
+    indices = mx.argpartition(-logits, 1, axis=-1)[..., :2]
+    scores = mx.softmax(mx.take_along_axis(logits, indices, -1), axis=-1)
+    want = (layer(x, indices) * scores[..., None]).sum(-2)
+    np.testing.assert_allclose(np.array(layer.weighted_sum(x, indices, scores)), np.array(want),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_match_mlx_lm():
+    # LoRA-style fine-tuning reaches the experts through their inputs: the
+    # gradient w.r.t. the layer's input, and w.r.t. its (float) weights.
+    mx.random.seed(2)
+    theirs = switch_layers.SwitchGLU(32, 48, 8, bias=True)
+    theirs.update(tree_map_random(theirs.parameters()))
+    ours = SwitchGLU.from_mlx_lm(theirs)
+    x = mx.random.normal((40, 32))
+    indices = mx.argpartition(-mx.random.normal((40, 8)), 2, axis=-1)[..., :3]
+    dy = mx.random.normal((40, 3, 32))
+
+    def input_grad(layer):
+        return mx.grad(lambda v: (layer(v, indices) * dy).sum())(x)
+
+    np.testing.assert_allclose(np.array(input_grad(ours)), np.array(input_grad(theirs)),
+                               rtol=1e-5, atol=1e-5)
+
+    def weight_grads(layer):
+        loss = nn.value_and_grad(layer, lambda v: (layer(v, indices) * dy).sum())
+        return dict(tree_flatten(loss(x)[1]))
+
+    want, got = weight_grads(theirs), weight_grads(ours)
+    assert want.keys() == got.keys()
+    for key in want:
+        np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), rtol=1e-5,
+                                   atol=1e-5, err_msg=key)
+
+
+def test_patched_model_compiles():
+    model = make_model("qwen3_moe", quantized=False)
+    patch_model(model)
+    tokens = mx.array(np.random.default_rng(4).integers(0, 96, (1, 40)))
+    eager = model(tokens)
+    compiled = mx.compile(lambda t: model(t))(tokens)
+    np.testing.assert_allclose(np.array(compiled), np.array(eager), rtol=1e-5, atol=1e-5)
