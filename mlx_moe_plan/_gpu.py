@@ -55,7 +55,7 @@ def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stre
     """Run a body with its arrays, then the `params` array, as `launch` says."""
     extra = {} if POISON is None else {"init_value": POISON}
     return _kernel(backend, name)(
-        inputs=[*arrays, _params(stream, launch.params)],
+        inputs=[*arrays, _params(launch.params, stream)],
         template=[(key, _mlx_value(value)) for key, value in launch.template],
         grid=(launch.groups * launch.group_size, 1, 1),
         threadgroup=(launch.group_size, 1, 1),
@@ -66,34 +66,46 @@ def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stre
     )
 
 
-_PARAMS_SIZE = 8
+def _cache_by_stream(make):
+    """Caches `make(*args, stream)` by `args` and the stream's text.
+
+    `functools.cache` would key on the Stream object, and Stream objects hash
+    by identity: every call would miss and the cache grow without bound.
+    """
+    made = {}
+
+    def get(*args):
+        *rest, stream = args
+        key = (*rest, str(stream))
+        if key not in made:
+            made[key] = make(*args)
+        return made[key]
+
+    return get
 
 
 _PARAMS_SIZE = 8
-_params_cache: dict = {}
 
 
-def _params(stream: mx.Stream, values: tuple[int, ...]) -> mx.array:
+_PARAMS_SIZE = 8
+
+
+@_cache_by_stream
+def _params(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
     """The small int32 array of run-time sizes a kernel reads, in GPU memory.
 
     MLX's CUDA backend keeps arrays made on the host, and any of 8 bytes or
     less, in managed memory that kernels read remotely, which costs every
     launch microseconds. So the sizes are padded to 8 ints (32 bytes) and
     copied once by an op on the kernel's stream into device memory; cached,
-    since the same sizes recur in every layer of a model. (Sizes as template
-    constants would compile a kernel per prompt length instead.) The key names
-    the stream by its text: Stream objects hash by identity.
+    since the same sizes recur in every layer of a model (32 bytes for each
+    distinct set). Sizes as template constants would compile a kernel per
+    prompt length instead.
     """
-    key = (str(stream), values)
-    cached = _params_cache.get(key)
-    if cached is None:
-        if len(_params_cache) >= 1024:
-            _params_cache.clear()
-        padded = list(values) + [0] * (_PARAMS_SIZE - len(values))
-        cached = mx.add(mx.array(padded, dtype=mx.int32), 0, stream=stream)
-        mx.eval(cached)
-        _params_cache[key] = cached
-    return cached
+    padded = list(values) + [0] * (_PARAMS_SIZE - len(values))
+    on_device = mx.add(mx.array(padded, dtype=mx.int32), 0, stream=stream)
+    mx.eval(on_device)
+    return on_device
 
 
 @cache
@@ -185,7 +197,7 @@ def _combine(backend, src, index, weights, dtype, stream):
     return out
 
 
-@cache
+@_cache_by_stream
 def _gather_function(backend, dtype, stream):
     @mx.custom_function
     def gather(src, index, inverse):
@@ -201,7 +213,7 @@ def _gather_function(backend, dtype, stream):
     return gather
 
 
-@cache
+@_cache_by_stream
 def _combine_function(backend, dtype, has_weights, stream):
     def combine_impl(src, index, inverse, weights=None):
         return _combine(backend, src, index, weights, dtype, stream)
