@@ -227,3 +227,20 @@ def test_ops_on_new_streams(device):
     assert_bitwise(rows, expected_rows, "rows")
     assert_bitwise(out, ref.moe_combine(expected_rows, expected_plan, rows_dtype="bfloat16"),
                    "combined")
+
+
+def test_large_outputs_kept_between_calls_stay_intact(device):
+    # Large row outputs reuse buffers kept between calls (src/rows.cpp): a
+    # buffer must never be reused while an output still holds it.
+    rng = np.random.default_rng(17)
+    ids = rng.integers(0, 64, (4096, 8)).astype(np.int32)  # 32768 rows of 256 B: 8 MiB
+    plan = mlx_moe_plan.moe_plan(mx.array(ids), 64, stream=device)
+    expected = ref.moe_plan(ids, 64)
+    inputs = [random_floats(rng, (4096, 128), mx.float16) for _ in range(3)]
+    held = [mlx_moe_plan.moe_gather(x, plan, stream=device) for x in inputs[:2]]
+    mx.eval(held)
+    del held[0]
+    mx.eval(mlx_moe_plan.moe_gather(inputs[2], plan, stream=device) * 2)  # reuses the freed one
+    third = mlx_moe_plan.moe_gather(inputs[2], plan, stream=device)
+    for got, x in [(held[0], inputs[1]), (third, inputs[2])]:
+        assert_bitwise(got, ref.moe_gather(to_numpy(x), expected), "gather rows")
