@@ -2,6 +2,7 @@
 
     python -m benchmarks.moe --layer                        # quick, on the default device
     python -m benchmarks.moe --layer --shapes qwen3-next --tokens 512,2048,8192
+    python -m benchmarks.moe --layer --tile-m 1,16,32     # each GEMM formulation
 
 Each call is one MoE layer's expert work with 4-bit weights (group 64):
 mlx-lm's `SwitchGLU(x, indices)` then the weighted sum the model applies,
@@ -45,9 +46,8 @@ QUICK = {"gpu": (["qwen3-next", "qwen3-30b-a3b"], [2048]), "cpu": (["qwen3-30b-a
 
 
 def make_layers(shape: LayerShape, layers: int):
+    """mlx-lm's layers: bfloat16 weights quantized to 4 bits, group 64."""
     from mlx_lm.models.switch_layers import SwitchGLU as MlxLmSwitchGLU
-
-    from mlx_moe_plan.nn import SwitchGLU
 
     theirs = []
     for _ in range(layers):
@@ -56,7 +56,7 @@ def make_layers(shape: LayerShape, layers: int):
         nn.quantize(layer, group_size=64, bits=4)
         mx.eval(layer.parameters())
         theirs.append(layer)
-    return theirs, [SwitchGLU.from_mlx_lm(layer) for layer in theirs]
+    return theirs
 
 
 def routing(tokens: int, shape: LayerShape):
@@ -68,31 +68,44 @@ def routing(tokens: int, shape: LayerShape):
     return x, indices.astype(mx.int32), scores
 
 
-def measure(name: str, shape: LayerShape, tokens: int, layers: int) -> dict:
-    theirs, ours = make_layers(shape, layers)
+def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: list[int]):
+    """One row per formulation in `tile_ms`, each against the same mlx-lm timing."""
+    from mlx_moe_plan.nn import SwitchGLU
+
+    theirs = make_layers(shape, layers)
     inputs = [routing(tokens, shape) for _ in range(layers)]
+    flops = 2 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
+
+    def time_us(layer_call):
+        timing = time_calls(layer_call, layers, warmup=1, min_repeats=3, max_repeats=20,
+                            target_s=1.0)
+        return timing.median_s * 1e6
 
     def mlx_lm_call(i):
         x, indices, scores = inputs[i]
         return (theirs[i](x, indices) * scores[..., None]).sum(-2)
 
-    def our_call(i):
-        x, indices, scores = inputs[i]
-        return ours[i].weighted_sum(x, indices, scores)
+    mlx_lm_us = time_us(mlx_lm_call)
+    want = mlx_lm_call(0).astype(mx.float32)
+    scale = float(mx.abs(want).max())
+    rows = []
+    for tile_m in tile_ms:
+        ours = [SwitchGLU.from_mlx_lm(layer, tile_m=tile_m) for layer in theirs]
 
-    want, got = mlx_lm_call(0), our_call(0)
-    error = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
-    scale = float(mx.abs(want.astype(mx.float32)).max())
-    if not error <= 2e-2 * scale:  # bfloat16 rounding of the output, not a wrong row
-        raise SystemExit(f"{name} T={tokens}: ours differs from mlx-lm by {error} (max |y| {scale})")
-    flops = 2 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
-    result = {"model": name, "tokens": tokens, **shape.__dict__, "max_abs_diff": error}
-    for label, call in (("mlx-lm", mlx_lm_call), ("ours", our_call)):
-        timing = time_calls(call, layers, warmup=1, min_repeats=3, max_repeats=20, target_s=1.0)
-        result[f"{label}_us"] = timing.median_s * 1e6
-        result[f"{label}_gflops"] = flops / timing.median_s / 1e9
-    result["speedup"] = result["mlx-lm_us"] / result["ours_us"]
-    return result
+        def our_call(i):
+            x, indices, scores = inputs[i]
+            return ours[i].weighted_sum(x, indices, scores)
+
+        error = float(mx.abs(our_call(0).astype(mx.float32) - want).max())
+        if not error <= 2e-2 * scale:  # bfloat16 rounding of the output, not a wrong row
+            raise SystemExit(f"{name} T={tokens} tile_m={tile_m}: ours differs from mlx-lm "
+                             f"by {error} (max |y| {scale})")
+        ours_us = time_us(our_call)
+        rows.append({"model": name, "tokens": tokens, **shape.__dict__, "tile_m": tile_m,
+                     "max_abs_diff": error, "mlx-lm_us": mlx_lm_us, "ours_us": ours_us,
+                     "mlx-lm_gflops": flops / mlx_lm_us / 1e3, "ours_gflops": flops / ours_us / 1e3,
+                     "speedup": mlx_lm_us / ours_us})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -101,6 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", help=f"comma list from {', '.join(SHAPES)}")
     parser.add_argument("--tokens", help="comma list of token counts T")
     parser.add_argument("--layers", type=int, help="layers (calls) in one graph")
+    parser.add_argument("--tile-m", default="1",
+                        help="comma list of GEMM formulations: 1 = sorted rows, >1 = tiles")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
@@ -110,15 +125,17 @@ def main(argv=None) -> int:
     layers = args.layers or (8 if device == "gpu" else 1)
     mx.random.seed(0)
     results = []
-    print(f"{'model':15s} {'D':>5s} {'I':>6s} {'E':>4s} {'K':>3s} {'T':>6s} "
+    print(f"{'model':15s} {'D':>5s} {'I':>6s} {'E':>4s} {'K':>3s} {'T':>6s} {'tile':>4s} "
           f"{'mlx-lm us':>11s} {'ours us':>10s} {'GFLOP/s':>9s} {'speedup':>8s}")
+    tile_ms = [int(v) for v in args.tile_m.split(",")]
     for name in shapes:
         for t in tokens:
-            row = measure(name, SHAPES[name], t, layers)
-            results.append(row)
-            print(f"{name:15s} {row['hidden']:5d} {row['intermediate']:6d} {row['experts']:4d} "
-                  f"{row['top_k']:3d} {t:6d} {row['mlx-lm_us']:11.1f} {row['ours_us']:10.1f} "
-                  f"{row['ours_gflops']:9.1f} {row['speedup']:7.2f}x", flush=True)
+            for row in measure(name, SHAPES[name], t, layers, tile_ms):
+                results.append(row)
+                print(f"{name:15s} {row['hidden']:5d} {row['intermediate']:6d} "
+                      f"{row['experts']:4d} {row['top_k']:3d} {t:6d} {row['tile_m']:4d} "
+                      f"{row['mlx-lm_us']:11.1f} {row['ours_us']:10.1f} "
+                      f"{row['ours_gflops']:9.1f} {row['speedup']:7.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(mx.default_device()), "mlx": mx.__version__,

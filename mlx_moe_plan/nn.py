@@ -6,8 +6,12 @@
 turns them into `QuantizedSwitchLinear` exactly as it does mlx-lm's.
 `patch_model` swaps it into a loaded model in place.
 
-Expert GEMMs use MLX's `gather_mm` / `gather_qmm` over expert-sorted single
-rows (`sorted_indices=True`, mlx-lm's formulation). Needs mlx-lm installed.
+Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of two formulations:
+sorted single rows (`tile_m=1`, mlx-lm's: one expert index a row) or tiles
+(`tile_m` rows a tile, one expert a tile by the plan's construction, rows seen
+as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`). The default is
+mlx-lm's formulation on every backend until the tiled one is measured per
+backend; `tile_m` overrides it per layer. Needs mlx-lm installed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,15 @@ class SwitchGLU(nn.Module):
         num_experts (int): Number of experts E.
         activation (Module): `activation(x_up, x_gate)`. Default: SwiGLU.
         bias (bool): Projection biases. Default: ``False``.
+        tile_m (int, optional): GEMM formulation: 1 for sorted single rows,
+          more for tiles of that many rows. Default: mlx-lm's (1).
     """
+
+    # Rows a single sorted-rows GEMM call takes at most; larger batches run in
+    # slices of sorted rows (still sorted). MLX's CUDA backend has failed to
+    # launch sorted gather_qmm over 81,920 rows (cuGraphAddKernelNode: invalid
+    # argument) where 20,480 ran.
+    max_rows_per_gemm = 32768
 
     def __init__(
         self,
@@ -46,8 +58,11 @@ class SwitchGLU(nn.Module):
         num_experts: int,
         activation: nn.Module | None = None,
         bias: bool = False,
+        *,
+        tile_m: int | None = None,
     ):
         super().__init__()
+        self.tile_m = tile_m
         linear = _mlx_lm_switch.SwitchLinear
         self.gate_proj = linear(input_dims, hidden_dims, num_experts, bias=bias)
         self.up_proj = linear(input_dims, hidden_dims, num_experts, bias=bias)
@@ -55,10 +70,11 @@ class SwitchGLU(nn.Module):
         self.activation = _mlx_lm_switch.SwiGLU() if activation is None else activation
 
     @classmethod
-    def from_mlx_lm(cls, layer: nn.Module) -> "SwitchGLU":
+    def from_mlx_lm(cls, layer: nn.Module, *, tile_m: int | None = None) -> "SwitchGLU":
         """A `SwitchGLU` sharing `layer`'s projections and activation (no copy)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
+        new.tile_m = tile_m
         new.gate_proj = layer.gate_proj
         new.up_proj = layer.up_proj
         new.down_proj = layer.down_proj
@@ -69,18 +85,40 @@ class SwitchGLU(nn.Module):
     def num_experts(self) -> int:
         return self.gate_proj.num_experts
 
-    def _expert_rows(self, x: mx.array, plan) -> mx.array:
-        """The expert MLP of every row of the plan, `[capacity, D]`."""
-        rows = mx.expand_dims(moe_gather(x, plan), -2)  # [capacity, 1, D]
-        experts = plan.row_experts  # sorted by construction
+    def _plan(self, indices: mx.array):
+        tile_m = 1 if self.tile_m is None else self.tile_m
+        return moe_plan(mx.stop_gradient(indices), self.num_experts, tile_m=tile_m)
+
+    def _mlp(self, rows: mx.array, experts: mx.array) -> mx.array:
+        """The expert MLP of `rows` `[n, m, D]`, expert `experts[i]` for `rows[i]`."""
         x_up = self.up_proj(rows, experts, sorted_indices=True)
         x_gate = self.gate_proj(rows, experts, sorted_indices=True)
-        out = self.down_proj(self.activation(x_up, x_gate), experts, sorted_indices=True)
-        return out.squeeze(-2)
+        return self.down_proj(self.activation(x_up, x_gate), experts, sorted_indices=True)
+
+    def _expert_rows(self, x: mx.array, plan) -> mx.array:
+        """The expert MLP of every row of the plan, `[capacity, D]`."""
+        rows = moe_gather(x, plan)
+        if plan.tile_m > 1:
+            # Tiles past num_tiles hold zero rows and expert -1: give them the
+            # last expert, so the experts stay sorted as sorted_indices
+            # promises (a wrong promise gives wrong weight gradients); nothing
+            # reads their outputs.
+            last = self.num_experts - 1
+            experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)
+            tiles = rows.reshape(plan.max_tiles, plan.tile_m, -1)
+            return self._mlp(tiles, experts).reshape(plan.capacity, -1)
+        rows = mx.expand_dims(rows, -2)  # [capacity, 1, D]
+        experts = plan.row_experts  # sorted by construction
+        step = self.max_rows_per_gemm
+        if plan.capacity <= step:
+            return self._mlp(rows, experts).squeeze(-2)
+        parts = [self._mlp(rows[i : i + step], experts[i : i + step])
+                 for i in range(0, plan.capacity, step)]
+        return mx.concatenate(parts).squeeze(-2)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""
-        plan = moe_plan(mx.stop_gradient(indices), self.num_experts)
+        plan = self._plan(indices)
         return moe_unsort(self._expert_rows(x, plan), plan)
 
     def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
@@ -91,17 +129,19 @@ class SwitchGLU(nn.Module):
         ascending k, so its last bits may differ from the unfused product-sum
         in the activations' dtype.
         """
-        plan = moe_plan(mx.stop_gradient(indices), self.num_experts)
+        plan = self._plan(indices)
         return moe_combine(self._expert_rows(x, plan), plan, weights=scores)
 
 
-def patch_model(model: nn.Module) -> int:
+def patch_model(model: nn.Module, *, tile_m: int | None = None) -> int:
     """Replace every mlx-lm `SwitchGLU` in `model`, in place, keeping its weights.
 
     Float and quantized layers alike: the projections are kept as they are.
 
     Args:
         model (Module): A loaded mlx-lm model (or any module tree).
+        tile_m (int, optional): The GEMM formulation of every new layer (see
+          `SwitchGLU`). Default: mlx-lm's.
 
     Returns:
         int: How many layers were replaced.
@@ -113,14 +153,14 @@ def patch_model(model: nn.Module) -> int:
         nonlocal replaced
         for key, value in list(module.items()):
             if isinstance(value, original):
-                module[key] = SwitchGLU.from_mlx_lm(value)
+                module[key] = SwitchGLU.from_mlx_lm(value, tile_m=tile_m)
                 replaced += 1
             elif isinstance(value, nn.Module):
                 visit(value)
             elif isinstance(value, (list, tuple)):
                 for index, item in enumerate(value):
                     if isinstance(item, original):
-                        value[index] = SwitchGLU.from_mlx_lm(item)
+                        value[index] = SwitchGLU.from_mlx_lm(item, tile_m=tile_m)
                         replaced += 1
                     elif isinstance(item, nn.Module):
                         visit(item)

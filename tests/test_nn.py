@@ -74,14 +74,15 @@ def count_switch_glu(model, cls) -> int:
     return sum(isinstance(m, cls) for _, m in model.named_modules())
 
 
+@pytest.mark.parametrize("tile_m", [None, 16], ids=["rows", "tiles16"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_patched_logits_match(name, quantized):
+def test_patched_logits_match(name, quantized, tile_m):
     model = make_model(name, quantized)
     original = count_switch_glu(model, switch_layers.SwitchGLU)
     assert original > 0, f"{name}: the test model has no SwitchGLU to replace"
     patched = copy.deepcopy(model)
-    assert patch_model(patched) == original
+    assert patch_model(patched, tile_m=tile_m) == original
     assert count_switch_glu(patched, switch_layers.SwitchGLU) == 0
     assert count_switch_glu(patched, SwitchGLU) == original
     # Same parameter names and values: checkpoints load unchanged.
@@ -112,6 +113,24 @@ def test_layer_is_bitwise_mlx_lm_on_cpu(quantized):
         np.testing.assert_array_equal(np.array(ours(x, indices)), np.array(theirs(x, indices)))
 
 
+@pytest.mark.parametrize("tile_m", [1, 4, 16])
+def test_gemm_in_slices_matches_one_gemm(tile_m):
+    # Large batches run the sorted-rows GEMMs in slices (max_rows_per_gemm);
+    # tiles ignore it. Either way the rows and their experts are the same.
+    mx.random.seed(6)
+    theirs = switch_layers.SwitchGLU(32, 48, 8, bias=True)
+    theirs.update(tree_map_random(theirs.parameters()))
+    whole = SwitchGLU.from_mlx_lm(theirs, tile_m=tile_m)
+    sliced = SwitchGLU.from_mlx_lm(theirs, tile_m=tile_m)
+    sliced.max_rows_per_gemm = 7  # not a divisor of the 120 rows
+    x = mx.random.normal((40, 32))
+    indices = mx.argpartition(-mx.random.normal((40, 8)), 2, axis=-1)[..., :3]
+    want = theirs(x, indices)
+    for layer in (whole, sliced):
+        np.testing.assert_allclose(np.array(layer(x, indices)), np.array(want), rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_constructor_matches_mlx_lm():
     ours = SwitchGLU(64, 96, 16, bias=True)
     theirs = switch_layers.SwitchGLU(64, 96, 16, bias=True)
@@ -121,9 +140,10 @@ def test_constructor_matches_mlx_lm():
     assert isinstance(ours.up_proj, switch_layers.QuantizedSwitchLinear)
 
 
-def test_weighted_sum_is_the_fused_combine():
+@pytest.mark.parametrize("tile_m", [None, 8])
+def test_weighted_sum_is_the_fused_combine(tile_m):
     mx.random.seed(1)
-    layer = SwitchGLU(32, 48, 8)
+    layer = SwitchGLU(32, 48, 8, tile_m=tile_m)
     x = mx.random.normal((2, 30, 32))
     logits = mx.random.normal((2, 30, 8))
     indices = mx.argpartition(-logits, 1, axis=-1)[..., :2]
@@ -133,13 +153,14 @@ def test_weighted_sum_is_the_fused_combine():
                                rtol=1e-5, atol=1e-6)
 
 
-def test_gradients_match_mlx_lm():
+@pytest.mark.parametrize("tile_m", [None, 8])
+def test_gradients_match_mlx_lm(tile_m):
     # LoRA-style fine-tuning reaches the experts through their inputs: the
     # gradient w.r.t. the layer's input, and w.r.t. its (float) weights.
     mx.random.seed(2)
     theirs = switch_layers.SwitchGLU(32, 48, 8, bias=True)
     theirs.update(tree_map_random(theirs.parameters()))
-    ours = SwitchGLU.from_mlx_lm(theirs)
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=tile_m)
     x = mx.random.normal((40, 32))
     indices = mx.argpartition(-mx.random.normal((40, 8)), 2, axis=-1)[..., :3]
     dy = mx.random.normal((40, 3, 32))
