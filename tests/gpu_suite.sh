@@ -6,7 +6,9 @@
 #    reference, outputs poisoned before each kernel;
 # 2. compute-sanitizer memcheck, racecheck and synccheck over the same
 #    tests with fewer examples, restricted to this package's kernels (CUDA);
-# 3. the benchmark at every shape, T from 128 to 16384, as JSON.
+# 3. the mlx-lm layer tests on the default device (the GPU there);
+# 4. the benchmark at every shape, T from 128 to 16384, and the layer end to
+#    end in each GEMM formulation, as JSON.
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -30,5 +32,9 @@ if command -v compute-sanitizer >/dev/null; then
       python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
   done
 fi
+logged "$results/pytest-nn.log" python3 -m pytest -q tests/test_nn.py -p no:cacheprovider
 logged "$results/bench.log" python3 -m benchmarks.moe --full --json "$results/bench.json"
+logged "$results/bench-layer.log" python3 -m benchmarks.moe --layer --tile-m 1,16,32 \
+  --shapes qwen3-next,qwen3-30b-a3b,deepseek-v3,mixtral --tokens 512,2048,8192 \
+  --json "$results/bench-layer.json"
 exit $status
