@@ -133,14 +133,12 @@ class _Backend:
                     mx.zeros((num_experts + 1,), mx.int32), empty, zero, zero, zero)
         hist, scan, place = geometry.plan_launches(
             num_entries, num_experts, tile_m, top_k, has_weights)
-        # row_weights is a permutation of the weights that carries no gradient
-        # (as in the C++ primitive); combine's gradient reaches them directly.
-        if has_weights:
-            weights = mx.stop_gradient(weights)
         block_counts, block_invalid = _launch(self.backend, "plan_hist", [ids], hist, stream)
         counts, offsets, bases, totals = _launch(
             self.backend, "plan_scan", [block_counts, block_invalid], scan, stream)
-        weights_in = weights if has_weights else _unused_weights()
+        # row_weights is a permutation of the weights that carries no gradient
+        # (as in the C++ primitive); combine's gradient reaches them directly.
+        weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
         row_tokens, row_experts, row_weights, row_entries, positions, tile_experts = _launch(
             self.backend, "plan_place",
             [ids, weights_in, bases, counts, offsets, totals], place, stream)
