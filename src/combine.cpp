@@ -20,17 +20,28 @@ namespace {
 
 // acc[h] = acc[h] + weight * row[h], rounding the product before the add.
 template <typename In>
-void accumulate_row(float* acc, const In* row, float weight, int64_t hidden) {
+void accumulate_portable(float* acc, const In* row, float weight, int64_t hidden) {
   for (int64_t h = 0; h < hidden; ++h) {
     acc[h] = acc[h] + weight * to_float(row[h]);
   }
 }
 
 template <typename Out>
-void store_row(Out* dst, const float* acc, int64_t hidden) {
+void store_portable(Out* dst, const float* acc, int64_t hidden) {
   for (int64_t h = 0; h < hidden; ++h) {
     dst[h] = from_float<Out>(acc[h]);
   }
+}
+
+// The row loops combine runs; float16 on x86-64 specializes them below.
+template <typename In>
+void accumulate_row(float* acc, const In* row, float weight, int64_t hidden) {
+  accumulate_portable(acc, row, weight, hidden);
+}
+
+template <typename Out>
+void store_row(Out* dst, const float* acc, int64_t hidden) {
+  store_portable(dst, acc, hidden);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -49,11 +60,11 @@ __attribute__((target("avx,f16c"))) void accumulate_f16c(
     __m256 product = _mm256_mul_ps(weights, value);
     _mm256_storeu_ps(acc + h, _mm256_add_ps(_mm256_loadu_ps(acc + h), product));
   }
-  for (; h < hidden; ++h) {
-    acc[h] = acc[h] + weight * to_float(row[h]);
-  }
-  _mm256_zeroupper(); // else later SSE code (MLX's own, on this thread) pays
-                      // the AVX-SSE transition on every instruction: 40x seen
+  // Clear the upper AVX state before any SSE code runs (the tail here, or
+  // MLX's own on this thread later), else it pays the AVX-SSE transition on
+  // every instruction: 40x seen.
+  _mm256_zeroupper();
+  accumulate_portable(acc + h, row + h, weight, hidden - h);
 }
 
 __attribute__((target("avx,f16c"))) void store_f16c(
@@ -63,20 +74,16 @@ __attribute__((target("avx,f16c"))) void store_f16c(
     __m128i narrow = _mm256_cvtps_ph(_mm256_loadu_ps(acc + h), _MM_FROUND_TO_NEAREST_INT);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + h), narrow);
   }
-  for (; h < hidden; ++h) {
-    dst[h] = from_float<mx::float16_t>(acc[h]);
-  }
   _mm256_zeroupper();
+  store_portable(dst + h, acc + h, hidden - h);
 }
 
 template <>
 void accumulate_row(float* acc, const mx::float16_t* row, float weight, int64_t hidden) {
   if (kHasF16C) {
     accumulate_f16c(acc, row, weight, hidden);
-    return;
-  }
-  for (int64_t h = 0; h < hidden; ++h) {
-    acc[h] = acc[h] + weight * to_float(row[h]);
+  } else {
+    accumulate_portable(acc, row, weight, hidden);
   }
 }
 
@@ -84,10 +91,8 @@ template <>
 void store_row(mx::float16_t* dst, const float* acc, int64_t hidden) {
   if (kHasF16C) {
     store_f16c(dst, acc, hidden);
-    return;
-  }
-  for (int64_t h = 0; h < hidden; ++h) {
-    dst[h] = from_float<mx::float16_t>(acc[h]);
+  } else {
+    store_portable(dst, acc, hidden);
   }
 }
 #endif

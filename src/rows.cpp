@@ -15,25 +15,28 @@
 
 namespace mlx_moe_plan {
 
-const float* float16_to_float32_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> values(1 << 16);
-    for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
-      uint16_t half_bits = static_cast<uint16_t>(bits);
-      mlx::core::float16_t half;
-      std::memcpy(&half, &half_bits, sizeof(half));
-      values[bits] = static_cast<float>(half);
-    }
-    return values;
-  }();
-  return table.data();
+namespace {
+
+std::vector<float> float16_values() {
+  std::vector<float> values(1 << 16);
+  for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+    uint16_t half_bits = static_cast<uint16_t>(bits);
+    mlx::core::float16_t half;
+    std::memcpy(&half, &half_bits, sizeof(half));
+    values[bits] = static_cast<float>(half);
+  }
+  return values;
 }
 
-namespace {
-constexpr int64_t kLargeBytes = int64_t{4} << 20;
+const std::vector<float> float16_table = float16_values();
+
 } // namespace
 
+const float* const float16_to_float32 = float16_table.data();
+
 namespace {
+
+constexpr int64_t kLargeBytes = int64_t{4} << 20;
 
 void advise_huge_pages(void* data, size_t nbytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

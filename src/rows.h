@@ -15,7 +15,8 @@ namespace mlx_moe_plan {
 
 // float16 to float32 by table: exact, and several times faster than MLX's
 // portable float16_t conversion on CPUs without native half arithmetic.
-const float* float16_to_float32_table();
+// Filled when the extension loads, so the per-element lookup is one load.
+extern const float* const float16_to_float32;
 
 template <typename T>
 inline float to_float(T value) {
@@ -26,7 +27,7 @@ template <>
 inline float to_float(mlx::core::float16_t value) {
   uint16_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
-  return float16_to_float32_table()[bits];
+  return float16_to_float32[bits];
 }
 
 template <>
