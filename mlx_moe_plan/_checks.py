@@ -18,6 +18,16 @@ def check_row_dtype(name: str, dtype) -> None:
         raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dtype}")
 
 
+def check_weights(weights, shape: tuple[int, ...]) -> mx.array:
+    """Routing weights: a float array of the indices' shape."""
+    check_array("weights", weights)
+    if not mx.issubdtype(weights.dtype, mx.floating):
+        raise TypeError(f"weights: expected a floating dtype, got {weights.dtype}")
+    if weights.shape != shape:
+        raise ValueError(f"weights: expected the indices' shape {shape}, got {weights.shape}")
+    return weights
+
+
 def check_plan(plan) -> None:
     from .plan import MoEPlan
 

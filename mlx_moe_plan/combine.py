@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import _backend
-from ._checks import check_array, check_plan, check_rows
+from ._checks import check_plan, check_rows, check_weights
 from .plan import MoEPlan
 
 
@@ -38,13 +38,7 @@ def moe_combine(
         if weights is None:
             raise ValueError("weights: the plan carries no weights; pass weights=")
     else:
-        check_array("weights", weights)
-        if not mx.issubdtype(weights.dtype, mx.floating):
-            raise TypeError(f"weights: expected a floating dtype, got {weights.dtype}")
-        if weights.shape != plan.positions.shape:
-            raise ValueError(
-                f"weights: expected shape {plan.positions.shape}, got {weights.shape}"
-            )
+        check_weights(weights, plan.positions.shape)
     stream = _backend.resolve_stream(stream)
     positions = plan.positions.reshape(-1, plan.top_k, stream=stream)
     weights = weights.astype(mx.float32, stream=stream).reshape(-1, plan.top_k, stream=stream)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import _backend
+from ._checks import check_weights
 from .reference import MAX_EXPERTS, capacity_for
 
 _INT32_MAX = 2**31 - 1
@@ -111,14 +112,7 @@ def moe_plan(
     if not 1 <= tile_m <= _INT32_MAX:
         raise ValueError(f"tile_m: must be in [1, {_INT32_MAX}], got {tile_m}")
     if weights is not None:
-        if not isinstance(weights, mx.array):
-            raise TypeError(f"weights: expected an mlx.core.array, got {type(weights).__name__}")
-        if not mx.issubdtype(weights.dtype, mx.floating):
-            raise TypeError(f"weights: expected a floating dtype, got {weights.dtype}")
-        if weights.shape != indices.shape:
-            raise ValueError(
-                f"weights: shape {weights.shape} does not match indices' {indices.shape}"
-            )
+        check_weights(weights, indices.shape)
 
     top_k = indices.shape[-1]
     if top_k == 0:
