@@ -2,7 +2,7 @@
 
     python -m benchmarks.moe --layer                        # quick, on the default device
     python -m benchmarks.moe --layer --shapes qwen3-next --tokens 512,2048,8192
-    python -m benchmarks.moe --layer --tile-m 1,16,32     # each GEMM formulation
+    python -m benchmarks.moe --layer --tile-m auto,1,16,64  # each GEMM formulation
 
 Each call is one MoE layer's expert work with 4-bit weights (group 64):
 mlx-lm's `SwitchGLU(x, indices)` then the weighted sum the model applies,
@@ -72,7 +72,7 @@ def routing(tokens: int, shape: LayerShape):
 
 def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: list[int]):
     """One row per formulation in `tile_ms`, each against the same mlx-lm timing."""
-    from mlx_moe_plan.nn import SwitchGLU
+    from mlx_moe_plan.nn import SwitchGLU, default_tile_m
 
     theirs = make_layers(shape, layers)
     inputs = [routing(tokens, shape) for _ in range(layers)]
@@ -113,7 +113,9 @@ def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: lis
             raise SystemExit(f"{name} T={tokens} tile_m={tile_m}: ours differs from mlx-lm "
                              f"by {error} (max |y| {scale})")
         ours_us = time_us(our_call)
+        used = tile_m or default_tile_m(tokens * shape.top_k, shape.experts)
         rows.append({"model": name, "tokens": tokens, **shape.__dict__, "tile_m": tile_m,
+                     "tile_m_used": used,
                      "max_abs_diff": error, "mlx-lm_us": mlx_lm_us, "mlx-lm_error": mlx_lm_error,
                      "ours_us": ours_us,
                      "mlx-lm_gflops": flops / mlx_lm_us / 1e3 if mlx_lm_us else None,
@@ -128,8 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", help=f"comma list from {', '.join(SHAPES)}")
     parser.add_argument("--tokens", help="comma list of token counts T")
     parser.add_argument("--layers", type=int, help="layers (calls) in one graph")
-    parser.add_argument("--tile-m", default="1",
-                        help="comma list of GEMM formulations: 1 = sorted rows, >1 = tiles")
+    parser.add_argument("--tile-m", default="auto",
+                        help="comma list of GEMM formulations: auto = the layer's default "
+                             "(nn.default_tile_m), 1 = sorted rows, >1 = tiles of that many rows")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
     results = []
     print(f"{'model':15s} {'D':>5s} {'I':>6s} {'E':>4s} {'K':>3s} {'T':>6s} {'tile':>4s} "
           f"{'mlx-lm us':>11s} {'ours us':>10s} {'GFLOP/s':>9s} {'speedup':>8s}")
-    tile_ms = [int(v) for v in args.tile_m.split(",")]
+    tile_ms = [None if v == "auto" else int(v) for v in args.tile_m.split(",")]
     for name in shapes:
         for t in tokens:
             for row in measure(name, SHAPES[name], t, layers, tile_ms):
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
                 theirs = "fails" if row["mlx-lm_us"] is None else f"{row['mlx-lm_us']:.1f}"
                 speedup = "" if row["speedup"] is None else f"{row['speedup']:.2f}x"
                 print(f"{name:15s} {row['hidden']:5d} {row['intermediate']:6d} "
-                      f"{row['experts']:4d} {row['top_k']:3d} {t:6d} {row['tile_m']:4d} "
+                      f"{row['experts']:4d} {row['top_k']:3d} {t:6d} {row['tile_m'] or 'auto':>4} "
                       f"{theirs:>11s} {row['ours_us']:10.1f} "
                       f"{row['ours_gflops']:9.1f} {speedup:>8s}", flush=True)
     if args.json:

@@ -1,7 +1,8 @@
 """Backend dispatch: the stream's device picks the implementation.
 
-Every implementation offers the same three functions, all returning lazy
-arrays: `plan`, `gather_rows` and `combine_rows` (see `_cpu.py`). The GPU ones
+Every implementation offers the same three functions: `plan` (its output
+arrays, and a function `field(name, shape)` that views one of the plan's
+fields in them), `gather_rows` and `combine_rows`, all lazy (see `_cpu.py`). The GPU ones
 run the kernel texts in `kernels/` through `mx.fast.metal_kernel` or
 `mx.fast.cuda_kernel`; the CPU ones are the C++ primitives in `src/`.
 """
@@ -45,3 +46,19 @@ def implementation(stream: mx.Stream):
     from . import _gpu
 
     return _gpu.for_backend(backend)
+
+
+# The plan's fields an implementation provides, by the names of MoEPlan's.
+PLAN_FIELDS = ("row_tokens", "row_experts", "row_weights", "row_entries", "positions",
+               "expert_counts", "expert_offsets", "tile_experts", "num_rows", "num_tiles",
+               "num_invalid")
+
+
+def field_of_arrays(fields: dict[str, mx.array], stream: mx.Stream):
+    """`field(name, shape)` for a plan whose fields are separate arrays."""
+
+    def field(name: str, shape: tuple[int, ...]) -> mx.array:
+        array = fields[name]
+        return array if array.shape == tuple(shape) else array.reshape(shape, stream=stream)
+
+    return field

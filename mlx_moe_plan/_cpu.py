@@ -13,6 +13,8 @@ except ImportError as error:  # a missing build, not a missing symbol deep insid
 
 import mlx.core as mx
 
+from ._backend import PLAN_FIELDS, field_of_arrays
+
 if _ext.built_with_mlx != mx.__version__:
     raise ImportError(
         f"mlx_moe_plan's C++ extension was built against MLX {_ext.built_with_mlx} but "
@@ -22,10 +24,13 @@ if _ext.built_with_mlx != mx.__version__:
 
 
 def plan(ids, weights, *, num_experts, tile_m, top_k, stream):
-    outputs = _ext.plan(ids, weights, num_experts, tile_m, top_k, stream=stream)
-    if weights is None:
-        outputs.insert(2, None)
-    return tuple(outputs)
+    if weights is not None:
+        weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
+    outputs = _ext.plan(ids.reshape(-1, stream=stream), weights, num_experts, tile_m, top_k,
+                        stream=stream)
+    fields = dict(zip([f for f in PLAN_FIELDS if f != "row_weights" or weights is not None],
+                      outputs))
+    return outputs, field_of_arrays(fields, stream)
 
 
 def gather_rows(src, index, inverse, *, dtype, stream):

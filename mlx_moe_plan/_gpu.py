@@ -13,22 +13,17 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from . import kernels
+from . import _backend, kernels
 from .kernels import launch as geometry
+
+# The plan's scalar fields, in the order of plan.h's `totals`.
+_TOTALS = ("num_rows", "num_tiles", "num_invalid")
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
 POISON: float | None = None
 
 _INPUTS_OUTPUTS = {
-    "plan_hist": (["ids", "params"], ["block_counts", "block_invalid"]),
-    "plan_scan": (
-        ["block_counts", "block_invalid", "params"],
-        ["expert_counts", "expert_offsets", "block_bases", "totals"],
-    ),
-    "plan_place": (
-        ["ids", "weights", "block_bases", "expert_counts", "expert_offsets", "totals", "params"],
-        ["row_tokens", "row_experts", "row_weights", "row_entries", "positions", "tile_experts"],
-    ),
+    "plan": (["ids", "weights", "params"], ["plan_data", "row_weights"]),
     "gather": (["src", "index", "params"], ["out"]),
     "combine": (["src", "index", "weights", "params"], ["out"]),
 }
@@ -87,9 +82,6 @@ def _cache_by_stream(make):
 _PARAMS_SIZE = 8
 
 
-_PARAMS_SIZE = 8
-
-
 @_cache_by_stream
 def _params(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
     """The small int32 array of run-time sizes a kernel reads, in GPU memory.
@@ -128,24 +120,33 @@ class _Backend:
         if num_entries == 0:  # no kernel to run: every array but two is empty
             empty = mx.zeros((0,), mx.int32)
             zero = mx.array(0, mx.int32)
-            return (empty, empty, mx.zeros((0,), mx.float32) if has_weights else None,
-                    empty, empty, mx.zeros((num_experts,), mx.int32),
-                    mx.zeros((num_experts + 1,), mx.int32), empty, zero, zero, zero)
-        hist, scan, place = geometry.plan_launches(
-            num_entries, num_experts, tile_m, top_k, has_weights)
-        block_counts, block_invalid = _launch(self.backend, "plan_hist", [ids], hist, stream)
-        counts, offsets, bases, totals = _launch(
-            self.backend, "plan_scan", [block_counts, block_invalid], scan, stream)
+            fields = dict(
+                row_tokens=empty, row_experts=empty, row_entries=empty, tile_experts=empty,
+                row_weights=mx.zeros((0,), mx.float32), positions=empty,
+                expert_counts=mx.zeros((num_experts,), mx.int32),
+                expert_offsets=mx.zeros((num_experts + 1,), mx.int32),
+                num_rows=zero, num_tiles=zero, num_invalid=zero)
+            return list(fields.values()), _backend.field_of_arrays(fields, stream)
+        launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
         # row_weights is a permutation of the weights that carries no gradient
         # (as in the C++ primitive); combine's gradient reaches them directly.
         weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
-        row_tokens, row_experts, row_weights, row_entries, positions, tile_experts = _launch(
-            self.backend, "plan_place",
-            [ids, weights_in, bases, counts, offsets, totals], place, stream)
-        return (
-            row_tokens, row_experts, row_weights if has_weights else None, row_entries,
-            positions, counts, offsets, tile_experts, totals[0], totals[1], totals[2],
-        )
+        plan_data, row_weights = _launch(self.backend, "plan", [ids, weights_in], launch, stream)
+        layout = geometry.plan_layout(num_entries, num_experts, tile_m)
+
+        def field(name: str, shape: tuple[int, ...]) -> mx.array:
+            if name == "row_weights":
+                return row_weights
+            if name in _TOTALS:
+                offset = layout["totals"][0] + _TOTALS.index(name)
+            else:
+                offset = layout[name][0]
+            strides = [1] * len(shape)
+            for axis in range(len(shape) - 2, -1, -1):
+                strides[axis] = strides[axis + 1] * shape[axis + 1]
+            return mx.as_strided(plan_data, shape, strides, offset, stream=stream)
+
+        return [plan_data, row_weights] if has_weights else [plan_data], field
 
     def gather_rows(self, src, index, inverse, *, dtype, stream):
         return _gather_function(self.backend, dtype, stream)(src, index, inverse)

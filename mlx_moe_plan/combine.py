@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from . import _backend
@@ -38,11 +40,13 @@ def moe_combine(
         if weights is None:
             raise ValueError("weights: the plan carries no weights; pass weights=")
     else:
-        check_weights(weights, plan.positions.shape)
+        check_weights(weights, plan.indices_shape)
     stream = _backend.resolve_stream(stream)
-    positions = plan.positions.reshape(-1, plan.top_k, stream=stream)
-    weights = weights.astype(mx.float32, stream=stream).reshape(-1, plan.top_k, stream=stream)
+    num_tokens = math.prod(plan.indices_shape[:-1])
+    positions = plan._field("positions", (num_tokens, plan.top_k))
+    weights = weights.astype(mx.float32, stream=stream).reshape(num_tokens, plan.top_k,
+                                                                 stream=stream)
     out = _backend.implementation(stream).combine_rows(
         rows, positions, weights, plan.row_entries, dtype=rows.dtype, stream=stream
     )
-    return out.reshape(plan.positions.shape[:-1] + (rows.shape[-1],), stream=stream)
+    return out.reshape(plan.indices_shape[:-1] + (rows.shape[-1],), stream=stream)

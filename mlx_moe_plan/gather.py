@@ -38,7 +38,7 @@ def moe_gather(
     check_row_dtype("x", x.dtype)
     dtype = x.dtype if dtype is None else dtype
     check_row_dtype("dtype", dtype)
-    token_shape = plan.positions.shape[:-1]
+    token_shape = plan.indices_shape[:-1]
     if x.ndim < 1 or x.shape[:-1] != token_shape:
         raise ValueError(
             f"x: expected shape {token_shape + ('H',)} to match the plan's tokens, got {x.shape}"
@@ -46,7 +46,7 @@ def moe_gather(
     stream = _backend.resolve_stream(stream)
     num_tokens = math.prod(token_shape)
     tokens = x.reshape(num_tokens, x.shape[-1], stream=stream)
-    inverse = plan.positions.reshape(-1, plan.top_k, stream=stream)
+    inverse = plan._field("positions", (num_tokens, plan.top_k))
     return _backend.implementation(stream).gather_rows(
         tokens, plan.row_tokens, inverse, dtype=dtype, stream=stream
     )
@@ -71,9 +71,9 @@ def moe_unsort(
     check_plan(plan)
     check_rows(rows, plan)
     stream = _backend.resolve_stream(stream)
-    entries = plan.positions.reshape(-1, stream=stream)
-    inverse = plan.row_entries.reshape(-1, 1, stream=stream)
+    entries = plan._field("positions", (math.prod(plan.indices_shape),))
+    inverse = plan._field("row_entries", (plan.capacity, 1))
     out = _backend.implementation(stream).gather_rows(
         rows, entries, inverse, dtype=rows.dtype, stream=stream
     )
-    return out.reshape(plan.positions.shape + (rows.shape[-1],), stream=stream)
+    return out.reshape(plan.indices_shape + (rows.shape[-1],), stream=stream)

@@ -9,9 +9,9 @@ turns them into `QuantizedSwitchLinear` exactly as it does mlx-lm's.
 Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of two formulations:
 sorted single rows (`tile_m=1`, mlx-lm's: one expert index a row) or tiles
 (`tile_m` rows a tile, one expert a tile by the plan's construction, rows seen
-as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`). The default is
-mlx-lm's formulation on every backend until the tiled one is measured per
-backend; `tile_m` overrides it per layer. Needs mlx-lm installed.
+as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`). The default,
+`default_tile_m`, is the rule measured per backend (benchmarks/RESULTS.md);
+`tile_m` overrides it per layer. Needs mlx-lm installed.
 """
 
 from __future__ import annotations
@@ -27,9 +27,35 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
         "pip install mlx-lm (or this package's [bench] extra)"
     ) from error
 
+from . import _backend
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
+
+
+# On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights), tiles beat sorted
+# single rows 3.5x to 24x at every measured shape from 4,096 routed entries up:
+# 16-row tiles while experts average fewer than 64 rows, 64-row tiles from
+# there (`python -m benchmarks.moe --layer --tile-m 1,16,32,64`, RESULTS.md).
+TILED_FROM_ENTRIES = 4096
+LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
+
+
+def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
+    """The GEMM formulation the layer uses unless told: the measured rule.
+
+    Tiles on MLX's CUDA backend from `TILED_FROM_ENTRIES` routed entries (16
+    rows, or 64 once experts average `LARGE_TILES_FROM_ROWS_PER_EXPERT` rows);
+    mlx-lm's sorted single rows (1) elsewhere: on the CPU, whose `gather_qmm`
+    pays for every padding row (16-row tiles ran 18x slower at T=8), on Metal,
+    not yet measured, and below the measured sizes.
+    """
+    stream = _backend.resolve_stream(stream)
+    if stream.device.type != mx.gpu or _backend.gpu_backend() != "cuda":
+        return 1
+    if num_entries < TILED_FROM_ENTRIES:
+        return 1
+    return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
 
 
 class SwitchGLU(nn.Module):
@@ -42,7 +68,7 @@ class SwitchGLU(nn.Module):
         activation (Module): `activation(x_up, x_gate)`. Default: SwiGLU.
         bias (bool): Projection biases. Default: ``False``.
         tile_m (int, optional): GEMM formulation: 1 for sorted single rows,
-          more for tiles of that many rows. Default: mlx-lm's (1).
+          more for tiles of that many rows. Default: `default_tile_m` per call.
     """
 
     # Rows a single sorted-rows GEMM call takes at most; larger batches run in
@@ -86,7 +112,9 @@ class SwitchGLU(nn.Module):
         return self.gate_proj.num_experts
 
     def _plan(self, indices: mx.array):
-        tile_m = 1 if self.tile_m is None else self.tile_m
+        tile_m = self.tile_m
+        if tile_m is None:
+            tile_m = default_tile_m(indices.size, self.num_experts)
         return moe_plan(mx.stop_gradient(indices), self.num_experts, tile_m=tile_m)
 
     def _mlp(self, rows: mx.array, experts: mx.array) -> mx.array:
@@ -141,7 +169,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None) -> int:
     Args:
         model (Module): A loaded mlx-lm model (or any module tree).
         tile_m (int, optional): The GEMM formulation of every new layer (see
-          `SwitchGLU`). Default: mlx-lm's.
+          `SwitchGLU`). Default: `default_tile_m`, per call.
 
     Returns:
         int: How many layers were replaced.

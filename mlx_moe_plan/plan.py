@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
 import mlx.core as mx
 
@@ -13,7 +15,7 @@ from .reference import MAX_EXPERTS, capacity_for
 _INT32_MAX = 2**31 - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MoEPlan:
     """Where each routed (token, k) entry lives in the expert-sorted rows.
 
@@ -21,37 +23,89 @@ class MoEPlan:
     `t * K + k`. Each expert's span starts at a multiple of `tile_m` and is its
     count rounded up to a multiple of `tile_m`; the rows past the count are
     padding. See DESIGN.md for the normative description of every field.
+
+    The array fields are lazy views of what the plan's kernel (or CPU
+    primitive) computed, `outputs`: each is made when first read, so a field
+    nobody reads costs nothing, not even a graph node. `mx.eval(plan.outputs)`
+    evaluates the whole plan.
     """
 
-    row_tokens: mx.array
-    """int32 `[capacity]`: token of each row, `-1` on padding and tail rows."""
-    row_experts: mx.array
-    """int32 `[capacity]`: expert of each row (non-decreasing)."""
-    row_weights: mx.array | None
-    """float32 `[capacity]`: the entry's weight, 0 on padding; None without weights."""
-    row_entries: mx.array
-    """int32 `[capacity]`: flat entry `t * K + k` of each row, `-1` on padding."""
-    positions: mx.array
-    """int32, `indices.shape`: row of each entry, `-1` where skipped or invalid."""
-    expert_counts: mx.array
-    """int32 `[num_experts]`: routed entries per expert (unpadded)."""
-    expert_offsets: mx.array
-    """int32 `[num_experts + 1]`: first row of each expert; the last is `num_rows`."""
-    tile_experts: mx.array
-    """int32 `[max_tiles]`: expert of each tile of `tile_m` rows, `-1` past `num_tiles`."""
-    num_rows: mx.array
-    """int32 scalar: used rows, padding included."""
-    num_tiles: mx.array
-    """int32 scalar: used tiles."""
-    num_invalid: mx.array
-    """int32 scalar: entries `>= num_experts`."""
     num_experts: int
     tile_m: int
     capacity: int
     max_tiles: int
     top_k: int
-    entry_weights: mx.array | None = None
-    """float32 `[T, K]`: the weights the plan was built with, for `moe_combine`."""
+    indices_shape: tuple[int, ...]
+    """The shape of the `indices` the plan was built from, `[..., K]`."""
+    outputs: tuple[mx.array, ...]
+    """Every array the plan's kernel or primitive computed; the fields view them."""
+    _field: Callable[[str, tuple[int, ...]], mx.array] = field(repr=False)
+    _weights: mx.array | None = field(repr=False)
+    _stream: mx.Stream = field(repr=False)
+
+    @cached_property
+    def row_tokens(self) -> mx.array:
+        """int32 `[capacity]`: token of each row, `-1` on padding and tail rows."""
+        return self._field("row_tokens", (self.capacity,))
+
+    @cached_property
+    def row_experts(self) -> mx.array:
+        """int32 `[capacity]`: expert of each row (non-decreasing)."""
+        return self._field("row_experts", (self.capacity,))
+
+    @cached_property
+    def row_weights(self) -> mx.array | None:
+        """float32 `[capacity]`: the entry's weight, 0 on padding; None without weights."""
+        if self._weights is None:
+            return None
+        return self._field("row_weights", (self.capacity,))
+
+    @cached_property
+    def row_entries(self) -> mx.array:
+        """int32 `[capacity]`: flat entry `t * K + k` of each row, `-1` on padding."""
+        return self._field("row_entries", (self.capacity,))
+
+    @cached_property
+    def positions(self) -> mx.array:
+        """int32, `indices.shape`: row of each entry, `-1` where skipped or invalid."""
+        return self._field("positions", self.indices_shape)
+
+    @cached_property
+    def expert_counts(self) -> mx.array:
+        """int32 `[num_experts]`: routed entries per expert (unpadded)."""
+        return self._field("expert_counts", (self.num_experts,))
+
+    @cached_property
+    def expert_offsets(self) -> mx.array:
+        """int32 `[num_experts + 1]`: first row of each expert; the last is `num_rows`."""
+        return self._field("expert_offsets", (self.num_experts + 1,))
+
+    @cached_property
+    def tile_experts(self) -> mx.array:
+        """int32 `[max_tiles]`: expert of each tile of `tile_m` rows, `-1` past `num_tiles`."""
+        return self._field("tile_experts", (self.max_tiles,))
+
+    @cached_property
+    def num_rows(self) -> mx.array:
+        """int32 scalar: used rows, padding included."""
+        return self._field("num_rows", ())
+
+    @cached_property
+    def num_tiles(self) -> mx.array:
+        """int32 scalar: used tiles."""
+        return self._field("num_tiles", ())
+
+    @cached_property
+    def num_invalid(self) -> mx.array:
+        """int32 scalar: entries `>= num_experts`."""
+        return self._field("num_invalid", ())
+
+    @cached_property
+    def entry_weights(self) -> mx.array | None:
+        """float32, `indices.shape`: the weights the plan was built with, for `moe_combine`."""
+        if self._weights is None:
+            return None
+        return self._weights.astype(mx.float32, stream=self._stream)
 
 
 def _as_int32_ids(indices: mx.array, num_experts: int, stream) -> mx.array:
@@ -126,34 +180,21 @@ def moe_plan(
         )
 
     stream = _backend.resolve_stream(stream)
-    ids = _as_int32_ids(indices, num_experts, stream).reshape(-1, stream=stream)
-    flat_weights = None
-    if weights is not None:
-        flat_weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
-
-    impl = _backend.implementation(stream)
-    (row_tokens, row_experts, row_weights, row_entries, positions, expert_counts,
-     expert_offsets, tile_experts, num_rows, num_tiles, num_invalid) = impl.plan(
-        ids, flat_weights, num_experts=num_experts, tile_m=tile_m, top_k=top_k, stream=stream
+    ids = _as_int32_ids(indices, num_experts, stream)
+    outputs, field_of = _backend.implementation(stream).plan(
+        ids, weights, num_experts=num_experts, tile_m=tile_m, top_k=top_k, stream=stream
     )
     plan = MoEPlan(
-        row_tokens=row_tokens,
-        row_experts=row_experts,
-        row_weights=row_weights,
-        row_entries=row_entries,
-        positions=positions.reshape(indices.shape, stream=stream),
-        expert_counts=expert_counts,
-        expert_offsets=expert_offsets,
-        tile_experts=tile_experts,
-        num_rows=num_rows,
-        num_tiles=num_tiles,
-        num_invalid=num_invalid,
         num_experts=num_experts,
         tile_m=tile_m,
         capacity=capacity,
         max_tiles=capacity // tile_m,
         top_k=top_k,
-        entry_weights=None if flat_weights is None else flat_weights.reshape(indices.shape),
+        indices_shape=tuple(indices.shape),
+        outputs=tuple(outputs),
+        _field=field_of,
+        _weights=weights,
+        _stream=stream,
     )
     if check:
         invalid = plan.num_invalid.item()

@@ -5,6 +5,13 @@
 from __future__ import annotations
 
 import os
+
+# Float32 matmuls in exact float32, not TensorFloat-32 (MLX's default on CUDA):
+# the layer tests compare a patched model with mlx-lm's, whose GEMM kernels
+# differ (sorted rows against unsorted below mlx-lm's sort threshold), and
+# TF32's 10-bit products make that difference 1e-4 rather than 1e-7. MLX reads
+# this once, at its first matmul.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 from dataclasses import dataclass
 
 import mlx.core as mx

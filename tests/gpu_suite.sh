@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The GPU suite, on a machine whose MLX has a GPU backend (MLX's CUDA build
 # on Linux; Metal on a Mac), from the project root:
-#     bash tests/gpu_suite.sh [results-dir]
-# 1. every test on the GPU device (pytest -m gpu), bitwise against the
-#    reference, outputs poisoned before each kernel;
-# 2. compute-sanitizer memcheck, racecheck and synccheck over the same
-#    tests with fewer examples, restricted to this package's kernels (CUDA);
-# 3. the mlx-lm layer tests on the default device (the GPU there);
-# 4. the benchmark at every shape, T from 128 to 16384, and the layer end to
-#    end in each GEMM formulation, as JSON.
+#     bash tests/gpu_suite.sh [results-dir] [tests|bench|all]
+# tests: 1. every test on the GPU device (pytest -m gpu), bitwise against the
+#           reference, outputs poisoned before each kernel;
+#        2. compute-sanitizer memcheck, racecheck and synccheck over the same
+#           tests with fewer examples, restricted to this package's kernels (CUDA);
+#        3. the mlx-lm layer tests on the default device (the GPU there).
+# bench: 4. the dispatch costs, the ops at every shape (T from 128 to 16384),
+#           and the layer end to end at every shape, T = 512 to 16384, in the
+#           default formulation and each fixed one, one process a shape and T
+#           (a failing mlx-lm launch cannot disturb the next), as JSON.
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
+steps=${2:-all}
 mkdir -p "$results"
 status=0
 logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
@@ -24,17 +27,28 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
   [ "$rc" -eq 0 ] || { echo "FAILED ($rc): $*"; status=1; }
 }
 
-logged "$results/pytest-gpu.log" python3 -m pytest -q -m gpu tests -p no:cacheprovider
-if command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck synccheck; do
-    HYPOTHESIS_PROFILE=sanitize logged "$results/sanitizer-$tool.log" \
-      compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
-      python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
+if [ "$steps" != bench ]; then
+  logged "$results/pytest-gpu.log" python3 -m pytest -q -m gpu tests -p no:cacheprovider
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      HYPOTHESIS_PROFILE=sanitize logged "$results/sanitizer-$tool.log" \
+        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+        python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
+    done
+  fi
+  logged "$results/pytest-nn.log" python3 -m pytest -q -rf tests/test_nn.py -p no:cacheprovider
+fi
+if [ "$steps" != tests ]; then
+  logged "$results/dispatch.log" python3 -m benchmarks.dispatch
+  logged "$results/bench.log" python3 -m benchmarks.moe --full --no-progress \
+    --json "$results/bench.json"
+  for tokens in 512 2048 8192 16384; do
+    for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
+      logged "$results/layer-$shape-$tokens.log" python3 -m benchmarks.moe --layer \
+        --shapes "$shape" --tokens "$tokens" --tile-m auto,1,16,64 \
+        --layers $([ "$tokens" -le 2048 ] && echo 4 || echo 2) \
+        --json "$results/layer-$shape-$tokens.json"
+    done
   done
 fi
-logged "$results/pytest-nn.log" python3 -m pytest -q tests/test_nn.py -p no:cacheprovider
-logged "$results/bench.log" python3 -m benchmarks.moe --full --json "$results/bench.json"
-logged "$results/bench-layer.log" python3 -m benchmarks.moe --layer --tile-m 1,16,32 \
-  --shapes qwen3-next,qwen3-30b-a3b,deepseek-v3,mixtral --tokens 512,2048,8192 \
-  --json "$results/bench-layer.json"
 exit $status

@@ -151,7 +151,7 @@ def run(name: str, arrays: list[np.ndarray], launch: geometry.Launch) -> list[np
 
 
 def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.ReferencePlan:
-    """hist, scan and place as `_gpu._Backend.plan` runs them; int32 `ids` [..., K]."""
+    """The plan kernel as `_gpu._Backend.plan` runs it; int32 `ids` [..., K]."""
     ids = np.asarray(ids)
     assert ids.dtype == np.int32, "the kernels read int32 ids (plan.py converts them)"
     flat = ids.reshape(-1)
@@ -166,19 +166,19 @@ def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.Referen
             empty, empty, np.zeros(0, np.float32) if has_weights else None, empty,
             empty.reshape(ids.shape), np.zeros(num_experts, np.int32),
             np.zeros(num_experts + 1, np.int32), empty, 0, 0, 0, **sizes)
-    hist, scan, place = geometry.plan_launches(
-        num_entries, num_experts, tile_m, top_k, has_weights)
-    block_counts, block_invalid = run("plan_hist", [flat], hist)
-    counts, offsets, bases, totals = run("plan_scan", [block_counts, block_invalid], scan)
+    launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
     weights_in = np.zeros(1, np.float32) if weights is None else np.asarray(weights, np.float32)
-    row_tokens, row_experts, row_weights, row_entries, positions, tile_experts = run(
-        "plan_place", [flat, weights_in.reshape(-1), bases, counts, offsets, totals], place)
+    plan_data, row_weights = run("plan", [flat, weights_in.reshape(-1)], launch)
+    layout = geometry.plan_layout(num_entries, num_experts, tile_m)
+    fields = {name: plan_data[offset:offset + size]
+              for name, (offset, size) in layout.items() if name != "size"}
     return ref.ReferencePlan(
-        row_tokens=row_tokens, row_experts=row_experts,
-        row_weights=row_weights if has_weights else None, row_entries=row_entries,
-        positions=positions.reshape(ids.shape), expert_counts=counts, expert_offsets=offsets,
-        tile_experts=tile_experts, num_rows=int(totals[0]), num_tiles=int(totals[1]),
-        num_invalid=int(totals[2]), **sizes,
+        row_tokens=fields["row_tokens"], row_experts=fields["row_experts"],
+        row_weights=row_weights if has_weights else None, row_entries=fields["row_entries"],
+        positions=fields["positions"].reshape(ids.shape),
+        expert_counts=fields["expert_counts"], expert_offsets=fields["expert_offsets"],
+        tile_experts=fields["tile_experts"], num_rows=int(fields["totals"][0]),
+        num_tiles=int(fields["totals"][1]), num_invalid=int(fields["totals"][2]), **sizes,
     )
 
 

@@ -194,10 +194,12 @@ def test_ops_reject_a_plan_that_is_not_a_moe_plan(op, bad_plan, good, device):
 @pytest.mark.parametrize("op", ["moe_gather", "moe_combine", "moe_unsort"])
 def test_ops_reject_a_plan_lookalike(op, good, device):
     # Duck typing is refused too: the fields' invariants are the plan's promise.
-    from dataclasses import asdict
     from types import SimpleNamespace
 
-    lookalike = SimpleNamespace(**asdict(good["plan"]))
+    plan = good["plan"]
+    fields = ("row_tokens", "row_experts", "row_weights", "row_entries", "positions",
+              "num_experts", "tile_m", "capacity", "max_tiles", "top_k", "indices_shape")
+    lookalike = SimpleNamespace(**{name: getattr(plan, name) for name in fields})
     with pytest.raises(ERRORS, match=_names("plan")):
         _calls(good, stream=device)[op](lookalike)
 

@@ -159,7 +159,7 @@ PLAN_EDGES = {
     "same_expert_k16": (_tokens_of(np.repeat(_rng.integers(0, 4, 100), 16), 100, 16), 4, 16),
     "max_experts_tile128": (_tokens_of(_rng.integers(-1, 1025, 1600), 100, 16), 1024, 128),
     "max_experts_tile1": (_tokens_of(_rng.integers(0, 1024, 1600), 1600, 1), 1024, 1),
-    # 21 blocks: scan's 8-block unrolled column sums run twice, then the rest
+    # 21 groups: phase 1's 8-wide unrolled reads run 2 full rounds and a partial one
     "twenty_one_blocks": (_tokens_of(_rng.integers(-1, 70, 10700), 1070, 10), 64, 8),
 }
 
@@ -173,13 +173,12 @@ def test_plan_edge_cases(case, weighted):
 
 
 def test_device_runs_the_plan_groups():
-    """scan runs one group of MAX_EXPERTS (1024), hist and place groups of PLAN_BLOCK."""
-    for name, launch in zip(("plan_hist", "plan_scan", "plan_place"),
-                            geometry.plan_launches(1, 1, 1, 1, True)):
-        limit = ocl.max_group_size(name, launch.template)
-        assert limit >= launch.group_size, (
-            f"{ocl.device().name} runs groups of at most {limit}: {name} needs "
-            f"{launch.group_size}")
+    """The plan runs groups of PLAN_BLOCK threads."""
+    launch = geometry.plan_launch(1, 1, 1, 1, True)
+    limit = ocl.max_group_size("plan", launch.template)
+    assert limit >= launch.group_size, (
+        f"{ocl.device().name} runs groups of at most {limit}: the plan needs "
+        f"{launch.group_size}")
 
 
 # --- gather ----------------------------------------------------------------------

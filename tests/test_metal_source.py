@@ -107,7 +107,7 @@ def test_every_kernel_and_configuration_is_covered():
     assert seen == set(_INPUTS_OUTPUTS)
     templates = {(launch.name, launch.template) for launch in LAUNCHES}
     for has_weights in (False, True):
-        for name in ("plan_place", "combine"):
+        for name in ("plan", "combine"):
             assert any(n == name and ("HAS_WEIGHTS", has_weights) in t for n, t in templates)
     for src_dtype in ROW_DTYPES:
         for dtype in ROW_DTYPES:
@@ -249,7 +249,7 @@ def test_threadgroup_arrays_at_kernel_scope(name):
 def test_threadgroup_memory_fits(launch):
     """All threadgroup variables together fit in 32 KiB (Metal's threadgroup
     memory), sized from the template constants the launch uses (the expert
-    limit, MAX_EXPERTS = 1024, for the plan kernels)."""
+    limit, MAX_EXPERTS = 1024, for the plan kernel)."""
     constants = {name: int(value) for name, value in launch.template if isinstance(value, int)}
     total = 0
     for type_name, var, dims, _, _ in _threadgroup_arrays(_body(launch)):
@@ -325,18 +325,15 @@ def _block_header(text: str, brace: int) -> str:
 @launch_params
 def test_groups_fit_and_are_full(launch):
     """Group sizes are within 1024 threads and every group is full, which the
-    plan kernels assume (GROUP_SIZE == BLOCK, or == MAX_EXPERTS for the scan)."""
+    plan kernel assumes (GROUP_SIZE == BLOCK, which divides MAX_EXPERTS)."""
     size = launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2]
     assert 0 < size <= MAX_THREADS
     assert all(g % t == 0 for g, t in zip(launch.grid, launch.threadgroup))
     template = dict(launch.template)
-    if launch.name in ("plan_hist", "plan_place"):
+    if launch.name == "plan":
         assert launch.threadgroup[0] == template["BLOCK"]
-    if launch.name == "plan_place":
         assert template["BLOCK"] % 128 == 0
-    if launch.name == "plan_scan":
-        assert launch.threadgroup[0] == template["MAX_EXPERTS"]
-        assert template["MAX_EXPERTS"] & (template["MAX_EXPERTS"] - 1) == 0
+        assert template["MAX_EXPERTS"] % template["BLOCK"] == 0
 
 
 @launch_params

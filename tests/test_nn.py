@@ -101,7 +101,10 @@ def test_patched_logits_match(name, quantized, tile_m):
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
 def test_layer_is_bitwise_mlx_lm_on_cpu(quantized):
     # The same rows through the same gather_(q)mm, in expert order either way.
-    pytest.importorskip("mlx_moe_plan._cpu", reason="the C++ extension (CPU ops) is not built")
+    try:
+        import mlx_moe_plan._cpu  # noqa: F401
+    except ImportError:
+        pytest.skip("the C++ extension (CPU ops) is not built")
     mx.random.seed(0)
     theirs = switch_layers.SwitchGLU(64, 96, 16, bias=True)
     theirs.update(tree_map_random(theirs.parameters()))
@@ -190,3 +193,16 @@ def test_patched_model_compiles():
     eager = model(tokens)
     compiled = mx.compile(lambda t: model(t))(tokens)
     np.testing.assert_allclose(np.array(compiled), np.array(eager), rtol=1e-5, atol=1e-5)
+
+
+def test_default_formulation_is_the_measured_rule():
+    from mlx_moe_plan import nn as moe_nn
+
+    # mlx-lm's sorted rows on the CPU at every size: tiles pay for padding rows there.
+    for entries, experts in [(8, 8), (4096, 512), (1 << 20, 8)]:
+        assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == 1
+    if mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda":
+        rule = {(4095, 8): 1, (4096, 512): 16, (32767, 512): 16, (32768, 512): 64,
+                (4096, 8): 64}
+        for (entries, experts), tile_m in rule.items():
+            assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)

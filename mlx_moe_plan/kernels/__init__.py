@@ -6,9 +6,7 @@ body (Metal's signature gains a thread attribute only when the body names it).
 
 | body            | Metal, CUDA (`mlx_moe_plan/_gpu.py`) | OpenCL on PoCL (tests) |
 |-----------------|--------------------------------------|------------------------|
-| `plan_hist.h`   | `moe_plan` step 1                    | `tests/test_kernels_pocl.py` |
-| `plan_scan.h`   | `moe_plan` step 2                    | same                   |
-| `plan_place.h`  | `moe_plan` step 3                    | same                   |
+| `plan.h`        | `moe_plan`: hist, scan, place phases | `tests/test_kernels_pocl.py` |
 | `gather.h`      | `moe_gather`, `moe_unsort`, grads    | same                   |
 | `combine.h`     | `moe_combine`, grads                 | same                   |
 
@@ -22,7 +20,7 @@ from functools import cache
 from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
-BODIES = ("plan_hist", "plan_scan", "plan_place", "gather", "combine")
+BODIES = ("plan", "gather", "combine")
 
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (

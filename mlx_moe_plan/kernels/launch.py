@@ -13,8 +13,8 @@ from functools import lru_cache
 
 from ..reference import MAX_EXPERTS, capacity_for
 
-# Entries per plan block (hist and place groups); MAX_EXPERTS is also scan's
-# group size. See plan_place.h for why a block is 512 entries.
+# Entries per plan group, which it ranks and places at once (plan.h says why
+# 512). MAX_EXPERTS must be a multiple of it.
 PLAN_BLOCK = 512
 
 # Groups loop over rows beyond this many, keeping every grid within limits.
@@ -40,35 +40,38 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-@lru_cache(maxsize=256)
-def plan_launches(
-    num_entries: int, num_experts: int, tile_m: int, top_k: int, has_weights: bool
-) -> tuple[Launch, Launch, Launch]:
-    """hist, scan and place, for `num_entries >= 1`."""
+# The integer fields of a plan, in the order plan.h writes them into one
+# int32 array; their sizes are given by plan_layout.
+PLAN_FIELDS = ("row_tokens", "row_experts", "row_entries", "tile_experts", "positions",
+               "expert_counts", "expert_offsets", "totals")
+
+
+def plan_layout(num_entries: int, num_experts: int, tile_m: int) -> dict[str, tuple[int, int]]:
+    """Each integer field's (offset, size) in plan.h's int32 output, and "size": the total."""
     capacity = capacity_for(num_entries, num_experts, tile_m)
-    max_tiles = capacity // tile_m
-    num_blocks = -(-num_entries // PLAN_BLOCK)
-    block_cells = num_blocks * num_experts
-    hist = Launch(
-        num_blocks, PLAN_BLOCK, (num_entries, num_experts),
-        (("BLOCK", PLAN_BLOCK), ("MAX_EXPERTS", MAX_EXPERTS)),
-        (((block_cells,), "int32"), ((num_blocks,), "int32")),
-    )
-    scan = Launch(
-        1, MAX_EXPERTS, (num_blocks, num_experts, tile_m),
-        (("MAX_EXPERTS", MAX_EXPERTS),),
-        (((num_experts,), "int32"), ((num_experts + 1,), "int32"),
-         ((block_cells,), "int32"), ((3,), "int32")),
-    )
-    place = Launch(
-        num_blocks, PLAN_BLOCK,
-        (num_entries, num_experts, tile_m, top_k, capacity, max_tiles),
+    sizes = (capacity, capacity, capacity, capacity // tile_m, num_entries, num_experts,
+             num_experts + 1, 3)
+    layout, offset = {}, 0
+    for name, size in zip(PLAN_FIELDS, sizes):
+        layout[name] = (offset, size)
+        offset += size
+    layout["size"] = (0, offset)
+    return layout
+
+
+@lru_cache(maxsize=256)
+def plan_launch(
+    num_entries: int, num_experts: int, tile_m: int, top_k: int, has_weights: bool
+) -> Launch:
+    """The plan kernel, for `num_entries >= 1`: outputs plan_data, row_weights."""
+    capacity = capacity_for(num_entries, num_experts, tile_m)
+    _, data_size = plan_layout(num_entries, num_experts, tile_m)["size"]
+    return Launch(
+        -(-num_entries // PLAN_BLOCK), PLAN_BLOCK,
+        (num_entries, num_experts, tile_m, top_k, capacity, capacity // tile_m),
         (("BLOCK", PLAN_BLOCK), ("MAX_EXPERTS", MAX_EXPERTS), ("HAS_WEIGHTS", has_weights)),
-        (((capacity,), "int32"), ((capacity,), "int32"),
-         ((capacity if has_weights else 1,), "float32"), ((capacity,), "int32"),
-         ((num_entries,), "int32"), ((max_tiles,), "int32")),
+        (((data_size,), "int32"), ((capacity if has_weights else 1,), "float32")),
     )
-    return hist, scan, place
 
 
 @lru_cache(maxsize=256)
