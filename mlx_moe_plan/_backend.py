@@ -48,12 +48,6 @@ def implementation(stream: mx.Stream):
     return _gpu.for_backend(backend)
 
 
-# The plan's fields an implementation provides, by the names of MoEPlan's.
-PLAN_FIELDS = ("row_tokens", "row_experts", "row_weights", "row_entries", "positions",
-               "expert_counts", "expert_offsets", "tile_experts", "num_rows", "num_tiles",
-               "num_invalid")
-
-
 def field_of_arrays(fields: dict[str, mx.array], stream: mx.Stream):
     """`field(name, shape)` for a plan whose fields are separate arrays."""
 

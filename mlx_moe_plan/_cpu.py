@@ -13,7 +13,7 @@ except ImportError as error:  # a missing build, not a missing symbol deep insid
 
 import mlx.core as mx
 
-from ._backend import PLAN_FIELDS, field_of_arrays
+from ._backend import field_of_arrays
 
 if _ext.built_with_mlx != mx.__version__:
     raise ImportError(
@@ -23,13 +23,19 @@ if _ext.built_with_mlx != mx.__version__:
     )
 
 
+# The Plan primitive's outputs, in order (src/plan.cpp); row_weights only with weights.
+_PLAN_OUTPUTS = ("row_tokens", "row_experts", "row_weights", "row_entries", "positions",
+                 "expert_counts", "expert_offsets", "tile_experts", "num_rows", "num_tiles",
+                 "num_invalid")
+
+
 def plan(ids, weights, *, num_experts, tile_m, top_k, stream):
     if weights is not None:
         weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
     outputs = _ext.plan(ids.reshape(-1, stream=stream), weights, num_experts, tile_m, top_k,
                         stream=stream)
-    fields = dict(zip([f for f in PLAN_FIELDS if f != "row_weights" or weights is not None],
-                      outputs))
+    names = [name for name in _PLAN_OUTPUTS if name != "row_weights" or weights is not None]
+    fields = dict(zip(names, outputs))
     return outputs, field_of_arrays(fields, stream)
 
 

@@ -16,9 +16,6 @@ import mlx.core as mx
 from . import _backend, kernels
 from .kernels import launch as geometry
 
-# The plan's scalar fields, in the order of plan.h's `totals`.
-_TOTALS = ("num_rows", "num_tiles", "num_invalid")
-
 # Tests set this to a value no kernel writes, so unwritten elements show.
 POISON: float | None = None
 
@@ -132,15 +129,12 @@ class _Backend:
         # (as in the C++ primitive); combine's gradient reaches them directly.
         weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
         plan_data, row_weights = _launch(self.backend, "plan", [ids, weights_in], launch, stream)
-        layout = geometry.plan_layout(num_entries, num_experts, tile_m)
+        layout, _ = geometry.plan_layout(num_entries, num_experts, tile_m)
 
         def field(name: str, shape: tuple[int, ...]) -> mx.array:
             if name == "row_weights":
                 return row_weights
-            if name in _TOTALS:
-                offset = layout["totals"][0] + _TOTALS.index(name)
-            else:
-                offset = layout[name][0]
+            offset, _ = layout[name]
             strides = [1] * len(shape)
             for axis in range(len(shape) - 2, -1, -1):
                 strides[axis] = strides[axis + 1] * shape[axis + 1]

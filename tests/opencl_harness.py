@@ -169,16 +169,16 @@ def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.Referen
     launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
     weights_in = np.zeros(1, np.float32) if weights is None else np.asarray(weights, np.float32)
     plan_data, row_weights = run("plan", [flat, weights_in.reshape(-1)], launch)
-    layout = geometry.plan_layout(num_entries, num_experts, tile_m)
-    fields = {name: plan_data[offset:offset + size]
-              for name, (offset, size) in layout.items() if name != "size"}
+    layout, _ = geometry.plan_layout(num_entries, num_experts, tile_m)
+    fields = {name: plan_data[offset:offset + size] for name, (offset, size) in layout.items()}
     return ref.ReferencePlan(
         row_tokens=fields["row_tokens"], row_experts=fields["row_experts"],
         row_weights=row_weights if has_weights else None, row_entries=fields["row_entries"],
         positions=fields["positions"].reshape(ids.shape),
         expert_counts=fields["expert_counts"], expert_offsets=fields["expert_offsets"],
-        tile_experts=fields["tile_experts"], num_rows=int(fields["totals"][0]),
-        num_tiles=int(fields["totals"][1]), num_invalid=int(fields["totals"][2]), **sizes,
+        tile_experts=fields["tile_experts"], num_rows=int(fields["num_rows"][0]),
+        num_tiles=int(fields["num_tiles"][0]), num_invalid=int(fields["num_invalid"][0]),
+        **sizes,
     )
 
 

@@ -40,23 +40,24 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-# The integer fields of a plan, in the order plan.h writes them into one
-# int32 array; their sizes are given by plan_layout.
+# The integer fields of a plan (MoEPlan's names), in the order plan.h writes
+# them into one int32 array; the last three are its `totals`.
 PLAN_FIELDS = ("row_tokens", "row_experts", "row_entries", "tile_experts", "positions",
-               "expert_counts", "expert_offsets", "totals")
+               "expert_counts", "expert_offsets", "num_rows", "num_tiles", "num_invalid")
 
 
-def plan_layout(num_entries: int, num_experts: int, tile_m: int) -> dict[str, tuple[int, int]]:
-    """Each integer field's (offset, size) in plan.h's int32 output, and "size": the total."""
+def plan_layout(
+    num_entries: int, num_experts: int, tile_m: int
+) -> tuple[dict[str, tuple[int, int]], int]:
+    """Each integer field's (offset, size) in plan.h's int32 output, and its total size."""
     capacity = capacity_for(num_entries, num_experts, tile_m)
     sizes = (capacity, capacity, capacity, capacity // tile_m, num_entries, num_experts,
-             num_experts + 1, 3)
+             num_experts + 1, 1, 1, 1)
     layout, offset = {}, 0
     for name, size in zip(PLAN_FIELDS, sizes):
         layout[name] = (offset, size)
         offset += size
-    layout["size"] = (0, offset)
-    return layout
+    return layout, offset
 
 
 @lru_cache(maxsize=256)
@@ -65,7 +66,7 @@ def plan_launch(
 ) -> Launch:
     """The plan kernel, for `num_entries >= 1`: outputs plan_data, row_weights."""
     capacity = capacity_for(num_entries, num_experts, tile_m)
-    _, data_size = plan_layout(num_entries, num_experts, tile_m)["size"]
+    _, data_size = plan_layout(num_entries, num_experts, tile_m)
     return Launch(
         -(-num_entries // PLAN_BLOCK), PLAN_BLOCK,
         (num_entries, num_experts, tile_m, top_k, capacity, capacity // tile_m),
