@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -170,6 +171,43 @@ def test_plan_edge_cases(case, weighted):
     ids, num_experts, tile_m = PLAN_EDGES[case]
     weights = _weights(np.random.default_rng(1), ids.shape) if weighted else None
     _check_plan(ids, num_experts, tile_m, weights)
+
+
+@contextmanager
+def plan_max_groups(groups: int):
+    """launch.py's cap on plan groups set to `groups`, so that a few blocks
+    make chunks of several."""
+    saved = geometry.PLAN_MAX_GROUPS
+    geometry.PLAN_MAX_GROUPS = groups
+    geometry.plan_launch.cache_clear()
+    try:
+        yield
+    finally:
+        geometry.PLAN_MAX_GROUPS = saved
+        geometry.plan_launch.cache_clear()
+
+
+# (case, cap): every case in chunks of all its blocks and of about half of
+# them; 21 blocks under a cap of 4 make chunks of 6, 6, 6 and 3.
+CHUNKED = [(case, cap) for case in ("one_expert_owns_all", "one_expert_e1", "max_experts_tile1",
+                                    "twenty_one_blocks") for cap in (1, 2)]
+
+
+@pytest.mark.parametrize("case, max_groups", CHUNKED + [("twenty_one_blocks", 4)])
+def test_plan_groups_place_several_blocks(case, max_groups):
+    """Past PLAN_MAX_GROUPS blocks, a group places a chunk of blocks in turn."""
+    ids, num_experts, tile_m = PLAN_EDGES[case]
+    with plan_max_groups(max_groups):
+        launch = geometry.plan_launch(ids.size, num_experts, tile_m, ids.shape[-1], True)
+        blocks_per_group = launch.params[6]
+        assert launch.groups <= max_groups and blocks_per_group > 1
+        _check_plan(ids, num_experts, tile_m, _weights(np.random.default_rng(2), ids.shape))
+
+
+@given(case=plan_cases(), max_groups=st.integers(1, 3))
+def test_plan_chunks_match_reference(case, max_groups):
+    with plan_max_groups(max_groups):
+        _check_plan(*case)
 
 
 def test_device_runs_the_plan_groups():

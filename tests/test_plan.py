@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import mlx_moe_plan
 from mlx_moe_plan import reference as ref
+from mlx_moe_plan.kernels import launch as geometry
 
 
 def _plan_of(ids, num_experts, device, *, weights=None, tile_m=1, **kwargs):
@@ -156,7 +157,9 @@ def test_plan_without_weights_has_no_row_weights(device):
 @pytest.mark.parametrize("skew", ["uniform", "one_hot_expert"])
 def test_plan_more_than_65536_rows(skew, device):
     # Past 2**16 rows: any 16-bit counter or index in the kernels would wrap here.
+    # 160 blocks of the GPU plan: its groups place chunks of 2 (PLAN_MAX_GROUPS).
     num_tokens, top_k, num_experts, tile_m = 8192, 10, 512, 16
+    assert geometry.plan_launch(num_tokens * top_k, num_experts, tile_m, top_k, True).params[6] > 1
     rng = np.random.default_rng(2024)
     if skew == "uniform":
         ids = make_ids(rng, (num_tokens, top_k), num_experts, "int32", "distinct_per_token",
@@ -171,6 +174,23 @@ def test_plan_more_than_65536_rows(skew, device):
     expected = ref.moe_plan(ids, num_experts, weights=weight_values, tile_m=tile_m)
     assert expected.num_rows > 65_536
     assert_plan_matches(plan, expected)
+
+
+@pytest.mark.parametrize("max_groups", [1, 3])
+@pytest.mark.parametrize("mode", ["uniform", "one_expert", "duplicates"])
+def test_plan_groups_place_chunks(mode, max_groups, device, monkeypatch):
+    # The GPU plan under a lowered cap on its groups: each places a chunk of
+    # blocks in turn (3,000 entries: 6 blocks, in chunks of 6 or of 2).
+    monkeypatch.setattr(geometry, "PLAN_MAX_GROUPS", max_groups)
+    geometry.plan_launch.cache_clear()
+    try:
+        rng = np.random.default_rng(max_groups)
+        ids = make_ids(rng, (1000, 3), 37, "int32", mode, 0.1, 0.1)
+        weight_values = rng.standard_normal(ids.shape).astype(np.float32)
+        plan = _plan_of(ids, 37, device, weights=mx.array(weight_values), tile_m=4)
+        assert_plan_matches(plan, ref.moe_plan(ids, 37, weights=weight_values, tile_m=4))
+    finally:
+        geometry.plan_launch.cache_clear()
 
 
 def test_check_raises_on_invalid_ids(device):

@@ -13,9 +13,13 @@ from functools import lru_cache
 
 from ..reference import MAX_EXPERTS, capacity_for
 
-# Entries per plan group, which it ranks and places at once (plan.h says why
-# 512). MAX_EXPERTS must be a multiple of it.
+# Entries per plan block, which a group ranks and places at once (plan.h says
+# why 512). MAX_EXPERTS must be a multiple of it.
 PLAN_BLOCK = 512
+# Plan groups at most: past PLAN_MAX_GROUPS blocks, each group places several
+# blocks in turn, so the plan's reads (every group reads every id) grow
+# linearly in N (plan.h).
+PLAN_MAX_GROUPS = 128
 
 # Groups loop over rows beyond this many, keeping every grid within limits.
 MAX_GROUPS = 1 << 16
@@ -67,9 +71,11 @@ def plan_launch(
     """The plan kernel, for `num_entries >= 1`: outputs plan_data, row_weights."""
     capacity = capacity_for(num_entries, num_experts, tile_m)
     _, data_size = plan_layout(num_entries, num_experts, tile_m)
+    blocks = -(-num_entries // PLAN_BLOCK)
+    blocks_per_group = -(-blocks // PLAN_MAX_GROUPS)
     return Launch(
-        -(-num_entries // PLAN_BLOCK), PLAN_BLOCK,
-        (num_entries, num_experts, tile_m, top_k, capacity, capacity // tile_m),
+        -(-blocks // blocks_per_group), PLAN_BLOCK,
+        (num_entries, num_experts, tile_m, top_k, capacity, capacity // tile_m, blocks_per_group),
         (("BLOCK", PLAN_BLOCK), ("MAX_EXPERTS", MAX_EXPERTS), ("HAS_WEIGHTS", has_weights)),
         (((data_size,), "int32"), ((capacity if has_weights else 1,), "float32")),
     )

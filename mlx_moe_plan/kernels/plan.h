@@ -7,23 +7,27 @@
 // output (plan_data, every integer field at the offsets of launch.plan_layout),
 // plus row_weights when the plan carries weights.
 //
-// Group g places the BLOCK entries [g * BLOCK, (g + 1) * BLOCK). An entry's
-// row is its expert's offset plus the entries of its expert before it, so each
-// group needs, per expert, the total count (for the offsets) and the count
-// before its block: it counts every entry itself (phase 1). So each group reads
-// all N ids, O(N * N / BLOCK) reads in all: cheap at prefill sizes (at
-// T = 2048, K = 10: 40 groups of 20,480 ids from L2), and the price of one
-// launch. Groups placing several blocks each, in a loop, would bound that; a
-// loop around phase 3's barriers ran wrong (rows unwritten, then a crash) on
-// PoCL 3.0, which runs this text in CI, and was left for later.
+// Group g places the CHUNK = blocks_per_group * BLOCK entries from
+// g * CHUNK, one BLOCK at a time. An entry's row is its expert's offset plus
+// the entries of its expert before it, so each group needs, per expert, the
+// total count (for the offsets) and the count before its chunk: it counts
+// every entry itself (phase 1). So each group reads all N ids: N * groups
+// reads in all, from L2. launch.py caps the groups (PLAN_MAX_GROUPS) and gives
+// each several blocks once N outgrows the cap, so that stays linear in N:
+// without a cap, one block a group, the reads grew as N * N / BLOCK (69.6 us
+// at 163,840 entries on the H200). The reads are the price of one launch
+// (above), and cheap at prefill sizes: at T = 2048, K = 10, 40 groups each
+// read 20,480 ids.
 //
-// Phase 1, hist: shared-atomic histograms of the entries before the block and
+// Phase 1, hist: shared-atomic histograms of the entries before the chunk and
 //   of the rest; invalid entries (>= E) counted by group 0.
 // Phase 2, scan: each thread owns MAX_EXPERTS / BLOCK consecutive experts; a
 //   scan of the padded spans ceil(count / tile_m) * tile_m gives the offsets;
-//   expert_base[e] = offset + entries of e before the block.
-// Phase 3, place: each entry's rank in its block from sub-block counters
-//   (below), its row expert_base[e] + rank.
+//   expert_base[e] = offset + entries of e before the chunk.
+// Phase 3, place, per block of the chunk: each entry's rank in its block from
+//   sub-block counters (below), its row expert_base[e] + rank; then each
+//   expert's base moves past its entries of the block. Every thread runs every
+//   iteration (blocks_per_group is uniform), so every barrier is met by all.
 //
 // Rank inside a block without a serial loop over it: the block's BLOCK
 // entries form BLOCK / 32 sub-blocks of 32. Each entry adds 1 to the counter
@@ -44,7 +48,8 @@
 // clearing pass, and every element of every output is written exactly once.
 //
 // Inputs: ids int32 [N]; weights [N], any float dtype (or [1], unread, without
-//   HAS_WEIGHTS); params int32 {N, E, tile_m, top_k, capacity, max_tiles}.
+//   HAS_WEIGHTS); params int32 {N, E, tile_m, top_k, capacity, max_tiles,
+//   blocks_per_group}.
 // Outputs: plan_data int32: row_tokens, row_experts, row_entries [capacity],
 //   tile_experts [max_tiles], positions [N], expert_counts [E],
 //   expert_offsets [E + 1], totals {num_rows, num_tiles, num_invalid};
@@ -63,6 +68,7 @@ const int tile_m = params[2];
 const int top_k = params[3];
 const i64 capacity = params[4];
 const i64 max_tiles = params[5];
+const int blocks_per_group = params[6];
 const int words_per_expert = BLOCK / 128;
 const int experts_per_thread = MAX_EXPERTS / BLOCK;
 
@@ -75,8 +81,8 @@ GLOBAL int* expert_counts = positions + num_entries;
 GLOBAL int* expert_offsets = expert_counts + num_experts;
 GLOBAL int* totals = expert_offsets + num_experts + 1;
 
-// ---- phase 1, hist: counters[e] counts entries of e before the block,
-// counters[MAX_EXPERTS + e] those from the block's start on.
+// ---- phase 1, hist: counters[e] counts entries of e before the chunk,
+// counters[MAX_EXPERTS + e] those from the chunk's start on.
 for (int w = LOCAL_ID; w < 2 * MAX_EXPERTS; w += GROUP_SIZE) {
   ATOMIC_STORE(&counters[w], 0u);
 }
@@ -84,7 +90,7 @@ if (LOCAL_ID == 0) {
   ATOMIC_STORE(&invalid_total[0], 0u);
 }
 BARRIER();
-const i64 block_start = (i64)GROUP_ID * BLOCK;
+const i64 chunk_start = (i64)GROUP_ID * blocks_per_group * BLOCK;
 unsigned invalid = 0;
 // 8 independent loads in flight per thread, not one dependent load at a time.
 for (i64 first = LOCAL_ID; first < num_entries; first += 8 * GROUP_SIZE) {
@@ -99,7 +105,7 @@ for (i64 first = LOCAL_ID; first < num_entries; first += 8 * GROUP_SIZE) {
       invalid += 1u;
     } else if (expert >= 0) {
       const i64 at = first + (i64)u * GROUP_SIZE;
-      ATOMIC_ADD(&counters[(at < block_start ? 0 : MAX_EXPERTS) + expert], 1u);
+      ATOMIC_ADD(&counters[(at < chunk_start ? 0 : MAX_EXPERTS) + expert], 1u);
     }
   }
 }
@@ -181,50 +187,75 @@ for (i64 tile = num_tiles + thread_rank; tile < max_tiles; tile += num_threads) 
   tile_experts[tile] = -1;
 }
 
-// ---- phase 3, place: the group's block.
+// ---- phase 3, place: the chunk's blocks, in order.
 const unsigned subblock = LOCAL_ID / 32;
 const unsigned word = subblock / 4;
 const unsigned shift = 8 * (subblock % 4);
-// Phase 2's reads of the counters end before its scan's first barrier.
-for (int w = LOCAL_ID; w < num_experts * words_per_expert; w += GROUP_SIZE) {
-  ATOMIC_STORE(&counters[w], 0u);
-}
-const i64 entry = block_start + LOCAL_ID;
-int expert = -1;
-if (entry < num_entries) {
-  expert = ids[entry];
-  if (expert >= num_experts) {
-    expert = -1; // invalid: skipped, like a negative id
+for (int block = 0; block < blocks_per_group; ++block) {
+  // The first clear follows phase 2's last reads of the counters (before its
+  // scan's first barrier); the others follow the previous block's last barrier.
+  for (int w = LOCAL_ID; w < num_experts * words_per_expert; w += GROUP_SIZE) {
+    ATOMIC_STORE(&counters[w], 0u);
   }
-}
-entry_experts[LOCAL_ID] = expert;
-BARRIER();
-if (expert >= 0) {
-  ATOMIC_ADD(&counters[expert * words_per_expert + word], 1u << shift);
-}
-BARRIER();
-if (expert >= 0) {
-  unsigned rank = 0;
-  for (unsigned w = 0; w < word; ++w) {
-    rank += (ATOMIC_LOAD(&counters[expert * words_per_expert + w]) * 0x01010101u) >> 24;
+  const i64 entry = chunk_start + (i64)block * BLOCK + LOCAL_ID;
+  {
+    int expert = -1; // invalid ids (>= E) are skipped, like negative ones
+    if (entry < num_entries) {
+      expert = ids[entry];
+      if (expert >= num_experts) {
+        expert = -1;
+      }
+    }
+    entry_experts[LOCAL_ID] = expert;
   }
-  const unsigned partial = ATOMIC_LOAD(&counters[expert * words_per_expert + word]) &
-      ((1u << shift) - 1u);
-  rank += (partial * 0x01010101u) >> 24;
-  for (unsigned j = subblock * 32; j < LOCAL_ID; ++j) {
-    rank += entry_experts[j] == expert ? 1u : 0u;
+  BARRIER();
+  // The thread's expert is read back from entry_experts after each barrier,
+  // not kept in a register across it: PoCL 3.0 lost such a register's value
+  // across the barriers of this loop (every thread saw the last thread's).
+  if (entry_experts[LOCAL_ID] >= 0) {
+    ATOMIC_ADD(&counters[entry_experts[LOCAL_ID] * words_per_expert + word], 1u << shift);
   }
-  const int row = expert_base[expert] + (int)rank;
-  positions[entry] = row;
-  row_tokens[row] = (int)(entry / top_k);
-  row_entries[row] = (int)entry;
-  row_experts[row] = expert;
-  if (HAS_WEIGHTS) {
-    row_weights[row] = LOAD_IN(weights, entry);
+  BARRIER();
+  const int expert = entry_experts[LOCAL_ID];
+  if (expert >= 0) {
+    unsigned rank = 0;
+    for (unsigned w = 0; w < word; ++w) {
+      rank += (ATOMIC_LOAD(&counters[expert * words_per_expert + w]) * 0x01010101u) >> 24;
+    }
+    const unsigned partial = ATOMIC_LOAD(&counters[expert * words_per_expert + word]) &
+        ((1u << shift) - 1u);
+    rank += (partial * 0x01010101u) >> 24;
+    for (unsigned j = subblock * 32; j < LOCAL_ID; ++j) {
+      rank += entry_experts[j] == expert ? 1u : 0u;
+    }
+    const int row = expert_base[expert] + (int)rank;
+    positions[entry] = row;
+    row_tokens[row] = (int)(entry / top_k);
+    row_entries[row] = (int)entry;
+    row_experts[row] = expert;
+    if (HAS_WEIGHTS) {
+      row_weights[row] = LOAD_IN(weights, entry);
+    }
+    if (row % tile_m == 0) { // a tile's first row is always an entry, never padding
+      tile_experts[row / tile_m] = expert;
+    }
+  } else if (entry < num_entries) {
+    positions[entry] = -1;
   }
-  if (row % tile_m == 0) { // a tile's first row is always an entry, never padding
-    tile_experts[row / tile_m] = expert;
+  // Each expert's base moves past its entries of this block: the sum of its
+  // sub-block counters, each word's four bytes summed as above. (After the
+  // last block too: one barrier and a few reads, where a branch around them
+  // would put barriers under an if.)
+  BARRIER(); // the ranks above have read expert_base and the counters
+  for (int j = 0; j < experts_per_thread; ++j) {
+    const int e = first_expert + j;
+    if (e < num_experts) {
+      unsigned in_block = 0;
+      for (int w = 0; w < words_per_expert; ++w) {
+        in_block += (ATOMIC_LOAD(&counters[e * words_per_expert + w]) * 0x01010101u) >> 24;
+      }
+      expert_base[e] += (int)in_block;
+    }
   }
-} else if (entry < num_entries) {
-  positions[entry] = -1;
+  BARRIER(); // before the next block clears the counters
 }
