@@ -12,9 +12,19 @@ sorted single rows (`tile_m=1`, mlx-lm's: one expert index a row) or tiles
 as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`). The default,
 `default_tile_m`, is the rule measured per backend (benchmarks/RESULTS.md);
 `tile_m` overrides it per layer. Needs mlx-lm installed.
+
+MoE blocks that weight and sum the experts' outputs themselves
+(`(switch_mlp(x, inds) * scores[..., None]).sum(-2)`) can take the fused path,
+`SwitchGLU.weighted_sum`: one `moe_combine` in place of unsort, multiply and
+sum. `patch_model` gives it to the blocks of `FUSED_BLOCKS` whose code is the
+code it was written against.
 """
 
 from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,27 +159,156 @@ class SwitchGLU(nn.Module):
         plan = self._plan(indices)
         return moe_unsort(self._expert_rows(x, plan), plan)
 
-    def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array) -> mx.array:
+    def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array, *,
+                     in_rows_dtype: bool = False) -> mx.array:
         """`(self(x, indices) * scores[..., None]).sum(-2)` with one `moe_combine`.
 
         The fused path for MoE blocks that weight and sum the experts' outputs
         themselves: no `[..., K, D]` intermediate. The sum runs in float32 over
-        ascending k, so its last bits may differ from the unfused product-sum
-        in the activations' dtype.
+        ascending k, rounded once, so its last bits may differ from the unfused
+        product-sum in the activations' dtype.
+
+        Args:
+            x (array): `[..., D]`.
+            indices (array): `[..., K]`.
+            scores (array): Float weights, `[..., K]`.
+            in_rows_dtype (bool): The result in the experts' output dtype, as
+              blocks that end in `.astype(y.dtype)` give it. Default: that
+              dtype promoted with `scores.dtype`, as the unfused expression.
+
+        Returns:
+            array: `[..., D]`.
         """
         plan = self._plan(indices)
-        return moe_combine(self._expert_rows(x, plan), plan, weights=scores)
+        rows = self._expert_rows(x, plan)
+        out = moe_combine(rows, plan, weights=scores)
+        return out if in_rows_dtype else out.astype(mx.result_type(rows.dtype, scores.dtype))
 
 
-def patch_model(model: nn.Module, *, tile_m: int | None = None) -> int:
+# ---- fused MoE blocks: each forward is its mlx-lm block's __call__ with the
+# experts' weighted sum as one `weighted_sum`, the rest line for line.
+
+
+def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    """Qwen3-MoE's and Qwen3-Next's routing: top-k of the softmax, renormalized."""
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    k = block.top_k
+    inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if block.norm_topk_prob:
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores
+
+
+def _qwen3_moe(block: nn.Module, x: mx.array) -> mx.array:
+    inds, scores = _softmax_top_k(block, x)
+    return block.switch_mlp.weighted_sum(x, inds, scores, in_rows_dtype=True)
+
+
+def _qwen3_next(block: nn.Module, x: mx.array) -> mx.array:
+    inds, scores = _softmax_top_k(block, x)
+    y = block.switch_mlp.weighted_sum(x, inds, scores)
+    shared_y = mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return y + shared_y
+
+
+def _mixtral(block: nn.Module, x: mx.array) -> mx.array:
+    gates = block.gate(x)
+    k = block.num_experts_per_tok
+    inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
+    scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
+    return block.switch_mlp.weighted_sum(x, inds, scores)
+
+
+def _deepseek_v3(block: nn.Module, x: mx.array) -> mx.array:
+    inds, scores = block.gate(x)
+    y = block.switch_mlp.weighted_sum(x, inds, scores, in_rows_dtype=True)
+    if block.config.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
+    from mlx_lm.models.gpt_oss import mlx_topk  # the block's own top-k
+
+    expert_logits, indices = mlx_topk(block.router(x), k=block.num_experts_per_tok, axis=-1)
+    expert_weights = mx.softmax(expert_logits, axis=-1, precise=True)
+    return block.experts.weighted_sum(x, indices, expert_weights)
+
+
+# The blocks given the fused path: class -> (experts attribute, fused forward,
+# SHA-256 prefix of the block's __call__ source as the forward was written
+# against, mlx-lm 0.32.2). A block whose __call__ reads otherwise (another
+# mlx-lm's) keeps its own: patched experts, unfused sum, still correct.
+FUSED_BLOCKS: dict[str, tuple[str, Callable[[nn.Module, mx.array], mx.array], str]] = {
+    "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock": ("switch_mlp", _qwen3_moe, "5d2e8164fcb6ebfc"),
+    "mlx_lm.models.qwen3_next.Qwen3NextSparseMoeBlock":
+        ("switch_mlp", _qwen3_next, "9c28cc63a2f1d683"),
+    "mlx_lm.models.mixtral.MixtralSparseMoeBlock": ("switch_mlp", _mixtral, "95e4c55589ec0085"),
+    "mlx_lm.models.deepseek_v3.DeepseekV3MoE": ("switch_mlp", _deepseek_v3, "5c396b22d20c5274"),
+    "mlx_lm.models.gpt_oss.MLPBlock": ("experts", _gpt_oss, "7c6ef1cd838840ed"),
+}
+
+
+class FusedMoEBlock:
+    """Marks an mlx-lm MoE block whose class `patch_model` swapped for one
+    calling the fused forward (a subclass of the block's own class)."""
+
+
+def _source_digest(function) -> str | None:
+    try:
+        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+    except (OSError, TypeError):  # no source to read: not known to be safe
+        return None
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(block_class: type, forward) -> type:
+    if block_class not in _FUSED_CLASSES:
+        def __call__(self, x: mx.array) -> mx.array:
+            # Distributed blocks (a sharding group set) keep their own call.
+            if getattr(self, "sharding_group", None) is not None:
+                return block_class.__call__(self, x)
+            return forward(self, x)
+
+        _FUSED_CLASSES[block_class] = type(
+            f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),
+            {"__call__": __call__, "__module__": __name__,
+             "__doc__": f"{block_class.__qualname__} with the experts' weighted sum fused."})
+    return _FUSED_CLASSES[block_class]
+
+
+def _fuse(module: nn.Module) -> bool:
+    """Give `module` the fused forward if it is a known block, as written."""
+    block_class = type(module)
+    known = FUSED_BLOCKS.get(f"{block_class.__module__}.{block_class.__qualname__}")
+    if known is None:
+        return False
+    experts, forward, digest = known
+    if not isinstance(module.get(experts), SwitchGLU) or \
+            _source_digest(block_class.__call__) != digest:
+        return False
+    module.__class__ = _fused_class(block_class, forward)
+    return True
+
+
+def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True) -> int:
     """Replace every mlx-lm `SwitchGLU` in `model`, in place, keeping its weights.
 
     Float and quantized layers alike: the projections are kept as they are.
+    With `fuse`, the MoE blocks of `FUSED_BLOCKS` whose `__call__` is the one
+    their fused forward was written against then sum their experts' weighted
+    outputs with one `moe_combine` (`SwitchGLU.weighted_sum`); they become
+    instances of a subclass of their own class and of `FusedMoEBlock`.
 
     Args:
         model (Module): A loaded mlx-lm model (or any module tree).
         tile_m (int, optional): The GEMM formulation of every new layer (see
           `SwitchGLU`). Default: `default_tile_m`, per call.
+        fuse (bool): Fuse the weighted sums where that is known to be safe.
+          Default: ``True``.
 
     Returns:
         int: How many layers were replaced.
@@ -194,4 +333,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None) -> int:
                         visit(item)
 
     visit(model)
+    if fuse:
+        for _, module in model.named_modules():
+            _fuse(module)
     return replaced

@@ -17,7 +17,8 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is the reference of the layer tests
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import switch_layers  # noqa: E402
 
-from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
+from mlx_moe_plan import nn as moe_nn  # noqa: E402
+from mlx_moe_plan.nn import FusedMoEBlock, SwitchGLU, patch_model  # noqa: E402
 
 _COMMON = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -74,17 +75,24 @@ def count_switch_glu(model, cls) -> int:
     return sum(isinstance(m, cls) for _, m in model.named_modules())
 
 
-@pytest.mark.parametrize("tile_m", [None, 16], ids=["rows", "tiles16"])
+# (tile_m, fuse) of patch_model: the default formulation fused and unfused, and tiles.
+PATCHES = {"rows": (None, True), "unfused": (None, False), "tiles16": (16, True)}
+
+
+@pytest.mark.parametrize("patch", PATCHES)
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_patched_logits_match(name, quantized, tile_m):
+def test_patched_logits_match(name, quantized, patch):
+    tile_m, fuse = PATCHES[patch]
     model = make_model(name, quantized)
     original = count_switch_glu(model, switch_layers.SwitchGLU)
     assert original > 0, f"{name}: the test model has no SwitchGLU to replace"
     patched = copy.deepcopy(model)
-    assert patch_model(patched, tile_m=tile_m) == original
+    assert patch_model(patched, tile_m=tile_m, fuse=fuse) == original
     assert count_switch_glu(patched, switch_layers.SwitchGLU) == 0
     assert count_switch_glu(patched, SwitchGLU) == original
+    # Every test model's MoE block is one FUSED_BLOCKS knows, one SwitchGLU each.
+    assert count_switch_glu(patched, FusedMoEBlock) == (original if fuse else 0)
     # Same parameter names and values: checkpoints load unchanged.
     assert [k for k, _ in tree_flatten(patched.parameters())] == \
         [k for k, _ in tree_flatten(model.parameters())]
@@ -155,6 +163,66 @@ def test_weighted_sum_is_the_fused_combine(tile_m):
     want = (layer(x, indices) * scores[..., None]).sum(-2)
     np.testing.assert_allclose(np.array(layer.weighted_sum(x, indices, scores)), np.array(want),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_fused_blocks_keep_their_dtype():
+    # bfloat16 activations (4-bit: the CPU has no bfloat16 gather_mm): Qwen3-Next
+    # sums in the promoted dtype of rows and scores, DeepSeek-V3 (float32
+    # scores) casts back to the rows' dtype.
+    for name, quantized in [("qwen3_next", True), ("deepseek_v3", True), ("mixtral", True)]:
+        model = make_model(name, quantized)
+        model.set_dtype(mx.bfloat16)
+        fused, unfused = copy.deepcopy(model), copy.deepcopy(model)
+        patch_model(fused)
+        patch_model(unfused, fuse=False)
+        blocks = [(path, m) for path, m in fused.named_modules() if isinstance(m, FusedMoEBlock)]
+        assert blocks, name
+        x = mx.random.normal((2, 9, CONFIGS[name]["hidden_size"])).astype(mx.bfloat16)
+        for path, block in blocks:
+            original = dict(unfused.named_modules())[path]
+            want, got = original(x), block(x)
+            assert got.dtype == want.dtype, (name, path, got.dtype, want.dtype)
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                                       np.array(want.astype(mx.float32)), rtol=2e-2, atol=2e-2,
+                                       err_msg=f"{name} {path}")
+
+
+def test_blocks_of_other_code_are_not_fused(monkeypatch):
+    # A block whose __call__ is not the code its fused forward mirrors (another
+    # mlx-lm's) keeps it: experts patched, weighted sum unfused.
+    key = "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
+    experts, forward, _ = moe_nn.FUSED_BLOCKS[key]
+    monkeypatch.setitem(moe_nn.FUSED_BLOCKS, key, (experts, forward, "0" * 16))
+    model = make_model("qwen3_moe", quantized=False)
+    patched = copy.deepcopy(model)
+    assert patch_model(patched) == 2
+    assert count_switch_glu(patched, FusedMoEBlock) == 0
+    tokens = mx.array(np.random.default_rng(3).integers(0, 96, (1, 20)))
+    np.testing.assert_allclose(np.array(patched(tokens)), np.array(model(tokens)), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_fused_model_gradients_match(name):
+    # Fine-tuning through a fused block: the router's weights get their
+    # gradient through the scores, that is through moe_combine's weights.
+    model = make_model(name, quantized=False)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    tokens = mx.array(np.random.default_rng(8).integers(0, 96, (2, 24)))
+    direction = mx.random.normal((2, 24, CONFIGS[name]["vocab_size"]))
+
+    def grads(m):
+        loss = nn.value_and_grad(m, lambda t: (m(t) * direction).sum())
+        return dict(tree_flatten(loss(tokens)[1]))
+
+    want, got = grads(model), grads(patched)
+    assert want.keys() == got.keys()
+    gate_keys = [k for k in want if k.endswith("gate.weight")]
+    assert gate_keys and all(np.any(np.array(want[k]) != 0) for k in gate_keys)
+    for key in want:
+        np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), rtol=1e-4,
+                                   atol=1e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("tile_m", [None, 8])
