@@ -187,6 +187,24 @@ def test_fused_blocks_keep_their_dtype():
                                        err_msg=f"{name} {path}")
 
 
+def test_weighted_sum_dtype_is_the_unfused_dtype():
+    # bfloat16 rows (4-bit experts, bfloat16 activations) with float32 scores:
+    # the unfused expression promotes; blocks ending in .astype(y.dtype) don't.
+    mx.random.seed(4)
+    layer = SwitchGLU(64, 32, 8)
+    nn.quantize(layer, group_size=32, bits=4)
+    layer.set_dtype(mx.bfloat16)
+    x = mx.random.normal((12, 64)).astype(mx.bfloat16)
+    indices = mx.argpartition(-mx.random.normal((12, 8)), 1, axis=-1)[..., :2]
+    scores = mx.softmax(mx.random.normal((12, 2)), axis=-1)
+    want = (layer(x, indices) * scores[..., None]).sum(-2)
+    assert want.dtype == mx.float32
+    got = layer.weighted_sum(x, indices, scores)
+    assert got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-2, atol=1e-2)
+    assert layer.weighted_sum(x, indices, scores, in_rows_dtype=True).dtype == mx.bfloat16
+
+
 def test_blocks_of_other_code_are_not_fused(monkeypatch):
     # A block whose __call__ is not the code its fused forward mirrors (another
     # mlx-lm's) keeps it: experts patched, weighted sum unfused.
