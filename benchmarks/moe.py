@@ -43,6 +43,7 @@ import numpy as np
 
 import mlx_moe_plan
 from mlx_moe_plan import reference
+from mlx_moe_plan.kernels import launch as geometry
 
 from .timing import Timing, time_calls
 
@@ -644,6 +645,9 @@ def parse_args(argv=None):
                         help="memory for one graph's inputs and outputs "
                              "(default a quarter of the device's, at most 32 GiB on a GPU, 4 on a CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plan-max-groups", type=int, metavar="N",
+                        help="the GPU plan's cap on groups, past which each group places "
+                             f"several blocks (default {geometry.PLAN_MAX_GROUPS}; kernels/launch.py)")
     parser.add_argument("--json", metavar="PATH", help="write every result, with the environment, as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     args = parser.parse_args(argv)
@@ -651,6 +655,8 @@ def parse_args(argv=None):
         parser.error("--calls: must be at least 1")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats: must be at least 1")
+    if args.plan_max_groups is not None and args.plan_max_groups < 1:
+        parser.error("--plan-max-groups: must be at least 1")
     return args
 
 
@@ -674,6 +680,10 @@ def main(argv=None) -> int:
     )
     mx.random.seed(args.seed)
     notes = []
+    if args.plan_max_groups is not None:
+        geometry.PLAN_MAX_GROUPS = args.plan_max_groups
+        geometry.plan_launch.cache_clear()
+        notes.append(f"the GPU plan's groups capped at {args.plan_max_groups}")
     if mlx_lm is None:
         notes.append("mlx-lm's switch_layers path cannot be imported "
                      f"({MLX_LM_MISSING}; pip install mlx-lm): only ours and the copy are timed")
@@ -759,7 +769,8 @@ def main(argv=None) -> int:
             "settings": {"calls": settings.calls, "repeats": settings.repeats,
                          "min_repeats": settings.min_repeats, "max_repeats": settings.max_repeats,
                          "target_s": settings.target_s, "warmup": settings.warmup,
-                         "memory_budget_bytes": settings.budget, "seed": args.seed},
+                         "memory_budget_bytes": settings.budget, "seed": args.seed,
+                         "plan_max_groups": geometry.PLAN_MAX_GROUPS},
             "legend": LEGEND,
             "checks": checks, "results": results, "summary": rows,
             "targets": {"headline": HEADLINE, "device": "gpu" if on_gpu else "cpu", "found": found},

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The GPU suite, on a machine whose MLX has a GPU backend (MLX's CUDA build
 # on Linux; Metal on a Mac), from the project root:
-#     bash tests/gpu_suite.sh [results-dir] [tests|bench|all]
-# tests: 1. every test on the GPU device (pytest -m gpu), bitwise against the
-#           reference, outputs poisoned before each kernel;
-#        2. compute-sanitizer memcheck, racecheck and synccheck over the same
-#           tests with fewer examples, restricted to this package's kernels (CUDA);
-#        3. the mlx-lm layer tests on the default device (the GPU there).
-# bench: 4. the dispatch costs, the ops at every shape (T from 128 to 16384),
-#           and the layer end to end at every shape, T = 512 to 16384, in the
-#           default formulation and each fixed one, one process a shape and T
-#           (a failing mlx-lm launch cannot disturb the next), as JSON.
+#     bash tests/gpu_suite.sh [results-dir] [steps]
+# steps, a comma list (default all; tests = pytest,sanitizers,nn;
+# bench = dispatch,ops,plan-groups,layer):
+#   pytest      every test on the GPU device (pytest -m gpu), bitwise against
+#               the reference, outputs poisoned before each kernel;
+#   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
+#               same tests with fewer examples, this package's kernels (CUDA);
+#   nn          the mlx-lm model and layer tests on the default device (the GPU);
+#   dispatch    the host cost of a graph node;
+#   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
+#   plan-groups the plan at T = 2048, 16384 and 65536 under caps on its groups;
+#   layer       the layer end to end at every shape, T = 512 to 16384, in the
+#               default formulation and each fixed one, one process a shape and
+#               T (a failing mlx-lm launch cannot disturb the next), as JSON.
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -27,21 +31,40 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
   [ "$rc" -eq 0 ] || { echo "FAILED ($rc): $*"; status=1; }
 }
 
-if [ "$steps" != bench ]; then
+steps=${steps//tests/pytest,sanitizers,nn}
+steps=${steps//bench/dispatch,ops,plan-groups,layer}
+[ "$steps" = all ] && steps=pytest,sanitizers,nn,dispatch,ops,plan-groups,layer
+wanted() { [[ ",$steps," == *",$1,"* ]]; }
+
+if wanted pytest; then
   logged "$results/pytest-gpu.log" python3 -m pytest -q -m gpu tests -p no:cacheprovider
-  if command -v compute-sanitizer >/dev/null; then
-    for tool in memcheck racecheck synccheck; do
-      HYPOTHESIS_PROFILE=sanitize logged "$results/sanitizer-$tool.log" \
-        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
-        python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
-    done
-  fi
+fi
+if wanted sanitizers && command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck synccheck; do
+    HYPOTHESIS_PROFILE=sanitize logged "$results/sanitizer-$tool.log" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+      python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
+  done
+fi
+if wanted nn; then
   logged "$results/pytest-nn.log" python3 -m pytest -q -rf tests/test_nn.py -p no:cacheprovider
 fi
-if [ "$steps" != tests ]; then
+if wanted dispatch; then
   logged "$results/dispatch.log" python3 -m benchmarks.dispatch
+fi
+if wanted ops; then
   logged "$results/bench.log" python3 -m benchmarks.moe --full --no-progress \
     --json "$results/bench.json"
+fi
+if wanted plan-groups; then
+  # 1048576: no cap at these sizes, one block a group.
+  for groups in 64 128 256 1048576; do
+    logged "$results/plan-groups-$groups.log" python3 -m benchmarks.moe --no-progress \
+      --shapes qwen3-next --tokens 2048,16384,65536 --hidden 64 --plan-max-groups "$groups" \
+      --json "$results/plan-groups-$groups.json"
+  done
+fi
+if wanted layer; then
   for tokens in 512 2048 8192 16384; do
     for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
       logged "$results/layer-$shape-$tokens.log" python3 -m benchmarks.moe --layer \
