@@ -145,7 +145,11 @@ class SwitchGLU(nn.Module):
             experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)
             tiles = rows.reshape(plan.max_tiles, plan.tile_m, -1)
             return self._mlp(tiles, experts).reshape(plan.capacity, -1)
-        rows = mx.expand_dims(rows, -2)  # [capacity, 1, D]
+        # [capacity, 1, D] by reshape, not expand_dims: MLX 0.32.4's CUDA
+        # grouped GEMM (sorted gather_mm, one row a batch) read expand_dims'
+        # rows wrongly (max error 7.2 in a 32-wide product on the H200) and
+        # reshaped ones right (1e-6).
+        rows = rows.reshape(plan.capacity, 1, -1)
         experts = plan.row_experts  # sorted by construction
         step = self.max_rows_per_gemm
         if plan.capacity <= step:

@@ -30,11 +30,13 @@ CONFIGS = {
                       norm_topk_prob=True),
     "mixtral": dict(_COMMON, model_type="mixtral", num_hidden_layers=2, intermediate_size=64,
                     num_local_experts=8, num_experts_per_tok=2),
+    # Attention widths of 64: MLX's CUDA quantized_matmul has no kernel for the
+    # 4-bit attention products at 32 (M=5, N=K=32, not transposed).
     "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", num_hidden_layers=2,
                         intermediate_size=96, moe_intermediate_size=32, n_shared_experts=1,
-                        n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=32,
-                        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=32,
-                        qk_nope_head_dim=32, n_group=2, topk_group=1,
+                        n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=64,
+                        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=64,
+                        qk_nope_head_dim=64, n_group=2, topk_group=1,
                         first_k_dense_replace=1),
     "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_hidden_layers=2, num_local_experts=8,
                     num_experts_per_tok=2, intermediate_size=64, head_dim=16,
