@@ -145,7 +145,8 @@ class SwitchGLU(nn.Module):
             experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)
             tiles = rows.reshape(plan.max_tiles, plan.tile_m, -1)
             return self._mlp(tiles, experts).reshape(plan.capacity, -1)
-        # [capacity, 1, D] by reshape, not expand_dims: MLX 0.32.4's CUDA
+        # [capacity, 1, D] by reshape, not expand_dims, and back by reshape,
+        # not squeeze (whose gradient is an expand_dims): MLX 0.32.4's CUDA
         # grouped GEMM (sorted gather_mm, one row a batch) read expand_dims'
         # rows wrongly (max error 7.2 in a 32-wide product on the H200) and
         # reshaped ones right (1e-6).
@@ -153,10 +154,10 @@ class SwitchGLU(nn.Module):
         experts = plan.row_experts  # sorted by construction
         step = self.max_rows_per_gemm
         if plan.capacity <= step:
-            return self._mlp(rows, experts).squeeze(-2)
+            return self._mlp(rows, experts).reshape(plan.capacity, -1)
         parts = [self._mlp(rows[i : i + step], experts[i : i + step])
                  for i in range(0, plan.capacity, step)]
-        return mx.concatenate(parts).squeeze(-2)
+        return mx.concatenate(parts).reshape(plan.capacity, -1)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""
