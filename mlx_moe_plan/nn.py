@@ -131,7 +131,14 @@ class SwitchGLU(nn.Module):
         """The expert MLP of `rows` `[n, m, D]`, expert `experts[i]` for `rows[i]`."""
         x_up = self.up_proj(rows, experts, sorted_indices=True)
         x_gate = self.gate_proj(rows, experts, sorted_indices=True)
-        return self.down_proj(self.activation(x_up, x_gate), experts, sorted_indices=True)
+        hidden = self.activation(x_up, x_gate)
+        if hidden.shape[-2] == 1 and "bias" in self.up_proj:
+            # mlx-lm's SwitchLinear adds its bias through expand_dims, and an
+            # elementwise op may hand that input's strides on to its output:
+            # the stride-1 axis of _expert_rows' note. A reshape round trip
+            # gives the rows their true stride before the next GEMM.
+            hidden = hidden.reshape(-1, hidden.shape[-1]).reshape(hidden.shape)
+        return self.down_proj(hidden, experts, sorted_indices=True)
 
     def _expert_rows(self, x: mx.array, plan) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
@@ -146,10 +153,12 @@ class SwitchGLU(nn.Module):
             tiles = rows.reshape(plan.max_tiles, plan.tile_m, -1)
             return self._mlp(tiles, experts).reshape(plan.capacity, -1)
         # [capacity, 1, D] by reshape, not expand_dims, and back by reshape,
-        # not squeeze (whose gradient is an expand_dims): MLX 0.32.4's CUDA
-        # grouped GEMM (sorted gather_mm, one row a batch) read expand_dims'
-        # rows wrongly (max error 7.2 in a 32-wide product on the H200) and
-        # reshaped ones right (1e-6).
+        # not squeeze (whose gradient is an expand_dims). MLX gives the size-1
+        # axis expand_dims inserts a stride of 1, and MLX 0.32.4's CUDA sorted
+        # gather_mm of one-row batches (a grouped GEMM over each expert's
+        # rows) takes that stride for the distance between rows: on the H200
+        # it read expand_dims' rows wrongly (max error 7.2 in a 32-wide
+        # product) and reshaped ones right (1e-6).
         rows = rows.reshape(plan.capacity, 1, -1)
         experts = plan.row_experts  # sorted by construction
         step = self.max_rows_per_gemm
