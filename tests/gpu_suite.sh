@@ -11,7 +11,7 @@
 #   nn          the mlx-lm model and layer tests on the default device (the GPU);
 #   dispatch    the host cost of a graph node;
 #   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
-#   plan-groups the plan at T = 2048, 16384 and 65536 under caps on its groups;
+#   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
 #   layer       the layer end to end at every shape, T = 512 to 16384, in the
 #               default formulation and each fixed one, one process a shape and
 #               T (a failing mlx-lm launch cannot disturb the next), as JSON.
@@ -60,7 +60,7 @@ if wanted plan-groups; then
   # 1048576: no cap at these sizes, one block a group.
   for groups in 64 128 256 1048576; do
     logged "$results/plan-groups-$groups.log" python3 -m benchmarks.moe --no-progress \
-      --shapes qwen3-next --tokens 2048,16384,65536 --hidden 64 --plan-max-groups "$groups" \
+      --shapes qwen3-next --tokens 2048,16384 --hidden 64 --plan-max-groups "$groups" \
       --json "$results/plan-groups-$groups.json"
   done
 fi

@@ -157,7 +157,7 @@ def test_plan_without_weights_has_no_row_weights(device):
 @pytest.mark.parametrize("skew", ["uniform", "one_hot_expert"])
 def test_plan_more_than_65536_rows(skew, device):
     # Past 2**16 rows: any 16-bit counter or index in the kernels would wrap here.
-    # 160 blocks of the GPU plan: its groups place chunks of 2 (PLAN_MAX_GROUPS).
+    # 160 blocks of the GPU plan: its groups place chunks of several (PLAN_MAX_GROUPS).
     num_tokens, top_k, num_experts, tile_m = 8192, 10, 512, 16
     assert geometry.plan_launch(num_tokens * top_k, num_experts, tile_m, top_k, True).params[6] > 1
     rng = np.random.default_rng(2024)
