@@ -68,6 +68,11 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
     return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
 
 
+def _row_strided(rows: mx.array) -> mx.array:
+    """`rows` `[n, 1, H]` as a reshape of `[n, H]`: strides `(H, H, 1)`."""
+    return rows.reshape(-1, rows.shape[-1]).reshape(rows.shape)
+
+
 class SwitchGLU(nn.Module):
     """mlx-lm's `SwitchGLU` with the token dispatch of `mlx_moe_plan`.
 
@@ -131,14 +136,16 @@ class SwitchGLU(nn.Module):
         """The expert MLP of `rows` `[n, m, D]`, expert `experts[i]` for `rows[i]`."""
         x_up = self.up_proj(rows, experts, sorted_indices=True)
         x_gate = self.gate_proj(rows, experts, sorted_indices=True)
-        hidden = self.activation(x_up, x_gate)
-        if hidden.shape[-2] == 1 and "bias" in self.up_proj:
+        if rows.shape[-2] == 1 and "bias" in self.up_proj:
             # mlx-lm's SwitchLinear adds its bias through expand_dims, and an
             # elementwise op may hand that input's strides on to its output:
-            # the stride-1 axis of _expert_rows' note. A reshape round trip
-            # gives the rows their true stride before the next GEMM.
-            hidden = hidden.reshape(-1, hidden.shape[-1]).reshape(hidden.shape)
-        return self.down_proj(hidden, experts, sorted_indices=True)
+            # the stride-1 axis of _expert_rows' note, which would reach the
+            # down projection's input and, through the activation's gradient,
+            # the cotangents of these two. A reshape round trip gives them
+            # their true row stride, and so everything computed from them.
+            x_up = _row_strided(x_up)
+            x_gate = _row_strided(x_gate)
+        return self.down_proj(self.activation(x_up, x_gate), experts, sorted_indices=True)
 
     def _expert_rows(self, x: mx.array, plan) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
