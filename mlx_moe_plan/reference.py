@@ -139,8 +139,10 @@ def moe_gather(x, plan: ReferencePlan, dtype: str | None = None, x_dtype: str | 
     return from_float32(rows, dtype)
 
 
-def moe_combine(rows, plan: ReferencePlan, weights=None, rows_dtype: str | None = None):
-    """`y[t] = sum_k w[t,k] * rows[positions[t,k]]`, float32, ascending k."""
+def moe_combine(rows, plan: ReferencePlan, weights=None, rows_dtype: str | None = None,
+                dtype: str | None = None):
+    """`y[t] = sum_k w[t,k] * rows[positions[t,k]]`, float32, ascending k,
+    rounded once to `dtype` (default: the rows' dtype)."""
     rows_dtype = rows_dtype or str(rows.dtype)
     positions = plan.positions.reshape(-1, plan.top_k)
     if weights is None:
@@ -153,7 +155,7 @@ def moe_combine(rows, plan: ReferencePlan, weights=None, rows_dtype: str | None 
         used = positions[:, k] >= 0
         term = weights[used, k][:, None] * values[positions[used, k]]
         out[used] = out[used] + term
-    out = from_float32(out, rows_dtype)
+    out = from_float32(out, dtype or rows_dtype)
     return out.reshape(plan.positions.shape[:-1] + (values.shape[-1],))
 
 

@@ -30,17 +30,19 @@ HIDDEN_SIZES = [1, 3, 7, 129]
 combine_routings = routings(max_tokens=48, max_k=16, max_tile_m=32)
 
 
-def _reference_combine(rows: mx.array, expected_plan, weight_values=None) -> np.ndarray:
+def _reference_combine(rows: mx.array, expected_plan, weight_values=None,
+                       dtype: str | None = None) -> np.ndarray:
     with np.errstate(over="ignore"):
         return ref.moe_combine(to_numpy(rows), expected_plan, weights=weight_values,
-                               rows_dtype=dtype_name(rows.dtype))
+                               rows_dtype=dtype_name(rows.dtype), dtype=dtype)
 
 
 @given(routing=combine_routings, hidden=st.sampled_from(HIDDEN_SIZES),
        rows_dtype=st.sampled_from(FLOAT_NAMES), weight_dtype=st.sampled_from(FLOAT_NAMES),
-       weight_layout=st.sampled_from(["contiguous", "transposed", "strided_last"]))
+       weight_layout=st.sampled_from(["contiguous", "transposed", "strided_last"]),
+       out_dtype=st.sampled_from([None, *FLOAT_NAMES]))
 def test_combine_explicit_weights(routing: Routing, hidden, rows_dtype, weight_dtype,
-                                  weight_layout, device):
+                                  weight_layout, out_dtype, device):
     rng = np.random.default_rng(routing.seed)
     plan = routing.plan(device)
     # Random values on every row, padding included: combine must not read those.
@@ -48,11 +50,13 @@ def test_combine_explicit_weights(routing: Routing, hidden, rows_dtype, weight_d
     raw = rng.standard_normal(routing.ids.shape).astype(np.float32)
     weights = float_with_layout(raw, FLOAT_DTYPES[weight_dtype], weight_layout, rng)
 
-    out = mlx_moe_plan.moe_combine(rows, plan, weights=weights, stream=device)
+    dtype = None if out_dtype is None else FLOAT_DTYPES[out_dtype]
+    out = mlx_moe_plan.moe_combine(rows, plan, weights=weights, dtype=dtype, stream=device)
 
     assert out.shape == routing.token_shape + (hidden,)
-    assert out.dtype == rows.dtype
-    expected = _reference_combine(rows, routing.reference_plan(), as_float32(weights))
+    assert out.dtype == (rows.dtype if dtype is None else dtype)
+    expected = _reference_combine(rows, routing.reference_plan(), as_float32(weights),
+                                  out_dtype)
     assert_bitwise(out, expected, "combined")
 
 

@@ -113,6 +113,30 @@ def test_combine_vjp_wrt_rows_and_weights(routing: Routing, hidden, device):
                                rtol=RTOL, atol=ATOL)
 
 
+@given(routing=grad_routings)
+def test_combine_vjp_to_a_wider_dtype(routing: Routing, device):
+    # float16 rows summed into float32 (dtype=): the rows' gradient comes back
+    # in float16, the weights' as float32 sums of float16 rows.
+    rng = np.random.default_rng(routing.seed)
+    plan = routing.plan(device)
+    rows = mx.array(_normal(rng, (plan.capacity, 8))).astype(mx.float16)
+    weight_values = _normal(rng, routing.ids.shape)
+    dy = _normal(rng, routing.token_shape + (8,))
+
+    outs, (d_rows, d_weights) = mx.vjp(
+        lambda rows, w: [moe_combine(rows, plan, weights=w, dtype=mx.float32, stream=device)],
+        [rows, mx.array(weight_values)], [mx.array(dy)])
+
+    assert outs[0].dtype == mx.float32 and d_rows.dtype == mx.float16
+    expected = routing.reference_plan()
+    rows_values = np.array(rows.astype(mx.float32))
+    np.testing.assert_allclose(np.array(d_rows.astype(mx.float32)),
+                               combine_grad_rows(expected, weight_values, dy), rtol=2e-3,
+                               atol=2e-3)
+    np.testing.assert_allclose(np.array(d_weights), combine_grad_weights(expected, rows_values, dy),
+                               rtol=RTOL, atol=ATOL)
+
+
 @given(routing=grad_routings, hidden=st.sampled_from([1, 3, 8]))
 def test_unsort_vjp_wrt_rows(routing: Routing, hidden, device):
     rng = np.random.default_rng(routing.seed)

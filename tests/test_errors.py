@@ -113,11 +113,15 @@ def test_gather_rejects_bad_x(make_x, good, device):
         moe_gather(make_x(), good["plan"], stream=device)
 
 
+@pytest.mark.parametrize("op", ["moe_gather", "moe_combine"])
 @pytest.mark.parametrize("dtype", [mx.int32, mx.uint16, mx.bool_, mx.float64, "float16"],
                          ids=["int32", "uint16", "bool", "float64", "str"])
-def test_gather_rejects_bad_dtype(dtype, good, device):
+def test_rejects_bad_output_dtype(op, dtype, good, device):
     with pytest.raises(ERRORS, match=_names("dtype")):
-        moe_gather(good["x"], good["plan"], dtype=dtype, stream=device)
+        if op == "moe_gather":
+            moe_gather(good["x"], good["plan"], dtype=dtype, stream=device)
+        else:
+            moe_combine(good["rows"], good["plan"], dtype=dtype, stream=device)
 
 
 # --- rows: moe_combine and moe_unsort --------------------------------------------
