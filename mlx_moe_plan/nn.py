@@ -186,8 +186,8 @@ class SwitchGLU(nn.Module):
 
         The fused path for MoE blocks that weight and sum the experts' outputs
         themselves: no `[..., K, D]` intermediate. The sum runs in float32 over
-        ascending k, rounded once, so its last bits may differ from the unfused
-        product-sum in the activations' dtype.
+        ascending k, rounded once to the result's dtype, so its last bits may
+        differ from the unfused product-sum in the activations' dtype.
 
         Args:
             x (array): `[..., D]`.
@@ -202,8 +202,8 @@ class SwitchGLU(nn.Module):
         """
         plan = self._plan(indices)
         rows = self._expert_rows(x, plan)
-        out = moe_combine(rows, plan, weights=scores)
-        return out if in_rows_dtype else out.astype(mx.result_type(rows.dtype, scores.dtype))
+        dtype = rows.dtype if in_rows_dtype else mx.result_type(rows.dtype, scores.dtype)
+        return moe_combine(rows, plan, weights=scores, dtype=dtype)
 
 
 # ---- fused MoE blocks: each forward is its mlx-lm block's __call__ with the
@@ -283,22 +283,22 @@ def _source_digest(function) -> str | None:
         return None
 
 
-_FUSED_CLASSES: dict[type, type] = {}
+_FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
 
 
 def _fused_class(block_class: type, forward) -> type:
-    if block_class not in _FUSED_CLASSES:
+    if (block_class, forward) not in _FUSED_CLASSES:
         def __call__(self, x: mx.array) -> mx.array:
             # Distributed blocks (a sharding group set) keep their own call.
             if getattr(self, "sharding_group", None) is not None:
                 return block_class.__call__(self, x)
             return forward(self, x)
 
-        _FUSED_CLASSES[block_class] = type(
+        _FUSED_CLASSES[block_class, forward] = type(
             f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),
             {"__call__": __call__, "__module__": __name__,
              "__doc__": f"{block_class.__qualname__} with the experts' weighted sum fused."})
-    return _FUSED_CLASSES[block_class]
+    return _FUSED_CLASSES[block_class, forward]
 
 
 def _fuse(module: nn.Module) -> bool:
