@@ -682,7 +682,6 @@ def main(argv=None) -> int:
     notes = []
     if args.plan_max_groups is not None:
         geometry.PLAN_MAX_GROUPS = args.plan_max_groups
-        geometry.plan_launch.cache_clear()
         notes.append(f"the GPU plan's groups capped at {args.plan_max_groups}")
     if mlx_lm is None:
         notes.append("mlx-lm's switch_layers path cannot be imported "

@@ -179,12 +179,10 @@ def plan_max_groups(groups: int):
     make chunks of several."""
     saved = geometry.PLAN_MAX_GROUPS
     geometry.PLAN_MAX_GROUPS = groups
-    geometry.plan_launch.cache_clear()
     try:
         yield
     finally:
         geometry.PLAN_MAX_GROUPS = saved
-        geometry.plan_launch.cache_clear()
 
 
 # (case, cap): every case in chunks of all its blocks and of about half of

@@ -18,7 +18,7 @@ from ..reference import MAX_EXPERTS, capacity_for
 PLAN_BLOCK = 512
 # Plan groups at most: past PLAN_MAX_GROUPS blocks, each group places several
 # blocks in turn, so the plan's reads (every group reads every id) grow
-# linearly in N (plan.h). On the H200 at 163,840 entries (T = 16384, K = 10;
+# linearly in N, not as N * N / PLAN_BLOCK (plan.h). On the H200 at 163,840 entries (T = 16384, K = 10;
 # `bash tests/gpu_suite.sh results plan-groups`): 29.6 us a call at 64 groups,
 # 34.8 at 128, 41.5 at 256, 65.6 uncapped (320 groups); below 64 blocks the
 # cap changes nothing.
@@ -67,15 +67,26 @@ def plan_layout(
     return layout, offset
 
 
-@lru_cache(maxsize=256)
 def plan_launch(
     num_entries: int, num_experts: int, tile_m: int, top_k: int, has_weights: bool
 ) -> Launch:
-    """The plan kernel, for `num_entries >= 1`: outputs plan_data, row_weights."""
+    """The plan kernel, for `num_entries >= 1`: outputs plan_data, row_weights.
+
+    Its groups are capped at PLAN_MAX_GROUPS as that is at the call (the tests
+    and the benchmark's --plan-max-groups set it).
+    """
+    return _plan_launch(num_entries, num_experts, tile_m, top_k, has_weights, PLAN_MAX_GROUPS)
+
+
+@lru_cache(maxsize=256)
+def _plan_launch(
+    num_entries: int, num_experts: int, tile_m: int, top_k: int, has_weights: bool,
+    max_groups: int,
+) -> Launch:
     capacity = capacity_for(num_entries, num_experts, tile_m)
     _, data_size = plan_layout(num_entries, num_experts, tile_m)
     blocks = -(-num_entries // PLAN_BLOCK)
-    blocks_per_group = -(-blocks // PLAN_MAX_GROUPS)
+    blocks_per_group = -(-blocks // max_groups)
     return Launch(
         -(-blocks // blocks_per_group), PLAN_BLOCK,
         (num_entries, num_experts, tile_m, top_k, capacity, capacity // tile_m, blocks_per_group),
