@@ -416,6 +416,33 @@ def test_prologues_declare_the_thread_names(backend):
     assert re.findall(r"\bconst\s+unsigned\s+(\w+)\s*=", prologue) == list(kernels.THREAD_NAMES)
 
 
+KERNEL_FILES = [*kernels.BODIES, *(f"{kind}_{backend}" for kind in ("prelude", "prologue")
+                                   for backend in kernels.BACKENDS)]
+
+
+def _tokens(text: str) -> list[str]:
+    return re.findall(r"\w+|[^\s\w]", text)
+
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_compact_text_keeps_every_token_and_line_start(name):
+    """What the backends compile is the file without comments and layout:
+    the same tokens, and each preprocessor directive still starts a line."""
+    written = _strip_comments(kernels.text(name))
+    compacted = kernels.compact(name)
+    assert _tokens(compacted) == _tokens(written)
+    directives = re.findall(r"^\s*#.*$", written, flags=re.M)
+    assert [d.strip() for d in directives] == re.findall(r"^#.*$", compacted, flags=re.M)
+
+
+@pytest.mark.parametrize("text", ["int a/* x */b;", "#define A 1 \\\n  + 2", "// a \\\nb;",
+                                  'int s = "//";'])
+def test_compact_refuses_what_it_cannot_strip(text, monkeypatch):
+    monkeypatch.setattr(kernels, "text", lambda name: text)
+    with pytest.raises(ValueError, match="kernels.compact takes no"):
+        kernels.compact.__wrapped__("odd")
+
+
 def test_metal_contraction_is_off():
     """The prelude turns floating-point contraction off at file scope (MSL
     1.6.3): MLX's default math mode, safe, leaves it on within a statement, and

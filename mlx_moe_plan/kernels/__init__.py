@@ -46,12 +46,20 @@ def compact(name: str) -> str:
     What the backends compile. MLX's CUDA backend rebuilds and hashes a custom
     kernel's whole source on every call (`python -m benchmarks.dispatch`
     measures the cost per kilobyte), so the comments, half of `plan.h`, would
-    cost time on every call. Lines stay lines: preprocessor directives keep
-    working and compiler messages name a line that can be found. The kernel
-    texts hold no string literals, so no `//` inside one can be cut.
+    cost time on every call. Lines stay lines, so preprocessor directives keep
+    working; a compiler's line numbers are those of `body(name, backend)`.
+
+    Only `//` comments are stripped, which is exact for texts without block
+    comments, line continuations and quotes: any of those raises ValueError.
     """
-    source = re.sub(r"//[^\n]*|/\*.*?\*/", "", text(name), flags=re.S)
-    return "".join(line.strip() + "\n" for line in source.splitlines() if line.strip())
+    source = text(name)
+    if "/*" in source or re.search(r"\\[ \t]*$", source, flags=re.M):
+        raise ValueError(f"{name}.h: kernels.compact takes no /* */ comments and no "
+                         "backslash line continuations")
+    code = re.sub(r"//[^\n]*", "", source)
+    if '"' in code or "'" in code:
+        raise ValueError(f"{name}.h: kernels.compact takes no string or character literals")
+    return "".join(line.strip() + "\n" for line in code.splitlines() if line.strip())
 
 
 def prelude(backend: str) -> str:

@@ -12,10 +12,12 @@
 // the entries of its expert before it, so each group needs, per expert, the
 // total count (for the offsets) and the count before its chunk: it counts
 // every entry itself (phase 1). So each group reads all N ids: N * groups
-// reads in all, from L2. launch.py caps the groups (PLAN_MAX_GROUPS) and gives
-// each several blocks once N outgrows the cap, so that stays linear in N:
-// without a cap, one block a group, the reads grew as N * N / BLOCK (65.6 us
-// at 163,840 entries on the H200, 29.6 us under the cap). The reads are the price of one launch
+// reads in all. launch.py caps the groups (PLAN_MAX_GROUPS) and gives each
+// several blocks once N outgrows the cap, so that grows linearly in N: without
+// a cap, one block a group, the reads grew as N * N / BLOCK (65.6 us at 163,840
+// entries on the H200, 29.6 us under the cap). Past that size it is not
+// measured: once the ids outgrow L2 (about 12 M ids on the H200) every group
+// reads them from memory, and each group's blocks are placed one after another. The reads are the price of one launch
 // (above), and cheap at prefill sizes: at T = 2048, K = 10, 40 groups each
 // read 20,480 ids.
 //
@@ -210,8 +212,11 @@ for (int block = 0; block < blocks_per_group; ++block) {
   }
   BARRIER();
   // The thread's expert is read back from entry_experts after each barrier,
-  // not kept in a register across it: PoCL 3.0 lost such a register's value
-  // across the barriers of this loop (every thread saw the last thread's).
+  // not kept in a variable across it: with `expert` loaded from ids and kept
+  // across this loop's barriers, PoCL 3.0 (pocl-binary-distribution 3.0,
+  // which runs these texts in CI) lost its value, and every thread had the
+  // last thread's (rows unwritten, then a crash). `entry`, computed from
+  // LOCAL_ID alone, keeps its value.
   if (entry_experts[LOCAL_ID] >= 0) {
     ATOMIC_ADD(&counters[entry_experts[LOCAL_ID] * words_per_expert + word], 1u << shift);
   }
@@ -244,8 +249,8 @@ for (int block = 0; block < blocks_per_group; ++block) {
   }
   // Each expert's base moves past its entries of this block: the sum of its
   // sub-block counters, each word's four bytes summed as above. (After the
-  // last block too: one barrier and a few reads, where a branch around them
-  // would put barriers under an if.)
+  // last block too, two barriers and a few reads: every barrier of every body
+  // stays out of if-blocks, a rule tests/test_metal_source.py checks.)
   BARRIER(); // the ranks above have read expert_base and the counters
   for (int j = 0; j < experts_per_thread; ++j) {
     const int e = first_expert + j;
