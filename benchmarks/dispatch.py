@@ -6,11 +6,12 @@ The plan's kernels do a few microseconds of GPU work each, so on a GPU the
 plan's time per call is mostly what MLX spends per graph node: this measures
 that cost for the kinds of node the plan can be built from (a custom kernel
 with one or six outputs, and with 8 KiB more source text, a built-in
-elementwise op, and the views: slice, reshape, as_strided), on tiny arrays, as `benchmarks.timing` times everything
-(48 calls a graph, eval time only). It guided the plan's design: one kernel,
-one output, and views made only when a field is read; and kernel texts
-compiled without their comments (`kernels.compact`), since MLX's CUDA backend
-hashes a custom kernel's whole source each time it runs it.
+elementwise op, and the views: slice, reshape, as_strided), on tiny arrays,
+as `benchmarks.timing` times everything (48 calls a graph, eval time only).
+It guided the plan's design: one kernel, one output, and views made only when
+a field is read; and kernel texts compiled without their comments
+(`kernels.compact`), since MLX's CUDA backend hashes a custom kernel's whole
+source each time it runs it.
 """
 
 from __future__ import annotations

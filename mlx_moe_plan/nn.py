@@ -262,7 +262,8 @@ def _gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
 # against, mlx-lm 0.32.2). A block whose __call__ reads otherwise (another
 # mlx-lm's) keeps its own: patched experts, unfused sum, still correct.
 FUSED_BLOCKS: dict[str, tuple[str, Callable[[nn.Module, mx.array], mx.array], str]] = {
-    "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock": ("switch_mlp", _qwen3_moe, "5d2e8164fcb6ebfc"),
+    "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock":
+        ("switch_mlp", _qwen3_moe, "5d2e8164fcb6ebfc"),
     "mlx_lm.models.qwen3_next.Qwen3NextSparseMoeBlock":
         ("switch_mlp", _qwen3_next, "9c28cc63a2f1d683"),
     "mlx_lm.models.mixtral.MixtralSparseMoeBlock": ("switch_mlp", _mixtral, "95e4c55589ec0085"),

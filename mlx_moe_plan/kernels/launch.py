@@ -18,10 +18,10 @@ from ..reference import MAX_EXPERTS, capacity_for
 PLAN_BLOCK = 512
 # Plan groups at most: past PLAN_MAX_GROUPS blocks, each group places several
 # blocks in turn, so the plan's reads (every group reads every id) grow
-# linearly in N, not as N * N / PLAN_BLOCK (plan.h). On the H200 at 163,840 entries (T = 16384, K = 10;
-# `bash tests/gpu_suite.sh results plan-groups`): 29.6 us a call at 64 groups,
-# 34.8 at 128, 41.5 at 256, 65.6 uncapped (320 groups); below 64 blocks the
-# cap changes nothing.
+# linearly in N, not as N * N / PLAN_BLOCK (plan.h). On the H200 at 163,840
+# entries (T = 16384, K = 10; `bash tests/gpu_suite.sh results plan-groups`):
+# 29.6 us a call at 64 groups, 34.8 at 128, 41.5 at 256, 65.6 uncapped (320
+# groups); below 64 blocks the cap changes nothing.
 PLAN_MAX_GROUPS = 64
 
 # Groups loop over rows beyond this many, keeping every grid within limits.

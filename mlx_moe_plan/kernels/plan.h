@@ -17,9 +17,9 @@
 // a cap, one block a group, the reads grew as N * N / BLOCK (65.6 us at 163,840
 // entries on the H200, 29.6 us under the cap). Past that size it is not
 // measured: once the ids outgrow L2 (about 12 M ids on the H200) every group
-// reads them from memory, and each group's blocks are placed one after another. The reads are the price of one launch
-// (above), and cheap at prefill sizes: at T = 2048, K = 10, 40 groups each
-// read 20,480 ids.
+// reads them from memory, and each group's blocks are placed one after another.
+// The reads are the price of one launch (above), and cheap at prefill sizes:
+// at T = 2048, K = 10, 40 groups each read 20,480 ids.
 //
 // Phase 1, hist: shared-atomic histograms of the entries before the chunk and
 //   of the rest; invalid entries (>= E) counted by group 0.
