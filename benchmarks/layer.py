@@ -79,7 +79,7 @@ def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: lis
     flops = 2 * 3 * tokens * shape.top_k * shape.hidden * shape.intermediate
 
     def time_us(layer_call):
-        timing = time_calls(layer_call, layers, warmup=1, min_repeats=3, max_repeats=20,
+        timing = time_calls(layer_call, layers, warmup=1, min_repeats=3, max_repeats=200,
                             target_s=1.0)
         return timing.median_s * 1e6
 

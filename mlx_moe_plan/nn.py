@@ -43,27 +43,30 @@ from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
 
 
-# On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights), tiles beat sorted
-# single rows 3.5x to 24x at every measured shape from 4,096 routed entries up:
-# 16-row tiles while experts average fewer than 64 rows, 64-row tiles from
-# there (`python -m benchmarks.moe --layer --tile-m 1,16,32,64`, RESULTS.md).
-TILED_FROM_ENTRIES = 4096
+# On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
+# 2048), tiles beat sorted single rows wherever experts average 2 rows or more
+# (1.5x to 24x), and tie with them below: 16-row tiles while experts average
+# fewer than 64 rows, 64-row tiles from there. The rule picks the fastest
+# formulation measured, or one within 4% of it, at every measured point
+# (`python -m benchmarks.moe --layer --tile-m auto,1,8,16,32,64`, RESULTS.md).
+TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 
 
 def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
     """The GEMM formulation the layer uses unless told: the measured rule.
 
-    Tiles on MLX's CUDA backend from `TILED_FROM_ENTRIES` routed entries (16
-    rows, or 64 once experts average `LARGE_TILES_FROM_ROWS_PER_EXPERT` rows);
-    mlx-lm's sorted single rows (1) elsewhere: on the CPU, whose `gather_qmm`
-    pays for every padding row (16-row tiles ran 18x slower at T=8), on Metal,
-    not yet measured, and below the measured sizes.
+    Tiles on MLX's CUDA backend once experts average
+    `TILED_FROM_ROWS_PER_EXPERT` routed entries (16 rows, or 64 once they
+    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`); mlx-lm's sorted single rows
+    (1) elsewhere: on the CPU, whose `gather_qmm` pays for every padding row
+    (16-row tiles ran 18x slower at T=8), on Metal, not yet measured, and on
+    CUDA below that average, where tiles are mostly padding.
     """
     stream = _backend.resolve_stream(stream)
     if stream.device.type != mx.gpu or _backend.gpu_backend() != "cuda":
         return 1
-    if num_entries < TILED_FROM_ENTRIES:
+    if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
         return 1
     return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
 

@@ -3,7 +3,7 @@
 # on Linux; Metal on a Mac), from the project root:
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
-# bench = dispatch,ops,plan-groups,layer):
+# bench = dispatch,ops,plan-groups,layer,layer-small,layer-large):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
@@ -12,9 +12,14 @@
 #   dispatch    the host cost of a graph node;
 #   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
 #   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
-#   layer       the layer end to end at every shape, T = 512 to 16384, in the
-#               default formulation and each fixed one, one process a shape and
-#               T (a failing mlx-lm launch cannot disturb the next), as JSON.
+#   layer       the layer end to end at every shape, T = 1 to 2048, in the
+#               default formulation and each fixed one, one process a shape;
+#   layer-small the default, sorted rows and 16-row tiles at T = 1 to 128 in
+#               graphs of 16 layers (8 for DeepSeek-V3's 5.6 GB a layer): the
+#               decode sizes, where microseconds are at stake;
+#   layer-large the same in the default formulation at T = 8192 and 16384, one
+#               process a shape and T (a failing mlx-lm launch cannot disturb
+#               the next). All three write JSON.
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -32,8 +37,8 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 }
 
 steps=${steps//tests/pytest,sanitizers,nn}
-steps=${steps//bench/dispatch,ops,plan-groups,layer}
-[ "$steps" = all ] && steps=pytest,sanitizers,nn,dispatch,ops,plan-groups,layer
+steps=${steps//bench/dispatch,ops,plan-groups,layer,layer-small,layer-large}
+[ "$steps" = all ] && steps=pytest,sanitizers,nn,dispatch,ops,plan-groups,layer,layer-small,layer-large
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -65,11 +70,25 @@ if wanted plan-groups; then
   done
 fi
 if wanted layer; then
-  for tokens in 512 2048 8192 16384; do
+  for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
+    logged "$results/layer-$shape.log" python3 -m benchmarks.moe --layer \
+      --shapes "$shape" --tokens 1,8,32,128,512,2048 --tile-m auto,1,8,16,32,64 \
+      --layers 4 --json "$results/layer-$shape.json"
+  done
+fi
+if wanted layer-small; then
+  for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
+    logged "$results/layer-small-$shape.log" python3 -m benchmarks.moe --layer \
+      --shapes "$shape" --tokens 1,4,8,32,128 --tile-m auto,1,16 \
+      --layers $([ "$shape" = deepseek-v3 ] && echo 8 || echo 16) \
+      --json "$results/layer-small-$shape.json"
+  done
+fi
+if wanted layer-large; then
+  for tokens in 8192 16384; do
     for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
       logged "$results/layer-$shape-$tokens.log" python3 -m benchmarks.moe --layer \
-        --shapes "$shape" --tokens "$tokens" --tile-m auto,1,16,64 \
-        --layers $([ "$tokens" -le 2048 ] && echo 4 || echo 2) \
+        --shapes "$shape" --tokens "$tokens" --layers 1 \
         --json "$results/layer-$shape-$tokens.json"
     done
   done

@@ -77,8 +77,10 @@ def count_switch_glu(model, cls) -> int:
     return sum(isinstance(m, cls) for _, m in model.named_modules())
 
 
-# (tile_m, fuse) of patch_model: the default formulation fused and unfused, and tiles.
-PATCHES = {"rows": (None, True), "unfused": (None, False), "tiles16": (16, True)}
+# (tile_m, fuse) of patch_model: the default formulation (sorted rows on the CPU,
+# per the rule on CUDA) fused and unfused, and each formulation fixed.
+PATCHES = {"default": (None, True), "unfused": (None, False), "rows": (1, True),
+           "tiles16": (16, True)}
 
 
 @pytest.mark.parametrize("patch", PATCHES)
@@ -295,7 +297,7 @@ def test_default_formulation_is_the_measured_rule():
     for entries, experts in [(8, 8), (4096, 512), (1 << 20, 8)]:
         assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == 1
     if mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda":
-        rule = {(4095, 8): 1, (4096, 512): 16, (32767, 512): 16, (32768, 512): 64,
-                (4096, 8): 64}
+        rule = {(15, 8): 1, (16, 8): 16, (1023, 512): 1, (1024, 512): 16,
+                (32767, 512): 16, (32768, 512): 64, (512, 8): 64}
         for (entries, experts), tile_m in rule.items():
             assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)
