@@ -113,7 +113,7 @@ def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: lis
             raise SystemExit(f"{name} T={tokens} tile_m={tile_m}: ours differs from mlx-lm "
                              f"by {error} (max |y| {scale})")
         ours_us = time_us(our_call)
-        used = tile_m or default_tile_m(tokens * shape.top_k, shape.experts)
+        used = default_tile_m(tokens * shape.top_k, shape.experts) if tile_m is None else tile_m
         rows.append({"model": name, "tokens": tokens, **shape.__dict__, "tile_m": tile_m,
                      "tile_m_used": used,
                      "max_abs_diff": error, "mlx-lm_us": mlx_lm_us, "mlx-lm_error": mlx_lm_error,
@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, help="layers (calls) in one graph")
     parser.add_argument("--tile-m", default="auto",
                         help="comma list of GEMM formulations: auto = the layer's default "
-                             "(nn.default_tile_m), 1 = sorted rows, >1 = tiles of that many rows")
+                             "(nn.default_tile_m), 0 = mlx-lm's unsorted one (no plan), "
+                             "1 = sorted rows, >1 = tiles of that many rows")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
                 theirs = "fails" if row["mlx-lm_us"] is None else f"{row['mlx-lm_us']:.1f}"
                 speedup = "" if row["speedup"] is None else f"{row['speedup']:.2f}x"
                 print(f"{name:15s} {row['hidden']:5d} {row['intermediate']:6d} "
-                      f"{row['experts']:4d} {row['top_k']:3d} {t:6d} {row['tile_m'] or 'auto':>4} "
+                      f"{row['experts']:4d} {row['top_k']:3d} {t:6d} {'auto' if row['tile_m'] is None else row['tile_m']:>4} "
                       f"{theirs:>11s} {row['ours_us']:10.1f} "
                       f"{row['ours_gflops']:9.1f} {speedup:>8s}", flush=True)
     if args.json:

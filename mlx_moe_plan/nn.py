@@ -6,12 +6,15 @@
 turns them into `QuantizedSwitchLinear` exactly as it does mlx-lm's.
 `patch_model` swaps it into a loaded model in place.
 
-Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of two formulations:
-sorted single rows (`tile_m=1`, mlx-lm's: one expert index a row) or tiles
-(`tile_m` rows a tile, one expert a tile by the plan's construction, rows seen
-as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`). The default,
-`default_tile_m`, is the rule measured per backend (benchmarks/RESULTS.md);
-`tile_m` overrides it per layer. Needs mlx-lm installed.
+Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of three
+formulations: sorted single rows (`tile_m=1`, mlx-lm's from 64 routed entries:
+one expert index a row), tiles (`tile_m` rows a tile, one expert a tile by the
+plan's construction, rows seen as `[max_tiles, tile_m, D]` with
+`rhs_indices=tile_experts`), or no plan at all (`tile_m=UNSORTED`, mlx-lm's
+below 64 entries: each token against its K experts as routed, what decoding
+runs). The default, `default_tile_m`, is the rule measured per backend
+(benchmarks/RESULTS.md); `tile_m` overrides it per layer. Needs mlx-lm
+installed.
 
 MoE blocks that weight and sum the experts' outputs themselves
 (`(switch_mlp(x, inds) * scores[..., None]).sum(-2)`) can take the fused path,
@@ -43,6 +46,13 @@ from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
 
 
+# The tile_m of mlx-lm's own formulation for small batches: no plan, each
+# token's row against its K experts in routing order (unsorted gather_qmm).
+UNSORTED = 0
+# mlx-lm's SwitchGLU sorts from 64 routed entries. Below, its unsorted call
+# beat sorted rows by 5 to 48 us a layer at T = 1 on the H200 (no plan, gather
+# or combine to launch), and it is what an unpatched model decodes with.
+UNSORTED_BELOW_ENTRIES = 64
 # On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
 # 2048), tiles beat sorted single rows wherever experts average 2 rows or more
 # (1.5x to 24x), and tie with them below: 16-row tiles while experts average
@@ -58,17 +68,20 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
 
     Tiles on MLX's CUDA backend once experts average
     `TILED_FROM_ROWS_PER_EXPERT` routed entries (16 rows, or 64 once they
-    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`); mlx-lm's sorted single rows
-    (1) elsewhere: on the CPU, whose `gather_qmm` pays for every padding row
-    (16-row tiles ran 18x slower at T=8), on Metal, not yet measured, and on
-    CUDA below that average, where tiles are mostly padding.
+    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`). Otherwise mlx-lm's own
+    formulations: `UNSORTED` below `UNSORTED_BELOW_ENTRIES` entries, sorted
+    single rows (1) from there. These are the CPU's at every size, whose
+    `gather_qmm` pays for every padding row (16-row tiles ran 18x slower at
+    T=8), and Metal's, not yet measured.
+
+    Returns:
+        int: `UNSORTED` (0), 1, 16 or 64.
     """
     stream = _backend.resolve_stream(stream)
-    if stream.device.type != mx.gpu or _backend.gpu_backend() != "cuda":
-        return 1
-    if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
-        return 1
-    return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
+    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda" and \
+            num_entries >= TILED_FROM_ROWS_PER_EXPERT * num_experts:
+        return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
+    return UNSORTED if num_entries < UNSORTED_BELOW_ENTRIES else 1
 
 
 def _row_strided(rows: mx.array) -> mx.array:
@@ -85,8 +98,14 @@ class SwitchGLU(nn.Module):
         num_experts (int): Number of experts E.
         activation (Module): `activation(x_up, x_gate)`. Default: SwiGLU.
         bias (bool): Projection biases. Default: ``False``.
-        tile_m (int, optional): GEMM formulation: 1 for sorted single rows,
-          more for tiles of that many rows. Default: `default_tile_m` per call.
+        tile_m (int, optional): GEMM formulation: `UNSORTED` (0) for mlx-lm's
+          plan-free one, 1 for sorted single rows, more for tiles of that many
+          rows. Default: `default_tile_m` per call.
+
+    Expert ids must lie in `[0, num_experts)`, as a router gives them. The
+    planned formulations skip others (their outputs are zero); the unsorted
+    one hands them to MLX's `gather_qmm` as mlx-lm does, which does not
+    check them.
     """
 
     # Rows a single sorted-rows GEMM call takes at most; larger batches run in
@@ -129,11 +148,21 @@ class SwitchGLU(nn.Module):
     def num_experts(self) -> int:
         return self.gate_proj.num_experts
 
-    def _plan(self, indices: mx.array):
-        tile_m = self.tile_m
-        if tile_m is None:
-            tile_m = default_tile_m(indices.size, self.num_experts)
+    def _formulation(self, indices: mx.array) -> int:
+        if self.tile_m is not None:
+            return self.tile_m
+        return default_tile_m(indices.size, self.num_experts)
+
+    def _plan(self, indices: mx.array, tile_m: int):
         return moe_plan(mx.stop_gradient(indices), self.num_experts, tile_m=tile_m)
+
+    def _unsorted(self, x: mx.array, indices: mx.array) -> mx.array:
+        """mlx-lm's call below its sort threshold, op for op: `[..., K, D]`."""
+        x = mx.expand_dims(x, (-2, -3))
+        indices = mx.stop_gradient(indices)
+        x_up = self.up_proj(x, indices)
+        x_gate = self.gate_proj(x, indices)
+        return self.down_proj(self.activation(x_up, x_gate), indices).squeeze(-2)
 
     def _mlp(self, rows: mx.array, experts: mx.array) -> mx.array:
         """The expert MLP of `rows` `[n, m, D]`, expert `experts[i]` for `rows[i]`."""
@@ -180,7 +209,10 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""
-        plan = self._plan(indices)
+        tile_m = self._formulation(indices)
+        if tile_m == UNSORTED:
+            return self._unsorted(x, indices)
+        plan = self._plan(indices, tile_m)
         return moe_unsort(self._expert_rows(x, plan), plan)
 
     def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array, *,
@@ -190,7 +222,9 @@ class SwitchGLU(nn.Module):
         The fused path for MoE blocks that weight and sum the experts' outputs
         themselves: no `[..., K, D]` intermediate. The sum runs in float32 over
         ascending k, rounded once to the result's dtype, so its last bits may
-        differ from the unfused product-sum in the activations' dtype.
+        differ from the unfused product-sum in the activations' dtype. The
+        `UNSORTED` formulation has no plan to combine with: it computes the
+        unfused expression itself, bit for bit mlx-lm's.
 
         Args:
             x (array): `[..., D]`.
@@ -203,7 +237,12 @@ class SwitchGLU(nn.Module):
         Returns:
             array: `[..., D]`.
         """
-        plan = self._plan(indices)
+        tile_m = self._formulation(indices)
+        if tile_m == UNSORTED:
+            y = self._unsorted(x, indices)
+            weighted = (y * scores[..., None]).sum(-2)
+            return weighted.astype(y.dtype) if in_rows_dtype else weighted
+        plan = self._plan(indices, tile_m)
         rows = self._expert_rows(x, plan)
         dtype = rows.dtype if in_rows_dtype else mx.result_type(rows.dtype, scores.dtype)
         return moe_combine(rows, plan, weights=scores, dtype=dtype)

@@ -77,10 +77,11 @@ def count_switch_glu(model, cls) -> int:
     return sum(isinstance(m, cls) for _, m in model.named_modules())
 
 
-# (tile_m, fuse) of patch_model: the default formulation (sorted rows on the CPU,
-# per the rule on CUDA) fused and unfused, and each formulation fixed.
-PATCHES = {"default": (None, True), "unfused": (None, False), "rows": (1, True),
-           "tiles16": (16, True)}
+# (tile_m, fuse) of patch_model: the default formulation (the rule: unsorted
+# below 64 entries, sorted rows or tiles from there) fused and unfused, and each
+# formulation fixed.
+PATCHES = {"default": (None, True), "unfused": (None, False), "unsorted": (0, True),
+           "rows": (1, True), "tiles16": (16, True)}
 
 
 @pytest.mark.parametrize("patch", PATCHES)
@@ -108,6 +109,19 @@ def test_patched_logits_match(name, quantized, patch):
         assert np.all(np.isfinite(np.array(want)))
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5,
                                    err_msg=f"{name} T={length}")
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_decoding_is_bitwise_mlx_lm(name, quantized):
+    # One token at a time routes fewer than 64 entries: the default is then
+    # mlx-lm's own formulation on every backend, fused blocks included, so a
+    # patched model decodes exactly as the unpatched one does.
+    model = make_model(name, quantized)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    tokens = mx.array(np.random.default_rng(12).integers(0, 96, (1, 1)))
+    np.testing.assert_array_equal(np.array(patched(tokens)), np.array(model(tokens)))
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
@@ -156,8 +170,8 @@ def test_constructor_matches_mlx_lm():
     assert isinstance(ours.up_proj, switch_layers.QuantizedSwitchLinear)
 
 
-@pytest.mark.parametrize("tile_m", [None, 8])
-def test_weighted_sum_is_the_fused_combine(tile_m):
+@pytest.mark.parametrize("tile_m", [None, 0, 8])
+def test_weighted_sum_is_the_sum_of_weighted_outputs(tile_m):
     mx.random.seed(1)
     layer = SwitchGLU(32, 48, 8, tile_m=tile_m)
     x = mx.random.normal((2, 30, 32))
@@ -251,7 +265,7 @@ def test_fused_model_gradients_match(name):
                                    atol=1e-5, err_msg=key)
 
 
-@pytest.mark.parametrize("tile_m", [None, 8])
+@pytest.mark.parametrize("tile_m", [None, 0, 8])
 def test_gradients_match_mlx_lm(tile_m):
     # LoRA-style fine-tuning reaches the experts through their inputs: the
     # gradient w.r.t. the layer's input, and w.r.t. its (float) weights.
@@ -293,11 +307,12 @@ def test_patched_model_compiles():
 def test_default_formulation_is_the_measured_rule():
     from mlx_moe_plan import nn as moe_nn
 
-    # mlx-lm's sorted rows on the CPU at every size: tiles pay for padding rows there.
-    for entries, experts in [(8, 8), (4096, 512), (1 << 20, 8)]:
-        assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == 1
+    # mlx-lm's formulations on the CPU at every size: tiles pay for padding rows there.
+    cpu = {(8, 8): 0, (63, 512): 0, (64, 512): 1, (4096, 512): 1, (1 << 20, 8): 1}
+    for (entries, experts), tile_m in cpu.items():
+        assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == tile_m
     if mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda":
-        rule = {(15, 8): 1, (16, 8): 16, (1023, 512): 1, (1024, 512): 16,
-                (32767, 512): 16, (32768, 512): 64, (512, 8): 64}
+        rule = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 1, (1023, 512): 1,
+                (1024, 512): 16, (32767, 512): 16, (32768, 512): 64, (512, 8): 64}
         for (entries, experts), tile_m in rule.items():
             assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)
