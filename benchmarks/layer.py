@@ -113,7 +113,9 @@ def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: lis
             raise SystemExit(f"{name} T={tokens} tile_m={tile_m}: ours differs from mlx-lm "
                              f"by {error} (max |y| {scale})")
         ours_us = time_us(our_call)
-        used = default_tile_m(tokens * shape.top_k, shape.experts) if tile_m is None else tile_m
+        used = tile_m
+        if used is None:
+            used = default_tile_m(tokens * shape.top_k, shape.experts)
         rows.append({"model": name, "tokens": tokens, **shape.__dict__, "tile_m": tile_m,
                      "tile_m_used": used,
                      "max_abs_diff": error, "mlx-lm_us": mlx_lm_us, "mlx-lm_error": mlx_lm_error,

@@ -49,16 +49,19 @@ from .plan import moe_plan
 # The tile_m of mlx-lm's own formulation for small batches: no plan, each
 # token's row against its K experts in routing order (unsorted gather_qmm).
 UNSORTED = 0
-# mlx-lm's SwitchGLU sorts from 64 routed entries. Below, its unsorted call
-# beat sorted rows by 5 to 48 us a layer at T = 1 on the H200 (no plan, gather
-# or combine to launch), and it is what an unpatched model decodes with.
+# mlx-lm's SwitchGLU sorts from 64 routed entries (`do_sort = indices.size >=
+# 64` in mlx-lm 0.32.2's switch_layers). Below, its unsorted call beat sorted
+# rows by 5 to 48 us a layer at T = 1 on the H200 (graphs of 16 layers; no
+# plan, gather or combine to launch), and it is what an unpatched model
+# decodes one sequence at a time with: patched, it decodes bit for bit alike.
 UNSORTED_BELOW_ENTRIES = 64
 # On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
 # 2048), tiles beat sorted single rows wherever experts average 2 rows or more
-# (1.5x to 24x), and tie with them below: 16-row tiles while experts average
-# fewer than 64 rows, 64-row tiles from there. The rule picks the fastest
-# formulation measured, or one within 4% of it, at every measured point
-# (`python -m benchmarks.moe --layer --tile-m auto,1,8,16,32,64`, RESULTS.md).
+# (1.45x to 24x), tie with them at 1 and lose by up to 16% below: 16-row tiles
+# while experts average fewer than 64 rows, 64-row tiles from there. Above the
+# launch noise of the smallest sizes, the rule picks the fastest formulation
+# measured or one within 4% of it (`python -m benchmarks.moe --layer --tile-m
+# auto,1,8,16,32,64`, RESULTS.md).
 TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 
@@ -74,6 +77,12 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
     `gather_qmm` pays for every padding row (16-row tiles ran 18x slower at
     T=8), and Metal's, not yet measured.
 
+    Args:
+        num_entries (int): Routed entries, `T * K` (`indices.size`).
+        num_experts (int): Number of experts E.
+        stream (Stream or Device, optional): Where the layer runs. Default:
+          the default device's stream.
+
     Returns:
         int: `UNSORTED` (0), 1, 16 or 64.
     """
@@ -82,6 +91,17 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
             num_entries >= TILED_FROM_ROWS_PER_EXPERT * num_experts:
         return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
     return UNSORTED if num_entries < UNSORTED_BELOW_ENTRIES else 1
+
+
+def _checked_tile_m(tile_m: int | None) -> int | None:
+    if tile_m is None:
+        return None
+    if isinstance(tile_m, bool) or not isinstance(tile_m, int):
+        raise TypeError(f"tile_m: expected an int or None, got {type(tile_m).__name__}")
+    if tile_m < 0:
+        raise ValueError(f"tile_m: must be UNSORTED (0), 1 (sorted rows) or a tile height "
+                         f"above 1, got {tile_m}")
+    return tile_m
 
 
 def _row_strided(rows: mx.array) -> mx.array:
@@ -125,7 +145,7 @@ class SwitchGLU(nn.Module):
         tile_m: int | None = None,
     ):
         super().__init__()
-        self.tile_m = tile_m
+        self.tile_m = _checked_tile_m(tile_m)
         linear = _mlx_lm_switch.SwitchLinear
         self.gate_proj = linear(input_dims, hidden_dims, num_experts, bias=bias)
         self.up_proj = linear(input_dims, hidden_dims, num_experts, bias=bias)
@@ -137,7 +157,7 @@ class SwitchGLU(nn.Module):
         """A `SwitchGLU` sharing `layer`'s projections and activation (no copy)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.tile_m = tile_m
+        new.tile_m = _checked_tile_m(tile_m)
         new.gate_proj = layer.gate_proj
         new.up_proj = layer.up_proj
         new.down_proj = layer.down_proj
@@ -182,6 +202,7 @@ class SwitchGLU(nn.Module):
     def _expert_rows(self, x: mx.array, plan) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
         rows = moe_gather(x, plan)
+        hidden = rows.shape[-1]  # spelled out: -1 cannot be inferred for 0 rows
         if plan.tile_m > 1:
             # Tiles past num_tiles hold zero rows and expert -1: give them the
             # last expert, so the experts stay sorted as sorted_indices
@@ -189,8 +210,9 @@ class SwitchGLU(nn.Module):
             # reads their outputs.
             last = self.num_experts - 1
             experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)
-            tiles = rows.reshape(plan.max_tiles, plan.tile_m, -1)
-            return self._mlp(tiles, experts).reshape(plan.capacity, -1)
+            tiles = rows.reshape(plan.max_tiles, plan.tile_m, hidden)
+            out = self._mlp(tiles, experts)
+            return out.reshape(plan.capacity, out.shape[-1])
         # [capacity, 1, D] by reshape, not expand_dims, and back by reshape,
         # not squeeze (whose gradient is an expand_dims). MLX gives the size-1
         # axis expand_dims inserts a stride of 1, and MLX 0.32.4's CUDA sorted
@@ -198,14 +220,15 @@ class SwitchGLU(nn.Module):
         # rows) takes that stride for the distance between rows: on the H200
         # it read expand_dims' rows wrongly (max error 7.2 in a 32-wide
         # product) and reshaped ones right (1e-6).
-        rows = rows.reshape(plan.capacity, 1, -1)
+        rows = rows.reshape(plan.capacity, 1, hidden)
         experts = plan.row_experts  # sorted by construction
         step = self.max_rows_per_gemm
         if plan.capacity <= step:
-            return self._mlp(rows, experts).reshape(plan.capacity, -1)
-        parts = [self._mlp(rows[i : i + step], experts[i : i + step])
-                 for i in range(0, plan.capacity, step)]
-        return mx.concatenate(parts).reshape(plan.capacity, -1)
+            out = self._mlp(rows, experts)
+        else:
+            out = mx.concatenate([self._mlp(rows[i : i + step], experts[i : i + step])
+                                  for i in range(0, plan.capacity, step)])
+        return out.reshape(plan.capacity, out.shape[-1])
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""

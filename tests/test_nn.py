@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import types
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,17 +112,24 @@ def test_patched_logits_match(name, quantized, patch):
                                    err_msg=f"{name} T={length}")
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+@pytest.mark.parametrize("variant", ["float", "4bit", "4bit-bfloat16"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_decoding_is_bitwise_mlx_lm(name, quantized):
+def test_decoding_is_bitwise_mlx_lm(name, variant):
     # One token at a time routes fewer than 64 entries: the default is then
     # mlx-lm's own formulation on every backend, fused blocks included, so a
-    # patched model decodes exactly as the unpatched one does.
-    model = make_model(name, quantized)
+    # patched model decodes exactly as the unpatched one does. In bfloat16
+    # the planned formulations' float32 sum would differ in the last bits.
+    model = make_model(name, quantized=variant != "float")
+    if variant.endswith("bfloat16"):
+        model.set_dtype(mx.bfloat16)
     patched = copy.deepcopy(model)
     patch_model(patched)
     tokens = mx.array(np.random.default_rng(12).integers(0, 96, (1, 1)))
-    np.testing.assert_array_equal(np.array(patched(tokens)), np.array(model(tokens)))
+    got, want = patched(tokens), model(tokens)
+    assert got.dtype == want.dtype
+    # float32 holds every bfloat16 exactly (NumPy has no bfloat16).
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                  np.array(want.astype(mx.float32)))
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
@@ -170,7 +178,7 @@ def test_constructor_matches_mlx_lm():
     assert isinstance(ours.up_proj, switch_layers.QuantizedSwitchLinear)
 
 
-@pytest.mark.parametrize("tile_m", [None, 0, 8])
+@pytest.mark.parametrize("tile_m", [None, 8])
 def test_weighted_sum_is_the_sum_of_weighted_outputs(tile_m):
     mx.random.seed(1)
     layer = SwitchGLU(32, 48, 8, tile_m=tile_m)
@@ -181,6 +189,51 @@ def test_weighted_sum_is_the_sum_of_weighted_outputs(tile_m):
     want = (layer(x, indices) * scores[..., None]).sum(-2)
     np.testing.assert_allclose(np.array(layer.weighted_sum(x, indices, scores)), np.array(want),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tile_m", [None, 0])
+def test_unsorted_weighted_sum_is_mlx_lm_bitwise(tile_m):
+    # Below 64 entries (here 6 tokens, K=2) the default is mlx-lm's unsorted
+    # call, and weighted_sum is the blocks' own expression: bfloat16 rows and
+    # scores summed in bfloat16, float32 scores promoting unless cast back.
+    mx.random.seed(7)
+    theirs = switch_layers.SwitchGLU(64, 32, 8, bias=True)
+    theirs.update(tree_map_random(theirs.parameters()))
+    nn.quantize(theirs, group_size=32, bits=4)
+    theirs.set_dtype(mx.bfloat16)
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=tile_m)
+    x = mx.random.normal((6, 64)).astype(mx.bfloat16)
+    indices = mx.argpartition(-mx.random.normal((6, 8)), 1, axis=-1)[..., :2]
+    y = theirs(x, indices)
+    for scores in (mx.softmax(mx.random.normal((6, 2)), axis=-1),
+                   mx.softmax(mx.random.normal((6, 2)), axis=-1).astype(mx.bfloat16)):
+        want = (y * scores[..., None]).sum(axis=-2)
+        got = ours.weighted_sum(x, indices, scores)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                      np.array(want.astype(mx.float32)))
+        cast = ours.weighted_sum(x, indices, scores, in_rows_dtype=True)
+        assert cast.dtype == mx.bfloat16
+        np.testing.assert_array_equal(np.array(cast.astype(mx.float32)),
+                                      np.array(want.astype(y.dtype).astype(mx.float32)))
+
+
+@pytest.mark.parametrize("tile_m", [None, 0, 1, 8])
+def test_empty_batch(tile_m):
+    layer = SwitchGLU(32, 48, 8, tile_m=tile_m)
+    x, indices = mx.zeros((2, 0, 32)), mx.zeros((2, 0, 3), dtype=mx.int32)
+    assert layer(x, indices).shape == (2, 0, 3, 32)
+    assert layer.weighted_sum(x, indices, mx.zeros((2, 0, 3))).shape == (2, 0, 32)
+
+
+def test_rejects_bad_tile_m():
+    with pytest.raises(ValueError, match="tile_m"):
+        SwitchGLU(32, 48, 8, tile_m=-1)
+    for bad in (True, 16.0):
+        with pytest.raises(TypeError, match="tile_m"):
+            SwitchGLU(32, 48, 8, tile_m=bad)
+    with pytest.raises(ValueError, match="tile_m"):
+        SwitchGLU.from_mlx_lm(switch_layers.SwitchGLU(32, 48, 8), tile_m=-4)
 
 
 def test_fused_blocks_keep_their_dtype():
@@ -304,15 +357,20 @@ def test_patched_model_compiles():
     np.testing.assert_allclose(np.array(compiled), np.array(want), rtol=1e-5, atol=1e-5)
 
 
-def test_default_formulation_is_the_measured_rule():
-    from mlx_moe_plan import nn as moe_nn
-
+def test_default_formulation_is_the_measured_rule(monkeypatch):
     # mlx-lm's formulations on the CPU at every size: tiles pay for padding rows there.
     cpu = {(8, 8): 0, (63, 512): 0, (64, 512): 1, (4096, 512): 1, (1 << 20, 8): 1}
     for (entries, experts), tile_m in cpu.items():
         assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == tile_m
+    # CUDA: tiles from 2 rows an expert (64-row ones from 64), mlx-lm's below.
+    cuda = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 1, (1023, 512): 1,
+            (1024, 512): 16, (32767, 512): 16, (32768, 512): 64, (512, 8): 64}
     if mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda":
-        rule = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 1, (1023, 512): 1,
-                (1024, 512): 16, (32767, 512): 16, (32768, 512): 64, (512, 8): 64}
-        for (entries, experts), tile_m in rule.items():
+        for (entries, experts), tile_m in cuda.items():
             assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)
+    # The same rule anywhere, on a stand-in CUDA stream.
+    cuda_stream = types.SimpleNamespace(device=types.SimpleNamespace(type=mx.gpu))
+    monkeypatch.setattr(moe_nn._backend, "resolve_stream", lambda stream: cuda_stream)
+    monkeypatch.setattr(moe_nn._backend, "gpu_backend", lambda: "cuda")
+    for (entries, experts), tile_m in cuda.items():
+        assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)
