@@ -154,13 +154,15 @@ def main(argv=None) -> int:
                 results.append(row)
                 theirs = "fails" if row["mlx-lm_us"] is None else f"{row['mlx-lm_us']:.1f}"
                 speedup = "" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+                tile = "auto" if row["tile_m"] is None else row["tile_m"]
                 print(f"{name:15s} {row['hidden']:5d} {row['intermediate']:6d} "
-                      f"{row['experts']:4d} {row['top_k']:3d} {t:6d} {'auto' if row['tile_m'] is None else row['tile_m']:>4} "
+                      f"{row['experts']:4d} {row['top_k']:3d} {t:6d} {tile:>4} "
                       f"{theirs:>11s} {row['ours_us']:10.1f} "
                       f"{row['ours_gflops']:9.1f} {speedup:>8s}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(mx.default_device()), "mlx": mx.__version__,
-                       "command": " ".join(["python -m benchmarks.moe --layer", *(argv or sys.argv[2:])]),
+                       "command": " ".join(["python -m benchmarks.moe --layer",
+                                            *(argv or sys.argv[2:])]),
                        "results": results}, f, indent=1)
     return 0

@@ -119,8 +119,9 @@ class SwitchGLU(nn.Module):
         activation (Module): `activation(x_up, x_gate)`. Default: SwiGLU.
         bias (bool): Projection biases. Default: ``False``.
         tile_m (int, optional): GEMM formulation: `UNSORTED` (0) for mlx-lm's
-          plan-free one, 1 for sorted single rows, more for tiles of that many
-          rows. Default: `default_tile_m` per call.
+          plan-free one (meant for small batches: large ones are not sliced
+          as sorted rows are), 1 for sorted single rows, more for tiles of
+          that many rows. Default: `default_tile_m` per call.
 
     Expert ids must lie in `[0, num_experts)`, as a router gives them. The
     planned formulations skip others (their outputs are zero); the unsorted

@@ -36,9 +36,9 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
   [ "$rc" -eq 0 ] || { echo "FAILED ($rc): $*"; status=1; }
 }
 
+[ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
 steps=${steps//bench/dispatch,ops,plan-groups,layer,layer-small,layer-large}
-[ "$steps" = all ] && steps=pytest,sanitizers,nn,dispatch,ops,plan-groups,layer,layer-small,layer-large
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
