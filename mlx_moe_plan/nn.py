@@ -31,6 +31,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 try:
     from mlx_lm.models import switch_layers as _mlx_lm_switch
@@ -401,27 +402,12 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     Returns:
         int: How many layers were replaced.
     """
-    original = _mlx_lm_switch.SwitchGLU
-    replaced = 0
-
-    def visit(module: nn.Module) -> None:
-        nonlocal replaced
-        for key, value in list(module.items()):
-            if isinstance(value, original):
-                module[key] = SwitchGLU.from_mlx_lm(value, tile_m=tile_m)
-                replaced += 1
-            elif isinstance(value, nn.Module):
-                visit(value)
-            elif isinstance(value, (list, tuple)):
-                for index, item in enumerate(value):
-                    if isinstance(item, original):
-                        value[index] = SwitchGLU.from_mlx_lm(item, tile_m=tile_m)
-                        replaced += 1
-                    elif isinstance(item, nn.Module):
-                        visit(item)
-
-    visit(model)
+    replacements = [(path, SwitchGLU.from_mlx_lm(module, tile_m=tile_m))
+                    for path, module in model.named_modules()
+                    if path and isinstance(module, _mlx_lm_switch.SwitchGLU)]
+    if replacements:  # MLX's own walk of lists and dicts of modules, and swap
+        model.update_modules(tree_unflatten(replacements))
     if fuse:
         for _, module in model.named_modules():
             _fuse(module)
-    return replaced
+    return len(replacements)
