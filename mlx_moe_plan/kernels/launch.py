@@ -53,10 +53,14 @@ PLAN_FIELDS = ("row_tokens", "row_experts", "row_entries", "tile_experts", "posi
                "expert_counts", "expert_offsets", "num_rows", "num_tiles", "num_invalid")
 
 
+@lru_cache(maxsize=256)
 def plan_layout(
     num_entries: int, num_experts: int, tile_m: int
 ) -> tuple[dict[str, tuple[int, int]], int]:
-    """Each integer field's (offset, size) in plan.h's int32 output, and its total size."""
+    """Each integer field's (offset, size) in plan.h's int32 output, and its total size.
+
+    Cached, as the launches are: every GPU plan call reads it (the dict is
+    shared: read only)."""
     capacity = capacity_for(num_entries, num_experts, tile_m)
     sizes = (capacity, capacity, capacity, capacity // tile_m, num_entries, num_experts,
              num_experts + 1, 1, 1, 1)
