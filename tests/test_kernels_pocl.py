@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -173,18 +172,6 @@ def test_plan_edge_cases(case, weighted):
     _check_plan(ids, num_experts, tile_m, weights)
 
 
-@contextmanager
-def plan_max_groups(groups: int):
-    """launch.py's cap on plan groups set to `groups`, so that a few blocks
-    make chunks of several."""
-    saved = geometry.PLAN_MAX_GROUPS
-    geometry.PLAN_MAX_GROUPS = groups
-    try:
-        yield
-    finally:
-        geometry.PLAN_MAX_GROUPS = saved
-
-
 # (case, cap): every case in chunks of all its blocks and of about half of
 # them; 21 blocks under a cap of 4 make chunks of 6, 6, 6 and 3.
 CHUNKED = [(case, cap) for case in ("one_expert_owns_all", "one_expert_e1", "max_experts_tile1",
@@ -195,7 +182,8 @@ CHUNKED = [(case, cap) for case in ("one_expert_owns_all", "one_expert_e1", "max
 def test_plan_groups_place_several_blocks(case, max_groups):
     """Past PLAN_MAX_GROUPS blocks, a group places a chunk of blocks in turn."""
     ids, num_experts, tile_m = PLAN_EDGES[case]
-    with plan_max_groups(max_groups):
+    with pytest.MonkeyPatch.context() as patch:  # a lowered cap: chunks of several blocks
+        patch.setattr(geometry, "PLAN_MAX_GROUPS", max_groups)
         launch = geometry.plan_launch(ids.size, num_experts, tile_m, ids.shape[-1], True)
         blocks_per_group = launch.params[6]
         assert launch.groups <= max_groups and blocks_per_group > 1
@@ -204,7 +192,8 @@ def test_plan_groups_place_several_blocks(case, max_groups):
 
 @given(case=plan_cases(), max_groups=st.integers(1, 3))
 def test_plan_chunks_match_reference(case, max_groups):
-    with plan_max_groups(max_groups):
+    with pytest.MonkeyPatch.context() as patch:  # per example: not a fixture's scope
+        patch.setattr(geometry, "PLAN_MAX_GROUPS", max_groups)
         _check_plan(*case)
 
 
