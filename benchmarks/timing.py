@@ -4,8 +4,11 @@ MLX is lazy: an op only records a node, and `mx.eval` runs the graph. So a
 measurement builds many calls into one graph (one per model layer, each on its
 own input arrays, so no call finds the previous call's data in a cache), then
 times a single `mx.eval` of the whole graph and divides by the number of calls.
-Launch and dispatch costs therefore count, as they do in a model's forward pass;
-the Python work of building the graph is timed apart and reported on its own.
+Launch and dispatch costs therefore count, as they do in a model's forward pass.
+The Python work of building the graph is timed too: `wall_s` is build plus
+eval, what a step of generation pays (it rebuilds its graph every step), the
+figure for decode sizes; `eval_s` alone is the throughput of graphs built
+ahead, the figure for prefill sizes, where building is a rounding error.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Timing:
     """Seconds per call of `mx.eval` over the whole graph, divided by `calls`."""
     build_s: tuple[float, ...]
     """Seconds per call of Python graph building (not part of `eval_s`)."""
+    wall_s: tuple[float, ...]
+    """Seconds per call from the start of building to the end of the eval."""
     faults: tuple[float, ...]
     """Minor page faults per call during `mx.eval` (host memory; on a CPU,
     fresh output pages touched for the first time)."""
@@ -58,6 +63,10 @@ class Timing:
     @property
     def build_median_s(self) -> float:
         return statistics.median(self.build_s)
+
+    @property
+    def wall_median_s(self) -> float:
+        return statistics.median(self.wall_s)
 
 
 def _run_graph(call: Callable[[int], object], calls: int) -> tuple[float, float, int]:
@@ -109,11 +118,12 @@ def time_calls(
     if repeats is None:
         repeats = math.ceil(target_s / max(last, 1e-9))
         repeats = min(max(repeats, min_repeats), max_repeats)
-    builds, evals, faults = [], [], []
+    builds, evals, walls, faults = [], [], [], []
     for _ in range(repeats):
         build_s, eval_s, fault_count = _run_graph(call, calls)
         builds.append(build_s / calls)
         evals.append(eval_s / calls)
+        walls.append((build_s + eval_s) / calls)
         faults.append(fault_count / calls)
-    return Timing(eval_s=tuple(evals), build_s=tuple(builds), faults=tuple(faults),
-                  calls=calls, warmup=max(warmup, 1))
+    return Timing(eval_s=tuple(evals), build_s=tuple(builds), wall_s=tuple(walls),
+                  faults=tuple(faults), calls=calls, warmup=max(warmup, 1))

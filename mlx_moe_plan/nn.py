@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
+import threading
 from typing import Callable
 
 import mlx.core as mx
@@ -94,6 +96,66 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
     return UNSORTED if num_entries < UNSORTED_BELOW_ENTRIES else 1
 
 
+# Batches of up to this many tokens run each patched layer, or fused block, as
+# one compiled function (`mx.compile`): decoding rebuilds every layer's graph
+# in Python at every step, and a step of a few tokens is host-bound. Replaying
+# a traced graph builds it in C++ and fuses the elementwise ops. Each new
+# token count traces anew (once per layer and count, about a millisecond), so
+# prefill sizes, which are many and spend milliseconds on the GPU, stay
+# uncompiled. `compile_max_tokens=0` on the layer turns compiling off.
+COMPILE_MAX_TOKENS = 256
+
+
+class _CompiledForwards(dict):
+    """A module's compiled forwards, by what their trace depends on.
+
+    Each captures the module it was made for, so a copy of the module starts
+    with none of them."""
+
+    def __deepcopy__(self, memo):
+        return _CompiledForwards()
+
+    def __copy__(self):
+        return _CompiledForwards()
+
+
+# Set while a compiled forward is traced: nothing inside it compiles again.
+_trace_state = threading.local()
+
+
+def _compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):
+    """`forward(*arrays)`, run as `mx.compile(forward, inputs=module)`.
+
+    The module's arrays are the compiled function's implicit inputs, so new
+    weights (a load, `nn.quantize`, training) are read at every call. `key`
+    names what else the trace reads (the forward, the layer's `tile_m`,
+    Python arguments); the default stream is added to it. MLX keeps one trace
+    per key for each shape and dtype of the inputs.
+    """
+    forwards = module.__dict__.get("_compiled_forwards")
+    if forwards is None:
+        forwards = _CompiledForwards()
+        object.__setattr__(module, "_compiled_forwards", forwards)
+    cache_key = (*key, str(mx.default_stream(mx.default_device())))
+    compiled = forwards.get(cache_key)
+    if compiled is None:
+        def traced(*arrays):
+            _trace_state.active = True
+            try:
+                return forward(*arrays)
+            finally:
+                _trace_state.active = False
+
+        compiled = forwards[cache_key] = mx.compile(traced, inputs=module)
+    return compiled(*arrays)
+
+
+def _compiles(max_tokens: int, x: mx.array) -> bool:
+    """Whether a call on activations `x` `[..., D]` runs compiled."""
+    return 0 < math.prod(x.shape[:-1]) <= max_tokens and \
+        not getattr(_trace_state, "active", False)
+
+
 def _checked_tile_m(tile_m: int | None) -> int | None:
     if tile_m is None:
         return None
@@ -135,6 +197,8 @@ class SwitchGLU(nn.Module):
     # launch sorted gather_qmm over 81,920 rows (cuGraphAddKernelNode: invalid
     # argument) where 20,480 ran.
     max_rows_per_gemm = 32768
+    # Calls of up to this many tokens run compiled (COMPILE_MAX_TOKENS); 0: never.
+    compile_max_tokens = COMPILE_MAX_TOKENS
 
     def __init__(
         self,
@@ -234,6 +298,11 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""
+        if _compiles(self.compile_max_tokens, x):
+            return _compiled_call(self, self._forward, x, indices, key=("call", self.tile_m))
+        return self._forward(x, indices)
+
+    def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
         tile_m = self._formulation(indices)
         if tile_m == UNSORTED:
             return self._unsorted(x, indices)
@@ -262,6 +331,16 @@ class SwitchGLU(nn.Module):
         Returns:
             array: `[..., D]`.
         """
+        if _compiles(self.compile_max_tokens, x):
+            def forward(x, indices, scores):
+                return self._weighted_sum(x, indices, scores, in_rows_dtype)
+
+            return _compiled_call(self, forward, x, indices, scores,
+                                  key=("weighted_sum", self.tile_m, in_rows_dtype))
+        return self._weighted_sum(x, indices, scores, in_rows_dtype)
+
+    def _weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array,
+                      in_rows_dtype: bool) -> mx.array:
         tile_m = self._formulation(indices)
         if tile_m == UNSORTED:
             y = self._unsorted(x, indices)
@@ -354,12 +433,16 @@ def _source_digest(function) -> str | None:
 _FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
 
 
-def _fused_class(block_class: type, forward) -> type:
+def _fused_class(block_class: type, experts_name: str, forward) -> type:
     if (block_class, forward) not in _FUSED_CLASSES:
         def __call__(self, x: mx.array) -> mx.array:
             # Distributed blocks (a sharding group set) keep their own call.
             if getattr(self, "sharding_group", None) is not None:
                 return block_class.__call__(self, x)
+            experts = self[experts_name]
+            if _compiles(experts.compile_max_tokens, x):
+                return _compiled_call(self, lambda x: forward(self, x), x,
+                                      key=("block", experts.tile_m))
             return forward(self, x)
 
         _FUSED_CLASSES[block_class, forward] = type(
@@ -379,7 +462,7 @@ def _fuse(module: nn.Module) -> bool:
     if not isinstance(module.get(experts), SwitchGLU) or \
             _source_digest(block_class.__call__) != digest:
         return False
-    module.__class__ = _fused_class(block_class, forward)
+    module.__class__ = _fused_class(block_class, experts, forward)
     return True
 
 

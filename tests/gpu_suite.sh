@@ -3,20 +3,24 @@
 # on Linux; Metal on a Mac), from the project root:
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
-# bench = dispatch,ops,plan-groups,layer,layer-small,layer-large):
+# bench = model,dispatch,ops,plan-groups,layer,layer-small,layer-large):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
 #               same tests with fewer examples, this package's kernels (CUDA);
 #   nn          the mlx-lm model and layer tests on the default device (the GPU);
+#   model       whole models, patched against mlx-lm (benchmarks.model):
+#               Qwen3-30B-A3B and gpt-oss-20b, prefill of 8192 tokens and
+#               decode at batch 1 to 64, three processes;
 #   dispatch    the host cost of a graph node;
 #   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
 #   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
 #   layer       the layer end to end at every shape, T = 1 to 2048, in the
 #               default formulation and each fixed one, one process a shape;
-#   layer-small the default, sorted rows and 16-row tiles at T = 1 to 128 in
-#               graphs of 16 layers (8 for DeepSeek-V3's 5.6 GB a layer): the
-#               decode sizes, where microseconds are at stake;
+#   layer-small the default, mlx-lm's unsorted formulation, sorted rows and
+#               16-row tiles at T = 1 to 128 in graphs of 16 layers (8 for
+#               DeepSeek-V3's 5.6 GB a layer): the decode sizes, where
+#               microseconds are at stake, timed with graph building;
 #   layer-large the same in the default formulation at T = 8192 and 16384, one
 #               process a shape and T (a failing mlx-lm launch cannot disturb
 #               the next). All three write JSON.
@@ -38,7 +42,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
-steps=${steps//bench/dispatch,ops,plan-groups,layer,layer-small,layer-large}
+steps=${steps//bench/model,dispatch,ops,plan-groups,layer,layer-small,layer-large}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -53,6 +57,10 @@ if wanted sanitizers && command -v compute-sanitizer >/dev/null; then
 fi
 if wanted nn; then
   logged "$results/pytest-nn.log" python3 -m pytest -q -rf tests/test_nn.py -p no:cacheprovider
+fi
+if wanted model; then
+  logged "$results/model.log" python3 -m benchmarks.model \
+    --models qwen3-30b-a3b,gpt-oss-20b --processes 3 --json "$results/model.json"
 fi
 if wanted dispatch; then
   logged "$results/dispatch.log" python3 -m benchmarks.dispatch
@@ -71,15 +79,15 @@ if wanted plan-groups; then
 fi
 if wanted layer; then
   for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
-    logged "$results/layer-$shape.log" python3 -m benchmarks.moe --layer \
+    logged "$results/layer-$shape.log" python3 -m benchmarks.layer \
       --shapes "$shape" --tokens 1,8,32,128,512,2048 --tile-m auto,1,8,16,32,64 \
       --layers 4 --json "$results/layer-$shape.json"
   done
 fi
 if wanted layer-small; then
   for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
-    logged "$results/layer-small-$shape.log" python3 -m benchmarks.moe --layer \
-      --shapes "$shape" --tokens 1,4,8,32,128 --tile-m auto,1,16 \
+    logged "$results/layer-small-$shape.log" python3 -m benchmarks.layer \
+      --shapes "$shape" --tokens 1,4,8,16,32,64,128 --tile-m auto,0,1,16 \
       --layers $([ "$shape" = deepseek-v3 ] && echo 8 || echo 16) \
       --json "$results/layer-small-$shape.json"
   done
@@ -87,7 +95,7 @@ fi
 if wanted layer-large; then
   for tokens in 8192 16384; do
     for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
-      logged "$results/layer-$shape-$tokens.log" python3 -m benchmarks.moe --layer \
+      logged "$results/layer-$shape-$tokens.log" python3 -m benchmarks.layer \
         --shapes "$shape" --tokens "$tokens" --layers 1 \
         --json "$results/layer-$shape-$tokens.json"
     done

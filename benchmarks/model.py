@@ -1,0 +1,495 @@
+"""Whole-model tokens/s, patched against mlx-lm, as mlx-lm's generate runs a model.
+
+    python -m benchmarks.model                          # GPU: Qwen3-30B-A3B; CPU: a small model
+    python -m benchmarks.model --models gpt-oss-20b,qwen3-30b-a3b --processes 3
+    python -m benchmarks.model --models deepseek-v3 --layers 4 --json out.json
+    python -m benchmarks.model --model PATH             # an mlx-lm model directory on disk
+
+A model of a real configuration (`benchmarks/workloads.py`) with random
+weights, bfloat16 and 4-bit (group 64, mlx-lm's `quantize_model`), or one
+loaded from disk, runs twice in one process: unpatched (mlx-lm) and patched
+(`patch_model`) on the same weight arrays. Measured as mlx-lm's `generate`
+and server run it:
+
+- prefill: the prompt in chunks of 2048 tokens into a KV cache, the cache
+  evaluated after each chunk, then the last token's logits (tokens/s);
+- decode: at each batch size, from a context already in the cache, one step
+  at a time: build the step's graph (the model on one token a sequence, the
+  greedy next token), evaluate it, and take the wall time of both; the build
+  time is reported beside it. `pipelined` is generate's own loop, which builds
+  step n+1 while step n runs (`mx.async_eval`): host time then hides behind
+  GPU time where the GPU is the longer.
+
+The sides alternate (prefill: each side in turn, `--rounds` times; decode: at
+each batch size, each side's steps in turn) so drift hits both, and the
+figures are medians. `--processes N` runs the whole benchmark in N processes
+and reports the median of their figures and the lowest ratio. The logits of
+both sides are compared (relative L2 difference, float32). Progress goes to
+stderr; the table to stdout; `--json` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .workloads import DEFAULT_LAYERS, MODELS, with_layers
+
+PREFILL_STEP = 2048  # mlx-lm's generate and server prefill in chunks of this many tokens
+BATCHES = (1, 4, 8, 16, 32, 64)
+DEFAULTS = {  # device type -> (models, prompt tokens, batches, context tokens)
+    "gpu": (["qwen3-30b-a3b"], 8192, BATCHES, 512),
+    "cpu": (["small-qwen3-moe"], 512, BATCHES, 128),
+}
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the models
+
+
+def _model_module(config: dict):
+    return importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+
+
+def _quantize(model: nn.Module, config: dict, bits: int, group_size: int) -> None:
+    from mlx_lm.utils import quantize_model
+
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its bits per weight
+        quantize_model(model, config, group_size=group_size, bits=bits)
+
+
+def random_model(config: dict, *, dtype: mx.Dtype, bits: int | None, group_size: int,
+                 seed: int = 0) -> nn.Module:
+    """mlx-lm's model of `config` with its own random initialization, in `dtype`,
+    quantized to `bits` (None: not quantized), evaluated a layer at a time so
+    that only one layer's float32 weights exist at once."""
+    module = _model_module(config)
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    if bits:
+        _quantize(model, config, bits, group_size)
+    for layer in model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def shared_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module`'s tree of modules holding the same arrays.
+
+    Patching the copy swaps modules in the copy only: the original stays
+    mlx-lm's, and no weight is stored twice."""
+    new = copy.copy(module)
+    new.__dict__.pop("_compiled_forwards", None)
+    for key, value in module.items():
+        new[key] = _shared_value(value)
+    return new
+
+
+def _shared_value(value):
+    if isinstance(value, nn.Module):
+        return shared_copy(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_shared_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _shared_value(v) for k, v in value.items()}
+    return value
+
+
+def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
+    """(name, mlx-lm's model, the patched one, description) for one benchmark."""
+    from mlx_moe_plan.nn import patch_model
+
+    if args.model:
+        from mlx_lm.utils import load_model
+
+        progress(f"loading {args.model}")
+        model, config = load_model(Path(args.model))
+        name = Path(args.model).name
+        describe = {"path": str(args.model), "model_type": config.get("model_type")}
+    else:
+        name = args.current
+        layers = args.layers or DEFAULT_LAYERS.get(name)
+        config = with_layers(MODELS[name], layers)
+        progress(f"building {name} ({config['num_hidden_layers']} layers, random weights, "
+                 f"{args.dtype}, {args.bits or 'no'}-bit)")
+        model = random_model(config, dtype=getattr(mx, args.dtype), bits=args.bits,
+                             group_size=args.group_size)
+        describe = {"config": config, "dtype": args.dtype, "bits": args.bits,
+                    "group_size": args.group_size}
+    patched = shared_copy(model)
+    replaced = patch_model(patched, tile_m=args.tile_m)
+    describe["patched_layers"] = replaced
+    describe["weights_gb"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+    progress(f"patched {replaced} MoE layers; weights {describe['weights_gb']:.1f} GB")
+    return name, model, patched, describe
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def relative_difference(got: mx.array, want: mx.array) -> float:
+    """||got - want|| / ||want|| in float32."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return float(mx.linalg.norm(got - want) / mx.linalg.norm(want))
+
+
+def prefill(model, prompt: mx.array, cache) -> mx.array:
+    """mlx-lm's generate: chunks, the cache evaluated after each, then the
+    last token's logits. Returns the last token's logits, evaluated."""
+    while prompt.shape[1] > 1:
+        step = min(PREFILL_STEP, prompt.shape[1] - 1)
+        model(prompt[:, :step], cache=cache)
+        mx.eval([c.state for c in cache])
+        prompt = prompt[:, step:]
+    logits = model(prompt, cache=cache)[:, -1, :]
+    mx.eval(logits)
+    return logits
+
+
+def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.random.randint(0, vocab, (1, tokens))
+    times = {"mlx-lm": [], "patched": []}
+    logits = {}
+    failure = None
+    for r in range(rounds):
+        for side in (("mlx-lm", "patched") if r % 2 == 0 else ("patched", "mlx-lm")):
+            if side == "mlx-lm" and failure:
+                continue
+            m = model if side == "mlx-lm" else patched
+            cache = make_prompt_cache(m)
+            mx.synchronize()
+            start = time.perf_counter()
+            try:
+                logits[side] = prefill(m, prompt, cache)
+            except RuntimeError as error:  # MLX's CUDA backend failing to launch a graph
+                if side == "patched":
+                    raise
+                failure = f"{type(error).__name__}: {error}"
+                progress(f"  prefill, mlx-lm: {failure}")
+                continue
+            times[side].append(time.perf_counter() - start)
+            progress(f"  prefill {tokens} tokens, {side}: {times[side][-1] * 1e3:.1f} ms")
+            del cache
+            mx.clear_cache()
+    row = {"tokens": tokens}
+    for side, samples in times.items():
+        row[f"{side}_ms"] = statistics.median(samples) * 1e3 if samples else None
+        row[f"{side}_tokens_per_s"] = tokens / statistics.median(samples) if samples else None
+    row["mlx-lm_error"] = failure
+    row["speedup"] = (row["mlx-lm_ms"] / row["patched_ms"]) if row["mlx-lm_ms"] else None
+    row["logits_rel_diff"] = relative_difference(logits["patched"], logits["mlx-lm"]) \
+        if "mlx-lm" in logits else None
+    return row
+
+
+def _fresh(value):
+    """A new handle of each array in `value`: decoding overwrites a cache's
+    arrays in place (slice assignment), which must not reach a snapshot."""
+    if isinstance(value, mx.array):
+        return mx.array(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fresh(v) for v in value)
+    return value
+
+
+def snapshot(cache) -> list[dict]:
+    return [{k: _fresh(v) for k, v in c.__dict__.items()} for c in cache]
+
+
+def restore(cache, saved: list[dict]) -> None:
+    for c, state in zip(cache, saved):
+        c.__dict__.update({k: _fresh(v) for k, v in state.items()})
+
+
+def decode_steps(model, cache, first: mx.array, steps: int, warmup: int):
+    """One eval a step: (build s, wall s) of each timed step, and the first
+    step's logits."""
+    y = first
+    builds, walls = [], []
+    first_logits = None
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        logits = model(y, cache=cache)[:, -1, :]
+        y = mx.argmax(logits, axis=-1)[:, None]
+        built = time.perf_counter()
+        mx.eval(y, logits)  # the logits are computed for the token anyway
+        done = time.perf_counter()
+        if i == 0:
+            first_logits = logits
+        if i >= warmup:
+            builds.append(built - start)
+            walls.append(done - start)
+    return builds, walls, first_logits
+
+
+def decode_pipelined(model, cache, first: mx.array, steps: int) -> float:
+    """mlx-lm's generate loop: step n+1 is built and queued before step n is
+    waited for. Seconds a step."""
+    def step(y):
+        return mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None]
+
+    y = step(first)
+    mx.async_eval(y)
+    mx.eval(y)  # the first step carries no pipelining: not timed
+    start = time.perf_counter()
+    for _ in range(steps):
+        next_y = step(y)
+        mx.async_eval(next_y)
+        mx.eval(y)
+        y = next_y
+    mx.eval(y)
+    return (time.perf_counter() - start) / (steps + 1)
+
+
+def fill_context(patched, batch: int, context: int, vocab: int):
+    """A cache holding `context` tokens of `batch` sequences (filled by the
+    patched model, the faster; both sides then decode from the same state)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(patched)
+    tokens = mx.random.randint(0, vocab, (batch, context))
+    step = max(PREFILL_STEP // batch, 1)
+    for i in range(0, context, step):
+        patched(tokens[:, i : i + step], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache, mx.random.randint(0, vocab, (batch, 1))
+
+
+def measure_decode(model, patched, batch: int, context: int, steps: int, warmup: int,
+                   rounds: int, vocab: int, pipelined: bool) -> dict:
+    cache, first = fill_context(patched, batch, context, vocab)
+    saved = snapshot(cache)
+    samples = {side: {"build": [], "wall": [], "pipelined": []} for side in ("mlx-lm", "patched")}
+    logits = {}
+    failure = None
+    for r in range(rounds):
+        for side in (("mlx-lm", "patched") if r % 2 == 0 else ("patched", "mlx-lm")):
+            if side == "mlx-lm" and failure:
+                continue
+            m = model if side == "mlx-lm" else patched
+            try:
+                restore(cache, saved)
+                builds, walls, first_logits = decode_steps(m, cache, first, steps, warmup)
+                if pipelined:
+                    restore(cache, saved)
+                    samples[side]["pipelined"].append(decode_pipelined(m, cache, first, steps))
+            except RuntimeError as error:  # MLX's CUDA backend failing to launch a graph
+                if side == "patched":
+                    raise
+                failure = f"{type(error).__name__}: {error}"
+                progress(f"  decode batch {batch}, mlx-lm: {failure}")
+                continue
+            logits.setdefault(side, first_logits)
+            samples[side]["build"] += builds
+            samples[side]["wall"] += walls
+    row = {"batch": batch, "context": context, "steps": steps * rounds, "mlx-lm_error": failure}
+    for side, sample in samples.items():
+        for what, values in sample.items():
+            row[f"{side}_{what}_ms"] = statistics.median(values) * 1e3 if values else None
+        wall = row[f"{side}_wall_ms"]
+        row[f"{side}_tokens_per_s"] = batch / wall * 1e3 if wall else None
+    theirs, ours = row["mlx-lm_wall_ms"], row["patched_wall_ms"]
+    row["speedup"] = theirs / ours if theirs else None
+    theirs_p, ours_p = row["mlx-lm_pipelined_ms"], row["patched_pipelined_ms"]
+    row["pipelined_speedup"] = theirs_p / ours_p if theirs_p and ours_p else None
+    row["logits_rel_diff"] = relative_difference(logits["patched"], logits["mlx-lm"]) \
+        if "mlx-lm" in logits else None
+    progress(f"  decode batch {batch}: mlx-lm {_ms(theirs)} ms/step, patched {_ms(ours)} "
+             f"(build {_ms(row['mlx-lm_build_ms'])} / {_ms(row['patched_build_ms'])})")
+    return row
+
+
+def _ms(value) -> str:
+    return "fails" if value is None else f"{value:.2f}"
+
+
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+# ---------------------------------------------------------------- report
+
+
+def format_tables(result: dict) -> str:
+    lines = []
+    for entry in result["models"]:
+        p = entry["prefill"]
+        lines.append(f"{entry['name']}: {entry['describe'].get('patched_layers')} MoE layers "
+                     f"patched")
+        if p:
+            lines.append(f"  prefill {p['tokens']} tokens (chunks of {PREFILL_STEP}): mlx-lm "
+                         f"{_ms(p['mlx-lm_ms'])} ms, patched {_ms(p['patched_ms'])} ms, "
+                         f"{_ratio(p['speedup'])}; logits rel. diff {_fmt(p['logits_rel_diff'])}")
+        lines.append(f"  {'batch':>5s} {'mlx-lm ms':>10s} {'build':>7s} {'patched ms':>11s} "
+                     f"{'build':>7s} {'tok/s':>8s} {'speedup':>8s} {'pipelined':>10s} "
+                     f"{'logits':>8s}")
+        for d in entry["decode"]:
+            lines.append(
+                f"  {d['batch']:5d} {_ms(d['mlx-lm_wall_ms']):>10s} "
+                f"{_ms(d['mlx-lm_build_ms']):>7s} {_ms(d['patched_wall_ms']):>11s} "
+                f"{_ms(d['patched_build_ms']):>7s} {d['patched_tokens_per_s']:8.0f} "
+                f"{_ratio(d['speedup']):>8s} {_ratio(d['pipelined_speedup']):>10s} "
+                f"{_fmt(d['logits_rel_diff']):>8s}")
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.1e}"
+
+
+def median_of_processes(results: list[dict]) -> dict:
+    """One result whose figures are the medians over processes, with the
+    lowest ratio of any process beside each ratio (`*_min`)."""
+    merged = copy.deepcopy(results[0])
+    for m, entry in enumerate(merged["models"]):
+        rows = [("prefill", None)] + [("decode", i) for i in range(len(entry["decode"]))]
+        for section, index in rows:
+            target = entry[section] if index is None else entry[section][index]
+            if not target:
+                continue
+            for key, value in target.items():
+                if not isinstance(value, float):
+                    continue
+                values = [r["models"][m][section] if index is None
+                          else r["models"][m][section][index] for r in results]
+                values = [v[key] for v in values if v and isinstance(v.get(key), float)]
+                target[key] = statistics.median(values)
+                if key.endswith("speedup"):
+                    target[f"{key}_min"] = min(values)
+    merged["processes"] = len(results)
+    return merged
+
+
+def run(args) -> dict:
+    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    models, prompt, batches, context = DEFAULTS[device]
+    names = [None] if args.model else (args.models.split(",") if args.models else models)
+    result = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
+              "mlx": mx.__version__, "command": "python -m benchmarks.model " +
+              " ".join(args.argv), "models": []}
+    for name in names:
+        args.current = name
+        name, model, patched, describe = load_pair(args)
+        vocab = model.args.vocab_size if hasattr(model, "args") else 1000
+        entry = {"name": name, "describe": describe, "prefill": None, "decode": []}
+        tokens = args.prompt or prompt
+        if tokens:
+            progress(f"{name}: prefill of {tokens} tokens")
+            entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
+        for batch in (args.batches or batches):
+            progress(f"{name}: decode at batch {batch}")
+            entry["decode"].append(measure_decode(
+                model, patched, batch, args.context or context, args.steps, args.warmup,
+                args.rounds, vocab, not args.no_pipelined))
+        result["models"].append(entry)
+        del model, patched
+        mx.clear_cache()
+    return result
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} (default: "
+                        f"{DEFAULTS['gpu'][0][0]} on a GPU, {DEFAULTS['cpu'][0][0]} on a CPU)")
+    parser.add_argument("--model", metavar="PATH", help="an mlx-lm model directory instead")
+    parser.add_argument("--layers", type=int, help="decoder layers of a configuration")
+    parser.add_argument("--prompt", type=int, help="prefill tokens (0: no prefill; default "
+                        f"{DEFAULTS['gpu'][1]} on a GPU, {DEFAULTS['cpu'][1]} on a CPU)")
+    parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")],
+                        help="decode batch sizes (default 1,4,8,16,32,64)")
+    parser.add_argument("--context", type=int, help="tokens in the cache before decoding")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps a round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--rounds", type=int, default=2, help="turns of each side")
+    parser.add_argument("--no-pipelined", action="store_true",
+                        help="skip generate's pipelined loop")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--tile-m", type=int, help="the patched layers' formulation")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run in N processes; report medians and the lowest ratio")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.processes > 1:
+        results = []
+        child = [a for a in argv]
+        i = child.index("--processes")
+        del child[i : i + 2]
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in range(args.processes):
+                out = os.path.join(tmp, f"{p}.json")
+                progress(f"process {p + 1} of {args.processes}")
+                subprocess.run([sys.executable, "-m", "benchmarks.model", *_without_json(child),
+                                "--json", out], check=True)
+                with open(out) as f:
+                    results.append(json.load(f))
+        result = median_of_processes(results)
+        result["command"] = "python -m benchmarks.model " + " ".join(argv)
+        result["per_process"] = results
+    else:
+        result = run(args)
+    print(format_tables(result))
+    if args.processes > 1:
+        print(_lowest_ratios(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _without_json(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--json":
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def _lowest_ratios(result: dict) -> str:
+    lines = [f"lowest ratio of {result['processes']} processes:"]
+    for entry in result["models"]:
+        p = entry["prefill"]
+        parts = [f"prefill {_ratio(p.get('speedup_min'))}"] if p else []
+        parts += [f"b{d['batch']} {_ratio(d.get('speedup_min'))}" for d in entry["decode"]]
+        lines.append(f"  {entry['name']}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
