@@ -136,7 +136,8 @@ def _compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key:
     if forwards is None:
         forwards = _CompiledForwards()
         object.__setattr__(module, "_compiled_forwards", forwards)
-    cache_key = (*key, str(mx.default_stream(mx.default_device())))
+    # id(module): a shallow copy shares this dict, but must not its traces.
+    cache_key = (id(module), *key, str(mx.default_stream(mx.default_device())))
     compiled = forwards.get(cache_key)
     if compiled is None:
         def traced(*arrays):
