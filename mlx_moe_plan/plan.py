@@ -10,9 +10,7 @@ import mlx.core as mx
 
 from . import _backend
 from ._checks import check_weights
-from .reference import MAX_EXPERTS, capacity_for
-
-_INT32_MAX = 2**31 - 1
+from ._sizes import INT32_MAX, MAX_EXPERTS, capacity_for
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,8 +161,8 @@ def moe_plan(
         raise ValueError(f"num_experts: must be in [1, {MAX_EXPERTS}], got {num_experts}")
     if isinstance(tile_m, bool) or not isinstance(tile_m, int):
         raise TypeError(f"tile_m: expected an int, got {type(tile_m).__name__}")
-    if not 1 <= tile_m <= _INT32_MAX:
-        raise ValueError(f"tile_m: must be in [1, {_INT32_MAX}], got {tile_m}")
+    if not 1 <= tile_m <= INT32_MAX:
+        raise ValueError(f"tile_m: must be in [1, {INT32_MAX}], got {tile_m}")
     if weights is not None:
         check_weights(weights, indices.shape)
 
@@ -173,7 +171,7 @@ def moe_plan(
         raise ValueError("indices: the last dimension K must be at least 1")
     num_entries = indices.size
     capacity = capacity_for(num_entries, num_experts, tile_m)
-    if capacity > _INT32_MAX:
+    if capacity > INT32_MAX:
         raise ValueError(
             f"indices, tile_m: {num_entries} entries with tile_m={tile_m} need {capacity} "
             "rows, more than int32 indexes"

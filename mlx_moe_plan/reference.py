@@ -10,11 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_EXPERTS = 1024
-
 
 def capacity_for(num_entries: int, num_experts: int, tile_m: int) -> int:
-    """Rows a plan reserves: every entry, plus the worst-case padding."""
+    """Rows a plan reserves: every entry, plus the worst-case padding.
+
+    The reference's own statement of the formula; the package computes it in
+    `mlx_moe_plan/_sizes.py`, and tests/test_plan.py checks both against a
+    third, written out by hand.
+    """
     if tile_m == 1:
         return num_entries
     worst = num_entries + min(num_experts, num_entries) * (tile_m - 1)

@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlx_moe_plan
+from mlx_moe_plan import _sizes
 from mlx_moe_plan import reference as ref
 from mlx_moe_plan.kernels import launch as geometry
 
@@ -233,8 +234,9 @@ def test_plan_is_deterministic(routing: Routing, device):
 @given(num_experts=st.integers(1, mlx_moe_plan.MAX_EXPERTS), tile_m=st.integers(1, 128),
        num_tokens=st.integers(0, 1000), top_k=st.integers(1, 16))
 def test_capacity_formula(num_experts, tile_m, num_tokens, top_k, device):
-    # DESIGN.md's capacity, restated independently of reference.capacity_for.
-    # Static sizes only: nothing is evaluated.
+    # DESIGN.md's capacity, restated independently of reference.capacity_for
+    # and of the package's own _sizes.capacity_for. Static sizes only: nothing
+    # is evaluated.
     num_entries = num_tokens * top_k
     if tile_m == 1:
         capacity = num_entries
@@ -242,6 +244,7 @@ def test_capacity_formula(num_experts, tile_m, num_tokens, top_k, device):
         worst = num_entries + min(num_experts, num_entries) * (tile_m - 1)
         capacity = (worst + tile_m - 1) // tile_m * tile_m
     assert ref.capacity_for(num_entries, num_experts, tile_m) == capacity
+    assert _sizes.capacity_for(num_entries, num_experts, tile_m) == capacity
     indices = mx.zeros((num_tokens, top_k), mx.int32)
     plan = mlx_moe_plan.moe_plan(indices, num_experts, tile_m=tile_m, stream=device)
     assert (plan.capacity, plan.max_tiles) == (capacity, capacity // tile_m)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..reference import MAX_EXPERTS, capacity_for
+from .._sizes import MAX_EXPERTS, capacity_for
 
 # Entries per plan block, which a group ranks and places at once (plan.h says
 # why 512). MAX_EXPERTS must be a multiple of it.
