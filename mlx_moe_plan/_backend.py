@@ -47,12 +47,3 @@ def implementation(stream: mx.Stream):
 
     return _gpu.for_backend(backend)
 
-
-def field_of_arrays(fields: dict[str, mx.array], stream: mx.Stream):
-    """`field(name, shape)` for a plan whose fields are separate arrays."""
-
-    def field(name: str, shape: tuple[int, ...]) -> mx.array:
-        array = fields[name]
-        return array if array.shape == tuple(shape) else array.reshape(shape, stream=stream)
-
-    return field

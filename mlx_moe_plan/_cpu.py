@@ -13,8 +13,6 @@ except ImportError as error:  # a missing build, not a missing symbol deep insid
 
 import mlx.core as mx
 
-from ._backend import field_of_arrays
-
 if _ext.built_with_mlx != mx.__version__:
     raise ImportError(
         f"mlx_moe_plan's C++ extension was built against MLX {_ext.built_with_mlx} but "
@@ -36,7 +34,12 @@ def plan(ids, weights, *, num_experts, tile_m, top_k, stream):
                         stream=stream)
     names = [name for name in _PLAN_OUTPUTS if name != "row_weights" or weights is not None]
     fields = dict(zip(names, outputs))
-    return outputs, field_of_arrays(fields, stream)
+
+    def field(name: str, shape: tuple[int, ...]) -> mx.array:
+        array = fields[name]
+        return array if array.shape == tuple(shape) else array.reshape(shape, stream=stream)
+
+    return outputs, field
 
 
 def gather_rows(src, index, inverse, *, dtype, stream):

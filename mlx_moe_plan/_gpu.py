@@ -13,7 +13,7 @@ from functools import cache, lru_cache
 
 import mlx.core as mx
 
-from . import _backend, kernels
+from . import kernels
 from .kernels import launch as geometry
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
@@ -114,22 +114,19 @@ class _Backend:
     def plan(self, ids, weights, *, num_experts, tile_m, top_k, stream):
         num_entries = ids.size
         has_weights = weights is not None
-        if num_entries == 0:  # no kernel to run: every array but two is empty
-            empty = mx.zeros((0,), mx.int32)
-            zero = mx.array(0, mx.int32)
-            fields = dict(
-                row_tokens=empty, row_experts=empty, row_entries=empty, tile_experts=empty,
-                row_weights=mx.zeros((0,), mx.float32), positions=empty,
-                expert_counts=mx.zeros((num_experts,), mx.int32),
-                expert_offsets=mx.zeros((num_experts + 1,), mx.int32),
-                num_rows=zero, num_tiles=zero, num_invalid=zero)
-            return list(fields.values()), _backend.field_of_arrays(fields, stream)
-        launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
-        # row_weights is a permutation of the weights that carries no gradient
-        # (as in the C++ primitive); combine's gradient reaches them directly.
-        weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
-        plan_data, row_weights = _launch(self.backend, "plan", [ids, weights_in], launch, stream)
-        layout, _ = geometry.plan_layout(num_entries, num_experts, tile_m)
+        layout, data_size = geometry.plan_layout(num_entries, num_experts, tile_m)
+        if num_entries == 0:
+            # No kernel to run: with no entries every field is zeros (counts,
+            # offsets and totals) or empty (the rest, capacity being 0).
+            plan_data = mx.zeros((data_size,), mx.int32, stream=stream)
+            row_weights = mx.zeros((0,), mx.float32, stream=stream)
+        else:
+            launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
+            # row_weights is a permutation of the weights that carries no gradient
+            # (as in the C++ primitive); combine's gradient reaches them directly.
+            weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
+            plan_data, row_weights = _launch(
+                self.backend, "plan", [ids, weights_in], launch, stream)
 
         def field(name: str, shape: tuple[int, ...]) -> mx.array:
             if name == "row_weights":

@@ -106,6 +106,12 @@ class MoEPlan:
         return self._weights.astype(mx.float32, stream=self._stream)
 
 
+def check_plan(plan) -> None:
+    """The `plan` argument of gather, combine and unsort: a MoEPlan."""
+    if not isinstance(plan, MoEPlan):
+        raise TypeError(f"plan: expected a MoEPlan, got {type(plan).__name__}")
+
+
 def _as_int32_ids(indices: mx.array, num_experts: int, stream) -> mx.array:
     """int32 ids with every out-of-range value kept out of range.
 

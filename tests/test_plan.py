@@ -68,6 +68,25 @@ def test_plan_without_tokens(shape, tile_m, device):
     assert_plan_matches(plan, expected)
 
 
+@pytest.mark.parametrize("shape", [(0, 1), (3, 0, 4)])
+@pytest.mark.parametrize("tile_m", [1, 16])
+def test_gpu_plan_without_tokens_runs_anywhere(shape, tile_m, monkeypatch):
+    # With no entries the GPU backend runs no kernel: its plan is zeros viewed
+    # as the kernel's output would be, which any stream can check.
+    from mlx_moe_plan import _backend, _gpu
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel ran for a plan of no entries")
+
+    monkeypatch.setattr(_gpu, "_kernel", no_kernel)
+    monkeypatch.setattr(_backend, "implementation", lambda stream: _gpu.for_backend("cuda"))
+    ids = np.zeros(shape, np.int32)
+    for weights in (None, np.zeros(shape, np.float32)):
+        plan = _plan_of(ids, 5, mx.cpu, weights=None if weights is None else mx.array(weights),
+                        tile_m=tile_m)
+        assert_plan_matches(plan, ref.moe_plan(ids, 5, weights=weights, tile_m=tile_m))
+
+
 def test_plan_single_token_without_leading_dims(device):
     # indices of shape [K]: T = 1 with an empty leading shape.
     ids = np.array([3, -1, 3, 9, 0], np.int32)

@@ -4,9 +4,27 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
+
+import mlx_moe_plan
+
+PACKAGE_DIR = Path(mlx_moe_plan.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = ("mlx_moe_plan", *path.relative_to(PACKAGE_DIR).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# Every Python module of the package, by dotted name.
+MODULES = {_module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
 
 
 def _run_python(code: str) -> None:
@@ -35,3 +53,74 @@ def test_ops_run_without_numpy_or_the_reference():
         loaded = [name for name in ("numpy", "mlx_moe_plan.reference") if name in sys.modules]
         assert not loaded, f"loaded at run time: {loaded}"
     """)
+
+
+def _imports(name: str) -> set[str]:
+    """The package's modules that module `name` imports, anywhere in its text
+    (function-level imports too: a lazy import still closes a circle)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = ".".join(base[: len(base) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module
+            # `from .x import y` runs x; `from . import y` runs the submodule y
+            # if there is one (the C++ extension _ext is one, but no Python
+            # module of the package), else the package that defines y.
+            targets = [source] if node.module else []
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                if submodule in MODULES:
+                    targets.append(submodule)
+                elif not node.module and importlib.util.find_spec(submodule) is None:
+                    targets.append(source)
+        else:
+            continue
+        found |= {target for target in targets if target in MODULES and target != name}
+    return found
+
+
+def test_module_list_is_complete():
+    assert {"mlx_moe_plan", "mlx_moe_plan._backend", "mlx_moe_plan.kernels",
+            "mlx_moe_plan.kernels.launch"} <= set(MODULES)
+
+
+def test_no_import_circles():
+    # Each module's imports of the package's own modules form no circle, so a
+    # module can be read, and imported, after the ones it names.
+    graph = {name: _imports(name) for name in MODULES}
+    done, path = set(), []
+
+    def visit(name: str) -> None:
+        if name in path:
+            circle = path[path.index(name):] + [name]
+            raise AssertionError("import circle: " + " -> ".join(circle))
+        if name in done:
+            return
+        path.append(name)
+        for imported in sorted(graph[name]):
+            visit(imported)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_the_circle_check_sees_lazy_imports():
+    # _backend imports the two backends inside a function: still an edge.
+    assert {"mlx_moe_plan._cpu", "mlx_moe_plan._gpu"} <= _imports("mlx_moe_plan._backend")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_each_module_imports_alone(name):
+    # In a fresh interpreter, first thing: no module relies on another having
+    # been imported before it.
+    _run_python(f"import importlib; importlib.import_module({name!r})")
