@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 try:
     from . import _ext
 except ImportError as error:  # a missing build, not a missing symbol deep inside
@@ -27,24 +29,59 @@ _PLAN_OUTPUTS = ("row_tokens", "row_experts", "row_weights", "row_entries", "pos
                  "num_invalid")
 
 
-def plan(ids, weights, *, num_experts, tile_m, top_k, stream):
-    if weights is not None:
-        weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
-    outputs = _ext.plan(ids.reshape(-1, stream=stream), weights, num_experts, tile_m, top_k,
-                        stream=stream)
-    names = [name for name in _PLAN_OUTPUTS if name != "row_weights" or weights is not None]
-    fields = dict(zip(names, outputs))
+class CpuBackend:
+    """The CPU backend: each operation is one C++ primitive (`src/`).
 
-    def field(name: str, shape: tuple[int, ...]) -> mx.array:
-        array = fields[name]
-        return array if array.shape == tuple(shape) else array.reshape(shape, stream=stream)
+    An object, like the GPU backend, so that both are the same kind of thing
+    to `_backend.implementation` and to the `_backend.Backend` protocol they
+    satisfy (tests/test_structure.py); it holds no state.
+    """
 
-    return outputs, field
+    def plan(
+        self,
+        ids: mx.array,
+        weights: mx.array | None,
+        *,
+        num_experts: int,
+        tile_m: int,
+        top_k: int,
+        stream: mx.Stream,
+    ) -> tuple[list[mx.array], Callable[[str, tuple[int, ...]], mx.array]]:
+        if weights is not None:
+            weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
+        outputs = _ext.plan(ids.reshape(-1, stream=stream), weights, num_experts, tile_m, top_k,
+                            stream=stream)
+        names = [name for name in _PLAN_OUTPUTS if name != "row_weights" or weights is not None]
+        fields = dict(zip(names, outputs))
+
+        def field(name: str, shape: tuple[int, ...]) -> mx.array:
+            array = fields[name]
+            return array if array.shape == tuple(shape) else array.reshape(shape, stream=stream)
+
+        return outputs, field
+
+    def gather_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        inverse: mx.array,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
+        return _ext.gather_rows(src, index, inverse, dtype, stream=stream)
+
+    def combine_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        weights: mx.array | None,
+        inverse: mx.array,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
+        return _ext.combine_rows(src, index, weights, inverse, dtype, stream=stream)
 
 
-def gather_rows(src, index, inverse, *, dtype, stream):
-    return _ext.gather_rows(src, index, inverse, dtype, stream=stream)
-
-
-def combine_rows(src, index, weights, inverse, *, dtype, stream):
-    return _ext.combine_rows(src, index, weights, inverse, dtype, stream=stream)
+CPU = CpuBackend()

@@ -9,7 +9,8 @@ compiles one instance per template argument set. Launch geometry comes from
 
 from __future__ import annotations
 
-from functools import cache, lru_cache
+from functools import cache
+from typing import Callable
 
 import mlx.core as mx
 
@@ -107,11 +108,29 @@ def _name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-class _Backend:
+class GpuBackend:
+    """The GPU backend: the kernel texts of `kernels/` as MLX custom kernels.
+
+    Satisfies `_backend.Backend` (tests/test_structure.py checks it without a
+    GPU: building one runs nothing).
+
+    Args:
+        backend (str): "metal" or "cuda": which instantiation of the kernels.
+    """
+
     def __init__(self, backend: str):
         self.backend = backend
 
-    def plan(self, ids, weights, *, num_experts, tile_m, top_k, stream):
+    def plan(
+        self,
+        ids: mx.array,
+        weights: mx.array | None,
+        *,
+        num_experts: int,
+        tile_m: int,
+        top_k: int,
+        stream: mx.Stream,
+    ) -> tuple[list[mx.array], Callable[[str, tuple[int, ...]], mx.array]]:
         num_entries = ids.size
         has_weights = weights is not None
         layout, data_size = geometry.plan_layout(num_entries, num_experts, tile_m)
@@ -139,10 +158,27 @@ class _Backend:
 
         return [plan_data, row_weights] if has_weights else [plan_data], field
 
-    def gather_rows(self, src, index, inverse, *, dtype, stream):
+    def gather_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        inverse: mx.array,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
         return _gather_function(self.backend, dtype, stream)(src, index, inverse)
 
-    def combine_rows(self, src, index, weights, inverse, *, dtype, stream):
+    def combine_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        weights: mx.array | None,
+        inverse: mx.array,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
         if weights is None:
             return _combine_function(self.backend, dtype, False, stream)(src, index, inverse)
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
@@ -233,5 +269,6 @@ def _combine_function(backend, dtype, has_weights, stream):
 
 
 @cache
-def for_backend(backend: str) -> _Backend:
-    return _Backend(backend)
+def for_backend(backend: str) -> GpuBackend:
+    """The GPU backend of `backend` ("metal" or "cuda"), one per process."""
+    return GpuBackend(backend)

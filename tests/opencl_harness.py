@@ -151,7 +151,7 @@ def run(name: str, arrays: list[np.ndarray], launch: geometry.Launch) -> list[np
 
 
 def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.ReferencePlan:
-    """The plan kernel as `_gpu._Backend.plan` runs it; int32 `ids` [..., K]."""
+    """The plan kernel as `_gpu.GpuBackend.plan` runs it; int32 `ids` [..., K]."""
     ids = np.asarray(ids)
     assert ids.dtype == np.int32, "the kernels read int32 ids (plan.py converts them)"
     flat = ids.reshape(-1)

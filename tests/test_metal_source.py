@@ -70,7 +70,7 @@ def _record() -> list[Launch]:
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return call
 
-    gpu = _gpu._Backend("metal")
+    gpu = _gpu.GpuBackend("metal")
     with mock.patch.object(_gpu, "_kernel", fake_kernel):
         # plan: tiny arrays (constant address space) up to the expert limit.
         for entries, experts, tile_m, top_k in [(1, 1, 1, 1), (6, 3, 2, 2), (3000, 1024, 128, 2),

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import mlx_moe_plan
@@ -124,3 +126,33 @@ def test_each_module_imports_alone(name):
     # In a fresh interpreter, first thing: no module relies on another having
     # been imported before it.
     _run_python(f"import importlib; importlib.import_module({name!r})")
+
+
+# --- the backend interface ----------------------------------------------------------
+
+
+def _backends():
+    from mlx_moe_plan import _cpu, _gpu
+
+    # A GpuBackend only names its kernels' instantiation: building one runs
+    # nothing, so its interface is checked on any machine.
+    return [pytest.param(_cpu.CPU, id="cpu"), pytest.param(_gpu.GpuBackend("metal"), id="metal"),
+            pytest.param(_gpu.GpuBackend("cuda"), id="cuda")]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_backends_satisfy_the_protocol(backend):
+    from mlx_moe_plan._backend import Backend
+
+    assert isinstance(backend, Backend)
+    for name in ("plan", "gather_rows", "combine_rows"):
+        declared = inspect.signature(getattr(Backend, name))
+        implemented = inspect.signature(getattr(type(backend), name))
+        # Names, kinds, defaults and annotations (as written), return included.
+        assert implemented == declared, f"{name}{implemented} is not {name}{declared}"
+
+
+def test_dispatch_returns_a_backend():
+    from mlx_moe_plan import _backend, _cpu
+
+    assert _backend.implementation(mx.default_stream(mx.cpu)) is _cpu.CPU
