@@ -15,6 +15,8 @@ except ImportError as error:  # a missing build, not a missing symbol deep insid
 
 import mlx.core as mx
 
+from ._sizes import PLAN_FIELDS
+
 if _ext.built_with_mlx != mx.__version__:
     raise ImportError(
         f"mlx_moe_plan's C++ extension was built against MLX {_ext.built_with_mlx} but "
@@ -22,11 +24,17 @@ if _ext.built_with_mlx != mx.__version__:
         "`pip install --no-build-isolation --force-reinstall --no-deps .`"
     )
 
-
-# The Plan primitive's outputs, in order (src/plan.cpp); row_weights only with weights.
-_PLAN_OUTPUTS = ("row_tokens", "row_experts", "row_weights", "row_entries", "positions",
-                 "expert_counts", "expert_offsets", "tile_experts", "num_rows", "num_tiles",
-                 "num_invalid")
+# The Plan primitive returns the plan's fields in PLAN_FIELDS order (row_weights,
+# the last, only with weights); the extension's plan_outputs is its C++ list
+# (kPlanOutputs). Fields read by position from a primitive that orders them
+# otherwise would be the wrong arrays, so a mismatch stops here.
+if tuple(_ext.plan_outputs) != PLAN_FIELDS:
+    raise ImportError(
+        f"mlx_moe_plan's C++ extension returns the plan's fields as {_ext.plan_outputs}, "
+        f"not in _sizes.PLAN_FIELDS order {PLAN_FIELDS}: the two lists must agree (after "
+        "a change to src/, rebuild with `pip install --no-build-isolation --force-reinstall "
+        "--no-deps .`)"
+    )
 
 
 class CpuBackend:
@@ -51,8 +59,7 @@ class CpuBackend:
             weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
         outputs = _ext.plan(ids.reshape(-1, stream=stream), weights, num_experts, tile_m, top_k,
                             stream=stream)
-        names = [name for name in _PLAN_OUTPUTS if name != "row_weights" or weights is not None]
-        fields = dict(zip(names, outputs))
+        fields = dict(zip(PLAN_FIELDS, outputs))  # without weights, row_weights is absent
 
         def field(name: str, shape: tuple[int, ...]) -> mx.array:
             array = fields[name]

@@ -1,10 +1,10 @@
-"""The sizes a plan is built with: the expert limit and the rows it reserves.
+"""A plan's static shape: the expert limit, the rows it reserves, its fields.
 
 Plain Python, no MLX and no NumPy: `moe_plan` checks its arguments with
-these, `kernels/launch.py` sizes the plan kernel's outputs with them, and the
-NumPy reference (`reference.py`) takes MAX_EXPERTS from here. The tests
-restate `capacity_for` independently (tests/test_plan.py), so that the
-formula is checked, not only shared.
+these, both backends name and size the plan's outputs from `PLAN_FIELDS` and
+`field_sizes`, and `kernels/launch.py` lays out the plan kernel's output with
+them. The tests restate `capacity_for` independently (tests/test_plan.py), so
+that the formula is checked, not only shared.
 """
 
 from __future__ import annotations
@@ -39,3 +39,35 @@ def capacity_for(num_entries: int, num_experts: int, tile_m: int) -> int:
         return num_entries
     worst = num_entries + min(num_experts, num_entries) * (tile_m - 1)
     return -(-worst // tile_m) * tile_m
+
+
+# The plan's fields in the one order every backend produces them: the int32
+# fields in the order the GPU kernel packs them into its one int32 output
+# (kernels/plan.h), then row_weights, the one float32 field, which a plan has
+# only when built with weights. The C++ primitive returns its outputs in this
+# order too (kPlanOutputs in src/primitives.h). C++ and kernel texts cannot
+# import this tuple: tests/test_structure.py checks both against it.
+PLAN_FIELDS = ("row_tokens", "row_experts", "row_entries", "tile_experts", "positions",
+               "expert_counts", "expert_offsets", "num_rows", "num_tiles", "num_invalid",
+               "row_weights")
+WEIGHT_FIELD = "row_weights"
+
+
+def field_sizes(num_entries: int, num_experts: int, tile_m: int) -> dict[str, int]:
+    """Elements of each of the plan's fields, in `PLAN_FIELDS` order.
+
+    Args:
+        num_entries (int): Routing entries `T * K`.
+        num_experts (int): Number of experts `E`.
+        tile_m (int): The padding multiple.
+
+    Returns:
+        dict(str, int): The size of each field; the three counts are scalars,
+        of one element.
+    """
+    capacity = capacity_for(num_entries, num_experts, tile_m)
+    sizes = dict(row_tokens=capacity, row_experts=capacity, row_entries=capacity,
+                 tile_experts=capacity // tile_m, positions=num_entries,
+                 expert_counts=num_experts, expert_offsets=num_experts + 1,
+                 num_rows=1, num_tiles=1, num_invalid=1, row_weights=capacity)
+    return {name: sizes[name] for name in PLAN_FIELDS}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -156,3 +157,93 @@ def test_dispatch_returns_a_backend():
     from mlx_moe_plan import _backend, _cpu
 
     assert _backend.implementation(mx.default_stream(mx.cpu)) is _cpu.CPU
+
+
+# --- the plan's fields: one order in Python, C++ and the plan kernel ------------------
+
+
+def test_cpu_primitive_names_its_outputs_in_plan_fields_order():
+    from mlx_moe_plan import _ext, _sizes
+
+    assert tuple(_ext.plan_outputs) == _sizes.PLAN_FIELDS
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_cpu_primitive_outputs_have_the_fields_sizes(with_weights):
+    # Each output of the C++ primitive is the size and dtype of the field its
+    # name says: what output_shapes lays out agrees with _sizes.field_sizes.
+    from mlx_moe_plan import _ext, _sizes
+
+    num_experts, tile_m, top_k = 4, 4, 3
+    ids = mx.array([0, 4, 4, -1, 2, 9, 1, 1, 3], mx.int32)  # 5 routed, 1 skipped, 3 invalid
+    weights = mx.ones(ids.shape, mx.float32) if with_weights else None
+    outputs = _ext.plan(ids, weights, num_experts, tile_m, top_k, stream=mx.cpu)
+    sizes = _sizes.field_sizes(ids.size, num_experts, tile_m)
+    # capacity 24, tiles 6, entries 9, experts 4 and 5: a swap of two shows.
+    assert len({sizes[name] for name in ("row_tokens", "tile_experts", "positions",
+                                         "expert_counts", "expert_offsets")}) == 5
+    names = _sizes.PLAN_FIELDS if with_weights else _sizes.PLAN_FIELDS[:-1]
+    assert len(outputs) == len(names)
+    for name, output in zip(names, outputs):
+        assert output.size == sizes[name], name
+        assert output.dtype == (mx.float32 if name == _sizes.WEIGHT_FIELD else mx.int32), name
+        assert output.ndim == (0 if name.startswith("num_") else 1), name
+    by_name = dict(zip(names, outputs))
+    # Four experts of 1 or 2 entries, padded to 4 rows each: 16 rows, 4 tiles.
+    counts = {name: by_name[name].item() for name in ("num_rows", "num_tiles", "num_invalid")}
+    assert counts == {"num_rows": 16, "num_tiles": 4, "num_invalid": 3}
+
+
+def _plan_kernel_offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Each field's offset in plan_data, as kernels/plan.h computes it.
+
+    plan.h points a name at each field (`GLOBAL int* positions = tile_experts
+    + max_tiles;`) and writes the last three through `totals[i]`; evaluated
+    here with the given sizes, so that any reordering there shows.
+    """
+    from mlx_moe_plan import kernels
+
+    body = kernels.compact("plan")
+    values = {"plan_data": 0, "capacity": sizes["row_tokens"],
+              "max_tiles": sizes["tile_experts"], "num_entries": sizes["positions"],
+              "num_experts": sizes["expert_counts"]}
+    pointers = re.findall(r"^GLOBAL int\* (\w+) = ([\w\s*+]+);$", body, flags=re.M)
+    assert pointers, "plan.h: no `GLOBAL int* name = ...;` lines"
+    offsets = {}
+    for name, expression in pointers:
+        offsets[name] = values[name] = eval(expression, {"__builtins__": {}}, dict(values))
+    totals = offsets.pop("totals")
+    written = re.findall(r"^totals\[(\d)\] = (.+);$", body, flags=re.M)
+    assert len(written) == 3
+    for index, value in written:
+        # totals[0] = num_rows; ... totals[2] = (int)ATOMIC_LOAD(&invalid_total[0]);
+        name = next(n for n in ("num_rows", "num_tiles", "num_invalid")
+                    if n.removeprefix("num_") in value)
+        offsets[name] = totals + int(index)
+    return offsets
+
+
+@pytest.mark.parametrize("num_entries, num_experts, tile_m", [(9, 5, 4), (1000, 37, 16),
+                                                              (7, 1024, 1)])
+def test_plan_kernel_writes_the_layout_launch_gives(num_entries, num_experts, tile_m):
+    from mlx_moe_plan import _sizes
+    from mlx_moe_plan.kernels import launch
+
+    layout, data_size = launch.plan_layout(num_entries, num_experts, tile_m)
+    assert tuple(layout) == launch.PLAN_DATA_FIELDS
+    assert launch.PLAN_DATA_FIELDS + (_sizes.WEIGHT_FIELD,) == _sizes.PLAN_FIELDS
+    offsets = _plan_kernel_offsets(_sizes.field_sizes(num_entries, num_experts, tile_m))
+    assert offsets == {name: offset for name, (offset, _) in layout.items()}
+    assert data_size == max(offset + size for offset, size in layout.values())
+
+
+def test_plan_fields_are_the_plans_attributes():
+    # Every field is a MoEPlan attribute of the size _sizes gives it.
+    from mlx_moe_plan import _sizes
+
+    indices = mx.array([[0, 4], [4, -1], [2, 9]], mx.int32)
+    plan = mlx_moe_plan.moe_plan(indices, 5, weights=mx.ones(indices.shape), tile_m=4,
+                                 stream=mx.cpu)
+    sizes = _sizes.field_sizes(indices.size, 5, 4)
+    for name in _sizes.PLAN_FIELDS:
+        assert getattr(plan, name).size == sizes[name], name

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .._sizes import MAX_EXPERTS, capacity_for
+from .._sizes import MAX_EXPERTS, PLAN_FIELDS, WEIGHT_FIELD, capacity_for, field_sizes
 
 # Entries per plan block, which a group ranks and places at once (plan.h says
 # why 512). MAX_EXPERTS must be a multiple of it.
@@ -47,10 +47,10 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-# The integer fields of a plan (MoEPlan's names), in the order plan.h writes
-# them into one int32 array; the last three are its `totals`.
-PLAN_FIELDS = ("row_tokens", "row_experts", "row_entries", "tile_experts", "positions",
-               "expert_counts", "expert_offsets", "num_rows", "num_tiles", "num_invalid")
+# The fields plan.h writes into its one int32 output, plan_data, in order:
+# every field of the plan but row_weights, its second output. The last three
+# are plan.h's `totals`.
+PLAN_DATA_FIELDS = tuple(name for name in PLAN_FIELDS if name != WEIGHT_FIELD)
 
 
 @lru_cache(maxsize=256)
@@ -61,13 +61,11 @@ def plan_layout(
 
     Cached, as the launches are: every GPU plan call reads it (the dict is
     shared: read only)."""
-    capacity = capacity_for(num_entries, num_experts, tile_m)
-    sizes = (capacity, capacity, capacity, capacity // tile_m, num_entries, num_experts,
-             num_experts + 1, 1, 1, 1)
+    sizes = field_sizes(num_entries, num_experts, tile_m)
     layout, offset = {}, 0
-    for name, size in zip(PLAN_FIELDS, sizes):
-        layout[name] = (offset, size)
-        offset += size
+    for name in PLAN_DATA_FIELDS:
+        layout[name] = (offset, sizes[name])
+        offset += sizes[name]
     return layout, offset
 
 
