@@ -1,8 +1,9 @@
 """The GPU implementation: the kernel texts of `kernels/` as MLX custom kernels.
 
 Each kernel object is built once per backend and name and cached; MLX then
-compiles one instance per template argument set. Launch geometry comes from
-`kernels/launch.py`, shared with the OpenCL tests. Gradients go through
+compiles one instance per template argument set. How each body is run (its
+arguments, sizes, grid and template constants) comes from `kernels/launch.py`,
+shared with the OpenCL tests. Gradients go through
 `mx.custom_function`, with the same formulas as the C++ primitives' vjp
 (`src/combine.cpp`, `src/gather.cpp`), so they run on these kernels too.
 """
@@ -15,26 +16,20 @@ from typing import Callable
 import mlx.core as mx
 
 from . import kernels
-from .kernels import launch as geometry
+from .kernels import launch
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
 POISON: float | None = None
 
-_INPUTS_OUTPUTS = {
-    "plan": (["ids", "weights", "params"], ["plan_data", "row_weights"]),
-    "gather": (["src", "index", "params"], ["out"]),
-    "combine": (["src", "index", "weights", "params"], ["out"]),
-}
-
 
 @cache
 def _kernel(backend: str, name: str):
-    inputs, outputs = _INPUTS_OUTPUTS[name]
+    inputs, outputs = launch.INPUTS_OUTPUTS[name]
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     return make(
         name=f"moe_{name}",
-        input_names=inputs,
-        output_names=outputs,
+        input_names=list(inputs),
+        output_names=list(outputs),
         source=kernels.body(name, backend),
         header=kernels.prelude(backend),
     )
@@ -44,16 +39,16 @@ def _mlx_value(value):
     return getattr(mx, value) if isinstance(value, str) else value
 
 
-def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stream):
-    """Run a body with its arrays, then the `params` array, as `launch` says."""
+def _run(backend: str, name: str, arrays: list, kernel_launch: launch.Launch, stream):
+    """Run body `name` on `arrays`, then its `params` array, as `kernel_launch` says."""
     extra = {} if POISON is None else {"init_value": POISON}
     return _kernel(backend, name)(
-        inputs=[*arrays, _params(launch.params, stream)],
-        template=[(key, _mlx_value(value)) for key, value in launch.template],
-        grid=(launch.groups * launch.group_size, 1, 1),
-        threadgroup=(launch.group_size, 1, 1),
-        output_shapes=[shape for shape, _ in launch.outputs],
-        output_dtypes=[_mlx_value(dtype) for _, dtype in launch.outputs],
+        inputs=[*arrays, _params(kernel_launch.params, stream)],
+        template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
+        grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),
+        threadgroup=(kernel_launch.group_size, 1, 1),
+        output_shapes=[shape for shape, _ in kernel_launch.outputs],
+        output_dtypes=[_mlx_value(dtype) for _, dtype in kernel_launch.outputs],
         stream=stream,
         **extra,
     )
@@ -133,19 +128,20 @@ class GpuBackend:
     ) -> tuple[list[mx.array], Callable[[str, tuple[int, ...]], mx.array]]:
         num_entries = ids.size
         has_weights = weights is not None
-        layout, data_size = geometry.plan_layout(num_entries, num_experts, tile_m)
+        layout, data_size = launch.plan_layout(num_entries, num_experts, tile_m)
         if num_entries == 0:
             # No kernel to run: with no entries every field is zeros (counts,
             # offsets and totals) or empty (the rest, capacity being 0).
             plan_data = mx.zeros((data_size,), mx.int32, stream=stream)
             row_weights = mx.zeros((0,), mx.float32, stream=stream)
         else:
-            launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
+            plan_launch = launch.plan_launch(num_entries, num_experts, tile_m, top_k,
+                                             has_weights)
             # row_weights is a permutation of the weights that carries no gradient
             # (as in the C++ primitive); combine's gradient reaches them directly.
             weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
-            plan_data, row_weights = _launch(
-                self.backend, "plan", [ids, weights_in], launch, stream)
+            plan_data, row_weights = _run(
+                self.backend, "plan", [ids, weights_in], plan_launch, stream)
 
         def field(name: str, shape: tuple[int, ...]) -> mx.array:
             if name == "row_weights":
@@ -204,8 +200,9 @@ def _gather(backend, src, index, dtype, stream):
     if num_rows == 0 or hidden == 0:
         return mx.zeros((num_rows, hidden), dtype)
     src = _device_rows(src, stream)
-    launch = geometry.gather_launch(num_src, hidden, num_rows, _name(src.dtype), _name(dtype))
-    (out,) = _launch(backend, "gather", [src, index], launch, stream)
+    gather_launch = launch.gather_launch(num_src, hidden, num_rows, _name(src.dtype),
+                                         _name(dtype))
+    (out,) = _run(backend, "gather", [src, index], gather_launch, stream)
     return out
 
 
@@ -215,11 +212,11 @@ def _combine(backend, src, index, weights, dtype, stream):
     if num_out == 0 or hidden == 0:
         return mx.zeros((num_out, hidden), dtype)
     has_weights = weights is not None
-    launch = geometry.combine_launch(
+    combine_launch = launch.combine_launch(
         num_src, hidden, num_out, fan_in, has_weights, _name(src.dtype), _name(dtype))
     weights_in = weights if has_weights else _unused_weights()
     src = _device_rows(src, stream)
-    (out,) = _launch(backend, "combine", [src, index, weights_in], launch, stream)
+    (out,) = _run(backend, "combine", [src, index, weights_in], combine_launch, stream)
     return out
 
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import mlx_moe_plan
 from mlx_moe_plan import _sizes
 from mlx_moe_plan import reference as ref
-from mlx_moe_plan.kernels import launch as geometry
+from mlx_moe_plan.kernels import launch
 
 
 def _plan_of(ids, num_experts, device, *, weights=None, tile_m=1, **kwargs):
@@ -179,7 +179,8 @@ def test_plan_more_than_65536_rows(skew, device):
     # Past 2**16 rows: any 16-bit counter or index in the kernels would wrap here.
     # 160 blocks of the GPU plan: its groups place chunks of several (PLAN_MAX_GROUPS).
     num_tokens, top_k, num_experts, tile_m = 8192, 10, 512, 16
-    assert geometry.plan_launch(num_tokens * top_k, num_experts, tile_m, top_k, True).params[6] > 1
+    plan_launch = launch.plan_launch(num_tokens * top_k, num_experts, tile_m, top_k, True)
+    assert plan_launch.params.blocks_per_group > 1
     rng = np.random.default_rng(2024)
     if skew == "uniform":
         ids = make_ids(rng, (num_tokens, top_k), num_experts, "int32", "distinct_per_token",
@@ -201,7 +202,7 @@ def test_plan_more_than_65536_rows(skew, device):
 def test_plan_groups_place_chunks(mode, max_groups, device, monkeypatch):
     # The GPU plan under a lowered cap on its groups: each places a chunk of
     # blocks in turn (3,000 entries: 6 blocks, in chunks of 6 or of 2).
-    monkeypatch.setattr(geometry, "PLAN_MAX_GROUPS", max_groups)
+    monkeypatch.setattr(launch, "PLAN_MAX_GROUPS", max_groups)
     rng = np.random.default_rng(max_groups)
     ids = make_ids(rng, (1000, 3), 37, "int32", mode, 0.1, 0.1)
     weight_values = rng.standard_normal(ids.shape).astype(np.float32)

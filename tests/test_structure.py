@@ -247,3 +247,35 @@ def test_plan_fields_are_the_plans_attributes():
     sizes = _sizes.field_sizes(indices.size, 5, 4)
     for name in _sizes.PLAN_FIELDS:
         assert getattr(plan, name).size == sizes[name], name
+
+
+# --- kernel parameters: named once, in kernels/launch.py --------------------------------
+
+
+@pytest.mark.parametrize("name", ["plan", "gather", "combine"])
+def test_bodies_read_params_in_launch_order(name):
+    # A body reads its `params` array by position, each value into a constant
+    # named as launch.py names it: `const int hidden = params[1];`. Those lines
+    # are the whole of a body's use of params.
+    from mlx_moe_plan import _gpu, kernels
+    from mlx_moe_plan.kernels import launch
+
+    body = kernels.compact(name)
+    reads = re.findall(r"^const (?:int|i64) (\w+) = params\[(\d+)\];$", body, flags=re.M)
+    assert reads == [(field, str(i)) for i, field in enumerate(launch.PARAMS[name]._fields)]
+    assert body.count("params") == len(reads)
+    assert launch.INPUTS_OUTPUTS[name][0][-1] == "params"
+    assert len(launch.PARAMS[name]._fields) <= _gpu._PARAMS_SIZE
+
+
+def test_launches_carry_their_bodys_params():
+    from mlx_moe_plan.kernels import launch
+
+    launches = {"plan": launch.plan_launch(1000, 37, 4, 2, True),
+                "gather": launch.gather_launch(10, 8, 20, "float16", "float16"),
+                "combine": launch.combine_launch(20, 8, 10, 2, True, "float16", "float32")}
+    assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
+    for name, kernel_launch in launches.items():
+        assert type(kernel_launch.params) is launch.PARAMS[name]
+    plan_params = launches["plan"].params
+    assert (plan_params.num_entries, plan_params.tile_m, plan_params.top_k) == (1000, 4, 2)

@@ -50,9 +50,10 @@
 // clearing pass, and every element of every output is written exactly once.
 //
 // Inputs: ids int32 [N]; weights [N], any float dtype (or [1], unread, without
-//   HAS_WEIGHTS); params int32 {N, E, tile_m, top_k, capacity, max_tiles,
-//   blocks_per_group}.
-// Outputs: plan_data int32: row_tokens, row_experts, row_entries [capacity],
+//   HAS_WEIGHTS); params int32, the fields of launch.py's PlanParams in order
+//   (read below).
+// Outputs: plan_data int32, the fields of launch.py's PLAN_DATA_FIELDS in
+//   order (the pointers below): row_tokens, row_experts, row_entries [capacity],
 //   tile_experts [max_tiles], positions [N], expert_counts [E],
 //   expert_offsets [E + 1], totals {num_rows, num_tiles, num_invalid};
 //   row_weights float32 [capacity] (or [1], unwritten).
