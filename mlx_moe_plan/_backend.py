@@ -57,19 +57,22 @@ class Backend(Protocol):
         self,
         src: mx.array,
         index: mx.array,
-        inverse: mx.array,
+        inverse: mx.array | None,
         *,
         dtype: mx.Dtype,
         stream: mx.Stream,
     ) -> mx.array:
         """`out[r] = src[index[r]]` converted to `dtype`, zeros where `index[r]`
-        is negative or `>= N`. Differentiable with respect to `src`.
+        is negative or `>= N`. Differentiable with respect to `src` given
+        `inverse`, by the formula of `_gradients.gather_rows_vjp`.
 
         Args:
             src (array): Rows `[N, H]`, float32, float16 or bfloat16.
             index (array): int32 `[R]`.
-            inverse (array): int32 `[N, M]`: for each src row, the out rows
-              that read it (`-1` for none); only the gradient reads it.
+            inverse (array, optional): int32 `[N, M]`: for each src row, the
+              out rows that read it (`-1` for none); only the gradient reads
+              it. None: no gradient with respect to `src` (for the gradient
+              formulas' own row operations, `_gradients.py`).
             dtype (Dtype): The output's dtype.
             stream (Stream): Where to run.
 
@@ -83,7 +86,7 @@ class Backend(Protocol):
         src: mx.array,
         index: mx.array,
         weights: mx.array | None,
-        inverse: mx.array,
+        inverse: mx.array | None,
         *,
         dtype: mx.Dtype,
         stream: mx.Stream,
@@ -91,15 +94,16 @@ class Backend(Protocol):
         """`out[n] = sum_m weights[n, m] * src[index[n, m]]`, summed in float32
         over ascending m and rounded once to `dtype`; an index that is
         negative or `>= R` adds nothing. Differentiable with respect to `src`
-        and `weights`.
+        (given `inverse`) and `weights`, by the formulas of
+        `_gradients.combine_rows_vjp`.
 
         Args:
             src (array): Rows `[R, H]`, float32, float16 or bfloat16.
             index (array): int32 `[N, M]`.
             weights (array, optional): float32 `[N, M]`; None means 1.
-            inverse (array): int32 `[R]`: for each src row, the flat entry
-              `n * M + m` that reads it (`-1` for none); only the gradient
-              reads it.
+            inverse (array, optional): int32 `[R]`: for each src row, the flat
+              entry `n * M + m` that reads it (`-1` for none); only the
+              gradient reads it. None: no gradient with respect to `src`.
             dtype (Dtype): The output's dtype.
             stream (Stream): Where to run.
 

@@ -3,9 +3,10 @@
 Each kernel object is built once per backend and name and cached; MLX then
 compiles one instance per template argument set. How each body is run (its
 arguments, sizes, grid and template constants) comes from `kernels/launch.py`,
-shared with the OpenCL tests. Gradients go through
-`mx.custom_function`, with the same formulas as the C++ primitives' vjp
-(`src/combine.cpp`, `src/gather.cpp`), so they run on these kernels too.
+shared with the OpenCL tests. Gradients go through `mx.custom_function`,
+with the formulas of `_gradients.py` run on these kernels; the C++
+primitives' vjps (`src/gather.cpp`, `src/combine.cpp`) are the same formulas
+in C++.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import kernels
+from . import _gradients, kernels
 from .kernels import launch
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
@@ -158,11 +159,13 @@ class GpuBackend:
         self,
         src: mx.array,
         index: mx.array,
-        inverse: mx.array,
+        inverse: mx.array | None,
         *,
         dtype: mx.Dtype,
         stream: mx.Stream,
     ) -> mx.array:
+        if inverse is None:  # the kernel alone: no gradient
+            return _gather(self.backend, src, index, dtype, stream)
         return _gather_function(self.backend, dtype, stream)(src, index, inverse)
 
     def combine_rows(
@@ -170,11 +173,13 @@ class GpuBackend:
         src: mx.array,
         index: mx.array,
         weights: mx.array | None,
-        inverse: mx.array,
+        inverse: mx.array | None,
         *,
         dtype: mx.Dtype,
         stream: mx.Stream,
     ) -> mx.array:
+        if inverse is None:  # the kernel alone: no gradient
+            return _combine(self.backend, src, index, weights, dtype, stream)
         if weights is None:
             return _combine_function(self.backend, dtype, False, stream)(src, index, inverse)
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
@@ -229,8 +234,9 @@ def _gather_function(backend, dtype, stream):
     @gather.vjp
     def gather_vjp(primals, cotangent, output):
         src, index, inverse = primals
-        # Each src row was copied to the rows its inverse lists: sum them.
-        grad = _combine(backend, cotangent, inverse, None, src.dtype, stream)
+        # The formula of GatherRows::vjp in src/gather.cpp (tests/test_gradients.py).
+        grad = _gradients.gather_rows_vjp(for_backend(backend), cotangent, src, inverse,
+                                          stream=stream)
         return grad, mx.zeros_like(index), mx.zeros_like(inverse)
 
     return gather
@@ -247,19 +253,11 @@ def _combine_function(backend, dtype, has_weights, stream):
     def combine_vjp(primals, cotangent, output):
         src, index, inverse = primals[:3]
         weights = primals[3] if has_weights else None
-        fan_in = index.shape[1]
-        # d src[r] = w[entry] * d out[entry // M], entry = inverse[r] (none: 0).
-        used = inverse >= 0
-        token = mx.where(used, inverse // fan_in, -1)
-        grad_src = _gather_function(backend, src.dtype, stream)(cotangent, token, index)
+        # The formulas of CombineRows::vjp in src/combine.cpp (tests/test_gradients.py).
+        grad_src, grad_weights = _gradients.combine_rows_vjp(
+            for_backend(backend), cotangent, src, index, weights, inverse, stream=stream)
         if not has_weights:
             return grad_src, mx.zeros_like(index), mx.zeros_like(inverse)
-        row_weight = mx.where(used, mx.take(weights.reshape(-1), mx.maximum(inverse, 0)), 0.0)
-        grad_src = (grad_src.astype(mx.float32) * row_weight[:, None]).astype(src.dtype)
-        # d w[n, m] = dot(d out[n], src[index[n, m]]), in float32.
-        picked = _gather(backend, src, index.reshape(-1), mx.float32, stream)
-        picked = picked.reshape(index.shape + (src.shape[1],))
-        grad_weights = (picked * cotangent.astype(mx.float32)[:, None, :]).sum(-1)
         return grad_src, mx.zeros_like(index), mx.zeros_like(inverse), grad_weights
 
     return combine
