@@ -20,7 +20,7 @@ class MoEPlan:
     Rows are ordered by expert; inside an expert by ascending flat entry index
     `t * K + k`. Each expert's span starts at a multiple of `tile_m` and is its
     count rounded up to a multiple of `tile_m`; the rows past the count are
-    padding. See DESIGN.md for the normative description of every field.
+    padding. See docs/DESIGN.md for the normative description of every field.
 
     The array fields are lazy views of what the plan's kernel (or CPU
     primitive) computed, `outputs`: each is made when first read, so a field

@@ -1,4 +1,4 @@
-"""NumPy reference of the semantics in DESIGN.md.
+"""NumPy reference of the semantics in docs/DESIGN.md.
 
 Short, obvious code that every backend must match bit for bit. Nothing here
 is fast: it is the definition the tests and the benchmark check against.

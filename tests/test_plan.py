@@ -105,7 +105,7 @@ def test_plan_one_expert_owns_every_entry(tile_m, device):
 
 
 def test_plan_known_small_example(device):
-    # Written out by hand from DESIGN.md, so that the reference itself is checked.
+    # Written out by hand from docs/DESIGN.md, so that the reference itself is checked.
     ids = np.array([[1, 0], [1, -1], [7, 1]], np.int32)  # 7 is invalid with E = 3
     weights = mx.array([[0.5, 0.25], [2.0, 8.0], [4.0, 1.5]], mx.float32)
     plan = _plan_of(ids, 3, device, weights=weights, tile_m=2)
@@ -254,7 +254,7 @@ def test_plan_is_deterministic(routing: Routing, device):
 @given(num_experts=st.integers(1, mlx_moe_plan.MAX_EXPERTS), tile_m=st.integers(1, 128),
        num_tokens=st.integers(0, 1000), top_k=st.integers(1, 16))
 def test_capacity_formula(num_experts, tile_m, num_tokens, top_k, device):
-    # DESIGN.md's capacity, restated independently of reference.capacity_for
+    # docs/DESIGN.md's capacity, restated independently of reference.capacity_for
     # and of the package's own _sizes.capacity_for. Static sizes only: nothing
     # is evaluated.
     num_entries = num_tokens * top_k

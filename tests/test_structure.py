@@ -294,3 +294,26 @@ def test_launches_carry_their_bodys_params():
         assert type(kernel_launch.params) is launch.PARAMS[name]
     plan_params = launches["plan"].params
     assert (plan_params.num_entries, plan_params.tile_m, plan_params.top_k) == (1000, 4, 2)
+
+
+# --- docs/DESIGN.md cites what the repository holds ------------------------------------
+
+REPOSITORY = PACKAGE_DIR.parent
+DESIGN = REPOSITORY / "docs" / "DESIGN.md"
+
+
+@pytest.mark.skipif(not DESIGN.exists(), reason="not a source checkout")
+def test_design_doc_cites_what_exists():
+    # Every repository path the design cites exists, and in `path::name`, each
+    # part of the name occurs in that file as a word.
+    text = DESIGN.read_text()
+    cited = re.findall(r"(?<![\w./])((?:\.ci|docs|mlx_moe_plan|src|tests|benchmarks)/[\w./]*)"
+                       r"((?:::[\w.:]+)?)", text)
+    assert len(cited) > 50
+    for path, name in cited:
+        path = path.rstrip(".")
+        assert (REPOSITORY / path).exists(), path
+        if name:
+            source = (REPOSITORY / path).read_text()
+            for part in re.split(r"::|\.", name.strip(":.")):
+                assert re.search(rf"\b{re.escape(part)}\b", source), f"{path}{name}: {part}"
