@@ -1,7 +1,8 @@
 """NumPy reference of the semantics in docs/DESIGN.md.
 
 Short, obvious code that every backend must match bit for bit. Nothing here
-is fast: it is the definition the tests and the benchmark check against.
+is fast: it is the definition the tests and the benchmark check against. The
+package's ops never import it, nor NumPy (tests/test_structure.py).
 """
 
 from __future__ import annotations

@@ -141,6 +141,8 @@ def test_the_circle_check_sees_lazy_imports():
 def test_each_module_imports_alone(name):
     # In a fresh interpreter, first thing: no module relies on another having
     # been imported before it.
+    if name == "mlx_moe_plan.nn" and importlib.util.find_spec("mlx_lm") is None:
+        pytest.skip("the layer needs mlx-lm, which is not installed")
     _run_python(f"import importlib; importlib.import_module({name!r})")
 
 
