@@ -28,18 +28,12 @@ def check_weights(weights, shape: tuple[int, ...]) -> mx.array:
     return weights
 
 
-def check_plan(plan) -> None:
-    from .plan import MoEPlan
-
-    if not isinstance(plan, MoEPlan):
-        raise TypeError(f"plan: expected a MoEPlan, got {type(plan).__name__}")
-
-
-def check_rows(rows, plan) -> mx.array:
+def check_rows(rows, capacity: int) -> mx.array:
+    """Expert-sorted rows: a float array `[capacity, H]` of the plan's capacity."""
     check_array("rows", rows)
     check_row_dtype("rows", rows.dtype)
-    if rows.ndim != 2 or rows.shape[0] != plan.capacity:
+    if rows.ndim != 2 or rows.shape[0] != capacity:
         raise ValueError(
-            f"rows: expected shape [capacity={plan.capacity}, H], got {rows.shape}"
+            f"rows: expected shape [capacity={capacity}, H], got {rows.shape}"
         )
     return rows

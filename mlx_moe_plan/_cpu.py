@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 try:
     from . import _ext
 except ImportError as error:  # a missing build, not a missing symbol deep inside
@@ -13,7 +15,7 @@ except ImportError as error:  # a missing build, not a missing symbol deep insid
 
 import mlx.core as mx
 
-from ._backend import field_of_arrays
+from ._sizes import PLAN_FIELDS
 
 if _ext.built_with_mlx != mx.__version__:
     raise ImportError(
@@ -22,26 +24,71 @@ if _ext.built_with_mlx != mx.__version__:
         "`pip install --no-build-isolation --force-reinstall --no-deps .`"
     )
 
-
-# The Plan primitive's outputs, in order (src/plan.cpp); row_weights only with weights.
-_PLAN_OUTPUTS = ("row_tokens", "row_experts", "row_weights", "row_entries", "positions",
-                 "expert_counts", "expert_offsets", "tile_experts", "num_rows", "num_tiles",
-                 "num_invalid")
-
-
-def plan(ids, weights, *, num_experts, tile_m, top_k, stream):
-    if weights is not None:
-        weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
-    outputs = _ext.plan(ids.reshape(-1, stream=stream), weights, num_experts, tile_m, top_k,
-                        stream=stream)
-    names = [name for name in _PLAN_OUTPUTS if name != "row_weights" or weights is not None]
-    fields = dict(zip(names, outputs))
-    return outputs, field_of_arrays(fields, stream)
+# The Plan primitive returns the plan's fields in PLAN_FIELDS order (row_weights,
+# the last, only with weights); the extension's plan_outputs is its C++ list
+# (kPlanOutputs). Fields read by position from a primitive that orders them
+# otherwise would be the wrong arrays, so a mismatch stops here.
+if tuple(_ext.plan_outputs) != PLAN_FIELDS:
+    raise ImportError(
+        f"mlx_moe_plan's C++ extension returns the plan's fields as {_ext.plan_outputs}, "
+        f"not in _sizes.PLAN_FIELDS order {PLAN_FIELDS}: the two lists must agree (after "
+        "a change to src/, rebuild with `pip install --no-build-isolation --force-reinstall "
+        "--no-deps .`)"
+    )
 
 
-def gather_rows(src, index, inverse, *, dtype, stream):
-    return _ext.gather_rows(src, index, inverse, dtype, stream=stream)
+class CpuBackend:
+    """The CPU backend: each operation is one C++ primitive (`src/`).
+
+    An object, like the GPU backend, so that both are the same kind of thing
+    to `_backend.implementation` and to the `_backend.Backend` protocol they
+    satisfy (tests/test_structure.py); it holds no state.
+    """
+
+    def plan(
+        self,
+        ids: mx.array,
+        weights: mx.array | None,
+        *,
+        num_experts: int,
+        tile_m: int,
+        top_k: int,
+        stream: mx.Stream,
+    ) -> tuple[list[mx.array], Callable[[str, tuple[int, ...]], mx.array]]:
+        if weights is not None:
+            weights = weights.astype(mx.float32, stream=stream).reshape(-1, stream=stream)
+        outputs = _ext.plan(ids.reshape(-1, stream=stream), weights, num_experts, tile_m, top_k,
+                            stream=stream)
+        fields = dict(zip(PLAN_FIELDS, outputs))  # without weights, row_weights is absent
+
+        def field(name: str, shape: tuple[int, ...]) -> mx.array:
+            array = fields[name]
+            return array if array.shape == tuple(shape) else array.reshape(shape, stream=stream)
+
+        return outputs, field
+
+    def gather_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        inverse: mx.array | None,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
+        return _ext.gather_rows(src, index, inverse, dtype, stream=stream)
+
+    def combine_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        weights: mx.array | None,
+        inverse: mx.array | None,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
+        return _ext.combine_rows(src, index, weights, inverse, dtype, stream=stream)
 
 
-def combine_rows(src, index, weights, inverse, *, dtype, stream):
-    return _ext.combine_rows(src, index, weights, inverse, dtype, stream=stream)
+CPU = CpuBackend()

@@ -1,39 +1,36 @@
 """The GPU implementation: the kernel texts of `kernels/` as MLX custom kernels.
 
 Each kernel object is built once per backend and name and cached; MLX then
-compiles one instance per template argument set. Launch geometry comes from
-`kernels/launch.py`, shared with the OpenCL tests. Gradients go through
-`mx.custom_function`, with the same formulas as the C++ primitives' vjp
-(`src/combine.cpp`, `src/gather.cpp`), so they run on these kernels too.
+compiles one instance per template argument set. How each body is run (its
+arguments, sizes, grid and template constants) comes from `kernels/launch.py`,
+shared with the OpenCL tests. Gradients go through `mx.custom_function`,
+with the formulas of `_gradients.py` run on these kernels; the C++
+primitives' vjps (`src/gather.cpp`, `src/combine.cpp`) are the same formulas
+in C++.
 """
 
 from __future__ import annotations
 
-from functools import cache, lru_cache
+from functools import cache
+from typing import Callable
 
 import mlx.core as mx
 
-from . import _backend, kernels
-from .kernels import launch as geometry
+from . import _gradients, kernels
+from .kernels import launch
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
 POISON: float | None = None
 
-_INPUTS_OUTPUTS = {
-    "plan": (["ids", "weights", "params"], ["plan_data", "row_weights"]),
-    "gather": (["src", "index", "params"], ["out"]),
-    "combine": (["src", "index", "weights", "params"], ["out"]),
-}
-
 
 @cache
 def _kernel(backend: str, name: str):
-    inputs, outputs = _INPUTS_OUTPUTS[name]
+    inputs, outputs = launch.INPUTS_OUTPUTS[name]
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     return make(
         name=f"moe_{name}",
-        input_names=inputs,
-        output_names=outputs,
+        input_names=list(inputs),
+        output_names=list(outputs),
         source=kernels.body(name, backend),
         header=kernels.prelude(backend),
     )
@@ -43,16 +40,16 @@ def _mlx_value(value):
     return getattr(mx, value) if isinstance(value, str) else value
 
 
-def _launch(backend: str, name: str, arrays: list, launch: geometry.Launch, stream):
-    """Run a body with its arrays, then the `params` array, as `launch` says."""
+def _run(backend: str, name: str, arrays: list, kernel_launch: launch.Launch, stream):
+    """Run body `name` on `arrays`, then its `params` array, as `kernel_launch` says."""
     extra = {} if POISON is None else {"init_value": POISON}
     return _kernel(backend, name)(
-        inputs=[*arrays, _params(launch.params, stream)],
-        template=[(key, _mlx_value(value)) for key, value in launch.template],
-        grid=(launch.groups * launch.group_size, 1, 1),
-        threadgroup=(launch.group_size, 1, 1),
-        output_shapes=[shape for shape, _ in launch.outputs],
-        output_dtypes=[_mlx_value(dtype) for _, dtype in launch.outputs],
+        inputs=[*arrays, _params(kernel_launch.params, stream)],
+        template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
+        grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),
+        threadgroup=(kernel_launch.group_size, 1, 1),
+        output_shapes=[shape for shape, _ in kernel_launch.outputs],
+        output_dtypes=[_mlx_value(dtype) for _, dtype in kernel_launch.outputs],
         stream=stream,
         **extra,
     )
@@ -107,29 +104,45 @@ def _name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-class _Backend:
+class GpuBackend:
+    """The GPU backend: the kernel texts of `kernels/` as MLX custom kernels.
+
+    Satisfies `_backend.Backend` (tests/test_structure.py checks it without a
+    GPU: building one runs nothing).
+
+    Args:
+        backend (str): "metal" or "cuda": which instantiation of the kernels.
+    """
+
     def __init__(self, backend: str):
         self.backend = backend
 
-    def plan(self, ids, weights, *, num_experts, tile_m, top_k, stream):
+    def plan(
+        self,
+        ids: mx.array,
+        weights: mx.array | None,
+        *,
+        num_experts: int,
+        tile_m: int,
+        top_k: int,
+        stream: mx.Stream,
+    ) -> tuple[list[mx.array], Callable[[str, tuple[int, ...]], mx.array]]:
         num_entries = ids.size
         has_weights = weights is not None
-        if num_entries == 0:  # no kernel to run: every array but two is empty
-            empty = mx.zeros((0,), mx.int32)
-            zero = mx.array(0, mx.int32)
-            fields = dict(
-                row_tokens=empty, row_experts=empty, row_entries=empty, tile_experts=empty,
-                row_weights=mx.zeros((0,), mx.float32), positions=empty,
-                expert_counts=mx.zeros((num_experts,), mx.int32),
-                expert_offsets=mx.zeros((num_experts + 1,), mx.int32),
-                num_rows=zero, num_tiles=zero, num_invalid=zero)
-            return list(fields.values()), _backend.field_of_arrays(fields, stream)
-        launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
-        # row_weights is a permutation of the weights that carries no gradient
-        # (as in the C++ primitive); combine's gradient reaches them directly.
-        weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
-        plan_data, row_weights = _launch(self.backend, "plan", [ids, weights_in], launch, stream)
-        layout, _ = geometry.plan_layout(num_entries, num_experts, tile_m)
+        layout, data_size = launch.plan_layout(num_entries, num_experts, tile_m)
+        if num_entries == 0:
+            # No kernel to run: with no entries every field is zeros (counts,
+            # offsets and totals) or empty (the rest, capacity being 0).
+            plan_data = mx.zeros((data_size,), mx.int32, stream=stream)
+            row_weights = mx.zeros((0,), mx.float32, stream=stream)
+        else:
+            plan_launch = launch.plan_launch(num_entries, num_experts, tile_m, top_k,
+                                             has_weights)
+            # row_weights is a permutation of the weights that carries no gradient
+            # (as in the C++ primitive); combine's gradient reaches them directly.
+            weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
+            plan_data, row_weights = _run(
+                self.backend, "plan", [ids, weights_in], plan_launch, stream)
 
         def field(name: str, shape: tuple[int, ...]) -> mx.array:
             if name == "row_weights":
@@ -142,10 +155,31 @@ class _Backend:
 
         return [plan_data, row_weights] if has_weights else [plan_data], field
 
-    def gather_rows(self, src, index, inverse, *, dtype, stream):
+    def gather_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        inverse: mx.array | None,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
+        if inverse is None:  # the kernel alone: no gradient
+            return _gather(self.backend, src, index, dtype, stream)
         return _gather_function(self.backend, dtype, stream)(src, index, inverse)
 
-    def combine_rows(self, src, index, weights, inverse, *, dtype, stream):
+    def combine_rows(
+        self,
+        src: mx.array,
+        index: mx.array,
+        weights: mx.array | None,
+        inverse: mx.array | None,
+        *,
+        dtype: mx.Dtype,
+        stream: mx.Stream,
+    ) -> mx.array:
+        if inverse is None:  # the kernel alone: no gradient
+            return _combine(self.backend, src, index, weights, dtype, stream)
         if weights is None:
             return _combine_function(self.backend, dtype, False, stream)(src, index, inverse)
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
@@ -171,8 +205,9 @@ def _gather(backend, src, index, dtype, stream):
     if num_rows == 0 or hidden == 0:
         return mx.zeros((num_rows, hidden), dtype)
     src = _device_rows(src, stream)
-    launch = geometry.gather_launch(num_src, hidden, num_rows, _name(src.dtype), _name(dtype))
-    (out,) = _launch(backend, "gather", [src, index], launch, stream)
+    gather_launch = launch.gather_launch(num_src, hidden, num_rows, _name(src.dtype),
+                                         _name(dtype))
+    (out,) = _run(backend, "gather", [src, index], gather_launch, stream)
     return out
 
 
@@ -182,11 +217,11 @@ def _combine(backend, src, index, weights, dtype, stream):
     if num_out == 0 or hidden == 0:
         return mx.zeros((num_out, hidden), dtype)
     has_weights = weights is not None
-    launch = geometry.combine_launch(
+    combine_launch = launch.combine_launch(
         num_src, hidden, num_out, fan_in, has_weights, _name(src.dtype), _name(dtype))
     weights_in = weights if has_weights else _unused_weights()
     src = _device_rows(src, stream)
-    (out,) = _launch(backend, "combine", [src, index, weights_in], launch, stream)
+    (out,) = _run(backend, "combine", [src, index, weights_in], combine_launch, stream)
     return out
 
 
@@ -199,8 +234,9 @@ def _gather_function(backend, dtype, stream):
     @gather.vjp
     def gather_vjp(primals, cotangent, output):
         src, index, inverse = primals
-        # Each src row was copied to the rows its inverse lists: sum them.
-        grad = _combine(backend, cotangent, inverse, None, src.dtype, stream)
+        # The formula of GatherRows::vjp in src/gather.cpp (tests/test_gradients.py).
+        grad = _gradients.gather_rows_vjp(for_backend(backend), cotangent, src, inverse,
+                                          stream=stream)
         return grad, mx.zeros_like(index), mx.zeros_like(inverse)
 
     return gather
@@ -217,24 +253,17 @@ def _combine_function(backend, dtype, has_weights, stream):
     def combine_vjp(primals, cotangent, output):
         src, index, inverse = primals[:3]
         weights = primals[3] if has_weights else None
-        fan_in = index.shape[1]
-        # d src[r] = w[entry] * d out[entry // M], entry = inverse[r] (none: 0).
-        used = inverse >= 0
-        token = mx.where(used, inverse // fan_in, -1)
-        grad_src = _gather_function(backend, src.dtype, stream)(cotangent, token, index)
+        # The formulas of CombineRows::vjp in src/combine.cpp (tests/test_gradients.py).
+        grad_src, grad_weights = _gradients.combine_rows_vjp(
+            for_backend(backend), cotangent, src, index, weights, inverse, stream=stream)
         if not has_weights:
             return grad_src, mx.zeros_like(index), mx.zeros_like(inverse)
-        row_weight = mx.where(used, mx.take(weights.reshape(-1), mx.maximum(inverse, 0)), 0.0)
-        grad_src = (grad_src.astype(mx.float32) * row_weight[:, None]).astype(src.dtype)
-        # d w[n, m] = dot(d out[n], src[index[n, m]]), in float32.
-        picked = _gather(backend, src, index.reshape(-1), mx.float32, stream)
-        picked = picked.reshape(index.shape + (src.shape[1],))
-        grad_weights = (picked * cotangent.astype(mx.float32)[:, None, :]).sum(-1)
         return grad_src, mx.zeros_like(index), mx.zeros_like(inverse), grad_weights
 
     return combine
 
 
 @cache
-def for_backend(backend: str) -> _Backend:
-    return _Backend(backend)
+def for_backend(backend: str) -> GpuBackend:
+    """The GPU backend of `backend` ("metal" or "cuda"), one per process."""
+    return GpuBackend(backend)

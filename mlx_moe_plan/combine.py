@@ -7,8 +7,8 @@ import math
 import mlx.core as mx
 
 from . import _backend
-from ._checks import check_plan, check_row_dtype, check_rows, check_weights
-from .plan import MoEPlan
+from ._checks import check_row_dtype, check_rows, check_weights
+from .plan import MoEPlan, check_plan
 
 
 def moe_combine(
@@ -37,7 +37,7 @@ def moe_combine(
         array: `indices.shape[:-1] + (H,)` in `dtype`.
     """
     check_plan(plan)
-    check_rows(rows, plan)
+    check_rows(rows, plan.capacity)
     dtype = rows.dtype if dtype is None else dtype
     check_row_dtype("dtype", dtype)
     if weights is None:

@@ -7,8 +7,8 @@ import math
 import mlx.core as mx
 
 from . import _backend
-from ._checks import check_array, check_plan, check_row_dtype, check_rows
-from .plan import MoEPlan
+from ._checks import check_array, check_row_dtype, check_rows
+from .plan import MoEPlan, check_plan
 
 
 def moe_gather(
@@ -69,7 +69,7 @@ def moe_unsort(
         array: `indices.shape + (H,)` in `rows.dtype`, zeros for skipped entries.
     """
     check_plan(plan)
-    check_rows(rows, plan)
+    check_rows(rows, plan.capacity)
     stream = _backend.resolve_stream(stream)
     entries = plan._field("positions", (math.prod(plan.indices_shape),))
     inverse = plan._field("row_entries", (plan.capacity, 1))

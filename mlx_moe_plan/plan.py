@@ -10,9 +10,7 @@ import mlx.core as mx
 
 from . import _backend
 from ._checks import check_weights
-from .reference import MAX_EXPERTS, capacity_for
-
-_INT32_MAX = 2**31 - 1
+from ._sizes import INT32_MAX, MAX_EXPERTS, capacity_for
 
 
 @dataclass(frozen=True, eq=False)
@@ -22,7 +20,7 @@ class MoEPlan:
     Rows are ordered by expert; inside an expert by ascending flat entry index
     `t * K + k`. Each expert's span starts at a multiple of `tile_m` and is its
     count rounded up to a multiple of `tile_m`; the rows past the count are
-    padding. See DESIGN.md for the normative description of every field.
+    padding. See docs/DESIGN.md for the normative description of every field.
 
     The array fields are lazy views of what the plan's kernel (or CPU
     primitive) computed, `outputs`: each is made when first read, so a field
@@ -108,6 +106,12 @@ class MoEPlan:
         return self._weights.astype(mx.float32, stream=self._stream)
 
 
+def check_plan(plan) -> None:
+    """The `plan` argument of gather, combine and unsort: a MoEPlan."""
+    if not isinstance(plan, MoEPlan):
+        raise TypeError(f"plan: expected a MoEPlan, got {type(plan).__name__}")
+
+
 def _as_int32_ids(indices: mx.array, num_experts: int, stream) -> mx.array:
     """int32 ids with every out-of-range value kept out of range.
 
@@ -163,8 +167,8 @@ def moe_plan(
         raise ValueError(f"num_experts: must be in [1, {MAX_EXPERTS}], got {num_experts}")
     if isinstance(tile_m, bool) or not isinstance(tile_m, int):
         raise TypeError(f"tile_m: expected an int, got {type(tile_m).__name__}")
-    if not 1 <= tile_m <= _INT32_MAX:
-        raise ValueError(f"tile_m: must be in [1, {_INT32_MAX}], got {tile_m}")
+    if not 1 <= tile_m <= INT32_MAX:
+        raise ValueError(f"tile_m: must be in [1, {INT32_MAX}], got {tile_m}")
     if weights is not None:
         check_weights(weights, indices.shape)
 
@@ -173,7 +177,7 @@ def moe_plan(
         raise ValueError("indices: the last dimension K must be at least 1")
     num_entries = indices.size
     capacity = capacity_for(num_entries, num_experts, tile_m)
-    if capacity > _INT32_MAX:
+    if capacity > INT32_MAX:
         raise ValueError(
             f"indices, tile_m: {num_entries} entries with tile_m={tile_m} need {capacity} "
             "rows, more than int32 indexes"

@@ -1,7 +1,8 @@
-"""NumPy reference of the semantics in DESIGN.md.
+"""NumPy reference of the semantics in docs/DESIGN.md.
 
 Short, obvious code that every backend must match bit for bit. Nothing here
-is fast: it is the definition the tests and the benchmark check against.
+is fast: it is the definition the tests and the benchmark check against. The
+package's ops never import it, nor NumPy (tests/test_structure.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_EXPERTS = 1024
-
 
 def capacity_for(num_entries: int, num_experts: int, tile_m: int) -> int:
-    """Rows a plan reserves: every entry, plus the worst-case padding."""
+    """Rows a plan reserves: every entry, plus the worst-case padding.
+
+    The reference's own statement of the formula; the package computes it in
+    `mlx_moe_plan/_sizes.py`, and tests/test_plan.py checks both against a
+    third, written out by hand.
+    """
     if tile_m == 1:
         return num_entries
     worst = num_entries + min(num_experts, num_entries) * (tile_m - 1)

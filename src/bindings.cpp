@@ -5,6 +5,8 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <string_view>
+
 #include "primitives.h"
 
 namespace nb = nanobind;
@@ -14,6 +16,13 @@ NB_MODULE(_ext, m) {
   m.doc() = "CPU primitives of mlx_moe_plan (plan, gather_rows, combine_rows).";
   // The MLX this extension was compiled against; it links that libmlx's ABI.
   m.attr("built_with_mlx") = BUILT_WITH_MLX;
+  // The names of plan's outputs, in order (kPlanOutputs): the Python side
+  // checks them against mlx_moe_plan/_sizes.py's PLAN_FIELDS.
+  nb::list plan_outputs;
+  for (std::string_view name : mlx_moe_plan::kPlanOutputs) {
+    plan_outputs.append(nb::str(name.data(), name.size()));
+  }
+  m.attr("plan_outputs") = nb::tuple(plan_outputs);
 
   m.def(
       "plan",
@@ -35,9 +44,10 @@ NB_MODULE(_ext, m) {
           top_k (int): Entries per token.
 
       Returns:
-          list(array): row_tokens, row_experts, [row_weights], row_entries,
-          positions, expert_counts, expert_offsets, tile_experts, num_rows,
-          num_tiles, num_invalid.
+          list(array): The fields named in ``plan_outputs``, in that order:
+          row_tokens, row_experts, row_entries, tile_experts, positions,
+          expert_counts, expert_offsets, num_rows, num_tiles, num_invalid,
+          then row_weights only with weights.
       )");
 
   m.def(

@@ -193,6 +193,8 @@ std::vector<mx::array> CombineRows::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
+  // The formulas of combine_rows_vjp in mlx_moe_plan/_gradients.py, which the
+  // GPU backend runs on its kernels; tests/test_gradients.py checks they agree.
   const auto& src = primals[0];
   const auto& index = primals[1];
   const auto& cotangent = cotangents[0];

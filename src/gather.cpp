@@ -108,7 +108,9 @@ std::vector<mx::array> GatherRows::vjp(
     if (!has_inverse_) {
       throw std::invalid_argument("MoEGatherRows: this gather has no inverse index, so no gradient");
     }
-    // Each src row was copied to the rows its inverse lists: sum them.
+    // Each src row was copied to the rows its inverse lists: sum them. The
+    // formula of gather_rows_vjp in mlx_moe_plan/_gradients.py, which the GPU
+    // backend runs on its kernels; tests/test_gradients.py checks they agree.
     grads.push_back(combine_rows(
         cotangents[0], primals[2], std::nullopt, std::nullopt, primals[0].dtype(), stream()));
   }

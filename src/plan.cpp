@@ -2,6 +2,7 @@
 // O(entries + experts), bitwise identical to mlx_moe_plan/reference.py.
 #include <algorithm>
 #include <stdexcept>
+#include <string_view>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/utils.h"
@@ -125,29 +126,43 @@ std::vector<mx::array> plan(
   auto shapes = primitive->output_shapes(inputs);
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::int32);
   if (weights) {
-    dtypes[2] = mx::float32;
+    dtypes[plan_output("row_weights")] = mx::float32;
   }
   return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
 }
 
 std::vector<mx::Shape> Plan::output_shapes(const std::vector<mx::array>& inputs) {
-  int64_t num_entries = inputs[0].size();
-  int capacity = static_cast<int>(capacity_for(num_entries, num_experts_, tile_m_));
-  int entries = static_cast<int>(num_entries);
-  std::vector<mx::Shape> shapes = {{capacity}, {capacity}};
-  if (has_weights_) {
-    shapes.push_back({capacity});
+  const int64_t num_entries = inputs[0].size();
+  const int capacity = static_cast<int>(capacity_for(num_entries, num_experts_, tile_m_));
+  const int entries = static_cast<int>(num_entries);
+  auto shape_of = [&](std::string_view name) -> mx::Shape {
+    if (name == "row_tokens" || name == "row_experts" || name == "row_entries" ||
+        name == "row_weights") {
+      return {capacity};
+    }
+    if (name == "tile_experts") {
+      return {capacity / tile_m_};
+    }
+    if (name == "positions") {
+      return {entries};
+    }
+    if (name == "expert_counts") {
+      return {num_experts_};
+    }
+    if (name == "expert_offsets") {
+      return {num_experts_ + 1};
+    }
+    if (name == "num_rows" || name == "num_tiles" || name == "num_invalid") {
+      return {};
+    }
+    throw std::logic_error("MoEPlan: no shape for an output of kPlanOutputs");
+  };
+  // Every output in kPlanOutputs order; row_weights, the last, only with weights.
+  const std::size_t count = kPlanOutputs.size() - (has_weights_ ? 0 : 1);
+  std::vector<mx::Shape> shapes;
+  for (std::size_t i = 0; i < count; ++i) {
+    shapes.push_back(shape_of(kPlanOutputs[i]));
   }
-  shapes.insert(
-      shapes.end(),
-      {{capacity},
-       {entries},
-       {num_experts_},
-       {num_experts_ + 1},
-       {capacity / tile_m_},
-       {},
-       {},
-       {}});
   return shapes;
 }
 
@@ -168,7 +183,7 @@ void Plan::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
   std::vector<mx::array> outs = outputs;
   encoder.dispatch([ids, weights, outs, num_experts = num_experts_, tile_m = tile_m_,
                     top_k = top_k_]() mutable {
-    int w = weights ? 1 : 0;
+    auto field = [&outs](std::size_t output) { return outs[output].data<int32_t>(); };
     plan_cpu(
         ids.data<int32_t>(),
         weights ? weights->data<float>() : nullptr,
@@ -176,18 +191,18 @@ void Plan::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>
         num_experts,
         tile_m,
         top_k,
-        outs[0].size(),
-        outs[0].data<int32_t>(),
-        outs[1].data<int32_t>(),
-        weights ? outs[2].data<float>() : nullptr,
-        outs[2 + w].data<int32_t>(),
-        outs[3 + w].data<int32_t>(),
-        outs[4 + w].data<int32_t>(),
-        outs[5 + w].data<int32_t>(),
-        outs[6 + w].data<int32_t>(),
-        outs[7 + w].data<int32_t>(),
-        outs[8 + w].data<int32_t>(),
-        outs[9 + w].data<int32_t>());
+        outs[plan_output("row_tokens")].size(),
+        field(plan_output("row_tokens")),
+        field(plan_output("row_experts")),
+        weights ? outs[plan_output("row_weights")].data<float>() : nullptr,
+        field(plan_output("row_entries")),
+        field(plan_output("positions")),
+        field(plan_output("expert_counts")),
+        field(plan_output("expert_offsets")),
+        field(plan_output("tile_experts")),
+        field(plan_output("num_rows")),
+        field(plan_output("num_tiles")),
+        field(plan_output("num_invalid")));
   });
 }
 

@@ -2,7 +2,10 @@
 // combine, lazily evaluated on MLX's CPU stream.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <optional>
+#include <string_view>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -11,9 +14,32 @@ namespace mlx_moe_plan {
 
 namespace mx = mlx::core;
 
-// Outputs, in order: row_tokens, row_experts, [row_weights], row_entries,
-// positions, expert_counts, expert_offsets, tile_experts, num_rows,
-// num_tiles, num_invalid. `ids` is int32 [N]; `weights` float32 [N].
+// The Plan primitive's outputs, in order: the int32 fields in the order the
+// GPU kernel packs them (kernels/plan.h), then row_weights (float32), only
+// when the plan has weights. The order of PLAN_FIELDS in
+// mlx_moe_plan/_sizes.py, which the bindings expose this list to
+// (`_ext.plan_outputs`) and tests/test_structure.py compares it with.
+inline constexpr std::array<std::string_view, 11> kPlanOutputs = {
+    "row_tokens", "row_experts", "row_entries", "tile_experts", "positions", "expert_counts",
+    "expert_offsets", "num_rows", "num_tiles", "num_invalid", "row_weights"};
+
+// The position of output `name` in kPlanOutputs: plan.cpp finds every output
+// by name, so kPlanOutputs alone sets the order. A name not in the list does
+// not compile.
+consteval std::size_t plan_output(std::string_view name) {
+  for (std::size_t i = 0; i < kPlanOutputs.size(); ++i) {
+    if (kPlanOutputs[i] == name) {
+      return i;
+    }
+  }
+  throw "not an output of the Plan primitive";
+}
+
+// Without weights the outputs stop before row_weights, so it must be last.
+static_assert(plan_output("row_weights") == kPlanOutputs.size() - 1);
+
+// The outputs of kPlanOutputs, of their shapes. `ids` is int32 [N]; `weights`
+// float32 [N].
 std::vector<mx::array> plan(
     const mx::array& ids,
     const std::optional<mx::array>& weights,

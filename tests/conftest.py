@@ -1,6 +1,6 @@
 # Shared test machinery: the backend parameter, the one Hypothesis profile, the
 # routing strategy and the bit-exact comparisons against mlx_moe_plan.reference
-# (the NumPy definition of DESIGN.md's semantics that every backend must match).
+# (the NumPy definition of docs/DESIGN.md's semantics that every backend must match).
 
 from __future__ import annotations
 
@@ -338,7 +338,7 @@ def routings(
     weights: str = "maybe",  # "maybe", "always" or "never"
     weight_dtypes=FLOAT_NAMES,
 ):
-    """Routings covering DESIGN.md's cases: K from 1 to 16, E from 1 to the limit,
+    """Routings covering docs/DESIGN.md's cases: K from 1 to 16, E from 1 to the limit,
     skipped (-1 and other negative) and invalid ids, duplicate experts in a token,
     T = 0, one expert owning every entry, tile_m from 1 to 128, leading shapes
     [K], [T, K] and [B, L, K], every index dtype, non-contiguous views, and

@@ -30,7 +30,7 @@ import math
 import mlx.core as mx
 
 from mlx_moe_plan import kernels
-from mlx_moe_plan._gpu import _INPUTS_OUTPUTS
+from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
 
 # MLX's get_type_string for the dtypes our kernels see.
 TYPE_NAMES = {
@@ -83,7 +83,7 @@ def metal_source(name, template, input_arrays_meta, output_dtypes, *, utils=Fals
     themselves. `utils=True` puts an #include of MLX's utils.h first, standing
     in for the `metal::utils()` text MLX prepends, so `xcrun metal` can compile it.
     """
-    input_names, output_names = _INPUTS_OUTPUTS[name]
+    input_names, output_names = INPUTS_OUTPUTS[name]
     source = kernels.body(name, "metal")
     metas = [(m.dtype, tuple(m.shape)) if isinstance(m, mx.array) else m for m in input_arrays_meta]
     assert len(metas) == len(input_names) and len(output_dtypes) == len(output_names)

@@ -3,13 +3,13 @@
 A program is `#define` lines for the template constants, then
 `kernels.prelude("opencl")`, then a generated `__kernel void moe_<name>(...)`
 around `kernels.body(name, "opencl")`, its arguments named and ordered as in
-`_gpu._INPUTS_OUTPUTS` (inputs `const`). OpenCL C has no templates: a dtype
+`kernels/launch.py`'s INPUTS_OUTPUTS (inputs `const`). OpenCL C has no templates: a dtype
 argument becomes `#define InT half` (say), and InT / OutT also an IN_DTYPE /
 OUT_DTYPE code that picks the prelude's conversions; ints and bools become
 numbers.
 
 `plan`, `gather` and `combine` run the bodies as `_gpu.py` does, from the same
-`kernels/launch.py` geometry: arrays, params, template constants, groups and
+`kernels/launch.py` launches: arrays, params, template constants, groups and
 group sizes. Every output buffer is poisoned first (`POISON_BYTE` in every
 byte), so an element no kernel writes shows in the comparison with the
 reference.
@@ -24,8 +24,7 @@ import pyopencl as cl
 
 from mlx_moe_plan import kernels
 from mlx_moe_plan import reference as ref
-from mlx_moe_plan._gpu import _INPUTS_OUTPUTS
-from mlx_moe_plan.kernels import launch as geometry
+from mlx_moe_plan.kernels import launch
 
 # 0x7F7F7F7F: int32 2139062143, float32 3.39e38, float16 a NaN, bfloat16
 # 3.39e38. No kernel writes it: rows, ids and counts are far smaller, and the
@@ -93,7 +92,7 @@ def source(name: str, template: tuple) -> str:
             defines.append(f"#define {_DTYPE_CODES[key]} {ROW_DTYPES.index(value)}")
         value = DTYPES[value][1] if isinstance(value, str) else int(value)
         defines.append(f"#define {key} {value}")
-    inputs, outputs = _INPUTS_OUTPUTS[name]
+    inputs, outputs = launch.INPUTS_OUTPUTS[name]
     arguments = [f"__global const {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in inputs]
     arguments += [f"__global {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in outputs]
     return "\n".join([
@@ -126,24 +125,24 @@ def _buffer(context: cl.Context, queue: cl.CommandQueue, array: np.ndarray) -> c
     return buffer
 
 
-def run(name: str, arrays: list[np.ndarray], launch: geometry.Launch) -> list[np.ndarray]:
-    """Body `name` on `arrays`, then the params array, as `_gpu._launch` runs it."""
+def run(name: str, arrays: list[np.ndarray], kernel_launch: launch.Launch) -> list[np.ndarray]:
+    """Body `name` on `arrays`, then the params array, as `_gpu._run` runs it."""
     context, queue = _opencl()
-    limit = max_group_size(name, launch.template)
-    if launch.group_size > limit:  # never shrink a group here: the bodies assume their size
+    limit = max_group_size(name, kernel_launch.template)
+    if kernel_launch.group_size > limit:  # never shrink a group here: the bodies assume their size
         raise RuntimeError(
-            f"moe_{name}: launch.py asks for groups of {launch.group_size} but this OpenCL "
-            f"device ({device().name}) runs at most {limit} for this kernel, so the test "
+            f"moe_{name}: launch.py asks for groups of {kernel_launch.group_size} but this "
+            f"OpenCL device ({device().name}) runs at most {limit} for this kernel, so the test "
             "cannot run it as Metal and CUDA do")
     outputs = []
-    for shape, dtype in launch.outputs:
+    for shape, dtype in kernel_launch.outputs:
         poisoned = np.empty(shape, DTYPES[dtype][0])
         poisoned.view(np.uint8)[...] = POISON_BYTE
         outputs.append(poisoned)
-    inputs = [*arrays, np.array(launch.params, np.int32)]
+    inputs = [*arrays, np.array(kernel_launch.params, np.int32)]
     buffers = [_buffer(context, queue, array) for array in [*inputs, *outputs]]
-    size = launch.group_size
-    kernel(name, launch.template)(queue, (launch.groups * size,), (size,), *buffers)
+    size = kernel_launch.group_size
+    kernel(name, kernel_launch.template)(queue, (kernel_launch.groups * size,), (size,), *buffers)
     for array, buffer in zip(outputs, buffers[len(inputs):]):
         cl.enqueue_copy(queue, array, buffer)
     queue.finish()
@@ -151,7 +150,7 @@ def run(name: str, arrays: list[np.ndarray], launch: geometry.Launch) -> list[np
 
 
 def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.ReferencePlan:
-    """The plan kernel as `_gpu._Backend.plan` runs it; int32 `ids` [..., K]."""
+    """The plan kernel as `_gpu.GpuBackend.plan` runs it; int32 `ids` [..., K]."""
     ids = np.asarray(ids)
     assert ids.dtype == np.int32, "the kernels read int32 ids (plan.py converts them)"
     flat = ids.reshape(-1)
@@ -166,10 +165,10 @@ def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.Referen
             empty, empty, np.zeros(0, np.float32) if has_weights else None, empty,
             empty.reshape(ids.shape), np.zeros(num_experts, np.int32),
             np.zeros(num_experts + 1, np.int32), empty, 0, 0, 0, **sizes)
-    launch = geometry.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
+    plan_launch = launch.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
     weights_in = np.zeros(1, np.float32) if weights is None else np.asarray(weights, np.float32)
-    plan_data, row_weights = run("plan", [flat, weights_in.reshape(-1)], launch)
-    layout, _ = geometry.plan_layout(num_entries, num_experts, tile_m)
+    plan_data, row_weights = run("plan", [flat, weights_in.reshape(-1)], plan_launch)
+    layout, _ = launch.plan_layout(num_entries, num_experts, tile_m)
     fields = {name: plan_data[offset:offset + size] for name, (offset, size) in layout.items()}
     return ref.ReferencePlan(
         row_tokens=fields["row_tokens"], row_experts=fields["row_experts"],
@@ -192,10 +191,10 @@ def gather(src: np.ndarray, index: np.ndarray, out_dtype: str) -> np.ndarray:
     num_rows = index.shape[0]
     if num_rows == 0 or hidden == 0:
         return np.zeros((num_rows, hidden), DTYPES[out_dtype][0])
-    launch = geometry.gather_launch(num_src, hidden, num_rows, dtype_name(src), out_dtype)
+    gather_launch = launch.gather_launch(num_src, hidden, num_rows, dtype_name(src), out_dtype)
     if src.size < 8:  # as _gpu.py pads it for Metal; rows past num_src are never read
         src = np.concatenate([src, np.zeros((-(-8 // hidden), hidden), src.dtype)])
-    (out,) = run("gather", [src, np.asarray(index, np.int32)], launch)
+    (out,) = run("gather", [src, np.asarray(index, np.int32)], gather_launch)
     return out
 
 
@@ -209,8 +208,8 @@ def combine(src: np.ndarray, index: np.ndarray, weights, out_dtype: str) -> np.n
     if num_out == 0 or hidden == 0:
         return np.zeros((num_out, hidden), DTYPES[out_dtype][0])
     has_weights = weights is not None
-    launch = geometry.combine_launch(
+    combine_launch = launch.combine_launch(
         num_src, hidden, num_out, fan_in, has_weights, dtype_name(src), out_dtype)
     weights_in = np.asarray(weights, np.float32) if has_weights else np.zeros(1, np.float32)
-    (out,) = run("combine", [src, np.asarray(index, np.int32), weights_in], launch)
+    (out,) = run("combine", [src, np.asarray(index, np.int32), weights_in], combine_launch)
     return out

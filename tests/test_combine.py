@@ -160,7 +160,7 @@ def test_combine_non_contiguous_rows(device):
 
 
 def test_combine_large_plan(device):
-    # More than 65,536 rows, as in the seed's Qwen3-Next shape (E=512, top-10).
+    # More than 65,536 rows, at Qwen3-Next's routing shape (E=512, top-10).
     num_tokens, top_k, num_experts, tile_m = 8192, 10, 512, 16
     rng = np.random.default_rng(8)
     ids = make_ids(rng, (num_tokens, top_k), num_experts, "int32", "distinct_per_token",

@@ -1,4 +1,4 @@
-# Bad arguments against DESIGN.md's error rule (no NumPy reference here): every
+# Bad arguments against docs/DESIGN.md's error rule (no NumPy reference here): every
 # error that shapes and dtypes reveal is a ValueError or TypeError raised at call
 # time, and its message names the argument.
 

@@ -74,7 +74,7 @@ def test_gather_special_values(x_dtype, out_dtype, device):
     # Rounding ties, overflow to inf, subnormals, signed zeros and infinities.
     # NaN only where no conversion happens: a copy moves bits, payload included,
     # but NaN bits after a conversion differ between NumPy and MLX's own astype
-    # (float32 NaN -> float16: 0x7e00 vs 0x7d00), so DESIGN.md cannot mean them.
+    # (float32 NaN -> float16: 0x7e00 vs 0x7d00), so docs/DESIGN.md cannot mean them.
     specials = [1.00390625, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 70000.0, 65520.0, -65519.0,
                 3.0e38, -0.0, 0.0, 1e-40, -1e-40, 2**-24, 2**-25, 6e-8, np.inf, -np.inf,
                 0.1, -1.0 / 3.0]

@@ -1,7 +1,7 @@
 # The kernel bodies of mlx_moe_plan/kernels/, compiled as OpenCL C and run on
 # PoCL's CPU device (tests/opencl_harness.py), against mlx_moe_plan.reference
-# bit for bit: the same texts that Metal and CUDA compile, launched from the
-# same kernels/launch.py geometry as _gpu.py, every output poisoned first.
+# bit for bit: the same texts that Metal and CUDA compile, launched as _gpu.py
+# launches them (kernels/launch.py), every output poisoned first.
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_moe_plan import reference as ref
-from mlx_moe_plan.kernels import launch as geometry
+from mlx_moe_plan.kernels import launch
 
 pytest.importorskip("pyopencl", reason="pyopencl is not installed (the test extra brings it)")
 import opencl_harness as ocl  # noqa: E402  (needs pyopencl)
@@ -124,7 +124,7 @@ def _check_plan(ids: np.ndarray, num_experts: int, tile_m: int, weights) -> None
 @st.composite
 def plan_cases(draw):
     top_k = draw(st.one_of(st.sampled_from([1, 2]), st.integers(1, 16)))
-    block = geometry.PLAN_BLOCK  # the second branch takes more than one block
+    block = launch.PLAN_BLOCK  # the second branch takes more than one block
     tokens = draw(st.one_of(st.integers(0, 48),
                             st.integers(block // top_k + 1, 3 * block // top_k)))
     num_experts = draw(experts_strategy())
@@ -183,27 +183,26 @@ def test_plan_groups_place_several_blocks(case, max_groups):
     """Past PLAN_MAX_GROUPS blocks, a group places a chunk of blocks in turn."""
     ids, num_experts, tile_m = PLAN_EDGES[case]
     with pytest.MonkeyPatch.context() as patch:  # a lowered cap: chunks of several blocks
-        patch.setattr(geometry, "PLAN_MAX_GROUPS", max_groups)
-        launch = geometry.plan_launch(ids.size, num_experts, tile_m, ids.shape[-1], True)
-        blocks_per_group = launch.params[6]
-        assert launch.groups <= max_groups and blocks_per_group > 1
+        patch.setattr(launch, "PLAN_MAX_GROUPS", max_groups)
+        plan_launch = launch.plan_launch(ids.size, num_experts, tile_m, ids.shape[-1], True)
+        assert plan_launch.groups <= max_groups and plan_launch.params.blocks_per_group > 1
         _check_plan(ids, num_experts, tile_m, _weights(np.random.default_rng(2), ids.shape))
 
 
 @given(case=plan_cases(), max_groups=st.integers(1, 3))
 def test_plan_chunks_match_reference(case, max_groups):
     with pytest.MonkeyPatch.context() as patch:  # per example: not a fixture's scope
-        patch.setattr(geometry, "PLAN_MAX_GROUPS", max_groups)
+        patch.setattr(launch, "PLAN_MAX_GROUPS", max_groups)
         _check_plan(*case)
 
 
 def test_device_runs_the_plan_groups():
     """The plan runs groups of PLAN_BLOCK threads."""
-    launch = geometry.plan_launch(1, 1, 1, 1, True)
-    limit = ocl.max_group_size("plan", launch.template)
-    assert limit >= launch.group_size, (
+    plan_launch = launch.plan_launch(1, 1, 1, 1, True)
+    limit = ocl.max_group_size("plan", plan_launch.template)
+    assert limit >= plan_launch.group_size, (
         f"{ocl.device().name} runs groups of at most {limit}: the plan needs "
-        f"{launch.group_size}")
+        f"{plan_launch.group_size}")
 
 
 # --- gather ----------------------------------------------------------------------
@@ -322,10 +321,10 @@ def test_rows_beyond_max_groups():
     runs of GATHER_ROWS rows, the last one partial)."""
     rng = np.random.default_rng(11)
     src = _combine_values(rng, (50, 3), "float32")
-    index = _index(rng, (geometry.GATHER_ROWS * geometry.MAX_GROUPS + 1001,), 50, 0.1)
+    index = _index(rng, (launch.GATHER_ROWS * launch.MAX_GROUPS + 1001,), 50, 0.1)
     _check_gather(src, index, "float16")
     _check_gather(_combine_values(rng, (50, 8), "float32"), index, "float32")  # 16-byte vectors
-    num_out = geometry.MAX_GROUPS + 1000
+    num_out = launch.MAX_GROUPS + 1000
     _check_combine(src, index[:num_out, None], None, "bfloat16")
     pairs = _index(rng, (num_out, 2), 50, 0.1)
     _check_combine(src, pairs, rng.standard_normal(pairs.shape).astype(np.float32), "float32")

@@ -23,9 +23,8 @@ import mlx.core as mx
 import pytest
 from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
 
-from mlx_moe_plan import _gpu, kernels
-from mlx_moe_plan.kernels import launch as launch_geometry
-from mlx_moe_plan._gpu import _INPUTS_OUTPUTS
+from mlx_moe_plan import MAX_EXPERTS, _gpu, kernels
+from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
 
 ROW_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
@@ -51,7 +50,7 @@ class Launch:
         return metal_source(self.name, self.template, self.inputs, self.output_dtypes, **kwargs)
 
     def location(self, input_name: str) -> str:
-        names = _INPUTS_OUTPUTS[self.name][0]
+        names = INPUTS_OUTPUTS[self.name][0]
         return input_location(*self.inputs[names.index(input_name)])
 
     @property
@@ -70,11 +69,11 @@ def _record() -> list[Launch]:
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return call
 
-    gpu = _gpu._Backend("metal")
+    gpu = _gpu.GpuBackend("metal")
     with mock.patch.object(_gpu, "_kernel", fake_kernel):
         # plan: tiny arrays (constant address space) up to the expert limit.
         for entries, experts, tile_m, top_k in [(1, 1, 1, 1), (6, 3, 2, 2), (3000, 1024, 128, 2),
-                                                (5000, launch_geometry.MAX_EXPERTS, 16, 8)]:
+                                                (5000, MAX_EXPERTS, 16, 8)]:
             ids = mx.zeros((entries,), mx.int32)
             for weights in (None, mx.zeros((entries,), mx.float32)):
                 gpu.plan(ids, weights, num_experts=experts, tile_m=tile_m, top_k=top_k, stream=None)
@@ -104,7 +103,7 @@ launch_params = pytest.mark.parametrize("launch", LAUNCHES, ids=[launch.id for l
 
 def test_every_kernel_and_configuration_is_covered():
     seen = {launch.name for launch in LAUNCHES}
-    assert seen == set(_INPUTS_OUTPUTS)
+    assert seen == set(INPUTS_OUTPUTS)
     templates = {(launch.name, launch.template) for launch in LAUNCHES}
     for has_weights in (False, True):
         for name in ("plan", "combine"):
@@ -162,7 +161,7 @@ def _threadgroup_arrays(body: str):
         yield m.group(1), m.group(2), dims, _depth_at(body, m.start()), m.group(4) == "="
 
 
-BODIES = sorted(_INPUTS_OUTPUTS)
+BODIES = sorted(INPUTS_OUTPUTS)
 
 
 # --- MLX agreement ----------------------------------------------------------------------
@@ -176,7 +175,7 @@ def test_matches_mlx(launch, tmp_path, capfd):
     so the kernel call is traced by mx.export_function.
     """
     kernel = _gpu._kernel("metal", launch.name)
-    _, output_names = _INPUTS_OUTPUTS[launch.name]
+    _, output_names = INPUTS_OUTPUTS[launch.name]
 
     def call(*inputs):
         return kernel(inputs=list(inputs), template=list(launch.template), grid=launch.grid,
@@ -215,7 +214,7 @@ def test_pointers_in_bodies_have_address_spaces(name):
 def _casts_of_parameters(launch):
     """(cast address space, parameter, parameter address space) for casts of kernel buffers."""
     body = _body(launch)
-    inputs, outputs = _INPUTS_OUTPUTS[launch.name]
+    inputs, outputs = INPUTS_OUTPUTS[launch.name]
     for m in re.finditer(r"\(\s*([A-Za-z_][\w\s]*?)\s*\*\s*\)\s*(\w+)", body):
         spaces = set(m.group(1).split()) & set(ADDRESS_SPACES)
         if m.group(2) in inputs:
@@ -260,7 +259,7 @@ def test_threadgroup_memory_fits(launch):
         total += TYPE_BYTES[type_name] * count
     assert total <= THREADGROUP_MEMORY, f"{total} bytes of threadgroup memory"
     if launch.name.startswith("plan"):
-        assert constants["MAX_EXPERTS"] == launch_geometry.MAX_EXPERTS
+        assert constants["MAX_EXPERTS"] == MAX_EXPERTS
 
 
 # --- atomics and barriers (MSL 2.6, 6.9.1, 6.15) ----------------------------------------

@@ -21,8 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlx_moe_plan
+from mlx_moe_plan import _sizes
 from mlx_moe_plan import reference as ref
-from mlx_moe_plan.kernels import launch as geometry
+from mlx_moe_plan.kernels import launch
 
 
 def _plan_of(ids, num_experts, device, *, weights=None, tile_m=1, **kwargs):
@@ -67,6 +68,25 @@ def test_plan_without_tokens(shape, tile_m, device):
     assert_plan_matches(plan, expected)
 
 
+@pytest.mark.parametrize("shape", [(0, 1), (3, 0, 4)])
+@pytest.mark.parametrize("tile_m", [1, 16])
+def test_gpu_plan_without_tokens_runs_anywhere(shape, tile_m, monkeypatch):
+    # With no entries the GPU backend runs no kernel: its plan is zeros viewed
+    # as the kernel's output would be, which any stream can check.
+    from mlx_moe_plan import _backend, _gpu
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel ran for a plan of no entries")
+
+    monkeypatch.setattr(_gpu, "_kernel", no_kernel)
+    monkeypatch.setattr(_backend, "implementation", lambda stream: _gpu.for_backend("cuda"))
+    ids = np.zeros(shape, np.int32)
+    for weights in (None, np.zeros(shape, np.float32)):
+        plan = _plan_of(ids, 5, mx.cpu, weights=None if weights is None else mx.array(weights),
+                        tile_m=tile_m)
+        assert_plan_matches(plan, ref.moe_plan(ids, 5, weights=weights, tile_m=tile_m))
+
+
 def test_plan_single_token_without_leading_dims(device):
     # indices of shape [K]: T = 1 with an empty leading shape.
     ids = np.array([3, -1, 3, 9, 0], np.int32)
@@ -85,7 +105,7 @@ def test_plan_one_expert_owns_every_entry(tile_m, device):
 
 
 def test_plan_known_small_example(device):
-    # Written out by hand from DESIGN.md, so that the reference itself is checked.
+    # Written out by hand from docs/DESIGN.md, so that the reference itself is checked.
     ids = np.array([[1, 0], [1, -1], [7, 1]], np.int32)  # 7 is invalid with E = 3
     weights = mx.array([[0.5, 0.25], [2.0, 8.0], [4.0, 1.5]], mx.float32)
     plan = _plan_of(ids, 3, device, weights=weights, tile_m=2)
@@ -159,7 +179,8 @@ def test_plan_more_than_65536_rows(skew, device):
     # Past 2**16 rows: any 16-bit counter or index in the kernels would wrap here.
     # 160 blocks of the GPU plan: its groups place chunks of several (PLAN_MAX_GROUPS).
     num_tokens, top_k, num_experts, tile_m = 8192, 10, 512, 16
-    assert geometry.plan_launch(num_tokens * top_k, num_experts, tile_m, top_k, True).params[6] > 1
+    plan_launch = launch.plan_launch(num_tokens * top_k, num_experts, tile_m, top_k, True)
+    assert plan_launch.params.blocks_per_group > 1
     rng = np.random.default_rng(2024)
     if skew == "uniform":
         ids = make_ids(rng, (num_tokens, top_k), num_experts, "int32", "distinct_per_token",
@@ -181,7 +202,7 @@ def test_plan_more_than_65536_rows(skew, device):
 def test_plan_groups_place_chunks(mode, max_groups, device, monkeypatch):
     # The GPU plan under a lowered cap on its groups: each places a chunk of
     # blocks in turn (3,000 entries: 6 blocks, in chunks of 6 or of 2).
-    monkeypatch.setattr(geometry, "PLAN_MAX_GROUPS", max_groups)
+    monkeypatch.setattr(launch, "PLAN_MAX_GROUPS", max_groups)
     rng = np.random.default_rng(max_groups)
     ids = make_ids(rng, (1000, 3), 37, "int32", mode, 0.1, 0.1)
     weight_values = rng.standard_normal(ids.shape).astype(np.float32)
@@ -233,8 +254,9 @@ def test_plan_is_deterministic(routing: Routing, device):
 @given(num_experts=st.integers(1, mlx_moe_plan.MAX_EXPERTS), tile_m=st.integers(1, 128),
        num_tokens=st.integers(0, 1000), top_k=st.integers(1, 16))
 def test_capacity_formula(num_experts, tile_m, num_tokens, top_k, device):
-    # DESIGN.md's capacity, restated independently of reference.capacity_for.
-    # Static sizes only: nothing is evaluated.
+    # docs/DESIGN.md's capacity, restated independently of reference.capacity_for
+    # and of the package's own _sizes.capacity_for. Static sizes only: nothing
+    # is evaluated.
     num_entries = num_tokens * top_k
     if tile_m == 1:
         capacity = num_entries
@@ -242,6 +264,7 @@ def test_capacity_formula(num_experts, tile_m, num_tokens, top_k, device):
         worst = num_entries + min(num_experts, num_entries) * (tile_m - 1)
         capacity = (worst + tile_m - 1) // tile_m * tile_m
     assert ref.capacity_for(num_entries, num_experts, tile_m) == capacity
+    assert _sizes.capacity_for(num_entries, num_experts, tile_m) == capacity
     indices = mx.zeros((num_tokens, top_k), mx.int32)
     plan = mlx_moe_plan.moe_plan(indices, num_experts, tile_m=tile_m, stream=device)
     assert (plan.capacity, plan.max_tiles) == (capacity, capacity // tile_m)

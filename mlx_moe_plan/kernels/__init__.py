@@ -3,15 +3,43 @@
 A body is plain C in a small dialect whose names every prelude defines
 (`DIALECT_NAMES`); the prologue declares the thread indices at the top of the
 body (Metal's signature gains a thread attribute only when the body names it).
+Metal and CUDA compile `prelude(backend)` and `body(name, backend)` through MLX
+(`mlx_moe_plan/_gpu.py`); the tests compile the OpenCL ones on PoCL
+(`tests/opencl_harness.py`). `launch.py` says how each body is run (arguments,
+run-time sizes, groups, template constants), for every instantiation alike.
 
-| body            | Metal, CUDA (`mlx_moe_plan/_gpu.py`) | OpenCL on PoCL (tests) |
-|-----------------|--------------------------------------|------------------------|
-| `plan.h`        | `moe_plan`: hist, scan, place phases | `tests/test_kernels_pocl.py` |
-| `gather.h`      | `moe_gather`, `moe_unsort`, grads    | same                   |
-| `combine.h`     | `moe_combine`, grads                 | same                   |
+Each body, where it is launched, wrapped, mirrored on the CPU, differentiated
+and tested (paths from the repository root; docs/DESIGN.md has the full map):
 
-`launch.py` gives each body's grid, group size, sizes and template constants,
-for every instantiation alike.
+`plan.h` -- `moe_plan` (`mlx_moe_plan/plan.py`)
+    launch:   `launch.plan_launch`, `launch.plan_layout`, `launch.PlanParams`
+    GPU glue: `_gpu.GpuBackend.plan`
+    C++:      `src/plan.cpp`: `plan`, `Plan` (outputs: `kPlanOutputs` in
+              `src/primitives.h`)
+    gradient: none (`Plan::vjp` gives zeros; the GPU stops the weights')
+    tests:    `tests/test_plan.py`, `tests/test_kernels_pocl.py` (plan)
+
+`gather.h` -- `moe_gather` and `moe_unsort` (`mlx_moe_plan/gather.py`)
+    launch:   `launch.gather_launch`, `launch.GatherParams`
+    GPU glue: `_gpu.GpuBackend.gather_rows`, `_gpu._gather_function`, `_gpu._gather`
+    C++:      `src/gather.cpp`: `gather_rows`, `GatherRows`
+    gradient: `_gradients.gather_rows_vjp` on the GPU (runs `combine.h`),
+              `GatherRows::vjp` in `src/gather.cpp` on the CPU
+    tests:    `tests/test_gather.py`, `tests/test_kernels_pocl.py` (gather),
+              `tests/test_compile_grad.py`, `tests/test_gradients.py`
+
+`combine.h` -- `moe_combine` (`mlx_moe_plan/combine.py`)
+    launch:   `launch.combine_launch`, `launch.CombineParams`
+    GPU glue: `_gpu.GpuBackend.combine_rows`, `_gpu._combine_function`, `_gpu._combine`
+    C++:      `src/combine.cpp`: `combine_rows`, `CombineRows`
+    gradient: `_gradients.combine_rows_vjp` on the GPU (runs `gather.h`),
+              `CombineRows::vjp` in `src/combine.cpp` on the CPU
+    tests:    `tests/test_combine.py`, `tests/test_kernels_pocl.py` (combine),
+              `tests/test_compile_grad.py`, `tests/test_gradients.py`
+
+Every body: `tests/test_metal_source.py` checks its Metal source against MSL
+rules; `tests/test_structure.py` checks its `params` reads against `launch.py`
+(and plan.h's output layout against `launch.plan_layout`).
 """
 
 from __future__ import annotations

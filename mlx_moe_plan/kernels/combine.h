@@ -11,7 +11,7 @@
 // loads, all independent. Otherwise it reads element by element.
 // Inputs: src InT [num_src, H]; index int32 [num_out, FAN_IN]; weights
 //   float32 [num_out, FAN_IN] (or [1], unread, without HAS_WEIGHTS); params
-//   int32 {num_src, H, num_out, row_vectors}.
+//   int32, the fields of launch.py's CombineParams in order (read below).
 // Outputs: out OutT [num_out, H].
 // Template constants: InT, OutT, IN_KIND (0 float32, 1 float16, 2 bfloat16),
 //   FAN_IN, HAS_WEIGHTS, VECTORS.

@@ -8,8 +8,9 @@
 // float32, rounding to nearest even.
 // The body casts src to raw types, so src must be a `device` buffer on Metal:
 // the host pads it to at least 8 elements, below which MLX passes `constant`.
-// Inputs: src InT [num_src, H]; index int32 [num_rows]; params int32
-//   {num_src, H, num_rows, row_vectors} (row_vectors: 16-byte units in a row).
+// Inputs: src InT [num_src, H]; index int32 [num_rows]; params int32, the
+//   fields of launch.py's GatherParams in order (read below; row_vectors:
+//   16-byte units in a row).
 // Outputs: out OutT [num_rows, H].
 // Template constants: InT, OutT, SAME_DTYPE, BitsT (an unsigned integer type
 //   of InT's width), VECTORS (SAME_DTYPE and 16-byte rows), ROWS.

@@ -1,5 +1,6 @@
-"""Launch geometry of each kernel body: grid, group size, run-time sizes,
-template constants and outputs, as plain Python values.
+"""How each kernel body is run, as plain Python values: its arguments
+(INPUTS_OUTPUTS), the names of its run-time sizes (PARAMS), and for given
+sizes its `Launch`: grid, group size, sizes, template constants and outputs.
 
 One source for every instantiation: `_gpu.py` launches these through MLX on
 Metal and CUDA, and the tests launch the same through OpenCL on PoCL. Dtypes
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
-from ..reference import MAX_EXPERTS, capacity_for
+from .._sizes import MAX_EXPERTS, PLAN_FIELDS, WEIGHT_FIELD, capacity_for, field_sizes
 
 # Entries per plan block, which a group ranks and places at once (plan.h says
 # why 512). MAX_EXPERTS must be a multiple of it.
@@ -34,11 +36,53 @@ GATHER_ROWS = 4  # rows a gather group copies at a time
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+# Each body's arguments, as `_gpu.py` and the OpenCL harness pass them: its
+# input arrays, the last always `params`, then its outputs.
+INPUTS_OUTPUTS = {
+    "plan": (("ids", "weights", "params"), ("plan_data", "row_weights")),
+    "gather": (("src", "index", "params"), ("out",)),
+    "combine": (("src", "index", "weights", "params"), ("out",)),
+}
+
+
+# Each body's run-time sizes, the int32 values of its `params` array, by name.
+# A body reads them by position at its top, each into a constant of the same
+# name (`const int hidden = params[1];`), in this order: tests/test_structure.py
+# checks those lines against these fields.
+class PlanParams(NamedTuple):
+    num_entries: int
+    num_experts: int
+    tile_m: int
+    top_k: int
+    capacity: int
+    max_tiles: int
+    blocks_per_group: int  # the chunk of blocks each group places
+
+
+class GatherParams(NamedTuple):
+    num_src: int
+    hidden: int
+    num_rows: int
+    row_vectors: int  # 16-byte units in a row, 0 off the vector path
+
+
+class CombineParams(NamedTuple):
+    num_src: int
+    hidden: int
+    num_out: int
+    row_vectors: int  # 16-byte units in a row, 0 off the vector path
+
+
+PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams}
+
+
 @dataclass(frozen=True)
 class Launch:
+    """How to run one body: its grid, sizes, template constants and outputs."""
+
     groups: int
     group_size: int
-    params: tuple[int, ...]
+    params: PlanParams | GatherParams | CombineParams
     template: tuple[tuple[str, object], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
 
@@ -47,10 +91,10 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-# The integer fields of a plan (MoEPlan's names), in the order plan.h writes
-# them into one int32 array; the last three are its `totals`.
-PLAN_FIELDS = ("row_tokens", "row_experts", "row_entries", "tile_experts", "positions",
-               "expert_counts", "expert_offsets", "num_rows", "num_tiles", "num_invalid")
+# The fields plan.h writes into its one int32 output, plan_data, in order:
+# every field of the plan but row_weights, its second output. The last three
+# are plan.h's `totals`.
+PLAN_DATA_FIELDS = tuple(name for name in PLAN_FIELDS if name != WEIGHT_FIELD)
 
 
 @lru_cache(maxsize=256)
@@ -61,13 +105,11 @@ def plan_layout(
 
     Cached, as the launches are: every GPU plan call reads it (the dict is
     shared: read only)."""
-    capacity = capacity_for(num_entries, num_experts, tile_m)
-    sizes = (capacity, capacity, capacity, capacity // tile_m, num_entries, num_experts,
-             num_experts + 1, 1, 1, 1)
+    sizes = field_sizes(num_entries, num_experts, tile_m)
     layout, offset = {}, 0
-    for name, size in zip(PLAN_FIELDS, sizes):
-        layout[name] = (offset, size)
-        offset += size
+    for name in PLAN_DATA_FIELDS:
+        layout[name] = (offset, sizes[name])
+        offset += sizes[name]
     return layout, offset
 
 
@@ -93,7 +135,9 @@ def _plan_launch(
     blocks_per_group = -(-blocks // max_groups)
     return Launch(
         -(-blocks // blocks_per_group), PLAN_BLOCK,
-        (num_entries, num_experts, tile_m, top_k, capacity, capacity // tile_m, blocks_per_group),
+        PlanParams(num_entries=num_entries, num_experts=num_experts, tile_m=tile_m, top_k=top_k,
+                   capacity=capacity, max_tiles=capacity // tile_m,
+                   blocks_per_group=blocks_per_group),
         (("BLOCK", PLAN_BLOCK), ("MAX_EXPERTS", MAX_EXPERTS), ("HAS_WEIGHTS", has_weights)),
         (((data_size,), "int32"), ((capacity if has_weights else 1,), "float32")),
     )
@@ -113,7 +157,7 @@ def gather_launch(
     bits = "uint16" if ELEMENT_BYTES[in_dtype] == 2 else "uint32"
     return Launch(
         min(-(-num_rows // GATHER_ROWS), MAX_GROUPS), group_size,
-        (num_src, hidden, num_rows, row_vectors),
+        GatherParams(num_src=num_src, hidden=hidden, num_rows=num_rows, row_vectors=row_vectors),
         (("InT", in_dtype), ("OutT", out_dtype), ("SAME_DTYPE", same_dtype), ("BitsT", bits),
          ("VECTORS", vectors), ("ROWS", GATHER_ROWS)),
         (((num_rows, hidden), out_dtype),),
@@ -133,7 +177,8 @@ def combine_launch(
     group_size = min(MAX_ROW_GROUP if vectors else 256, _round_up(per_row, 32))
     in_kind = ("float32", "float16", "bfloat16").index(in_dtype)
     return Launch(
-        min(num_out, MAX_GROUPS), group_size, (num_src, hidden, num_out, row_vectors),
+        min(num_out, MAX_GROUPS), group_size,
+        CombineParams(num_src=num_src, hidden=hidden, num_out=num_out, row_vectors=row_vectors),
         (("InT", in_dtype), ("OutT", out_dtype), ("IN_KIND", in_kind), ("FAN_IN", fan_in),
          ("HAS_WEIGHTS", has_weights), ("VECTORS", vectors)),
         (((num_out, hidden), out_dtype),),

@@ -1,5 +1,5 @@
 // plan: the stable counting sort of the routing entries by expert, in one
-// kernel of three phases -- the seed's hist, scan and place.
+// kernel of three phases: hist (count), scan (offsets) and place (rows).
 //
 // Why one kernel: MLX spends about 6 us of host time on every custom kernel it
 // dispatches, and about 0.5 us on every output (benchmarks/dispatch.py on the
@@ -38,9 +38,9 @@
 // sub-block (at most 31 comparisons). Counters are 8 bits, four sub-blocks to
 // a 32-bit word. A sub-block holds 32 entries, so a counter reaches at most 32
 // and never carries into its neighbour, whatever the input: K = 1 or 2, or one
-// expert repeated within a token. (The seed packed 4-bit counters, eight to a
-// word, which overflows once an expert occurs 16 times in 32 entries: safe
-// only for K >= 3 with distinct experts per token.) A word's four counters sum
+// expert repeated within a token. (4-bit counters, eight to a word, would
+// overflow once an expert occurs 16 times in 32 entries: safe only for K >= 3
+// with distinct experts per token.) A word's four counters sum
 // to at most 128, so a multiply by 0x01010101 adds them in its top byte
 // without overflow. The counters of 1024 experts take 16 KiB with BLOCK = 512;
 // all shared arrays together take 24 KiB, within a Metal threadgroup's 32 KiB.
@@ -50,9 +50,10 @@
 // clearing pass, and every element of every output is written exactly once.
 //
 // Inputs: ids int32 [N]; weights [N], any float dtype (or [1], unread, without
-//   HAS_WEIGHTS); params int32 {N, E, tile_m, top_k, capacity, max_tiles,
-//   blocks_per_group}.
-// Outputs: plan_data int32: row_tokens, row_experts, row_entries [capacity],
+//   HAS_WEIGHTS); params int32, the fields of launch.py's PlanParams in order
+//   (read below).
+// Outputs: plan_data int32, the fields of launch.py's PLAN_DATA_FIELDS in
+//   order (the pointers below): row_tokens, row_experts, row_entries [capacity],
 //   tile_experts [max_tiles], positions [N], expert_counts [E],
 //   expert_offsets [E + 1], totals {num_rows, num_tiles, num_invalid};
 //   row_weights float32 [capacity] (or [1], unwritten).

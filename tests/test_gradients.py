@@ -1,0 +1,165 @@
+# The gradients of the row operations are written twice: in C++, the CPU
+# primitives' vjps (src/gather.cpp, src/combine.cpp), and in Python,
+# mlx_moe_plan/_gradients.py, which the GPU backend runs on its kernels. Here
+# the two meet on random plans with skipped and invalid entries, weighted and
+# not, in every dtype pair:
+#   cpu: the Python formulas, run with the CPU backend's row operations,
+#        against mx.vjp through the C++ primitives, bit for bit;
+#   gpu: mx.vjp through the GPU backend against the same C++ gradients, to
+#        float tolerance (MLX may sum the weights' float32 dot products in
+#        another order on the GPU).
+# The gradients' values against closed forms are tests/test_compile_grad.py's.
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FLOAT_DTYPES, FLOAT_NAMES, Routing, as_float32, assert_bitwise, routings
+from conftest import to_numpy
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_moe_plan import _backend, _cpu, _ext, _gradients
+
+CPU = mx.default_stream(mx.cpu)
+
+grad_routings = routings(max_tokens=24, max_k=6, max_tile_m=8, weights="never")
+dtypes = st.sampled_from(FLOAT_NAMES)
+hidden_sizes = st.sampled_from([1, 3, 8])
+
+
+def _plan_arrays(routing: Routing):
+    """The CPU plan's row_tokens, positions `[T, K]` and row_entries."""
+    plan = routing.plan(CPU)
+    num_tokens = math.prod(routing.token_shape)
+    positions = plan.positions.reshape(num_tokens, routing.top_k)
+    mx.eval(plan.row_tokens, positions, plan.row_entries)
+    return plan.capacity, plan.row_tokens, positions, plan.row_entries
+
+
+def _random(rng, shape, dtype: str) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(FLOAT_DTYPES[dtype])
+
+
+def _cpp_vjp(function, primals, cotangent):
+    """Gradients through the C++ primitives: their vjps."""
+    _, grads = mx.vjp(lambda *args: [function(*args)], primals, [cotangent])
+    return grads
+
+
+def _agree(got, want, what: str, device) -> None:
+    if device == mx.Device(mx.cpu):
+        assert_bitwise(got, to_numpy(want), what)
+        return
+    tolerance = 1e-5 if want.dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(as_float32(got), as_float32(want), rtol=tolerance,
+                               atol=tolerance, err_msg=what)
+
+
+def _gpu_backend():
+    from mlx_moe_plan import _gpu
+
+    return _gpu.for_backend(_backend.gpu_backend())
+
+
+def _gather_case(src, index, inverse, dtype, cotangent, device):
+    """d src of gather_rows, by C++ and by the other side of `device`."""
+    want = _cpp_vjp(lambda s: _ext.gather_rows(s, index, inverse, dtype, stream=CPU), [src],
+                    cotangent)[0]
+    if device == mx.Device(mx.cpu):
+        got = _gradients.gather_rows_vjp(_cpu.CPU, cotangent, src, inverse, stream=CPU)
+    else:
+        gpu, stream = _gpu_backend(), mx.default_stream(device)
+        got = _cpp_vjp(lambda s: gpu.gather_rows(s, index, inverse, dtype=dtype, stream=stream),
+                       [src], cotangent)[0]
+    return got, want
+
+
+@given(routing=grad_routings, hidden=hidden_sizes, src_dtype=dtypes, out_dtype=dtypes)
+def test_gather_gradients_agree(routing: Routing, hidden, src_dtype, out_dtype, device):
+    # moe_gather: tokens to rows by row_tokens; positions list each token's rows.
+    rng = np.random.default_rng(routing.seed)
+    capacity, row_tokens, positions, _ = _plan_arrays(routing)
+    x = _random(rng, (positions.shape[0], hidden), src_dtype)
+    d_rows = _random(rng, (capacity, hidden), out_dtype)  # padding rows too: they add nothing
+    got, want = _gather_case(x, row_tokens, positions, FLOAT_DTYPES[out_dtype], d_rows, device)
+    _agree(got, want, "d x", device)
+
+
+@given(routing=grad_routings, hidden=hidden_sizes, dtype=dtypes)
+def test_unsort_gradients_agree(routing: Routing, hidden, dtype, device):
+    # moe_unsort: rows to entries by positions (-1: skipped, zeros); row_entries
+    # lists each row's one entry.
+    rng = np.random.default_rng(routing.seed)
+    capacity, _, positions, row_entries = _plan_arrays(routing)
+    rows = _random(rng, (capacity, hidden), dtype)
+    d_entries = _random(rng, (positions.size, hidden), dtype)
+    got, want = _gather_case(rows, positions.reshape(-1), row_entries.reshape(-1, 1),
+                             FLOAT_DTYPES[dtype], d_entries, device)
+    _agree(got, want, "d rows", device)
+
+
+@given(routing=grad_routings, hidden=hidden_sizes, rows_dtype=dtypes, out_dtype=dtypes,
+       weighted=st.booleans())
+def test_combine_gradients_agree(routing: Routing, hidden, rows_dtype, out_dtype, weighted,
+                                 device):
+    rng = np.random.default_rng(routing.seed)
+    capacity, _, positions, row_entries = _plan_arrays(routing)
+    rows = _random(rng, (capacity, hidden), rows_dtype)
+    weights = _random(rng, positions.shape, "float32") if weighted else None
+    d_out = _random(rng, (positions.shape[0], hidden), out_dtype)
+    dtype = FLOAT_DTYPES[out_dtype]
+
+    def combine_cpp(src, *maybe_weights):
+        w = maybe_weights[0] if maybe_weights else None
+        return _ext.combine_rows(src, positions, w, row_entries, dtype, stream=CPU)
+
+    primals = [rows, weights] if weighted else [rows]
+    want = _cpp_vjp(combine_cpp, primals, d_out)
+    if device == mx.Device(mx.cpu):
+        got = _gradients.combine_rows_vjp(_cpu.CPU, d_out, rows, positions, weights, row_entries,
+                                          stream=CPU)
+        got = got if weighted else got[:1]
+    else:
+        gpu, stream = _gpu_backend(), mx.default_stream(device)
+
+        def combine_gpu(src, *maybe_weights):
+            w = maybe_weights[0] if maybe_weights else None
+            return gpu.combine_rows(src, positions, w, row_entries, dtype=dtype, stream=stream)
+
+        got = _cpp_vjp(combine_gpu, primals, d_out)
+    assert len(got) == len(want)
+    for name, got_grad, want_grad in zip(("d rows", "d weights"), got, want):
+        _agree(got_grad, want_grad, name, device)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gradients_agree_with_every_kind_of_entry(weighted, device):
+    # Whatever Hypothesis draws: skipped (-1) and invalid entries, an expert
+    # twice in a token, padding rows (tile_m 4).
+    indices = mx.array([[0, 3], [-1, 2], [7, 2], [2, 2], [1, -1]], mx.int32)
+    routing = Routing(indices, np.array(indices), 4, 4, None, None, "contiguous", 5)
+    rng = np.random.default_rng(5)
+    capacity, row_tokens, positions, row_entries = _plan_arrays(routing)
+    assert (np.array(positions) < 0).sum() == 3 and capacity > int((np.array(positions) >= 0).sum())
+    x = _random(rng, (5, 8), "float32")
+    got, want = _gather_case(x, row_tokens, positions, mx.float16,
+                             _random(rng, (capacity, 8), "float16"), device)
+    _agree(got, want, "gather: d x", device)
+    rows = _random(rng, (capacity, 8), "bfloat16")
+    weights = _random(rng, (5, 2), "float32") if weighted else None
+    d_out = _random(rng, (5, 8), "float32")
+    want = _cpp_vjp(lambda s: _ext.combine_rows(s, positions, weights, row_entries, mx.float32,
+                                                stream=CPU), [rows], d_out)[0]
+    if device == mx.Device(mx.cpu):
+        got = _gradients.combine_rows_vjp(_cpu.CPU, d_out, rows, positions, weights, row_entries,
+                                          stream=CPU)[0]
+    else:
+        gpu, stream = _gpu_backend(), mx.default_stream(device)
+        got = _cpp_vjp(lambda s: gpu.combine_rows(s, positions, weights, row_entries,
+                                                  dtype=mx.float32, stream=stream), [rows],
+                       d_out)[0]
+    _agree(got, want, "combine: d rows", device)

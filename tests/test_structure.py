@@ -1,0 +1,321 @@
+# How the package is put together: what it imports at run time. The semantics
+# are tested against the NumPy reference elsewhere; these tests keep the parts
+# apart that docs/DESIGN.md describes as apart.
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_moe_plan
+
+PACKAGE_DIR = Path(mlx_moe_plan.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = ("mlx_moe_plan", *path.relative_to(PACKAGE_DIR).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# Every Python module of the package, by dotted name.
+MODULES = {_module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def _run_python(code: str) -> None:
+    """Runs `code` in a fresh interpreter, which must exit cleanly."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_ops_run_without_numpy_or_the_reference():
+    # The NumPy reference is the tests' oracle, not a dependency of the ops:
+    # plan, gather, combine and unsort, and a gradient, import neither.
+    _run_python("""
+        import sys
+        import mlx.core as mx
+        import mlx_moe_plan as moe
+
+        indices = mx.array([[0, 2], [1, -1], [2, 5]])
+        plan = moe.moe_plan(indices, 3, weights=mx.ones(indices.shape), tile_m=2,
+                            stream=mx.cpu)
+        x = mx.ones((3, 4))
+        rows = moe.moe_gather(x, plan, stream=mx.cpu)
+        grad = mx.grad(lambda x: moe.moe_combine(moe.moe_gather(x, plan, stream=mx.cpu), plan,
+                                                 stream=mx.cpu).sum())(x)
+        mx.eval(plan.outputs, rows, moe.moe_unsort(rows, plan, stream=mx.cpu), grad)
+        loaded = [name for name in ("numpy", "mlx_moe_plan.reference") if name in sys.modules]
+        assert not loaded, f"loaded at run time: {loaded}"
+    """)
+
+
+def _executed_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`, which never run."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _imports(name: str) -> set[str]:
+    """The package's modules that module `name` imports, anywhere in its text
+    (function-level imports too: a lazy import still closes a circle), but
+    for type checkers only."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _executed_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = ".".join(base[: len(base) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module
+            # `from .x import y` runs x; `from . import y` runs the submodule y
+            # if there is one (the C++ extension _ext is one, but no Python
+            # module of the package), else the package that defines y.
+            targets = [source] if node.module else []
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                if submodule in MODULES:
+                    targets.append(submodule)
+                elif not node.module and importlib.util.find_spec(submodule) is None:
+                    targets.append(source)
+        else:
+            continue
+        found |= {target for target in targets if target in MODULES and target != name}
+    return found
+
+
+def test_module_list_is_complete():
+    assert {"mlx_moe_plan", "mlx_moe_plan._backend", "mlx_moe_plan.kernels",
+            "mlx_moe_plan.kernels.launch"} <= set(MODULES)
+
+
+def test_no_import_circles():
+    # Each module's imports of the package's own modules form no circle, so a
+    # module can be read, and imported, after the ones it names.
+    graph = {name: _imports(name) for name in MODULES}
+    done, path = set(), []
+
+    def visit(name: str) -> None:
+        if name in path:
+            circle = path[path.index(name):] + [name]
+            raise AssertionError("import circle: " + " -> ".join(circle))
+        if name in done:
+            return
+        path.append(name)
+        for imported in sorted(graph[name]):
+            visit(imported)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def test_the_circle_check_sees_lazy_imports():
+    # _backend imports the two backends inside a function: still an edge.
+    # _gradients imports _backend for its annotations only: no edge.
+    assert {"mlx_moe_plan._cpu", "mlx_moe_plan._gpu"} <= _imports("mlx_moe_plan._backend")
+    assert "mlx_moe_plan._backend" not in _imports("mlx_moe_plan._gradients")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_each_module_imports_alone(name):
+    # In a fresh interpreter, first thing: no module relies on another having
+    # been imported before it.
+    if name == "mlx_moe_plan.nn" and importlib.util.find_spec("mlx_lm") is None:
+        pytest.skip("the layer needs mlx-lm, which is not installed")
+    _run_python(f"import importlib; importlib.import_module({name!r})")
+
+
+# --- the backend interface ----------------------------------------------------------
+
+
+def _backends():
+    from mlx_moe_plan import _cpu, _gpu
+
+    # A GpuBackend only names its kernels' instantiation: building one runs
+    # nothing, so its interface is checked on any machine.
+    return [pytest.param(_cpu.CPU, id="cpu"), pytest.param(_gpu.GpuBackend("metal"), id="metal"),
+            pytest.param(_gpu.GpuBackend("cuda"), id="cuda")]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_backends_satisfy_the_protocol(backend):
+    from mlx_moe_plan._backend import Backend
+
+    assert isinstance(backend, Backend)
+    for name in ("plan", "gather_rows", "combine_rows"):
+        declared = inspect.signature(getattr(Backend, name))
+        implemented = inspect.signature(getattr(type(backend), name))
+        # Names, kinds, defaults and annotations (as written), return included.
+        assert implemented == declared, f"{name}{implemented} is not {name}{declared}"
+
+
+def test_dispatch_returns_a_backend():
+    from mlx_moe_plan import _backend, _cpu
+
+    assert _backend.implementation(mx.default_stream(mx.cpu)) is _cpu.CPU
+
+
+# --- the plan's fields: one order in Python, C++ and the plan kernel ------------------
+
+
+def test_cpu_primitive_names_its_outputs_in_plan_fields_order():
+    from mlx_moe_plan import _ext, _sizes
+
+    assert tuple(_ext.plan_outputs) == _sizes.PLAN_FIELDS
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_cpu_primitive_outputs_have_the_fields_sizes(with_weights):
+    # Each output of the C++ primitive is the size and dtype of the field its
+    # name says: what output_shapes lays out agrees with _sizes.field_sizes.
+    from mlx_moe_plan import _ext, _sizes
+
+    num_experts, tile_m, top_k = 4, 4, 3
+    ids = mx.array([0, 4, 4, -1, 2, 9, 1, 1, 3], mx.int32)  # 5 routed, 1 skipped, 3 invalid
+    weights = mx.ones(ids.shape, mx.float32) if with_weights else None
+    outputs = _ext.plan(ids, weights, num_experts, tile_m, top_k, stream=mx.cpu)
+    sizes = _sizes.field_sizes(ids.size, num_experts, tile_m)
+    # capacity 24, tiles 6, entries 9, experts 4 and 5: a swap of two shows.
+    assert len({sizes[name] for name in ("row_tokens", "tile_experts", "positions",
+                                         "expert_counts", "expert_offsets")}) == 5
+    names = _sizes.PLAN_FIELDS if with_weights else _sizes.PLAN_FIELDS[:-1]
+    assert len(outputs) == len(names)
+    for name, output in zip(names, outputs):
+        assert output.size == sizes[name], name
+        assert output.dtype == (mx.float32 if name == _sizes.WEIGHT_FIELD else mx.int32), name
+        assert output.ndim == (0 if name.startswith("num_") else 1), name
+    by_name = dict(zip(names, outputs))
+    # Four experts of 1 or 2 entries, padded to 4 rows each: 16 rows, 4 tiles.
+    counts = {name: by_name[name].item() for name in ("num_rows", "num_tiles", "num_invalid")}
+    assert counts == {"num_rows": 16, "num_tiles": 4, "num_invalid": 3}
+
+
+def _plan_kernel_offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Each field's offset in plan_data, as kernels/plan.h computes it.
+
+    plan.h points a name at each field (`GLOBAL int* positions = tile_experts
+    + max_tiles;`) and writes the last three through `totals[i]`; evaluated
+    here with the given sizes, so that any reordering there shows.
+    """
+    from mlx_moe_plan import kernels
+
+    body = kernels.compact("plan")
+    values = {"plan_data": 0, "capacity": sizes["row_tokens"],
+              "max_tiles": sizes["tile_experts"], "num_entries": sizes["positions"],
+              "num_experts": sizes["expert_counts"]}
+    pointers = re.findall(r"^GLOBAL int\* (\w+) = ([\w\s*+]+);$", body, flags=re.M)
+    assert pointers, "plan.h: no `GLOBAL int* name = ...;` lines"
+    offsets = {}
+    for name, expression in pointers:
+        offsets[name] = values[name] = eval(expression, {"__builtins__": {}}, dict(values))
+    totals = offsets.pop("totals")
+    written = re.findall(r"^totals\[(\d)\] = (.+);$", body, flags=re.M)
+    assert len(written) == 3
+    for index, value in written:
+        # totals[0] = num_rows; ... totals[2] = (int)ATOMIC_LOAD(&invalid_total[0]);
+        name = next(n for n in ("num_rows", "num_tiles", "num_invalid")
+                    if n.removeprefix("num_") in value)
+        offsets[name] = totals + int(index)
+    return offsets
+
+
+@pytest.mark.parametrize("num_entries, num_experts, tile_m", [(9, 5, 4), (1000, 37, 16),
+                                                              (7, 1024, 1)])
+def test_plan_kernel_writes_the_layout_launch_gives(num_entries, num_experts, tile_m):
+    from mlx_moe_plan import _sizes
+    from mlx_moe_plan.kernels import launch
+
+    layout, data_size = launch.plan_layout(num_entries, num_experts, tile_m)
+    assert tuple(layout) == launch.PLAN_DATA_FIELDS
+    assert launch.PLAN_DATA_FIELDS + (_sizes.WEIGHT_FIELD,) == _sizes.PLAN_FIELDS
+    offsets = _plan_kernel_offsets(_sizes.field_sizes(num_entries, num_experts, tile_m))
+    assert offsets == {name: offset for name, (offset, _) in layout.items()}
+    assert data_size == max(offset + size for offset, size in layout.values())
+
+
+def test_plan_fields_are_the_plans_attributes():
+    # Every field is a MoEPlan attribute of the size _sizes gives it.
+    from mlx_moe_plan import _sizes
+
+    indices = mx.array([[0, 4], [4, -1], [2, 9]], mx.int32)
+    plan = mlx_moe_plan.moe_plan(indices, 5, weights=mx.ones(indices.shape), tile_m=4,
+                                 stream=mx.cpu)
+    sizes = _sizes.field_sizes(indices.size, 5, 4)
+    for name in _sizes.PLAN_FIELDS:
+        assert getattr(plan, name).size == sizes[name], name
+
+
+# --- kernel parameters: named once, in kernels/launch.py --------------------------------
+
+
+@pytest.mark.parametrize("name", ["plan", "gather", "combine"])
+def test_bodies_read_params_in_launch_order(name):
+    # A body reads its `params` array by position, each value into a constant
+    # named as launch.py names it: `const int hidden = params[1];`. Those lines
+    # are the whole of a body's use of params.
+    from mlx_moe_plan import _gpu, kernels
+    from mlx_moe_plan.kernels import launch
+
+    body = kernels.compact(name)
+    reads = re.findall(r"^const (?:int|i64) (\w+) = params\[(\d+)\];$", body, flags=re.M)
+    assert reads == [(field, str(i)) for i, field in enumerate(launch.PARAMS[name]._fields)]
+    assert body.count("params") == len(reads)
+    assert launch.INPUTS_OUTPUTS[name][0][-1] == "params"
+    assert len(launch.PARAMS[name]._fields) <= _gpu._PARAMS_SIZE
+
+
+def test_launches_carry_their_bodys_params():
+    from mlx_moe_plan.kernels import launch
+
+    launches = {"plan": launch.plan_launch(1000, 37, 4, 2, True),
+                "gather": launch.gather_launch(10, 8, 20, "float16", "float16"),
+                "combine": launch.combine_launch(20, 8, 10, 2, True, "float16", "float32")}
+    assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
+    for name, kernel_launch in launches.items():
+        assert type(kernel_launch.params) is launch.PARAMS[name]
+    plan_params = launches["plan"].params
+    assert (plan_params.num_entries, plan_params.tile_m, plan_params.top_k) == (1000, 4, 2)
+
+
+# --- docs/DESIGN.md cites what the repository holds ------------------------------------
+
+REPOSITORY = PACKAGE_DIR.parent
+DESIGN = REPOSITORY / "docs" / "DESIGN.md"
+
+
+@pytest.mark.skipif(not DESIGN.exists(), reason="not a source checkout")
+def test_design_doc_cites_what_exists():
+    # Every repository path the design cites exists, and in `path::name`, each
+    # part of the name occurs in that file as a word.
+    text = DESIGN.read_text()
+    cited = re.findall(r"(?<![\w./])((?:\.ci|docs|mlx_moe_plan|src|tests|benchmarks)/[\w./]*)"
+                       r"((?:::[\w.:]+)?)", text)
+    assert len(cited) > 50
+    for path, name in cited:
+        path = path.rstrip(".")
+        assert (REPOSITORY / path).exists(), path
+        if name:
+            source = (REPOSITORY / path).read_text()
+            for part in re.split(r"::|\.", name.strip(":.")):
+                assert re.search(rf"\b{re.escape(part)}\b", source), f"{path}{name}: {part}"
