@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, help="layers (calls) in one graph")
     parser.add_argument("--tile-m", default="auto",
                         help="comma list of GEMM formulations: auto = the layer's default "
-                             "(nn.default_tile_m), 0 = mlx-lm's unsorted one (no plan), "
+                             "(nn.default_tile_m), 0 = mlx-lm's own call (no plan), "
                              "1 = sorted rows, >1 = tiles of that many rows")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)

@@ -7,14 +7,14 @@ turns them into `QuantizedSwitchLinear` exactly as it does mlx-lm's.
 `patch_model` swaps it into a loaded model in place.
 
 Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of three
-formulations: sorted single rows (`tile_m=1`, mlx-lm's from 64 routed entries:
-one expert index a row), tiles (`tile_m` rows a tile, one expert a tile by the
-plan's construction, rows seen as `[max_tiles, tile_m, D]` with
-`rhs_indices=tile_experts`), or no plan at all (`tile_m=UNSORTED`, mlx-lm's
-below 64 entries: each token against its K experts as routed, what decoding
-runs). The default, `default_tile_m`, is the rule measured per backend
-(benchmarks/RESULTS.md); `tile_m` overrides it per layer. Needs mlx-lm
-installed.
+formulations: sorted single rows (`tile_m=1`: one expert index a row), tiles
+(`tile_m` rows a tile, one expert a tile by the plan's construction, rows seen
+as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`), or no plan at all
+(`tile_m=MLX_LM`: mlx-lm's own call, which decoding runs). The default,
+`default_tile_m`, is the rule measured per backend (benchmarks/RESULTS.md);
+`tile_m` overrides it per layer. Small batches run compiled
+(`COMPILE_MAX_TOKENS`): decoding is bound by the host's graph building. Needs
+mlx-lm installed.
 
 MoE blocks that weight and sum the experts' outputs themselves
 (`(switch_mlp(x, inds) * scores[..., None]).sum(-2)`) can take the fused path,
@@ -49,22 +49,22 @@ from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
 
 
-# The tile_m of mlx-lm's own formulation for small batches: no plan, each
-# token's row against its K experts in routing order (unsorted gather_qmm).
-UNSORTED = 0
-# mlx-lm's SwitchGLU sorts from 64 routed entries (`do_sort = indices.size >=
-# 64` in mlx-lm 0.32.2's switch_layers). Below, its unsorted call beat sorted
-# rows by 5 to 48 us a layer at T = 1 on the H200 (graphs of 16 layers; no
-# plan, gather or combine to launch), and it is what an unpatched model
-# decodes one sequence at a time with: patched, it decodes bit for bit alike.
-UNSORTED_BELOW_ENTRIES = 64
+# The tile_m of mlx-lm's own formulation: its SwitchGLU call, op for op (no
+# plan): each token against its K experts as routed below 64 routed entries,
+# rows sorted by its two argsorts from there (`do_sort = indices.size >= 64`
+# in mlx-lm 0.32.2's switch_layers). At decode sizes it beat our planned
+# sorted rows on the H200: they launch three custom kernels, each of which
+# costs MLX more host time to run than mlx-lm's few index ops, and at T = 1 it
+# is what an unpatched model decodes with (patched, bit for bit alike).
+MLX_LM = 0
+MLX_LM_SORTS_FROM_ENTRIES = 64
 # On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
 # 2048), tiles beat sorted single rows wherever experts average 2 rows or more
 # (1.45x to 24x), tie with them at 1 and lose by up to 16% below: 16-row tiles
 # while experts average fewer than 64 rows, 64-row tiles from there. Above the
 # launch noise of the smallest sizes, the rule picks the fastest formulation
-# measured or one within 4% of it (`python -m benchmarks.moe --layer --tile-m
-# auto,1,8,16,32,64`, RESULTS.md).
+# measured or one within 4% of it (`python -m benchmarks.layer --tile-m
+# auto,0,1,8,16,32,64`, RESULTS.md).
 TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 
@@ -72,13 +72,13 @@ LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
     """The GEMM formulation the layer uses unless told: the measured rule.
 
-    Tiles on MLX's CUDA backend once experts average
+    On MLX's CUDA backend, tiles once experts average
     `TILED_FROM_ROWS_PER_EXPERT` routed entries (16 rows, or 64 once they
-    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`). Otherwise mlx-lm's own
-    formulations: `UNSORTED` below `UNSORTED_BELOW_ENTRIES` entries, sorted
-    single rows (1) from there. These are the CPU's at every size, whose
-    `gather_qmm` pays for every padding row (16-row tiles ran 18x slower at
-    T=8), and Metal's, not yet measured.
+    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`), and mlx-lm's own call
+    (`MLX_LM`) below. Elsewhere (the CPU, whose `gather_qmm` pays for every
+    padding row, and Metal, not yet measured) `MLX_LM` below
+    `MLX_LM_SORTS_FROM_ENTRIES` entries, where mlx-lm does not sort, and sorted
+    single rows (1) from there.
 
     Args:
         num_entries (int): Routed entries, `T * K` (`indices.size`).
@@ -87,13 +87,14 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
           the default device's stream.
 
     Returns:
-        int: `UNSORTED` (0), 1, 16 or 64.
+        int: `MLX_LM` (0), 1, 16 or 64.
     """
     stream = _backend.resolve_stream(stream)
-    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda" and \
-            num_entries >= TILED_FROM_ROWS_PER_EXPERT * num_experts:
+    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda":
+        if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
+            return MLX_LM
         return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
-    return UNSORTED if num_entries < UNSORTED_BELOW_ENTRIES else 1
+    return MLX_LM if num_entries < MLX_LM_SORTS_FROM_ENTRIES else 1
 
 
 # Batches of up to this many tokens run each patched layer, or fused block, as
@@ -163,7 +164,7 @@ def _checked_tile_m(tile_m: int | None) -> int | None:
     if isinstance(tile_m, bool) or not isinstance(tile_m, int):
         raise TypeError(f"tile_m: expected an int or None, got {type(tile_m).__name__}")
     if tile_m < 0:
-        raise ValueError(f"tile_m: must be UNSORTED (0), 1 (sorted rows) or a tile height "
+        raise ValueError(f"tile_m: must be MLX_LM (0), 1 (sorted rows) or a tile height "
                          f"above 1, got {tile_m}")
     return tile_m
 
@@ -182,15 +183,14 @@ class SwitchGLU(nn.Module):
         num_experts (int): Number of experts E.
         activation (Module): `activation(x_up, x_gate)`. Default: SwiGLU.
         bias (bool): Projection biases. Default: ``False``.
-        tile_m (int, optional): GEMM formulation: `UNSORTED` (0) for mlx-lm's
-          plan-free one (meant for small batches: large ones are not sliced
-          as sorted rows are), 1 for sorted single rows, more for tiles of
-          that many rows. Default: `default_tile_m` per call.
+        tile_m (int, optional): GEMM formulation: `MLX_LM` (0) for mlx-lm's
+          own call (no plan; meant for small batches: large ones are not
+          sliced as our sorted rows are), 1 for sorted single rows, more for
+          tiles of that many rows. Default: `default_tile_m` per call.
 
     Expert ids must lie in `[0, num_experts)`, as a router gives them. The
-    planned formulations skip others (their outputs are zero); the unsorted
-    one hands them to MLX's `gather_qmm` as mlx-lm does, which does not
-    check them.
+    planned formulations skip others (their outputs are zero); mlx-lm's
+    hands them to MLX's `gather_qmm`, which does not check them.
     """
 
     # Rows a single sorted-rows GEMM call takes at most; larger batches run in
@@ -243,13 +243,9 @@ class SwitchGLU(nn.Module):
     def _plan(self, indices: mx.array, tile_m: int):
         return moe_plan(mx.stop_gradient(indices), self.num_experts, tile_m=tile_m)
 
-    def _unsorted(self, x: mx.array, indices: mx.array) -> mx.array:
-        """mlx-lm's call below its sort threshold, op for op: `[..., K, D]`."""
-        x = mx.expand_dims(x, (-2, -3))
-        indices = mx.stop_gradient(indices)
-        x_up = self.up_proj(x, indices)
-        x_gate = self.gate_proj(x, indices)
-        return self.down_proj(self.activation(x_up, x_gate), indices).squeeze(-2)
+    def _mlx_lm(self, x: mx.array, indices: mx.array) -> mx.array:
+        """mlx-lm's own `SwitchGLU` call on these projections: `[..., K, D]`."""
+        return _mlx_lm_switch.SwitchGLU.__call__(self, x, indices)
 
     def _mlp(self, rows: mx.array, experts: mx.array) -> mx.array:
         """The expert MLP of `rows` `[n, m, D]`, expert `experts[i]` for `rows[i]`."""
@@ -305,8 +301,8 @@ class SwitchGLU(nn.Module):
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
         tile_m = self._formulation(indices)
-        if tile_m == UNSORTED:
-            return self._unsorted(x, indices)
+        if tile_m == MLX_LM:
+            return self._mlx_lm(x, indices)
         plan = self._plan(indices, tile_m)
         return moe_unsort(self._expert_rows(x, plan), plan)
 
@@ -318,7 +314,7 @@ class SwitchGLU(nn.Module):
         themselves: no `[..., K, D]` intermediate. The sum runs in float32 over
         ascending k, rounded once to the result's dtype, so its last bits may
         differ from the unfused product-sum in the activations' dtype. The
-        `UNSORTED` formulation has no plan to combine with: it computes the
+        `MLX_LM` formulation has no plan to combine with: it computes the
         unfused expression itself, bit for bit mlx-lm's.
 
         Args:
@@ -343,8 +339,8 @@ class SwitchGLU(nn.Module):
     def _weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array,
                       in_rows_dtype: bool) -> mx.array:
         tile_m = self._formulation(indices)
-        if tile_m == UNSORTED:
-            y = self._unsorted(x, indices)
+        if tile_m == MLX_LM:
+            y = self._mlx_lm(x, indices)
             weighted = (y * scores[..., None]).sum(-2)
             return weighted.astype(y.dtype) if in_rows_dtype else weighted
         plan = self._plan(indices, tile_m)

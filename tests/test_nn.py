@@ -78,10 +78,10 @@ def count_switch_glu(model, cls) -> int:
     return sum(isinstance(m, cls) for _, m in model.named_modules())
 
 
-# (tile_m, fuse) of patch_model: the default formulation (the rule: unsorted
-# below 64 entries, sorted rows or tiles from there) fused and unfused, and each
-# formulation fixed.
-PATCHES = {"default": (None, True), "unfused": (None, False), "unsorted": (0, True),
+# (tile_m, fuse) of patch_model: the default formulation (the rule: mlx-lm's
+# own call below 64 entries, sorted rows or tiles from there) fused and
+# unfused, and each formulation fixed.
+PATCHES = {"default": (None, True), "unfused": (None, False), "mlx_lm": (0, True),
            "rows": (1, True), "tiles16": (16, True)}
 
 
@@ -192,8 +192,8 @@ def test_weighted_sum_is_the_sum_of_weighted_outputs(tile_m):
 
 
 @pytest.mark.parametrize("tile_m", [None, 0])
-def test_unsorted_weighted_sum_is_mlx_lm_bitwise(tile_m):
-    # Below 64 entries (here 6 tokens, K=2) the default is mlx-lm's unsorted
+def test_mlx_lm_weighted_sum_is_mlx_lm_bitwise(tile_m):
+    # Below 64 entries (here 6 tokens, K=2) the default is mlx-lm's own
     # call, and weighted_sum is the blocks' own expression: bfloat16 rows and
     # scores summed in bfloat16, float32 scores promoting unless cast back.
     mx.random.seed(7)
@@ -362,8 +362,8 @@ def test_default_formulation_is_the_measured_rule(monkeypatch):
     cpu = {(8, 8): 0, (63, 512): 0, (64, 512): 1, (4096, 512): 1, (1 << 20, 8): 1}
     for (entries, experts), tile_m in cpu.items():
         assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == tile_m
-    # CUDA: tiles from 2 rows an expert (64-row ones from 64), mlx-lm's below.
-    cuda = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 1, (1023, 512): 1,
+    # CUDA: tiles from 2 rows an expert (64-row ones from 64), mlx-lm's call below.
+    cuda = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 0, (1023, 512): 0,
             (1024, 512): 16, (32767, 512): 16, (32768, 512): 64, (512, 8): 64}
     if mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda":
         for (entries, experts), tile_m in cuda.items():
@@ -374,3 +374,89 @@ def test_default_formulation_is_the_measured_rule(monkeypatch):
     monkeypatch.setattr(moe_nn._backend, "gpu_backend", lambda: "cuda")
     for (entries, experts), tile_m in cuda.items():
         assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)
+
+
+def compiled_forwards(model) -> int:
+    return sum(len(m.__dict__.get("_compiled_forwards", ())) for _, m in model.named_modules())
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_compiled_forwards_equal_uncompiled(name, fuse, monkeypatch):
+    # Small batches run each fused block (or each layer, unfused) compiled:
+    # the same graph, replayed, elementwise ops fused. Same bits as the
+    # uncompiled forward, at the T of decoding and of a short prompt.
+    model = make_model(name, quantized=True)
+    patched = copy.deepcopy(model)
+    patch_model(patched, fuse=fuse)
+    rng = np.random.default_rng(13)
+    for shape in [(1, 1), (4, 1), (2, 40)]:
+        tokens = mx.array(rng.integers(0, 96, shape))
+        got = patched(tokens)
+        with monkeypatch.context() as m:
+            m.setattr(SwitchGLU, "compile_max_tokens", 0)
+            want = patched(tokens)
+        np.testing.assert_array_equal(np.array(got), np.array(want), err_msg=f"{name} {shape}")
+    # One compiled forward per fused block (or layer) and shape.
+    assert compiled_forwards(patched) == count_switch_glu(patched, SwitchGLU)
+    assert compiled_forwards(model) == 0
+
+
+def test_compiled_forwards_read_new_weights():
+    # The module's arrays are the compiled function's inputs, not constants:
+    # weights changed after the first call (a load, a fine-tuning step) count.
+    model = make_model("qwen3_moe", quantized=False)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    tokens = mx.array([[5, 7]])
+    mx.eval(patched(tokens))
+    assert compiled_forwards(patched) > 0
+    new = tree_map_random(model.parameters(), rng=np.random.default_rng(21))
+    model.update(new)
+    patched.update(new)
+    np.testing.assert_allclose(np.array(patched(tokens)), np.array(model(tokens)), rtol=1e-5,
+                               atol=1e-5)
+    # A copy made after compiling holds its own weights and traces its own.
+    twin = copy.deepcopy(patched)
+    twin.update(tree_map_random(model.parameters(), rng=np.random.default_rng(22)))
+    assert compiled_forwards(twin) == 0
+    assert not np.allclose(np.array(twin(tokens)), np.array(patched(tokens)))
+    np.testing.assert_allclose(np.array(patched(tokens)), np.array(model(tokens)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_compiled_forwards_follow_tile_m():
+    # The formulation is read when tracing: changing it traces anew.
+    model = make_model("mixtral", quantized=False)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    tokens = mx.array(np.random.default_rng(14).integers(0, 96, (1, 40)))
+    want = model(tokens)
+    for tile_m in (None, 1, 4):
+        for _, layer in patched.named_modules():
+            if isinstance(layer, SwitchGLU):
+                layer.tile_m = tile_m
+        np.testing.assert_allclose(np.array(patched(tokens)), np.array(want), rtol=1e-5,
+                                   atol=1e-5, err_msg=f"tile_m={tile_m}")
+    assert compiled_forwards(patched) == 3 * count_switch_glu(patched, SwitchGLU)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name):
+    # In bfloat16 the patched model's float32 sums differ from mlx-lm's
+    # bfloat16 ones in the last bits: against a float32 run of the same
+    # 4-bit weights, its logits must be as close as mlx-lm's, within noise.
+    model = make_model(name, quantized=True)
+    tokens = mx.array(np.random.default_rng(15).integers(0, 96, (2, 40)))
+    exact = model(tokens).astype(mx.float32)
+    model.set_dtype(mx.bfloat16)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+
+    def error(m):
+        got = m(tokens).astype(mx.float32)
+        return float(mx.linalg.norm(got - exact) / mx.linalg.norm(exact))
+
+    theirs, ours = error(model), error(patched)
+    assert 0 < theirs < 0.1, theirs
+    assert ours <= 1.25 * theirs, (ours, theirs)
