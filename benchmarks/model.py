@@ -118,7 +118,7 @@ def _shared_value(value):
 
 def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
     """(name, mlx-lm's model, the patched one, description) for one benchmark."""
-    from mlx_moe_plan.nn import patch_model
+    from mlx_moe_plan.nn import SwitchGLU, patch_model
 
     if args.model:
         from mlx_lm.utils import load_model
@@ -139,6 +139,10 @@ def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
                     "group_size": args.group_size}
     patched = shared_copy(model)
     replaced = patch_model(patched, tile_m=args.tile_m)
+    if args.no_compile:
+        for _, layer in patched.named_modules():
+            if isinstance(layer, SwitchGLU):
+                layer.compile_max_tokens = 0
     describe["patched_layers"] = replaced
     describe["weights_gb"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     progress(f"patched {replaced} MoE layers; weights {describe['weights_gb']:.1f} GB")
@@ -445,6 +449,8 @@ def parse_args(argv):
     parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--tile-m", type=int, help="the patched layers' formulation")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,
                         help="run in N processes; report medians and the lowest ratio")
     parser.add_argument("--json", metavar="PATH")
