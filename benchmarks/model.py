@@ -412,7 +412,7 @@ def run(args) -> dict:
         name, model, patched, describe = load_pair(args)
         vocab = model.args.vocab_size if hasattr(model, "args") else 1000
         entry = {"name": name, "describe": describe, "prefill": None, "decode": []}
-        tokens = args.prompt or prompt
+        tokens = prompt if args.prompt is None else args.prompt
         if tokens:
             progress(f"{name}: prefill of {tokens} tokens")
             entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
