@@ -19,17 +19,11 @@ mlx-lm installed.
 MoE blocks that weight and sum the experts' outputs themselves
 (`(switch_mlp(x, inds) * scores[..., None]).sum(-2)`) can take the fused path,
 `SwitchGLU.weighted_sum`: one `moe_combine` in place of unsort, multiply and
-sum. `patch_model` gives it to the blocks of `FUSED_BLOCKS` whose code is the
-code it was written against.
+sum. `patch_model` gives it to the mlx-lm blocks of `fused_blocks.py` whose
+code is the code their fused forward was written against.
 """
 
 from __future__ import annotations
-
-import hashlib
-import inspect
-import math
-import threading
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,10 +37,15 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
         "pip install mlx-lm (or this package's [bench] extra)"
     ) from error
 
-from . import _backend
+from . import _backend, fused_blocks
+from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
+
+# The registry of fused blocks, here as well, where patch_model uses it.
+FUSED_BLOCKS = fused_blocks.FUSED_BLOCKS
+FusedMoEBlock = fused_blocks.FusedMoEBlock
 
 
 # The tile_m of mlx-lm's own formulation: its SwitchGLU call, op for op (no
@@ -95,67 +94,6 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
             return MLX_LM
         return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
     return MLX_LM if num_entries < MLX_LM_SORTS_FROM_ENTRIES else 1
-
-
-# Batches of up to this many tokens run each patched layer, or fused block, as
-# one compiled function (`mx.compile`): decoding rebuilds every layer's graph
-# in Python at every step, and a step of a few tokens is host-bound. Replaying
-# a traced graph builds it in C++ and fuses the elementwise ops. Each new
-# token count traces anew (once per layer and count, about a millisecond), so
-# prefill sizes, which are many and spend milliseconds on the GPU, stay
-# uncompiled. `compile_max_tokens=0` on the layer turns compiling off.
-COMPILE_MAX_TOKENS = 256
-
-
-class _CompiledForwards(dict):
-    """A module's compiled forwards, by what their trace depends on.
-
-    Each captures the module it was made for, so a copy of the module starts
-    with none of them."""
-
-    def __deepcopy__(self, memo):
-        return _CompiledForwards()
-
-    def __copy__(self):
-        return _CompiledForwards()
-
-
-# Set while a compiled forward is traced: nothing inside it compiles again.
-_trace_state = threading.local()
-
-
-def _compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):
-    """`forward(*arrays)`, run as `mx.compile(forward, inputs=module)`.
-
-    The module's arrays are the compiled function's implicit inputs, so new
-    weights (a load, `nn.quantize`, training) are read at every call. `key`
-    names what else the trace reads (the forward, the layer's `tile_m`,
-    Python arguments); the default stream is added to it. MLX keeps one trace
-    per key for each shape and dtype of the inputs.
-    """
-    forwards = module.__dict__.get("_compiled_forwards")
-    if forwards is None:
-        forwards = _CompiledForwards()
-        object.__setattr__(module, "_compiled_forwards", forwards)
-    # id(module): a shallow copy shares this dict, but must not its traces.
-    cache_key = (id(module), *key, str(mx.default_stream(mx.default_device())))
-    compiled = forwards.get(cache_key)
-    if compiled is None:
-        def traced(*arrays):
-            _trace_state.active = True
-            try:
-                return forward(*arrays)
-            finally:
-                _trace_state.active = False
-
-        compiled = forwards[cache_key] = mx.compile(traced, inputs=module)
-    return compiled(*arrays)
-
-
-def _compiles(max_tokens: int, x: mx.array) -> bool:
-    """Whether a call on activations `x` `[..., D]` runs compiled."""
-    return 0 < math.prod(x.shape[:-1]) <= max_tokens and \
-        not getattr(_trace_state, "active", False)
 
 
 def _checked_tile_m(tile_m: int | None) -> int | None:
@@ -295,8 +233,8 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""
-        if _compiles(self.compile_max_tokens, x):
-            return _compiled_call(self, self._forward, x, indices, key=("call", self.tile_m))
+        if compiles(self.compile_max_tokens, x):
+            return compiled_call(self, self._forward, x, indices, key=("call", self.tile_m))
         return self._forward(x, indices)
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
@@ -328,11 +266,11 @@ class SwitchGLU(nn.Module):
         Returns:
             array: `[..., D]`.
         """
-        if _compiles(self.compile_max_tokens, x):
+        if compiles(self.compile_max_tokens, x):
             def forward(x, indices, scores):
                 return self._weighted_sum(x, indices, scores, in_rows_dtype)
 
-            return _compiled_call(self, forward, x, indices, scores,
+            return compiled_call(self, forward, x, indices, scores,
                                   key=("weighted_sum", self.tile_m, in_rows_dtype))
         return self._weighted_sum(x, indices, scores, in_rows_dtype)
 
@@ -347,120 +285,6 @@ class SwitchGLU(nn.Module):
         rows = self._expert_rows(x, plan)
         dtype = rows.dtype if in_rows_dtype else mx.result_type(rows.dtype, scores.dtype)
         return moe_combine(rows, plan, weights=scores, dtype=dtype)
-
-
-# ---- fused MoE blocks: each forward is its mlx-lm block's __call__ with the
-# experts' weighted sum as one `weighted_sum`, the rest line for line.
-
-
-def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
-    """Qwen3-MoE's and Qwen3-Next's routing: top-k of the softmax, renormalized."""
-    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
-    k = block.top_k
-    inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
-    scores = mx.take_along_axis(gates, inds, axis=-1)
-    if block.norm_topk_prob:
-        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-    return inds, scores
-
-
-def _qwen3_moe(block: nn.Module, x: mx.array) -> mx.array:
-    inds, scores = _softmax_top_k(block, x)
-    return block.switch_mlp.weighted_sum(x, inds, scores, in_rows_dtype=True)
-
-
-def _qwen3_next(block: nn.Module, x: mx.array) -> mx.array:
-    inds, scores = _softmax_top_k(block, x)
-    y = block.switch_mlp.weighted_sum(x, inds, scores)
-    shared_y = mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
-    return y + shared_y
-
-
-def _mixtral(block: nn.Module, x: mx.array) -> mx.array:
-    gates = block.gate(x)
-    k = block.num_experts_per_tok
-    inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
-    scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
-    return block.switch_mlp.weighted_sum(x, inds, scores)
-
-
-def _deepseek_v3(block: nn.Module, x: mx.array) -> mx.array:
-    inds, scores = block.gate(x)
-    y = block.switch_mlp.weighted_sum(x, inds, scores, in_rows_dtype=True)
-    if block.config.n_shared_experts is not None:
-        y = y + block.shared_experts(x)
-    return y
-
-
-def _gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
-    from mlx_lm.models.gpt_oss import mlx_topk  # the block's own top-k
-
-    expert_logits, indices = mlx_topk(block.router(x), k=block.num_experts_per_tok, axis=-1)
-    expert_weights = mx.softmax(expert_logits, axis=-1, precise=True)
-    return block.experts.weighted_sum(x, indices, expert_weights)
-
-
-# The blocks given the fused path: class -> (experts attribute, fused forward,
-# SHA-256 prefix of the block's __call__ source as the forward was written
-# against, mlx-lm 0.32.2). A block whose __call__ reads otherwise (another
-# mlx-lm's) keeps its own: patched experts, unfused sum, still correct.
-FUSED_BLOCKS: dict[str, tuple[str, Callable[[nn.Module, mx.array], mx.array], str]] = {
-    "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock":
-        ("switch_mlp", _qwen3_moe, "5d2e8164fcb6ebfc"),
-    "mlx_lm.models.qwen3_next.Qwen3NextSparseMoeBlock":
-        ("switch_mlp", _qwen3_next, "9c28cc63a2f1d683"),
-    "mlx_lm.models.mixtral.MixtralSparseMoeBlock": ("switch_mlp", _mixtral, "95e4c55589ec0085"),
-    "mlx_lm.models.deepseek_v3.DeepseekV3MoE": ("switch_mlp", _deepseek_v3, "5c396b22d20c5274"),
-    "mlx_lm.models.gpt_oss.MLPBlock": ("experts", _gpt_oss, "7c6ef1cd838840ed"),
-}
-
-
-class FusedMoEBlock:
-    """Marks an mlx-lm MoE block whose class `patch_model` swapped for one
-    calling the fused forward (a subclass of the block's own class)."""
-
-
-def _source_digest(function) -> str | None:
-    try:
-        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
-    except (OSError, TypeError):  # no source to read: not known to be safe
-        return None
-
-
-_FUSED_CLASSES: dict[tuple[type, Callable], type] = {}
-
-
-def _fused_class(block_class: type, experts_name: str, forward) -> type:
-    if (block_class, forward) not in _FUSED_CLASSES:
-        def __call__(self, x: mx.array) -> mx.array:
-            # Distributed blocks (a sharding group set) keep their own call.
-            if getattr(self, "sharding_group", None) is not None:
-                return block_class.__call__(self, x)
-            experts = self[experts_name]
-            if _compiles(experts.compile_max_tokens, x):
-                return _compiled_call(self, lambda x: forward(self, x), x,
-                                      key=("block", experts.tile_m))
-            return forward(self, x)
-
-        _FUSED_CLASSES[block_class, forward] = type(
-            f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),
-            {"__call__": __call__, "__module__": __name__,
-             "__doc__": f"{block_class.__qualname__} with the experts' weighted sum fused."})
-    return _FUSED_CLASSES[block_class, forward]
-
-
-def _fuse(module: nn.Module) -> bool:
-    """Give `module` the fused forward if it is a known block, as written."""
-    block_class = type(module)
-    known = FUSED_BLOCKS.get(f"{block_class.__module__}.{block_class.__qualname__}")
-    if known is None:
-        return False
-    experts, forward, digest = known
-    if not isinstance(module.get(experts), SwitchGLU) or \
-            _source_digest(block_class.__call__) != digest:
-        return False
-    module.__class__ = _fused_class(block_class, experts, forward)
-    return True
 
 
 def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True) -> int:
@@ -489,5 +313,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         model.update_modules(tree_unflatten(replacements))
     if fuse:
         for _, module in model.named_modules():
-            _fuse(module)
+            entry = fused_blocks.entry_for(module)
+            if entry is not None and isinstance(module.get(entry.experts), SwitchGLU):
+                fused_blocks.fuse(module, entry)
     return len(replacements)

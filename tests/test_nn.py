@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import types
 
@@ -18,6 +19,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is the reference of the layer tests
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import switch_layers  # noqa: E402
 
+from mlx_moe_plan import fused_blocks  # noqa: E402
 from mlx_moe_plan import nn as moe_nn  # noqa: E402
 from mlx_moe_plan.nn import FusedMoEBlock, SwitchGLU, patch_model  # noqa: E402
 
@@ -281,8 +283,9 @@ def test_blocks_of_other_code_are_not_fused(monkeypatch):
     # A block whose __call__ is not the code its fused forward mirrors (another
     # mlx-lm's) keeps it: experts patched, weighted sum unfused.
     key = "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
-    experts, forward, _ = moe_nn.FUSED_BLOCKS[key]
-    monkeypatch.setitem(moe_nn.FUSED_BLOCKS, key, (experts, forward, "0" * 16))
+    entry = moe_nn.FUSED_BLOCKS[key]
+    monkeypatch.setitem(moe_nn.FUSED_BLOCKS, key,
+                        dataclasses.replace(entry, source_digest="0" * 16))
     model = make_model("qwen3_moe", quantized=False)
     patched = copy.deepcopy(model)
     assert patch_model(patched) == 2
@@ -290,6 +293,34 @@ def test_blocks_of_other_code_are_not_fused(monkeypatch):
     tokens = mx.array(np.random.default_rng(3).integers(0, 96, (1, 20)))
     np.testing.assert_allclose(np.array(patched(tokens)), np.array(model(tokens)), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("key", fused_blocks.FUSED_BLOCKS)
+def test_fused_blocks_match_mlx_lm(key):
+    # A fused forward mirrors its block's __call__: when mlx-lm's code
+    # changes, the block silently keeps its own call. Say which, and its new
+    # digest, so the forward can be checked against the new code and updated.
+    entry = fused_blocks.FUSED_BLOCKS[key]
+    digest = fused_blocks.source_digest(entry.load_class().__call__)
+    assert digest == entry.source_digest, (
+        f"{key}.__call__ is not the code its fused forward mirrors: its source digest is now "
+        f"{digest!r} (was {entry.source_digest!r}); compare the forward with the new code, "
+        f"then update FusedBlock({key!r}, ...) in mlx_moe_plan/fused_blocks.py")
+
+
+def test_every_fused_block_is_tested():
+    # Each registry entry is one of the test models' blocks.
+    patched = [type(m).__mro__[1] for name in CONFIGS
+               for _, m in patch_model_of(name).named_modules()
+               if isinstance(m, FusedMoEBlock)]
+    names = {f"{c.__module__}.{c.__qualname__}" for c in patched}
+    assert names == set(fused_blocks.FUSED_BLOCKS)
+
+
+def patch_model_of(name: str):
+    model = make_model(name, quantized=False)
+    patch_model(model)
+    return model
 
 
 @pytest.mark.parametrize("name", CONFIGS)

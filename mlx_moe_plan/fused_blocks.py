@@ -1,0 +1,157 @@
+"""mlx-lm MoE blocks whose experts' weighted sum `patch_model` fuses.
+
+Each entry of `FUSED_BLOCKS` names an mlx-lm block class and holds a forward
+that is that block's `__call__` line for line, except that the experts'
+weighted sum, `(switch_mlp(x, inds) * scores[..., None]).sum(-2)`, is one
+`SwitchGLU.weighted_sum` (one `moe_combine` in place of unsort, multiply and
+sum). The forward mirrors mlx-lm's code, so it is used only while that code
+reads as it did when the forward was written: each entry keeps a digest of
+the block's `__call__` source (mlx-lm 0.32.2), and a block whose source
+differs keeps its own call (patched experts, unfused sum, still correct).
+`tests/test_nn.py::test_fused_blocks_match_mlx_lm` names any block whose
+digest no longer matches the installed mlx-lm and prints its new digest.
+
+This module changes when mlx-lm's blocks change; the layer and its rule
+live in `nn.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ._compiled import compiled_call, compiles
+
+
+def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    """Qwen3-MoE's and Qwen3-Next's routing: top-k of the softmax, renormalized."""
+    gates = mx.softmax(block.gate(x), axis=-1, precise=True)
+    k = block.top_k
+    inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if block.norm_topk_prob:
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores
+
+
+def _qwen3_moe(block: nn.Module, x: mx.array) -> mx.array:
+    inds, scores = _softmax_top_k(block, x)
+    return block.switch_mlp.weighted_sum(x, inds, scores, in_rows_dtype=True)
+
+
+def _qwen3_next(block: nn.Module, x: mx.array) -> mx.array:
+    inds, scores = _softmax_top_k(block, x)
+    y = block.switch_mlp.weighted_sum(x, inds, scores)
+    shared_y = mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    return y + shared_y
+
+
+def _mixtral(block: nn.Module, x: mx.array) -> mx.array:
+    gates = block.gate(x)
+    k = block.num_experts_per_tok
+    inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
+    scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
+    return block.switch_mlp.weighted_sum(x, inds, scores)
+
+
+def _deepseek_v3(block: nn.Module, x: mx.array) -> mx.array:
+    inds, scores = block.gate(x)
+    y = block.switch_mlp.weighted_sum(x, inds, scores, in_rows_dtype=True)
+    if block.config.n_shared_experts is not None:
+        y = y + block.shared_experts(x)
+    return y
+
+
+def _gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
+    from mlx_lm.models.gpt_oss import mlx_topk  # the block's own top-k
+
+    expert_logits, indices = mlx_topk(block.router(x), k=block.num_experts_per_tok, axis=-1)
+    expert_weights = mx.softmax(expert_logits, axis=-1, precise=True)
+    return block.experts.weighted_sum(x, indices, expert_weights)
+
+
+@dataclass(frozen=True)
+class FusedBlock:
+    """One mlx-lm block class and the fused forward written against its code."""
+
+    block_class: str
+    """The class, `module.QualName`, as mlx-lm defines it."""
+    experts: str
+    """The block's attribute holding its `SwitchGLU`."""
+    forward: Callable[[nn.Module, mx.array], mx.array]
+    """`forward(block, x)`: the block's `__call__` with the weighted sum fused."""
+    source_digest: str
+    """SHA-256 prefix of the block's `__call__` source the forward mirrors."""
+
+    def load_class(self) -> type:
+        """The block class from the installed mlx-lm (ImportError if absent)."""
+        module, _, name = self.block_class.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+FUSED_BLOCKS: dict[str, FusedBlock] = {entry.block_class: entry for entry in (
+    FusedBlock("mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock", "switch_mlp", _qwen3_moe,
+               "5d2e8164fcb6ebfc"),
+    FusedBlock("mlx_lm.models.qwen3_next.Qwen3NextSparseMoeBlock", "switch_mlp", _qwen3_next,
+               "9c28cc63a2f1d683"),
+    FusedBlock("mlx_lm.models.mixtral.MixtralSparseMoeBlock", "switch_mlp", _mixtral,
+               "95e4c55589ec0085"),
+    FusedBlock("mlx_lm.models.deepseek_v3.DeepseekV3MoE", "switch_mlp", _deepseek_v3,
+               "5c396b22d20c5274"),
+    FusedBlock("mlx_lm.models.gpt_oss.MLPBlock", "experts", _gpt_oss, "7c6ef1cd838840ed"),
+)}
+
+
+class FusedMoEBlock:
+    """Marks an mlx-lm MoE block whose class `patch_model` swapped for one
+    calling the fused forward (a subclass of the block's own class)."""
+
+
+def source_digest(function) -> str | None:
+    """SHA-256 prefix of `function`'s source; None if it has none to read."""
+    try:
+        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+    except (OSError, TypeError):  # no source to read: not known to be safe
+        return None
+
+
+def entry_for(module: nn.Module) -> FusedBlock | None:
+    """The registry entry of `module`'s class, if its code is as the entry's."""
+    block_class = type(module)
+    entry = FUSED_BLOCKS.get(f"{block_class.__module__}.{block_class.__qualname__}")
+    if entry is None or source_digest(block_class.__call__) != entry.source_digest:
+        return None
+    return entry
+
+
+_FUSED_CLASSES: dict[tuple[type, FusedBlock], type] = {}
+
+
+def _fused_class(block_class: type, entry: FusedBlock) -> type:
+    if (block_class, entry) not in _FUSED_CLASSES:
+        def __call__(self, x: mx.array) -> mx.array:
+            # Distributed blocks (a sharding group set) keep their own call.
+            if getattr(self, "sharding_group", None) is not None:
+                return block_class.__call__(self, x)
+            experts = self[entry.experts]
+            if compiles(experts.compile_max_tokens, x):
+                return compiled_call(self, lambda x: entry.forward(self, x), x,
+                                     key=("block", experts.tile_m))
+            return entry.forward(self, x)
+
+        _FUSED_CLASSES[block_class, entry] = type(
+            f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),
+            {"__call__": __call__, "__module__": __name__,
+             "__doc__": f"{block_class.__qualname__} with the experts' weighted sum fused."})
+    return _FUSED_CLASSES[block_class, entry]
+
+
+def fuse(module: nn.Module, entry: FusedBlock) -> None:
+    """Give `module`, a block of `entry`'s class, the fused forward (in place)."""
+    module.__class__ = _fused_class(type(module), entry)
