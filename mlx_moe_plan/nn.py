@@ -51,10 +51,10 @@ FusedMoEBlock = fused_blocks.FusedMoEBlock
 # The tile_m of mlx-lm's own formulation: its SwitchGLU call, op for op (no
 # plan): each token against its K experts as routed below 64 routed entries,
 # rows sorted by its two argsorts from there (`do_sort = indices.size >= 64`
-# in mlx-lm 0.32.2's switch_layers). At decode sizes it beat our planned
-# sorted rows on the H200: they launch three custom kernels, each of which
-# costs MLX more host time to run than mlx-lm's few index ops, and at T = 1 it
-# is what an unpatched model decodes with (patched, bit for bit alike).
+# in mlx-lm 0.32.2's switch_layers). The rule runs it where mlx-lm does not
+# sort: there it beat our sorted rows by 5 to 48 us a layer on the H200 (no
+# plan, gather or combine to launch), and a patched model decoding one
+# sequence gives the unpatched logits bit for bit.
 MLX_LM = 0
 MLX_LM_SORTS_FROM_ENTRIES = 64
 # On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
@@ -73,11 +73,11 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
 
     On MLX's CUDA backend, tiles once experts average
     `TILED_FROM_ROWS_PER_EXPERT` routed entries (16 rows, or 64 once they
-    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`), and mlx-lm's own call
-    (`MLX_LM`) below. Elsewhere (the CPU, whose `gather_qmm` pays for every
-    padding row, and Metal, not yet measured) `MLX_LM` below
-    `MLX_LM_SORTS_FROM_ENTRIES` entries, where mlx-lm does not sort, and sorted
-    single rows (1) from there.
+    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`). Otherwise mlx-lm's own call
+    (`MLX_LM`) below `MLX_LM_SORTS_FROM_ENTRIES` entries, where mlx-lm does not
+    sort, and sorted single rows (1) from there: the CPU's formulations at
+    every size (its `gather_qmm` pays for every padding row) and Metal's, not
+    yet measured.
 
     Args:
         num_entries (int): Routed entries, `T * K` (`indices.size`).
@@ -89,9 +89,8 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
         int: `MLX_LM` (0), 1, 16 or 64.
     """
     stream = _backend.resolve_stream(stream)
-    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda":
-        if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
-            return MLX_LM
+    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda" and \
+            num_entries >= TILED_FROM_ROWS_PER_EXPERT * num_experts:
         return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
     return MLX_LM if num_entries < MLX_LM_SORTS_FROM_ENTRIES else 1
 
