@@ -386,7 +386,7 @@ def median_of_processes(results: list[dict]) -> dict:
             target = entry[section] if index is None else entry[section][index]
             if not target:
                 continue
-            for key, value in target.items():
+            for key, value in list(target.items()):
                 if not isinstance(value, float):
                     continue
                 values = [r["models"][m][section] if index is None
