@@ -1,7 +1,8 @@
 """NumPy reference of the semantics in docs/DESIGN.md.
 
 Short, obvious code that every backend must match bit for bit. Nothing here
-is fast: it is the definition the tests and the benchmark check against. The
+is fast: it is the definition the tests and the benchmark check against, with
+the comparisons both apply (`bitwise_mismatch`, `plan_mismatch`). The
 package's ops never import it, nor NumPy (tests/test_structure.py).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -170,3 +172,98 @@ def moe_unsort(rows, plan: ReferencePlan):
     out = np.zeros((flat.size, rows.shape[-1]), rows.dtype)
     out[flat >= 0] = rows[flat[flat >= 0]]
     return out.reshape(plan.positions.shape + (rows.shape[-1],))
+
+
+# --- comparing an implementation with the reference, bit for bit ---------------
+# The tests assert these; the benchmark checks the same before it times.
+
+
+def to_numpy(array: mx.array) -> np.ndarray:
+    """An MLX array as the reference takes it: bfloat16 as its raw uint16 bits."""
+    if array.dtype == mx.bfloat16:
+        return np.array(array.view(mx.uint16))
+    return np.array(array)
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    """Floats as unsigned integers of their width, so that -0.0 differs from 0.0
+    and NaN payloads count."""
+    if values.dtype.kind in "fc" or values.dtype.kind == "V":
+        return values.view(np.dtype(f"u{values.dtype.itemsize}"))
+    return values
+
+
+def bitwise_mismatch(actual, expected) -> str | None:
+    """How `actual` differs from `expected` bit for bit, or None if it does not.
+
+    Args:
+        actual (array): An MLX array (read with `to_numpy`) or NumPy values.
+        expected (array): The reference's NumPy values.
+
+    Returns:
+        str | None: The first difference found, in shape, dtype or bits (how many
+        elements differ and the first of them), or None when they are equal.
+    """
+    actual_np = to_numpy(actual) if isinstance(actual, mx.array) else np.asarray(actual)
+    expected = np.asarray(expected)
+    if actual_np.shape != expected.shape:
+        return f"shape {actual_np.shape} != {expected.shape}"
+    if actual_np.dtype != expected.dtype:
+        return f"dtype {actual_np.dtype} != {expected.dtype}"
+    actual_bits, expected_bits = _bits(actual_np), _bits(expected)
+    if np.array_equal(actual_bits, expected_bits):
+        return None
+    wrong = np.argwhere(actual_bits != expected_bits)
+    first = tuple(int(i) for i in wrong[0])
+    return (f"{len(wrong)} of {expected.size} elements differ; first at {first}: "
+            f"got {actual_np[first]!r}, expected {expected[first]!r}")
+
+
+PLAN_ARRAY_FIELDS = ("row_tokens", "row_experts", "row_entries", "positions", "expert_counts",
+                     "expert_offsets", "tile_experts")
+PLAN_SCALAR_FIELDS = ("num_rows", "num_tiles", "num_invalid")
+PLAN_STATIC_FIELDS = ("num_experts", "tile_m", "capacity", "max_tiles", "top_k")
+
+
+def plan_mismatch(plan, expected: ReferencePlan) -> str | None:
+    """How a plan differs from the reference's, field by field, or None if it does not.
+
+    Args:
+        plan (MoEPlan): The plan `mlx_moe_plan.moe_plan` made.
+        expected (ReferencePlan): The reference's plan of the same routing.
+
+    Returns:
+        str | None: The first field that differs, in type, dtype or bits, and
+        how; None when every field equals the reference's.
+    """
+    for name in PLAN_STATIC_FIELDS:
+        value = getattr(plan, name)
+        if type(value) is not int:
+            return f"{name}: a Python int, got {type(value).__name__}"
+        if value != getattr(expected, name):
+            return f"{name}: {value} != {getattr(expected, name)}"
+    for name in PLAN_ARRAY_FIELDS:
+        value = getattr(plan, name)
+        if not isinstance(value, mx.array):
+            return f"{name}: an mx.array, got {type(value).__name__}"
+        if value.dtype != mx.int32:
+            return f"{name}: dtype {value.dtype}"
+        problem = bitwise_mismatch(value, getattr(expected, name))
+        if problem:
+            return f"{name}: {problem}"
+    for name in PLAN_SCALAR_FIELDS:
+        value = getattr(plan, name)
+        if not isinstance(value, mx.array):
+            return f"{name}: an mx.array, got {type(value).__name__}"
+        if value.dtype != mx.int32 or value.shape != ():
+            return f"{name}: {value.dtype} {value.shape}"
+        if value.item() != getattr(expected, name):
+            return f"{name}: {value.item()} != {getattr(expected, name)}"
+    if expected.row_weights is None:
+        return None if plan.row_weights is None else "row_weights: None without weights"
+    if plan.row_weights is None:
+        return "row_weights: missing"
+    if plan.row_weights.dtype != mx.float32:
+        return f"row_weights: dtype {plan.row_weights.dtype}"
+    problem = bitwise_mismatch(plan.row_weights, expected.row_weights)
+    return f"row_weights: {problem}" if problem else None

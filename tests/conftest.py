@@ -1,6 +1,7 @@
 # Shared test machinery: the backend parameter, the one Hypothesis profile, the
-# routing strategy and the bit-exact comparisons against mlx_moe_plan.reference
-# (the NumPy definition of docs/DESIGN.md's semantics that every backend must match).
+# routing strategy and the bit-exact assertions against mlx_moe_plan.reference
+# (the NumPy definition of docs/DESIGN.md's semantics that every backend must
+# match), which wrap the reference's own comparisons.
 
 from __future__ import annotations
 
@@ -92,11 +93,7 @@ def dtype_name(dtype: mx.Dtype) -> str:
     raise AssertionError(f"not a row dtype: {dtype}")
 
 
-def to_numpy(array: mx.array) -> np.ndarray:
-    """An MLX array as the reference takes it: bfloat16 as its raw uint16 bits."""
-    if array.dtype == mx.bfloat16:
-        return np.array(array.view(mx.uint16))
-    return np.array(array)
+to_numpy = ref.to_numpy  # how the reference reads MLX arrays; the tests import it from here
 
 
 def as_float32(array: mx.array) -> np.ndarray:
@@ -104,30 +101,15 @@ def as_float32(array: mx.array) -> np.ndarray:
     return np.array(array.astype(mx.float32))
 
 
-def _bits(values: np.ndarray) -> np.ndarray:
-    if values.dtype.kind in "fc" or values.dtype.kind == "V":
-        return values.view(np.dtype(f"u{values.dtype.itemsize}"))
-    return values
-
-
 def assert_bitwise(actual, expected, what: str) -> None:
     """`actual` (MLX array) holds exactly the bits of `expected` (NumPy array).
 
     Floats are compared as integers of their width, so that -0.0 differs from
-    0.0 and NaN payloads count.
+    0.0 and NaN payloads count (`reference.bitwise_mismatch`).
     """
-    actual_np = to_numpy(actual) if isinstance(actual, mx.array) else np.asarray(actual)
-    expected = np.asarray(expected)
-    assert actual_np.shape == expected.shape, f"{what}: shape {actual_np.shape} != {expected.shape}"
-    assert actual_np.dtype == expected.dtype, f"{what}: dtype {actual_np.dtype} != {expected.dtype}"
-    actual_bits, expected_bits = _bits(actual_np), _bits(expected)
-    if not np.array_equal(actual_bits, expected_bits):
-        wrong = np.argwhere(actual_bits != expected_bits)
-        first = tuple(int(i) for i in wrong[0])
-        raise AssertionError(
-            f"{what}: {len(wrong)} of {expected.size} elements differ; first at {first}: "
-            f"got {actual_np[first]!r}, expected {expected[first]!r}"
-        )
+    problem = ref.bitwise_mismatch(actual, expected)
+    if problem:
+        raise AssertionError(f"{what}: {problem}")
 
 
 def random_floats(rng: np.random.Generator, shape, dtype: mx.Dtype) -> mx.array:
@@ -375,32 +357,12 @@ def routings(
 
 # --- the plan, field by field --------------------------------------------------
 
-ARRAY_FIELDS = ("row_tokens", "row_experts", "row_entries", "positions", "expert_counts",
-                "expert_offsets", "tile_experts")
-SCALAR_FIELDS = ("num_rows", "num_tiles", "num_invalid")
-STATIC_FIELDS = ("num_experts", "tile_m", "capacity", "max_tiles", "top_k")
+ARRAY_FIELDS = ref.PLAN_ARRAY_FIELDS  # the tests import these from here
+SCALAR_FIELDS = ref.PLAN_SCALAR_FIELDS
 
 
 def assert_plan_matches(plan: mlx_moe_plan.MoEPlan, expected: ref.ReferencePlan) -> None:
     """Every field of `plan` equals the reference's, bit for bit and type for type."""
-    for name in STATIC_FIELDS:
-        value = getattr(plan, name)
-        assert type(value) is int, f"{name}: a Python int, got {type(value).__name__}"
-        assert value == getattr(expected, name), f"{name}: {value} != {getattr(expected, name)}"
-    for name in ARRAY_FIELDS:
-        value = getattr(plan, name)
-        assert isinstance(value, mx.array), f"{name}: an mx.array, got {type(value).__name__}"
-        assert value.dtype == mx.int32, f"{name}: dtype {value.dtype}"
-        assert_bitwise(value, getattr(expected, name), name)
-    for name in SCALAR_FIELDS:
-        value = getattr(plan, name)
-        assert isinstance(value, mx.array), f"{name}: an mx.array, got {type(value).__name__}"
-        assert value.dtype == mx.int32 and value.shape == (), f"{name}: {value.dtype} {value.shape}"
-        want = getattr(expected, name)
-        assert value.item() == want, f"{name}: {value.item()} != {want}"
-    if expected.row_weights is None:
-        assert plan.row_weights is None, "row_weights: None without weights"
-    else:
-        assert plan.row_weights is not None, "row_weights: missing"
-        assert plan.row_weights.dtype == mx.float32, f"row_weights: dtype {plan.row_weights.dtype}"
-        assert_bitwise(plan.row_weights, expected.row_weights, "row_weights")
+    problem = ref.plan_mismatch(plan, expected)
+    if problem:
+        raise AssertionError(problem)

@@ -9,6 +9,8 @@ are named ("float32", "float16", "bfloat16", "int32", "uint16", "uint32").
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -23,8 +25,11 @@ PLAN_BLOCK = 512
 # linearly in N, not as N * N / PLAN_BLOCK (plan.h). On the H200 at 163,840
 # entries (T = 16384, K = 10; `bash tests/gpu_suite.sh results plan-groups`):
 # 29.6 us a call at 64 groups, 34.8 at 128, 41.5 at 256, 65.6 uncapped (320
-# groups); below 64 blocks the cap changes nothing.
+# groups); below 64 blocks the cap changes nothing. Other caps are asked for
+# with `plan_max_groups` (the benchmark's --plan-max-groups measures them).
 PLAN_MAX_GROUPS = 64
+# The cap of the innermost `plan_max_groups` block; None outside any.
+_plan_max_groups: ContextVar[int | None] = ContextVar("plan_max_groups", default=None)
 
 # Groups loop over rows beyond this many, keeping every grid within limits.
 MAX_GROUPS = 1 << 16
@@ -113,15 +118,37 @@ def plan_layout(
     return layout, offset
 
 
+@contextmanager
+def plan_max_groups(cap: int):
+    """Cap the GPU plan's groups at `cap` instead of PLAN_MAX_GROUPS, within the block.
+
+    The cap applies to plans built inside the block (a plan's launch is fixed
+    when `moe_plan` is called, not when the graph is evaluated). It changes
+    how the work is split, never the result.
+
+    Args:
+        cap (int): Plan groups at most; at least 1.
+    """
+    if cap < 1:
+        raise ValueError(f"cap: must be at least 1, got {cap}")
+    token = _plan_max_groups.set(cap)
+    try:
+        yield
+    finally:
+        _plan_max_groups.reset(token)
+
+
 def plan_launch(
     num_entries: int, num_experts: int, tile_m: int, top_k: int, has_weights: bool
 ) -> Launch:
     """The plan kernel, for `num_entries >= 1`: outputs plan_data, row_weights.
 
-    Its groups are capped at PLAN_MAX_GROUPS as that is at the call (the tests
-    and the benchmark's --plan-max-groups set it).
+    Its groups are capped at the cap of an enclosing `plan_max_groups` block,
+    else at PLAN_MAX_GROUPS as that is at the call (the tests patch it).
     """
-    return _plan_launch(num_entries, num_experts, tile_m, top_k, has_weights, PLAN_MAX_GROUPS)
+    cap = _plan_max_groups.get()
+    return _plan_launch(num_entries, num_experts, tile_m, top_k, has_weights,
+                        PLAN_MAX_GROUPS if cap is None else cap)
 
 
 @lru_cache(maxsize=256)
