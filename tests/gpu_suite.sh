@@ -11,7 +11,9 @@
 #   nn          the mlx-lm model and layer tests on the default device (the GPU);
 #   model       whole models, patched against mlx-lm (benchmarks.model):
 #               Qwen3-30B-A3B and gpt-oss-20b, prefill of 8192 tokens and
-#               decode at batch 1 to 64, three processes;
+#               decode at batch 1 to 64, three processes (on a fresh machine
+#               the first compiles MLX's CUDA kernels, about 2.5 minutes; the
+#               others find them in MLX's disk cache);
 #   dispatch    the host cost of a graph node;
 #   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
 #   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
