@@ -172,50 +172,70 @@ def prefill(model, prompt: mx.array, cache) -> mx.array:
     return logits
 
 
+class Sides:
+    """mlx-lm's model and the patched one, taking turns.
+
+    Each round runs both, the first alternating from round to round, so that
+    drift hits both sides. MLX's CUDA backend can fail to launch mlx-lm's
+    graphs (`cuGraphAddKernelNode ... invalid argument`, sorted `gather_qmm`
+    over many rows): mlx-lm's side is then dropped and `failure` says why; a
+    failure of the patched side is raised.
+    """
+
+    def __init__(self, model, patched):
+        self.models = {"mlx-lm": model, "patched": patched}
+        self.failure: str | None = None
+
+    def turns(self, rounds: int):
+        """(side, model) for each turn of `rounds` rounds."""
+        for r in range(rounds):
+            for side in ("mlx-lm", "patched") if r % 2 == 0 else ("patched", "mlx-lm"):
+                if side == "mlx-lm" and self.failure:
+                    continue
+                yield side, self.models[side]
+
+    def attempt(self, side: str, what: str, run):
+        """`run()`, or None if it is mlx-lm's side and MLX failed to launch it."""
+        try:
+            return run()
+        except RuntimeError as error:
+            if side == "patched":
+                raise
+            self.failure = f"{type(error).__name__}: {error}"
+            progress(f"  {what}, mlx-lm: {self.failure}")
+            return None
+
+
 def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.random.randint(0, vocab, (1, tokens))
+    sides = Sides(model, patched)
     times = {"mlx-lm": [], "patched": []}
     logits = {}
-    failure = None
     # Untimed first: a prompt whose chunks have the timed ones' sizes, so that
-    # MLX's kernel compilation (many seconds on CUDA) stays out of the times.
+    # MLX's kernel compilation (minutes on a fresh CUDA machine) stays out.
     warm = prompt[:, : min(tokens, PREFILL_STEP + (tokens - 1) % PREFILL_STEP + 1)]
-    for side, m in (("mlx-lm", model), ("patched", patched)):
-        try:
-            prefill(m, warm, make_prompt_cache(m))
-        except RuntimeError as error:  # MLX's CUDA backend failing to launch a graph
-            if side == "patched":
-                raise
-            failure = f"{type(error).__name__}: {error}"
-            progress(f"  prefill, mlx-lm: {failure}")
+    for side, m in sides.turns(1):
+        sides.attempt(side, "prefill", lambda: prefill(m, warm, make_prompt_cache(m)))
     progress(f"  warmed up on {warm.shape[1]} tokens")
-    for r in range(rounds):
-        for side in (("mlx-lm", "patched") if r % 2 == 0 else ("patched", "mlx-lm")):
-            if side == "mlx-lm" and failure:
-                continue
-            m = model if side == "mlx-lm" else patched
-            cache = make_prompt_cache(m)
-            mx.synchronize()
-            start = time.perf_counter()
-            try:
-                logits[side] = prefill(m, prompt, cache)
-            except RuntimeError as error:  # MLX's CUDA backend failing to launch a graph
-                if side == "patched":
-                    raise
-                failure = f"{type(error).__name__}: {error}"
-                progress(f"  prefill, mlx-lm: {failure}")
-                continue
-            times[side].append(time.perf_counter() - start)
-            progress(f"  prefill {tokens} tokens, {side}: {times[side][-1] * 1e3:.1f} ms")
-            del cache
-            mx.clear_cache()
+    for side, m in sides.turns(rounds):
+        cache = make_prompt_cache(m)
+        mx.synchronize()
+        start = time.perf_counter()
+        result = sides.attempt(side, "prefill", lambda: prefill(m, prompt, cache))
+        if result is None:
+            continue
+        logits[side] = result
+        times[side].append(time.perf_counter() - start)
+        progress(f"  prefill {tokens} tokens, {side}: {times[side][-1] * 1e3:.1f} ms")
+        cache = None  # its memory back to MLX before the next turn's
+        mx.clear_cache()
     row = {"tokens": tokens}
     for side, samples in times.items():
         row[f"{side}_ms"] = statistics.median(samples) * 1e3 if samples else None
         row[f"{side}_tokens_per_s"] = tokens / statistics.median(samples) if samples else None
-    row["mlx-lm_error"] = failure
+    row["mlx-lm_error"] = sides.failure
     row["speedup"] = (row["mlx-lm_ms"] / row["patched_ms"]) if row["mlx-lm_ms"] else None
     row["logits_rel_diff"] = relative_difference(logits["patched"], logits["mlx-lm"]) \
         if "mlx-lm" in logits else None
@@ -301,28 +321,28 @@ def measure_decode(model, patched, batch: int, context: int, steps: int, warmup:
     saved = snapshot(cache)
     samples = {side: {"build": [], "wall": [], "pipelined": []} for side in ("mlx-lm", "patched")}
     logits = {}
-    failure = None
-    for r in range(rounds):
-        for side in (("mlx-lm", "patched") if r % 2 == 0 else ("patched", "mlx-lm")):
-            if side == "mlx-lm" and failure:
-                continue
-            m = model if side == "mlx-lm" else patched
-            try:
-                restore(cache, saved)
-                builds, walls, first_logits = decode_steps(m, cache, first, steps, warmup)
-                if pipelined:
-                    restore(cache, saved)
-                    samples[side]["pipelined"].append(decode_pipelined(m, cache, first, steps))
-            except RuntimeError as error:  # MLX's CUDA backend failing to launch a graph
-                if side == "patched":
-                    raise
-                failure = f"{type(error).__name__}: {error}"
-                progress(f"  decode batch {batch}, mlx-lm: {failure}")
-                continue
-            logits.setdefault(side, first_logits)
-            samples[side]["build"] += builds
-            samples[side]["wall"] += walls
-    row = {"batch": batch, "context": context, "steps": steps * rounds, "mlx-lm_error": failure}
+    sides = Sides(model, patched)
+
+    def run(m):
+        restore(cache, saved)
+        steps_taken = decode_steps(m, cache, first, steps, warmup)
+        if not pipelined:
+            return steps_taken, None
+        restore(cache, saved)
+        return steps_taken, decode_pipelined(m, cache, first, steps)
+
+    for side, m in sides.turns(rounds):
+        result = sides.attempt(side, f"decode batch {batch}", lambda: run(m))
+        if result is None:
+            continue
+        (builds, walls, first_logits), pipelined_s = result
+        logits.setdefault(side, first_logits)
+        samples[side]["build"] += builds
+        samples[side]["wall"] += walls
+        if pipelined_s is not None:
+            samples[side]["pipelined"].append(pipelined_s)
+    row = {"batch": batch, "context": context, "steps": steps * rounds,
+           "mlx-lm_error": sides.failure}
     for side, sample in samples.items():
         for what, values in sample.items():
             row[f"{side}_{what}_ms"] = statistics.median(values) * 1e3 if values else None
