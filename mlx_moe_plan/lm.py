@@ -14,10 +14,10 @@ models included), call it through their module's global, so replacing that
 global patches every model a command loads, and nothing of mlx-lm's command
 code is copied. Each model is patched as it is loaded, before any adapter or
 sharding is applied to it (sharding splits the same projection modules in
-place; the fused blocks of a sharded model keep their own call). Once per
-model class, a line on stderr says what was patched, or that a model has no
-MoE layer and runs unpatched (its command still runs, with mlx-lm's exit
-code).
+place; the fused blocks of a sharded model keep their own call). A line on
+stderr says what was patched (once, however often the same model loads), or
+that a model has no MoE layer and runs unpatched: its command still runs, with
+mlx-lm's exit code, since an unpatched model is what `--no-patch` runs too.
 
 Errors of mlx-lm (a missing model, a bad argument) read as they do from
 `mlx_lm COMMAND`: the same message and exit code, its traceback without the
@@ -152,9 +152,9 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True,
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
         report (Callable[[str], None]): Where the messages go. Default: stderr.
     """
+    utils = hook_point()  # before importing nn, which needs mlx-lm
     from .nn import patch_model
 
-    utils = hook_point()
     load_model = utils.load_model
     report_once = _OncePerMessage(report)
 
