@@ -106,3 +106,27 @@ def write_model(path: Path, name: str, *, bits: int | None = None,
     save_config(config, path / "config.json")
     write_tokenizer(path)
     return path
+
+
+def write_adapter(path: Path, model_path: Path, *, seed: int = 1) -> Path:
+    """LoRA adapters for the model at `model_path`, random, as mlx-lm's `lora` saves them.
+
+    Random `lora_b` as well as `lora_a` (training starts it at zero), so the
+    adapters change the output. Returns `path`.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(model_path)
+    config = {"fine_tune_type": "lora", "num_layers": 2,
+              "lora_parameters": {"rank": 4, "scale": 1.0, "dropout": 0.0}}
+    linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"])
+    rng = np.random.default_rng(seed)
+    adapters = {name: mx.array(rng.standard_normal(value.shape).astype(np.float32) * 0.2)
+                for name, value in tree_flatten(model.parameters())
+                if name.rpartition(".")[2] in ("lora_a", "lora_b")}
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "adapters.safetensors"), adapters)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -128,6 +128,21 @@ def test_generate_matches_unpatched(models, name, variant, prompt):
     assert text == generated_text(unpatched.stdout)
 
 
+def test_generate_with_adapters_matches_unpatched(models, tmp_path):
+    # LoRA adapters wrap the experts' projections after the patch (mlx-lm's
+    # load applies them to the model load_model returns): the patched layer
+    # runs them as it runs the plain projections.
+    adapter = lm_fixtures.write_adapter(tmp_path / "adapter", models["mixtral"])
+    args = ["generate", "--model", models["mixtral"], "--adapter-path", adapter,
+            "--prompt", LONG_PROMPT, "--max-tokens", "12", "--temp", "0"]
+    patched, unpatched = map(succeeded, run_patched_and_not(args))
+    assert "patched 2 MoE layers of MixtralForCausalLM" in patched_line(patched)
+    plain = succeeded(run(ours("--no-patch", *args[:3], *args[5:])))
+    text = generated_text(patched.stdout)
+    assert text == generated_text(unpatched.stdout)
+    assert text != generated_text(plain.stdout), "the adapters changed nothing"
+
+
 def test_chat_matches_unpatched(models):
     args = ["chat", "--model", models["mixtral"], "--max-tokens", "12", "--temp", "0"]
     patched, unpatched = map(succeeded, run_patched_and_not(args, stdin="hello the model\nq\n"))
