@@ -94,7 +94,8 @@ def describe_patch(model, config: dict, replaced: int, tile_m: int | None) -> st
         formulation = "GEMMs as mlx-lm's own call (tile_m 0)"
     else:
         formulation = f"tile_m {tile_m}"
-    return f"patched {replaced} MoE layers of {name} ({fused} blocks fused, {formulation})"
+    layers = "layer" if replaced == 1 else "layers"
+    return f"patched {replaced} MoE {layers} of {name} ({fused} blocks fused, {formulation})"
 
 
 class _OncePerMessage:
@@ -130,6 +131,7 @@ def hook_point() -> types.ModuleType:
 
 
 def installed_mlx_lm_version() -> str:
+    """The installed mlx-lm's version, as its package metadata gives it."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
