@@ -1,0 +1,380 @@
+# mlx_moe_plan.lm against mlx-lm's own commands: small random MoE models on
+# disk (tests/lm_fixtures.py), run by `python -m mlx_moe_plan.lm COMMAND` in
+# subprocesses, patched and with --no-patch, must print the same greedy text
+# (generate, chat, the server's chat completions through the OpenAI client),
+# the benchmark must report its rates, and bad input must end in a clear
+# message and a non-zero exit, never a traceback through this package.
+# Nothing here reaches the network: the models are local directories, the
+# Hugging Face libraries run offline, and servers listen on 127.0.0.1.
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx_lm", reason="the commands are mlx-lm's")
+pytest.importorskip("tokenizers", reason="the test models' tokenizer is built with it")
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mlx_moe_plan  # noqa: E402
+from mlx_moe_plan import lm  # noqa: E402
+from mlx_moe_plan.nn import SwitchGLU  # noqa: E402
+
+import lm_fixtures  # noqa: E402  (beside this file, on sys.path as pytest imports it)
+
+MOE_MODELS = ["qwen3_moe", "mixtral", "gpt_oss"]
+# Generous bounds on every wait: a command here takes about a second.
+COMMAND_TIMEOUT_S = 120
+SERVER_START_TIMEOUT_S = 60
+SERVER_STOP_TIMEOUT_S = 10
+PACKAGE_DIR = str(Path(mlx_moe_plan.__file__).resolve().parent)
+# Prompts of 2 and 45 words: with the chat template's 5 tokens, K * T below
+# mlx-lm's 64-entry sort threshold for every model, and above it (by the first
+# prefill chunk, T - 1 tokens) for K = 2 and 4.
+SHORT_PROMPT = "hello world"
+LONG_PROMPT = " ".join(lm_fixtures.WORDS[i % len(lm_fixtures.WORDS)] for i in range(45))
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """Model directories by name: `NAME` (float32), `NAME-4bit`, and `llama` (no MoE)."""
+    root = tmp_path_factory.mktemp("lm_models")
+    paths = {}
+    for name in lm_fixtures.CONFIGS:
+        paths[name] = lm_fixtures.write_model(root / name, name)
+        if name in MOE_MODELS:
+            paths[f"{name}-4bit"] = lm_fixtures.write_model(root / f"{name}-4bit", name, bits=4)
+    return paths
+
+
+def offline_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               NO_COLOR="1", TERM="dumb", PYTHONUNBUFFERED="1")
+    return env
+
+
+def ours(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mlx_moe_plan.lm", *map(str, args)]
+
+
+def run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True,
+                          env=offline_env(), timeout=COMMAND_TIMEOUT_S)
+
+
+def run_patched_and_not(args: list[str], stdin: str | None = None):
+    """`ours(*args)` and `ours("--no-patch", *args)`, side by side (two cores)."""
+    with ThreadPoolExecutor(2) as pool:
+        patched = pool.submit(run, ours(*args), stdin)
+        unpatched = pool.submit(run, ours("--no-patch", *args), stdin)
+        return patched.result(), unpatched.result()
+
+
+def succeeded(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-3000:]}"
+    return result
+
+
+def patched_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mlx-moe-plan:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def generated_text(stdout: str) -> str:
+    """The text `mlx_lm generate` prints between its two `==========` lines."""
+    parts = stdout.split("==========\n")
+    assert len(parts) >= 3, stdout
+    return parts[1]
+
+
+def prompt_tokens(stdout: str) -> int:
+    return int(re.search(r"^Prompt: (\d+) tokens", stdout, re.M).group(1))
+
+
+@pytest.mark.parametrize("prompt", [SHORT_PROMPT, LONG_PROMPT], ids=["short", "long"])
+@pytest.mark.parametrize("variant", ["", "-4bit"], ids=["float32", "4bit"])
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_generate_matches_unpatched(models, name, variant, prompt):
+    args = ["generate", "--model", models[name + variant], "--prompt", prompt,
+            "--max-tokens", "12", "--temp", "0"]
+    patched, unpatched = map(succeeded, run_patched_and_not(args))
+    message = patched_line(patched)
+    architecture = lm_fixtures.CONFIGS[name]["architectures"][0]
+    assert message.startswith(f"mlx-moe-plan: patched 2 MoE layers of {architecture} "
+                              f"(2 blocks fused"), message
+    assert "unpatched" in patched_line(unpatched)
+
+    # The routed entries of the first forward, against mlx-lm's sort threshold.
+    tokens, top_k = prompt_tokens(patched.stdout), lm_fixtures.TOP_K[name]
+    if prompt == SHORT_PROMPT:
+        assert tokens * top_k < 64
+    else:
+        assert (tokens - 1) * top_k > 64
+    text = generated_text(patched.stdout)
+    assert len(set(text.split())) >= 3, f"too uniform a text to compare: {text!r}"
+    assert text == generated_text(unpatched.stdout)
+
+
+def test_generate_with_adapters_matches_unpatched(models, tmp_path):
+    # LoRA adapters wrap the experts' projections after the patch (mlx-lm's
+    # load applies them to the model load_model returns): the patched layer
+    # runs them as it runs the plain projections.
+    adapter = lm_fixtures.write_adapter(tmp_path / "adapter", models["mixtral"])
+    args = ["generate", "--model", models["mixtral"], "--adapter-path", adapter,
+            "--prompt", LONG_PROMPT, "--max-tokens", "12", "--temp", "0"]
+    patched, unpatched = map(succeeded, run_patched_and_not(args))
+    assert "patched 2 MoE layers of MixtralForCausalLM" in patched_line(patched)
+    plain = succeeded(run(ours("--no-patch", *args[:3], *args[5:])))
+    text = generated_text(patched.stdout)
+    assert text == generated_text(unpatched.stdout)
+    assert text != generated_text(plain.stdout), "the adapters changed nothing"
+
+
+def test_chat_matches_unpatched(models):
+    args = ["chat", "--model", models["mixtral"], "--max-tokens", "12", "--temp", "0"]
+    patched, unpatched = map(succeeded, run_patched_and_not(args, stdin="hello the model\nq\n"))
+    assert "patched 2 MoE layers of MixtralForCausalLM" in patched_line(patched)
+
+    def transcript(stdout: str) -> list[str]:  # all but the rates
+        return [line for line in stdout.splitlines() if "tok/s" not in line]
+
+    assert "bye" in patched.stdout
+    assert transcript(patched.stdout) == transcript(unpatched.stdout)
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(argv: list[str], log_dir: Path, label: str):
+    """`argv` + `--host 127.0.0.1 --port PORT` running; yields PORT; stops it on exit."""
+    port = free_loopback_port()
+    stdout, stderr = log_dir / f"{label}.out", log_dir / f"{label}.err"
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        server = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)],
+                                  stdout=out, stderr=err, env=offline_env())
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"{label} server exited ({server.returncode}):\n"
+                            f"{stderr.read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"{label} server not listening after {SERVER_START_TIMEOUT_S} s")
+            time.sleep(0.1)
+        yield port, stderr
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=SERVER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=SERVER_STOP_TIMEOUT_S)
+
+
+def chat_completions(port: int) -> tuple[str, str]:
+    """One chat completion, then the same streamed, through the OpenAI client."""
+    import openai
+
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                       max_retries=0, timeout=COMMAND_TIMEOUT_S) as client:
+        request = dict(model="default_model", temperature=0, max_tokens=10,
+                       messages=[{"role": "user", "content": "hello the model"}])
+        whole = client.chat.completions.create(**request).choices[0].message.content
+        stream = client.chat.completions.create(**request, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or ""
+                           for chunk in stream if chunk.choices)
+    return whole, streamed
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral-4bit"])
+def test_server_chat_completions_match_unpatched(models, model, tmp_path, monkeypatch):
+    # No proxy of the environment between the client and loopback.
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+        monkeypatch.delenv(proxy.lower(), raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    args = ["server", "--model", models[model]]
+    with running_server(ours(*args), tmp_path, "patched") as (port, patched_log), \
+            running_server(ours("--no-patch", *args), tmp_path, "unpatched") as (port_ref, _):
+        with ThreadPoolExecutor(2) as pool:
+            patched = pool.submit(chat_completions, port)
+            unpatched = pool.submit(chat_completions, port_ref)
+            (whole, streamed), (whole_ref, streamed_ref) = patched.result(), unpatched.result()
+        assert "mlx-moe-plan: patched 2 MoE layers of" in patched_log.read_text()
+    assert whole, "the server generated no text"
+    assert (whole, streamed) == (whole_ref, streamed_ref)
+    assert streamed == whole
+
+
+def console_script() -> str:
+    script = Path(sys.executable).parent / "mlx-moe-lm"
+    if not script.exists():
+        pytest.skip("the mlx-moe-lm console script is not installed (pip install -e . does)")
+    return str(script)
+
+
+RATES = re.compile(r"^Averages: prompt_tps=([\d.]+), generation_tps=([\d.]+)", re.M)
+
+
+def test_benchmark_reports_rates(models):
+    args = ["benchmark", "--model", models["qwen3_moe-4bit"], "-p", "16", "-g", "8", "-n", "1"]
+    with ThreadPoolExecutor(2) as pool:
+        patched = pool.submit(run, [console_script(), *args])
+        unpatched = pool.submit(run, ours("--no-patch", *args))
+        patched, unpatched = succeeded(patched.result()), succeeded(unpatched.result())
+    assert "patched 2 MoE layers of Qwen3MoeForCausalLM" in patched_line(patched)
+    for result in (patched, unpatched):
+        prompt_tps, generation_tps = map(float, RATES.search(result.stdout).groups())
+        assert prompt_tps > 0 and generation_tps > 0, result.stdout
+
+
+def frames(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.lstrip().startswith('File "')]
+
+
+def test_missing_model_is_mlx_lms_error(tmp_path):
+    # mlx-lm takes a path that does not exist for a Hugging Face repository id
+    # and fails there: the same error and exit code as `python -m mlx_lm`,
+    # with no frame of this package in its traceback.
+    missing = str(tmp_path / "no-such-model")
+    args = ["generate", "--model", missing, "--prompt", "hello"]
+    with ThreadPoolExecutor(2) as pool:
+        result = pool.submit(run, ours(*args))
+        reference = pool.submit(run, [sys.executable, "-m", "mlx_lm", *args])
+        result, reference = result.result(), reference.result()
+    assert reference.returncode != 0
+    assert result.returncode == reference.returncode
+    assert not any(PACKAGE_DIR in line for line in frames(result.stderr)), result.stderr
+    # mlx-lm's traceback frame for frame below its entry point (ours replaces it).
+    reference_frames = frames(reference.stderr)
+    entry = [os.path.join("mlx_lm", "__main__.py") in line for line in reference_frames]
+    assert frames(result.stderr) == reference_frames[entry.index(True) + 1:]
+    error_line = [line for line in reference.stderr.splitlines() if missing in line][-1]
+    assert error_line in result.stderr.splitlines()
+    assert result.stderr.splitlines()[-1].startswith("mlx-moe-plan: mlx-lm's generate failed")
+
+
+def test_model_without_moe_runs_unpatched(models):
+    result = succeeded(run(ours("generate", "--model", models["llama"], "--prompt", "hello",
+                                "--max-tokens", "4", "--temp", "0")))
+    assert patched_line(result) == ("mlx-moe-plan: no MoE layers (mlx-lm SwitchGLU) found in "
+                                    "LlamaForCausalLM: running unpatched")
+    assert generated_text(result.stdout).strip()
+
+
+def test_unknown_option_of_ours():
+    result = run([console_script(), "--bogus", "generate", "--model", "unused"])
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "mlx-moe-lm: error: unrecognized arguments: --bogus" in result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "a COMMAND is required: one of generate, chat, server, benchmark"),
+    (["bogus"], "unknown command 'bogus': expected one of generate"),
+    (["convert", "--hf-path", "x"], "mlx-lm's convert is not run here"),
+    (["--tile-m", "-1", "generate"], "argument --tile-m: expected 0 (mlx-lm's own call)"),
+    (["--tile-m", "sixteen", "generate"], "argument --tile-m: expected 0"),
+    (["--no-patch", "--no-fuse", "generate"], "not with --no-patch"),
+])
+def test_bad_options_of_ours(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lm.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_commands_and_command_help_is_mlx_lms(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lm.main(["--help"])
+    assert exit_.value.code == 0
+    ours_help = capsys.readouterr().out
+    assert all(name in ours_help for name in lm.COMMANDS)
+    assert "--no-patch" in ours_help and "--tile-m" in ours_help
+    with pytest.raises(SystemExit) as exit_:
+        lm.main(["generate", "--help"])
+    assert exit_.value.code == 0
+    mlx_lm_help = capsys.readouterr().out
+    assert mlx_lm_help.startswith("usage: python -m mlx_moe_plan.lm generate")
+    assert "--max-tokens" in mlx_lm_help and "--no-patch" not in mlx_lm_help
+
+
+def test_missing_hook_point_is_one_clear_error(monkeypatch, capsys):
+    import mlx_lm.utils
+
+    monkeypatch.delattr(mlx_lm.utils, "load_model")
+    assert lm.main(["generate", "--model", "unused"]) == 1
+    err = capsys.readouterr().err
+    assert "has no mlx_lm.utils.load_model to patch models at" in err
+    assert "Traceback" not in err
+
+
+def test_other_mlx_lm_version_warns_and_patches(models, monkeypatch, capsys):
+    import mlx_lm.utils
+
+    load_model = mlx_lm.utils.load_model
+    monkeypatch.setattr(lm, "installed_mlx_lm_version", lambda: "0.99.0")
+    assert lm.main(["generate", "--model", str(models["mixtral"]), "--prompt", "hello",
+                    "--max-tokens", "2", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: mlx-lm 0.99.0 is installed; these commands are tested with " \
+           f"mlx-lm {lm.MLX_LM_VERSION}" in err
+    assert "patched 2 MoE layers of MixtralForCausalLM" in err
+    assert mlx_lm.utils.load_model is load_model  # the hook is removed afterwards
+
+
+def count_ours(model) -> int:
+    return sum(isinstance(module, SwitchGLU) for _, module in model.named_modules())
+
+
+@pytest.mark.parametrize("loader", ["load", "sharded_load"])
+def test_hook_patches_what_mlx_lm_loads(models, loader, monkeypatch):
+    # Both of mlx-lm's loaders go through the hook; sharded_load calls
+    # load_model twice (lazily, then for the weights): said once. Sharding
+    # (a group of one process here) keeps the block's own call, and the
+    # output is the unpatched model's.
+    import mlx_lm.utils
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    said = []
+    path = str(models["qwen3_moe"])
+    with lm.patched_loads(report=said.append):
+        model = getattr(mlx_lm.utils, loader)(path)[0]
+    reference, _ = mlx_lm.utils.load(path)
+    assert count_ours(model) == 2 and count_ours(reference) == 0
+    assert said == ["patched 2 MoE layers of Qwen3MoeForCausalLM (2 blocks fused, "
+                    "GEMMs by the measured rule)"]
+    tokens = mx.array([list(range(3, 3 + 40))])  # 160 routed entries: sorted rows
+    np.testing.assert_allclose(np.array(model(tokens)), np.array(reference(tokens)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_patch_options_reach_patch_model(models):
+    import mlx_lm.utils
+
+    said = []
+    with lm.patched_loads(tile_m=16, fuse=False, report=said.append):
+        model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
+    assert said == ["patched 2 MoE layers of GptOssForCausalLM (0 blocks fused, tile_m 16)"]
+    assert {module.tile_m for _, module in model.named_modules()
+            if isinstance(module, SwitchGLU)} == {16}
