@@ -79,16 +79,20 @@ def combine_rows_vjp(
         tuple(array, array): `d src`, `[R, H]` of `src.dtype`, and `d weights`,
         float32 `[N, M]` (None without weights).
     """
-    fan_in = index.shape[1]
-    used = inverse >= 0
-    token = mx.where(used, inverse // fan_in, -1)
-    # Differentiable in turn: `index` is the inverse of this gather.
-    grad_src = backend.gather_rows(cotangent, token, index, dtype=src.dtype, stream=stream)
-    if weights is None:
-        return grad_src, None
-    row_weight = mx.where(used, mx.take(weights.reshape(-1), mx.maximum(inverse, 0)), 0.0)
-    grad_src = (grad_src.astype(mx.float32) * row_weight[:, None]).astype(src.dtype)
-    picked = backend.gather_rows(src, index.reshape(-1), None, dtype=mx.float32, stream=stream)
-    picked = picked.reshape(index.shape + (src.shape[1],))
-    grad_weights = (picked * cotangent.astype(mx.float32)[:, None, :]).sum(-1)
-    return grad_src, grad_weights
+    # The elementwise ops on the op's stream too, as the C++ vjp runs them,
+    # not on the default device's (which may be another).
+    with mx.stream(stream):
+        fan_in = index.shape[1]
+        used = inverse >= 0
+        token = mx.where(used, inverse // fan_in, -1)
+        # Differentiable in turn: `index` is the inverse of this gather.
+        grad_src = backend.gather_rows(cotangent, token, index, dtype=src.dtype, stream=stream)
+        if weights is None:
+            return grad_src, None
+        row_weight = mx.where(used, mx.take(weights.reshape(-1), mx.maximum(inverse, 0)), 0.0)
+        grad_src = (grad_src.astype(mx.float32) * row_weight[:, None]).astype(src.dtype)
+        picked = backend.gather_rows(src, index.reshape(-1), None, dtype=mx.float32,
+                                     stream=stream)
+        picked = picked.reshape(index.shape + (src.shape[1],))
+        grad_weights = (picked * cotangent.astype(mx.float32)[:, None, :]).sum(-1)
+        return grad_src, grad_weights
