@@ -71,28 +71,26 @@ def _model_module(config: dict):
     return importlib.import_module(f"mlx_lm.models.{config['model_type']}")
 
 
-def _quantize(model: nn.Module, config: dict, bits: int, group_size: int) -> None:
+def random_model(config: dict, *, dtype: mx.Dtype, bits: int | None, group_size: int,
+                 seed: int = 0) -> tuple[nn.Module, dict]:
+    """mlx-lm's model of `config` with its own random initialization, in `dtype`,
+    quantized to `bits` by mlx-lm's `quantize_model` (None: not quantized),
+    evaluated a layer at a time so that only one layer's float32 weights exist
+    at once. Returns the model and its configuration as mlx-lm saves it (with
+    its `quantization` entry)."""
     from mlx_lm.utils import quantize_model
 
-    with contextlib.redirect_stdout(sys.stderr):  # it prints its bits per weight
-        quantize_model(model, config, group_size=group_size, bits=bits)
-
-
-def random_model(config: dict, *, dtype: mx.Dtype, bits: int | None, group_size: int,
-                 seed: int = 0) -> nn.Module:
-    """mlx-lm's model of `config` with its own random initialization, in `dtype`,
-    quantized to `bits` (None: not quantized), evaluated a layer at a time so
-    that only one layer's float32 weights exist at once."""
     module = _model_module(config)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
     if bits:
-        _quantize(model, config, bits, group_size)
+        with contextlib.redirect_stdout(sys.stderr):  # it prints its bits per weight
+            model, config = quantize_model(model, config, group_size=group_size, bits=bits)
     for layer in model.layers:
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
-    return model
+    return model, config
 
 
 def shared_copy(module: nn.Module) -> nn.Module:
@@ -134,8 +132,8 @@ def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
         config = with_layers(MODELS[name], layers)
         progress(f"building {name} ({config['num_hidden_layers']} layers, random weights, "
                  f"{args.dtype}, {args.bits or 'no'}-bit)")
-        model = random_model(config, dtype=getattr(mx, args.dtype), bits=args.bits,
-                             group_size=args.group_size)
+        model, _ = random_model(config, dtype=getattr(mx, args.dtype), bits=args.bits,
+                                group_size=args.group_size)
         describe = {"config": config, "dtype": args.dtype, "bits": args.bits,
                     "group_size": args.group_size}
     patched = shared_copy(model)

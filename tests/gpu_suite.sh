@@ -3,7 +3,7 @@
 # on Linux; Metal on a Mac), from the project root:
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
-# bench = model,dispatch,ops,plan-groups,layer,layer-small,layer-large):
+# bench = model,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
@@ -14,6 +14,9 @@
 #               decode at batch 1 to 64, three processes (on a fresh machine
 #               the first compiles MLX's CUDA kernels, about 2.5 minutes; the
 #               others find them in MLX's disk cache);
+#   lm          mlx-lm's own `benchmark` command on a Qwen3-30B-A3B model
+#               directory of random weights (benchmarks.model_dir, 17 GB in
+#               $TMPDIR), unpatched (--no-patch) and patched, prompts of 2048;
 #   dispatch    the host cost of a graph node;
 #   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
 #   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
@@ -44,7 +47,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
-steps=${steps//bench/model,dispatch,ops,plan-groups,layer,layer-small,layer-large}
+steps=${steps//bench/model,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -63,6 +66,15 @@ fi
 if wanted model; then
   logged "$results/model.log" python3 -m benchmarks.model \
     --models qwen3-30b-a3b,gpt-oss-20b --processes 3 --json "$results/model.json"
+fi
+if wanted lm; then
+  model_dir=${TMPDIR:-/tmp}/mlx-moe-plan-qwen3-30b-a3b
+  [ -f "$model_dir/config.json" ] ||
+    logged "$results/lm-model-dir.log" python3 -m benchmarks.model_dir qwen3-30b-a3b "$model_dir"
+  for patch in --no-patch "" --no-patch ""; do  # in turns, twice
+    logged "$results/lm-benchmark${patch}.log" python3 -m mlx_moe_plan.lm $patch benchmark \
+      --model "$model_dir" -p 2048 -g 128 -n 3
+  done
 fi
 if wanted dispatch; then
   logged "$results/dispatch.log" python3 -m benchmarks.dispatch

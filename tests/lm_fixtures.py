@@ -5,8 +5,9 @@ Each directory is what mlx-lm's `load` reads from a converted checkpoint:
 `save_model` and `save_config`, 4-bit ones quantized by its `quantize_model`
 (so the config carries its `quantization` entry), and a tokenizer built here
 with the `tokenizers` library: a word-level vocabulary with a chat template
-and an end-of-sequence token, so `generate`, `chat` and the server's chat
-completions run on it as on a real model's.
+and an end-of-sequence token (`benchmarks.model_dir.write_tokenizer`, which
+also writes the real configurations' directories), so `generate`, `chat` and
+the server's chat completions run on it as on a real model's.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-# Special tokens first; the chat template marks turns with the first two, and
-# "<|im_end|>" ends a turn, so it is the end-of-sequence token.
-SPECIAL_TOKENS = ["<unk>", "<|im_start|>", "<|im_end|>"]
-EOS_TOKEN = "<|im_end|>"
+from benchmarks import model_dir
+from benchmarks.model_dir import EOS_TOKEN, SPECIAL_TOKENS
+
 WORDS = (
     "the a an of to in on for with and or but not is are was be this that it we you "
     "they model expert experts token tokens route router layer layers weight weights "
@@ -30,11 +30,6 @@ WORDS = (
 ).split()
 VOCABULARY = SPECIAL_TOKENS + WORDS
 VOCAB_SIZE = len(VOCABULARY)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }} "
-    "{{ message['content'] }}<|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
-)
 
 _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
                num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -67,18 +62,7 @@ TOP_K = {"qwen3_moe": 4, "mixtral": 2, "gpt_oss": 2}
 
 def write_tokenizer(path: Path) -> None:
     """A word-level tokenizer over `VOCABULARY`: tokenizer.json and its config."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCABULARY)},
-                                           unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
-              "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": None,
-              "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-              "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    model_dir.write_tokenizer(path, VOCABULARY)
 
 
 def write_model(path: Path, name: str, *, bits: int | None = None,

@@ -22,7 +22,8 @@ from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
 
 def small_model(name="small-qwen3-moe", layers=2):
     config = with_layers(MODELS[name], layers)
-    return bench.random_model(config, dtype=mx.float32, bits=None, group_size=64)
+    model, _ = bench.random_model(config, dtype=mx.float32, bits=None, group_size=64)
+    return model
 
 
 def test_shared_copy_shares_weights_and_patches_alone():
