@@ -71,9 +71,11 @@ if wanted lm; then
   model_dir=${TMPDIR:-/tmp}/mlx-moe-plan-qwen3-30b-a3b
   [ -f "$model_dir/config.json" ] ||
     logged "$results/lm-model-dir.log" python3 -m benchmarks.model_dir qwen3-30b-a3b "$model_dir"
-  for patch in --no-patch "" --no-patch ""; do  # in turns, twice
-    logged "$results/lm-benchmark${patch}.log" python3 -m mlx_moe_plan.lm $patch benchmark \
-      --model "$model_dir" -p 2048 -g 128 -n 3
+  for turn in 1 2; do  # the two sides in turns, twice
+    for patch in --no-patch ""; do
+      logged "$results/lm-benchmark-$turn${patch:-patched}.log" \
+        python3 -m mlx_moe_plan.lm $patch benchmark --model "$model_dir" -p 2048 -g 128 -n 3
+    done
   done
 fi
 if wanted dispatch; then
