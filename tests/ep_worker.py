@@ -13,6 +13,7 @@ import traceback
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.generate import generate_step
 from mlx_lm.models import switch_layers
 
 from mlx_moe_plan.nn import SwitchGLU, patch_model, shard_experts
@@ -102,6 +103,17 @@ for name in MODELS:
 
             check(f"{variant}: shard_experts after model.shard() raises",
                   refuses_tensor_parallel)
+
+# mlx-lm's generation loop (its own stream, KV cache, pipelined evals) runs a
+# sharded model: greedy tokens as one process's (these seeds have no near-tie).
+for name in ("qwen3_moe", "gpt_oss"):
+    model = make_model(name, quantized=True)
+    sharded = copy.deepcopy(model)
+    shard_experts(sharded, group)
+    prompt = mx.array([1, 5, 9, 17, 33])
+    check(f"{name} 4bit: generate_step gives the single-process tokens",
+          lambda: [t for t, _ in generate_step(prompt, sharded, max_tokens=12)] ==
+          [t for t, _ in generate_step(prompt, model, max_tokens=12)])
 
 # One layer's input gradient, summed over the ranks as the whole layer's.
 for tile_m in (None, 1, 8):
