@@ -21,12 +21,18 @@ MoE blocks that weight and sum the experts' outputs themselves
 `SwitchGLU.weighted_sum`: one `moe_combine` in place of unsort, multiply and
 sum. `patch_model` gives it to the mlx-lm blocks of `fused_blocks.py` whose
 code is the code their fused forward was written against.
+
+`shard_experts` splits each layer's experts among the ranks of an
+`mx.distributed` group (expert parallelism, `expert_parallel.py`).
 """
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
 from mlx.utils import tree_unflatten
 
 try:
@@ -37,7 +43,7 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
         "pip install mlx-lm (or this package's [bench] extra)"
     ) from error
 
-from . import _backend, fused_blocks
+from . import _backend, _compiled, expert_parallel, fused_blocks
 from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
@@ -66,6 +72,12 @@ MLX_LM_SORTS_FROM_ENTRIES = 64
 # auto,0,1,8,16,32,64`, RESULTS.md).
 TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
+# An expert-parallel layer (shard_experts) routes about 1/N of
+# its entries to its own experts, but a plan's static capacity is all T * K.
+# From this many entries it reads the plan's num_rows (one host sync) and runs
+# its GEMMs over the used rows only, rounded up so that few shapes appear (at
+# most 4 an octave); below, over the whole capacity, without a sync (decoding).
+EXPERT_PARALLEL_SYNC_FROM_ENTRIES = 1024
 
 
 def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
@@ -137,6 +149,12 @@ class SwitchGLU(nn.Module):
     max_rows_per_gemm = 32768
     # Calls of up to this many tokens run compiled (COMPILE_MAX_TOKENS); 0: never.
     compile_max_tokens = COMPILE_MAX_TOKENS
+    # Expert parallelism (set by shard_experts): the layer
+    # holds the model's experts [expert_offset, expert_offset + num_experts),
+    # its routed ids are shifted by -expert_offset (others skipped), and its
+    # outputs are summed over expert_group. None: the layer holds every expert.
+    expert_group: mx.distributed.Group | None = None
+    expert_offset = 0
 
     def __init__(
         self,
@@ -173,12 +191,49 @@ class SwitchGLU(nn.Module):
         return self.gate_proj.num_experts
 
     def _formulation(self, indices: mx.array) -> int:
-        if self.tile_m is not None:
-            return self.tile_m
-        return default_tile_m(indices.size, self.num_experts)
+        tile_m = self.tile_m
+        if tile_m is None:
+            tile_m = default_tile_m(indices.size, self.num_experts)
+        # mlx-lm's call would hand the skipped ids (-1) to gather_qmm unchecked.
+        return 1 if tile_m == MLX_LM and self.expert_group is not None else tile_m
 
     def _plan(self, indices: mx.array, tile_m: int):
-        return moe_plan(mx.stop_gradient(indices), self.num_experts, tile_m=tile_m)
+        indices = mx.stop_gradient(indices)
+        if self.expert_group is not None:
+            # The model's ids to this rank's, -1 (skipped) for other ranks' experts.
+            local = indices.astype(mx.int32) - self.expert_offset  # routers give uint32
+            indices = mx.where((local >= 0) & (local < self.num_experts), local, -1)
+        return moe_plan(indices, self.num_experts, tile_m=tile_m)
+
+    def _sharded_input(self, x: mx.array) -> mx.array:
+        """`x`, whose gradient an expert-parallel layer sums over its group.
+
+        Each rank's output depends on `x` through its own experts only; the
+        ranks' input gradients add up to the whole layer's, as mlx-lm's
+        tensor-parallel layers sum theirs (`sum_gradients`)."""
+        return x if self.expert_group is None else sum_gradients(self.expert_group)(x)
+
+    def _summed(self, y: mx.array) -> mx.array:
+        """`y` summed over the expert group: the ranks' experts' outputs together."""
+        return y if self.expert_group is None else \
+            mx.distributed.all_sum(y, group=self.expert_group)
+
+    def _used_rows(self, plan) -> int:
+        """The rows an expert-parallel layer runs its GEMMs over: all of the
+        capacity, or from `EXPERT_PARALLEL_SYNC_FROM_ENTRIES` entries (and not
+        while traced: no sync there) the used rows rounded up to a multiple
+        of an eighth of the next power of two, which reads the plan's
+        `num_rows` (a host sync)."""
+        entries = math.prod(plan.indices_shape)
+        if self.expert_group is None or entries < EXPERT_PARALLEL_SYNC_FROM_ENTRIES or \
+                getattr(_compiled._trace_state, "active", False):
+            return plan.capacity
+        used = max(int(plan.num_rows.item()), 1)
+        # Up to the next multiple of an eighth of the next power of two: at
+        # most 4 shapes an octave, and under 25% of rows wasted.
+        step = max((1 << (used - 1).bit_length()) // 8, plan.tile_m)
+        step = -(-step // plan.tile_m) * plan.tile_m
+        return min(-(-used // step) * step, plan.capacity)
 
     def _mlx_lm(self, x: mx.array, indices: mx.array) -> mx.array:
         """mlx-lm's own `SwitchGLU` call on these projections: `[..., K, D]`."""
@@ -202,6 +257,17 @@ class SwitchGLU(nn.Module):
     def _expert_rows(self, x: mx.array, plan) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
         rows = moe_gather(x, plan)
+        used = self._used_rows(plan)
+        if used < plan.capacity:
+            # Rows past num_rows are padding nobody reads: zeros stand for
+            # their outputs, at the capacity the unsort and combine expect.
+            out = self._expert_rows_used(rows[:used], plan, used)
+            unused = mx.zeros((plan.capacity - used, out.shape[-1]), dtype=out.dtype)
+            return mx.concatenate([out, unused])
+        return self._expert_rows_used(rows, plan, plan.capacity)
+
+    def _expert_rows_used(self, rows: mx.array, plan, used: int) -> mx.array:
+        """The expert MLP of the plan's first `used` rows, `rows` `[used, D]`."""
         hidden = rows.shape[-1]  # spelled out: -1 cannot be inferred for 0 rows
         if plan.tile_m > 1:
             # Tiles past num_tiles hold zero rows and expert -1: give them the
@@ -209,10 +275,10 @@ class SwitchGLU(nn.Module):
             # promises (a wrong promise gives wrong weight gradients); nothing
             # reads their outputs.
             last = self.num_experts - 1
-            experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)
-            tiles = rows.reshape(plan.max_tiles, plan.tile_m, hidden)
-            out = self._mlp(tiles, experts)
-            return out.reshape(plan.capacity, out.shape[-1])
+            tiles = used // plan.tile_m
+            experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)[:tiles]
+            out = self._mlp(rows.reshape(tiles, plan.tile_m, hidden), experts)
+            return out.reshape(used, out.shape[-1])
         # [capacity, 1, D] by reshape, not expand_dims, and back by reshape,
         # not squeeze (whose gradient is an expand_dims). MLX gives the size-1
         # axis expand_dims inserts a stride of 1, and MLX 0.32.4's CUDA sorted
@@ -220,15 +286,15 @@ class SwitchGLU(nn.Module):
         # rows) takes that stride for the distance between rows: on the H200
         # it read expand_dims' rows wrongly (max error 7.2 in a 32-wide
         # product) and reshaped ones right (1e-6).
-        rows = rows.reshape(plan.capacity, 1, hidden)
-        experts = plan.row_experts  # sorted by construction
+        rows = rows.reshape(used, 1, hidden)
+        experts = plan.row_experts[:used]  # sorted by construction
         step = self.max_rows_per_gemm
-        if plan.capacity <= step:
+        if used <= step:
             out = self._mlp(rows, experts)
         else:
             out = mx.concatenate([self._mlp(rows[i : i + step], experts[i : i + step])
-                                  for i in range(0, plan.capacity, step)])
-        return out.reshape(plan.capacity, out.shape[-1])
+                                  for i in range(0, used, step)])
+        return out.reshape(used, out.shape[-1])
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""
@@ -241,7 +307,8 @@ class SwitchGLU(nn.Module):
         if tile_m == MLX_LM:
             return self._mlx_lm(x, indices)
         plan = self._plan(indices, tile_m)
-        return moe_unsort(self._expert_rows(x, plan), plan)
+        rows = self._expert_rows(self._sharded_input(x), plan)
+        return self._summed(moe_unsort(rows, plan))
 
     def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array, *,
                      in_rows_dtype: bool = False) -> mx.array:
@@ -281,9 +348,9 @@ class SwitchGLU(nn.Module):
             weighted = (y * scores[..., None]).sum(-2)
             return weighted.astype(y.dtype) if in_rows_dtype else weighted
         plan = self._plan(indices, tile_m)
-        rows = self._expert_rows(x, plan)
+        rows = self._expert_rows(self._sharded_input(x), plan)
         dtype = rows.dtype if in_rows_dtype else mx.result_type(rows.dtype, scores.dtype)
-        return moe_combine(rows, plan, weights=scores, dtype=dtype)
+        return self._summed(moe_combine(rows, plan, weights=scores, dtype=dtype))
 
 
 def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True) -> int:
@@ -316,3 +383,44 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
             if entry is not None and isinstance(module.get(entry.experts), SwitchGLU):
                 fused_blocks.fuse(module, entry)
     return len(replacements)
+
+
+def shard_experts(model: nn.Module, group: mx.distributed.Group | None = None) -> int:
+    """Split the experts of every MoE layer of `model` among `group`'s ranks, in place.
+
+    Patches the model first if it has mlx-lm `SwitchGLU` layers left
+    (`patch_model`). Rank r keeps the contiguous experts
+    `[r * E / N, (r + 1) * E / N)` of each layer (1/N of their bytes; the
+    other arrays are dropped before they are evaluated where they are still
+    lazy), computes the routed entries of those experts only, and the layer's
+    output is summed over the group with one `all_sum` (the weighted sum of
+    a fused block, or the `[..., K, D]` outputs of an unfused one). Input
+    gradients are summed over the group too, so training works. Attention,
+    routers and dense layers stay replicated: every rank must run the same
+    model on the same inputs.
+
+    A group of one rank is a no-op (returns 0). A model without MoE layers
+    returns 0. A model already tensor-parallel (mlx-lm's `model.shard()`)
+    raises a ValueError: its blocks sum over their own group.
+
+    Args:
+        model (Module): A loaded mlx-lm model (or any module tree).
+        group (Group, optional): The ranks. Default: `mx.distributed.init()`.
+
+    Returns:
+        int: How many layers were sharded.
+    """
+    group = group or mx.distributed.init()
+    if group.size() == 1:
+        return 0
+    expert_parallel.check_not_tensor_parallel(model)
+    if any(isinstance(m, _mlx_lm_switch.SwitchGLU) for _, m in model.named_modules()):
+        patch_model(model)
+    layers = [m for _, m in model.named_modules()
+              if isinstance(m, SwitchGLU) and m.expert_group is None]
+    ranges = [expert_parallel.expert_range(layer.num_experts, group) for layer in layers]
+    for layer, (start, stop) in zip(layers, ranges):  # all checked before any is cut
+        expert_parallel.keep_experts(layer, start, stop)
+        layer.expert_offset = start
+        layer.expert_group = group
+    return len(layers)

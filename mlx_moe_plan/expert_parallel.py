@@ -1,0 +1,65 @@
+"""Expert parallelism: each rank of a group keeps a contiguous range of experts.
+
+mlx-lm shards MoE blocks by tensor parallelism: every rank keeps all E experts,
+each cut to 1/N of its hidden width. Here each rank keeps whole experts,
+`[r * E / N, (r + 1) * E / N)`, and the activations stay replicated: a rank
+computes only the routed entries of its own experts (the plan skips the
+others) and one `all_sum` of the block's `[T, D]` output adds the ranks' parts.
+The layer (`nn.SwitchGLU`) does the shifting, skipping and summing once it
+has an `expert_group`; this module cuts its projections and sets it.
+`nn.shard_experts` is the entry point.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# The projections of a SwitchGLU and their arrays whose first axis is the
+# expert's: float weight and bias, quantized weight, scales and biases.
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_ARRAYS = ("weight", "scales", "biases", "bias")
+
+
+def expert_range(num_experts: int, group: mx.distributed.Group) -> tuple[int, int]:
+    """The experts `[start, stop)` rank `group.rank()` keeps.
+
+    Args:
+        num_experts (int): The layer's experts E.
+        group (Group): The ranks sharing the experts.
+
+    Returns:
+        tuple[int, int]: `(r * E / N, (r + 1) * E / N)`.
+    """
+    size = group.size()
+    if num_experts % size:
+        raise ValueError(f"expert parallelism: the layer's {num_experts} experts do not "
+                         f"divide among {size} ranks (E = {num_experts}, N = {size})")
+    per_rank = num_experts // size
+    return group.rank() * per_rank, (group.rank() + 1) * per_rank
+
+
+def check_not_tensor_parallel(model: nn.Module) -> None:
+    """Raise if mlx-lm's `model.shard()` already split `model`'s MoE blocks.
+
+    Its blocks keep every expert, each cut in width, and sum over their
+    `sharding_group` themselves; cutting their experts too would be wrong."""
+    for path, module in model.named_modules():
+        if getattr(module, "sharding_group", None) is not None:
+            raise ValueError(f"expert parallelism: {path or 'the model'} is already "
+                             "tensor-parallel (mlx-lm's model.shard()); use one or the other")
+
+
+def keep_experts(layer: nn.Module, start: int, stop: int) -> None:
+    """Keep experts `[start, stop)` of `layer`'s projections, in place.
+
+    The slices are copies, so the arrays of the other experts are freed once
+    nothing else holds them; lazy (not yet loaded) arrays stay lazy, and only
+    the slices are ever computed.
+    """
+    for name in _PROJECTIONS:
+        projection = layer[name]
+        for key in _EXPERT_ARRAYS:
+            array = projection.get(key)
+            if isinstance(array, mx.array):
+                projection[key] = mx.array(array[start:stop])
