@@ -276,7 +276,9 @@ class SwitchGLU(nn.Module):
             # reads their outputs.
             last = self.num_experts - 1
             tiles = used // plan.tile_m
-            experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)[:tiles]
+            experts = mx.where(plan.tile_experts < 0, last, plan.tile_experts)
+            if tiles < plan.max_tiles:  # no slice node on the unsharded path
+                experts = experts[:tiles]
             out = self._mlp(rows.reshape(tiles, plan.tile_m, hidden), experts)
             return out.reshape(used, out.shape[-1])
         # [capacity, 1, D] by reshape, not expand_dims, and back by reshape,
@@ -287,7 +289,9 @@ class SwitchGLU(nn.Module):
         # it read expand_dims' rows wrongly (max error 7.2 in a 32-wide
         # product) and reshaped ones right (1e-6).
         rows = rows.reshape(used, 1, hidden)
-        experts = plan.row_experts[:used]  # sorted by construction
+        experts = plan.row_experts  # sorted by construction
+        if used < plan.capacity:  # no slice node on the unsharded path
+            experts = experts[:used]
         step = self.max_rows_per_gemm
         if used <= step:
             out = self._mlp(rows, experts)
