@@ -224,8 +224,8 @@ class SwitchGLU(nn.Module):
         while traced: no sync there) the used rows rounded up to a multiple
         of an eighth of the next power of two, which reads the plan's
         `num_rows` (a host sync)."""
-        entries = math.prod(plan.indices_shape)
-        if self.expert_group is None or entries < EXPERT_PARALLEL_SYNC_FROM_ENTRIES or \
+        if self.expert_group is None or \
+                math.prod(plan.indices_shape) < EXPERT_PARALLEL_SYNC_FROM_ENTRIES or \
                 getattr(_compiled._trace_state, "active", False):
             return plan.capacity
         used = max(int(plan.num_rows.item()), 1)
