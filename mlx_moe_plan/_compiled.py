@@ -41,10 +41,14 @@ class _CompiledForwards(dict):
 _trace_state = threading.local()
 
 
+def tracing() -> bool:
+    """Whether a compiled forward is being traced now (on this thread)."""
+    return getattr(_trace_state, "active", False)
+
+
 def compiles(max_tokens: int, x: mx.array) -> bool:
     """Whether a call on activations `x` `[..., D]` runs compiled."""
-    return 0 < math.prod(x.shape[:-1]) <= max_tokens and \
-        not getattr(_trace_state, "active", False)
+    return 0 < math.prod(x.shape[:-1]) <= max_tokens and not tracing()
 
 
 def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):

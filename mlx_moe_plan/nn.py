@@ -226,7 +226,7 @@ class SwitchGLU(nn.Module):
         `num_rows` (a host sync)."""
         if self.expert_group is None or \
                 math.prod(plan.indices_shape) < EXPERT_PARALLEL_SYNC_FROM_ENTRIES or \
-                getattr(_compiled._trace_state, "active", False):
+                _compiled.tracing():
             return plan.capacity
         used = max(int(plan.num_rows.item()), 1)
         # Up to the next multiple of an eighth of the next power of two: at
