@@ -93,10 +93,8 @@ def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: lis
         for i in range(0, tokens, step)]).astype(mx.float32)
     scale = float(mx.abs(want).max())
     ours_samples = {}
-    ours_layers = {}
     for tile_m in tile_ms:
         ours = [SwitchGLU.from_mlx_lm(layer, tile_m=tile_m) for layer in theirs]
-        ours_layers[tile_m] = ours
 
         def our_call(i, ours=ours):
             x, indices, scores = inputs[i]

@@ -99,7 +99,6 @@ def shared_copy(module: nn.Module) -> nn.Module:
     Patching the copy swaps modules in the copy only: the original stays
     mlx-lm's, and no weight is stored twice."""
     new = copy.copy(module)
-    new.__dict__.pop("_compiled_forwards", None)
     for key, value in module.items():
         new[key] = _shared_value(value)
     return new
