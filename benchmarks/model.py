@@ -21,8 +21,8 @@ and server run it:
   GPU time where the GPU is the longer.
 
 The sides alternate (prefill: each side in turn, `--rounds` times; decode: at
-each batch size, each side's steps in turn) so drift hits both, and the
-figures are medians. `--processes N` runs the whole benchmark in N processes
+each batch size, each side's steps in turn, `--decode-rounds` times) so drift
+hits both, and the figures are medians. `--processes N` runs the whole benchmark in N processes
 and reports the median of their figures and the lowest ratio. The logits of
 both sides are compared (relative L2 difference, float32). Progress goes to
 stderr; the table to stdout; `--json` writes every figure.
@@ -439,7 +439,7 @@ def run(args) -> dict:
             progress(f"{name}: decode at batch {batch}")
             entry["decode"].append(measure_decode(
                 model, patched, batch, args.context or context, args.steps, args.warmup,
-                args.rounds, vocab, not args.no_pipelined))
+                args.decode_rounds, vocab, not args.no_pipelined))
         result["models"].append(entry)
         del model, patched
         mx.clear_cache()
@@ -461,7 +461,9 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int,
                         help="timed decode steps a turn (default 10 on a GPU, 5 on a CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
-    parser.add_argument("--rounds", type=int, default=2, help="turns of each side")
+    parser.add_argument("--rounds", type=int, default=2, help="prefill turns of each side")
+    parser.add_argument("--decode-rounds", type=int, default=4,
+                        help="decode turns of each side at each batch size")
     parser.add_argument("--no-pipelined", action="store_true",
                         help="skip generate's pipelined loop")
     parser.add_argument("--dtype", help="activations and unquantized weights (default "

@@ -57,10 +57,9 @@ FusedMoEBlock = fused_blocks.FusedMoEBlock
 # The tile_m of mlx-lm's own formulation: its SwitchGLU call, op for op (no
 # plan): each token against its K experts as routed below 64 routed entries,
 # rows sorted by its two argsorts from there (`do_sort = indices.size >= 64`
-# in mlx-lm 0.32.2's switch_layers). The rule runs it where mlx-lm does not
-# sort: there it beat our sorted rows by 5 to 48 us a layer on the H200 (no
-# plan, gather or combine to launch), and a patched model decoding one
-# sequence gives the unpatched logits bit for bit.
+# in mlx-lm 0.32.2's switch_layers). Its kernels are mlx-lm's, so compiled
+# (decoding) it costs mlx-lm's GPU time and less host time, and a patched
+# model gives the unpatched logits bit for bit wherever the rule runs it.
 MLX_LM = 0
 MLX_LM_SORTS_FROM_ENTRIES = 64
 # On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
@@ -69,7 +68,11 @@ MLX_LM_SORTS_FROM_ENTRIES = 64
 # while experts average fewer than 64 rows, 64-row tiles from there. Above the
 # launch noise of the smallest sizes, the rule picks the fastest formulation
 # measured or one within 4% of it (`python -m benchmarks.layer --tile-m
-# auto,0,1,8,16,32,64`, RESULTS.md).
+# auto,0,1,8,16,32,64`, RESULTS.md). Below 2 rows an expert, CUDA runs
+# mlx-lm's own call: our sorted rows took up to 10% less GPU time there but
+# more host time (plan, gather and combine to launch), and whole models
+# decoding batches of 8 ran at 0.89x to 1.01x of mlx-lm with them against
+# 1.01x to 1.05x with mlx-lm's call.
 TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 # An expert-parallel layer (shard_experts) routes about 1/N of
@@ -85,11 +88,11 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
 
     On MLX's CUDA backend, tiles once experts average
     `TILED_FROM_ROWS_PER_EXPERT` routed entries (16 rows, or 64 once they
-    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`). Otherwise mlx-lm's own call
-    (`MLX_LM`) below `MLX_LM_SORTS_FROM_ENTRIES` entries, where mlx-lm does not
-    sort, and sorted single rows (1) from there: the CPU's formulations at
-    every size (its `gather_qmm` pays for every padding row) and Metal's, not
-    yet measured.
+    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`), mlx-lm's own call (`MLX_LM`)
+    below. Elsewhere (the CPU, whose `gather_qmm` pays for every padding row
+    of a tile, and Metal, not yet measured) `MLX_LM` below
+    `MLX_LM_SORTS_FROM_ENTRIES` entries, where mlx-lm does not sort, and
+    sorted single rows (1) from there.
 
     Args:
         num_entries (int): Routed entries, `T * K` (`indices.size`).
@@ -101,8 +104,9 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
         int: `MLX_LM` (0), 1, 16 or 64.
     """
     stream = _backend.resolve_stream(stream)
-    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda" and \
-            num_entries >= TILED_FROM_ROWS_PER_EXPERT * num_experts:
+    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda":
+        if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
+            return MLX_LM
         return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
     return MLX_LM if num_entries < MLX_LM_SORTS_FROM_ENTRIES else 1
 

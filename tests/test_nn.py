@@ -393,9 +393,9 @@ def test_default_formulation_is_the_measured_rule(monkeypatch):
     cpu = {(8, 8): 0, (63, 512): 0, (64, 512): 1, (4096, 512): 1, (1 << 20, 8): 1}
     for (entries, experts), tile_m in cpu.items():
         assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == tile_m
-    # CUDA: mlx-lm's call below 64 entries, then sorted rows until experts
-    # average 2 rows, tiles from there (64-row ones from 64).
-    cuda = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 1, (1023, 512): 1,
+    # CUDA: mlx-lm's call until experts average 2 rows, tiles from there
+    # (64-row ones from 64).
+    cuda = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 0, (1023, 512): 0,
             (1024, 512): 16, (32767, 512): 16, (32768, 512): 64, (512, 8): 64}
     if mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda":
         for (entries, experts), tile_m in cuda.items():
