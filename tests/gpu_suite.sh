@@ -29,6 +29,10 @@
 #   layer-large the same in the default formulation at T = 8192 and 16384, one
 #               process a shape and T (a failing mlx-lm launch cannot disturb
 #               the next). All three write JSON.
+#   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend)
+#               benchmarks.expert_parallel under `mlx.launch -n 2 --backend
+#               nccl`: one GPU, mlx-lm's tensor parallelism (patched and not)
+#               and expert parallelism, Qwen3-30B-A3B and DeepSeek-V3 (4 layers).
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -116,5 +120,9 @@ if wanted layer-large; then
         --json "$results/layer-$shape-$tokens.json"
     done
   done
+fi
+if wanted expert-parallel; then
+  logged "$results/expert-parallel.log" mlx.launch -n 2 --backend nccl -- \
+    python3 -m benchmarks.expert_parallel --json "$results/expert-parallel.json"
 fi
 exit $status

@@ -1,0 +1,274 @@
+"""Expert parallelism against mlx-lm's tensor parallelism and one device, under `mlx.launch`.
+
+    mlx.launch -n 2 --backend nccl -- python -m benchmarks.expert_parallel    # 2 GPUs
+    mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- \\
+        python -m benchmarks.expert_parallel                                  # CPU: small model
+
+Every rank builds the same model of a real configuration (`benchmarks/workloads.py`,
+random weights from one seed, bfloat16 and 4-bit on a GPU) once per side, and
+the sides run one after another:
+
+- `one`: `patch_model`, no group: each rank runs the whole model by itself, so
+  rank 0's figures are one device's;
+- `tensor`: mlx-lm's own tensor parallelism, `model.shard(group)` (attention,
+  dense layers and every expert cut in width, an `all_sum` a block), unpatched;
+- `tensor+patch`: the same, then `patch_model` (the experts' GEMMs ours; the
+  sharded blocks keep their own call);
+- `expert`: `nn.shard_experts(model, group)`: E/N whole experts a rank,
+  attention and dense layers replicated, one `all_sum` a MoE block.
+
+For each side: the first MoE block alone on T tokens (wall time of building and
+evaluating it, median of several calls), a whole-model prefill in mlx-lm's
+chunks of 2048 (`benchmarks.model.prefill`), and decoding one step at a time
+from a context in the KV cache, wall time with graph building
+(`benchmarks.model.decode_steps`); the bytes of the experts a rank holds, and
+its peak memory. The last prefill logits are compared with `one`'s. Rank 0
+prints the table and writes `--json`; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from . import model as whole
+from .workloads import DEFAULT_LAYERS, MODELS, with_layers
+
+SIDES = ("one", "tensor", "tensor+patch", "expert")
+DEFAULTS = {  # device type -> (models, prompts, block tokens, batches, context, dtype)
+    "gpu": (["qwen3-30b-a3b", "deepseek-v3"], (2048, 8192), (1, 32, 2048, 8192), (1, 32),
+            512, "bfloat16"),
+    "cpu": (["small-qwen3-moe"], (256,), (1, 32, 256), (1, 8), 64, "float32"),
+}
+
+
+def expert_bytes(model) -> int:
+    """Bytes of the experts' projections (mlx-lm's SwitchGLU or ours) this rank holds."""
+    from mlx_lm.models.switch_layers import SwitchGLU as MlxLmSwitchGLU
+
+    from mlx_moe_plan.nn import SwitchGLU
+
+    total = 0
+    for _, layer in model.named_modules():
+        if isinstance(layer, (SwitchGLU, MlxLmSwitchGLU)):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                total += sum(v.nbytes for k, v in layer[name].items() if isinstance(v, mx.array))
+    return total
+
+
+def build_side(side: str, config: dict, args, group) -> tuple[object, str | None]:
+    """The model of `side` on this rank, evaluated; or None and why it cannot run."""
+    from mlx_moe_plan.nn import patch_model, shard_experts
+
+    model, _ = whole.random_model(config, dtype=getattr(mx, args.dtype), bits=args.bits,
+                                  group_size=args.group_size, seed=0)
+    if side.startswith("tensor"):
+        if not hasattr(model, "shard"):
+            return None, f"mlx-lm's {config['model_type']} has no shard()"
+        model.shard(group)
+        if side == "tensor+patch":
+            patch_model(model)
+    elif side == "expert":
+        shard_experts(model, group)
+    else:
+        patch_model(model)
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    return model, None
+
+
+def first_moe_block(model):
+    """The first decoder layer's MoE block (whatever holds its SwitchGLU)."""
+    for layer in model.layers:
+        block = getattr(layer, "mlp", None)
+        if block is not None and any(hasattr(block, n) for n in ("switch_mlp", "experts")):
+            return block
+    raise ValueError("no MoE block found")
+
+
+def time_block(block, tokens: int, hidden: int, dtype, calls: int) -> float:
+    """Median wall seconds of building and evaluating `block` on `[1, tokens, D]`."""
+    x = mx.random.normal((1, tokens, hidden), key=mx.random.key(tokens)).astype(dtype)
+    mx.eval(x)
+    for _ in range(2):
+        mx.eval(block(x))
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        mx.eval(block(x))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_side(model, config: dict, args) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    dtype = getattr(mx, args.dtype)
+    row: dict = {"expert_bytes": expert_bytes(model), "block_ms": {}, "prefill_ms": {},
+                 "decode_ms": {}}
+    block = first_moe_block(model)
+    for tokens in args.block_tokens:
+        row["block_ms"][tokens] = time_block(block, tokens, config["hidden_size"], dtype,
+                                             args.calls) * 1e3
+    vocab = config["vocab_size"]
+    mx.reset_peak_memory()
+    for tokens in args.prompts:
+        prompt = mx.random.randint(0, vocab, (1, tokens), key=mx.random.key(1))
+        whole.prefill(model, prompt[:, : min(tokens, 2 * whole.PREFILL_STEP)],
+                      make_prompt_cache(model))  # warm-up: the timed chunk sizes
+        samples = []
+        for _ in range(args.rounds):
+            cache = make_prompt_cache(model)
+            mx.synchronize()
+            start = time.perf_counter()
+            logits = whole.prefill(model, prompt, cache)
+            samples.append(time.perf_counter() - start)
+            cache = None
+        row["prefill_ms"][tokens] = statistics.median(samples) * 1e3
+        row["logits"] = logits
+    row["peak_gb"] = mx.get_peak_memory() / 1e9
+    for batch in args.batches:
+        mx.random.seed(2)  # the same context and first tokens on every side
+        cache, first = whole.fill_context(model, batch, args.context, vocab)
+        _, walls, _ = whole.decode_steps(model, cache, first, args.steps, args.warmup)
+        row["decode_ms"][batch] = statistics.median(walls) * 1e3
+        cache = None
+    mx.clear_cache()
+    return row
+
+
+def run(args) -> dict:
+    group = mx.distributed.init()
+    rank = group.rank()
+    say = whole.progress if rank == 0 else (lambda message: None)
+    result = {"date": datetime.date.today().isoformat(), "device": str(mx.default_device()),
+              "mlx": mx.__version__, "ranks": group.size(),
+              "command": "python -m benchmarks.expert_parallel " + " ".join(args.argv),
+              "models": []}
+    if group.size() < 2:
+        raise SystemExit("run under mlx.launch with 2 or more ranks (a group of one has "
+                         "nothing to split)")
+    for name in args.model_names:
+        config = with_layers(MODELS[name], args.layers or DEFAULT_LAYERS.get(name))
+        entry = {"name": name, "layers": config["num_hidden_layers"], "sides": {}}
+        reference = None
+        for side in args.sides:
+            say(f"{name}: {side}")
+            model, why = build_side(side, config, args, group)
+            if model is None:
+                entry["sides"][side] = {"error": why}
+                say(f"  {side}: {why}")
+                continue
+            row = measure_side(model, config, args)
+            logits = row.pop("logits")
+            if reference is None:
+                reference = logits
+            row["logits_rel_diff"] = whole.relative_difference(logits, reference)
+            entry["sides"][side] = row
+            say(f"  {side}: prefill {row['prefill_ms']} ms, decode {row['decode_ms']} ms")
+            del model, logits
+            mx.clear_cache()
+        result["models"].append(entry)
+    return result
+
+
+def format_tables(result: dict) -> str:
+    lines = [f"{result['ranks']} ranks, {result['device']}, MLX {result['mlx']}"]
+    for entry in result["models"]:
+        sides = {s: r for s, r in entry["sides"].items() if "error" not in r}
+        lines.append(f"{entry['name']} ({entry['layers']} layers); ms, and `expert`'s "
+                     "speedup over each side")
+        rows = [("expert MB", lambda r: r["expert_bytes"] / 1e6, False),
+                ("peak MB", lambda r: r["peak_gb"] * 1e3, False)]
+        for tokens in next(iter(sides.values()))["block_ms"] if sides else ():
+            rows.append((f"block T={tokens}", lambda r, t=tokens: r["block_ms"][t], True))
+        for tokens in next(iter(sides.values()))["prefill_ms"] if sides else ():
+            rows.append((f"prefill {tokens}", lambda r, t=tokens: r["prefill_ms"][t], True))
+        for batch in next(iter(sides.values()))["decode_ms"] if sides else ():
+            rows.append((f"decode b{batch}", lambda r, b=batch: r["decode_ms"][b], True))
+        lines.append("  " + f"{'':16s}" + "".join(f"{s:>14s}" for s in sides) +
+                     "".join(f"{'vs ' + s:>16s}" for s in sides if s != "expert"))
+        for label, value, timed in rows:
+            cells = "".join(f"{value(r):14.2f}" for r in sides.values())
+            ratios = ""
+            if timed and "expert" in sides:
+                ratios = "".join(f"{value(r) / value(sides['expert']):15.2f}x"
+                                 for s, r in sides.items() if s != "expert")
+            lines.append(f"  {label:16s}{cells}{ratios}")
+        if "one" in sides:
+            full = sides["one"]["expert_bytes"]
+            lines.append("  experts' bytes a rank holds, of one device's: " + ", ".join(
+                f"{s} {r['expert_bytes'] / full:.3f}" for s, r in sides.items()) +
+                f" (1/N = {1 / result['ranks']:.3f})")
+        lines.append("  logits rel. diff vs one: " + ", ".join(
+            f"{s} {r['logits_rel_diff']:.1e}" for s, r in sides.items()))
+        for side, row in entry["sides"].items():
+            if "error" in row:
+                lines.append(f"  {side}: not run ({row['error']})")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.expert_parallel",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} (default "
+                        f"{','.join(DEFAULTS['gpu'][0])} on a GPU, "
+                        f"{DEFAULTS['cpu'][0][0]} on a CPU)")
+    parser.add_argument("--layers", type=int, help="decoder layers of each configuration")
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help=f"comma list from {', '.join(SIDES)}; the first is the logits' "
+                             "reference")
+    parser.add_argument("--prompts", type=_ints, help="prefill tokens")
+    parser.add_argument("--block-tokens", type=_ints, help="tokens of the block-alone timings")
+    parser.add_argument("--batches", type=_ints, help="decode batch sizes")
+    parser.add_argument("--context", type=int, help="tokens in the cache before decoding")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    parser.add_argument("--rounds", type=int, default=2, help="timed prefills a side")
+    parser.add_argument("--calls", type=int, default=10, help="timed block calls a size")
+    parser.add_argument("--dtype")
+    parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    args.argv = list(argv)
+    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    models, prompts, block_tokens, batches, context, dtype = DEFAULTS[device]
+    args.model_names = args.models.split(",") if args.models else models
+    args.prompts = args.prompts or list(prompts)
+    args.block_tokens = args.block_tokens or list(block_tokens)
+    args.batches = args.batches or list(batches)
+    args.context = args.context or context
+    args.dtype = args.dtype or dtype
+    args.sides = args.sides.split(",")
+    unknown = set(args.sides) - set(SIDES)
+    if unknown:
+        parser.error(f"--sides: unknown {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    result = run(args)
+    if mx.distributed.init().rank() == 0:
+        print(format_tables(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(copy.deepcopy(result), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
