@@ -50,8 +50,9 @@ def launch(argv: list[str], *, timeout_s: float, cwd: Path | None = None,
     and ranks, after `timeout_s`, and the test fails with the output so far.
 
     Returns:
-        CompletedProcess: The launcher's exit code (non-zero if a rank's
-        was), stdout and stderr (stderr in stdout with `merge_stderr`).
+        CompletedProcess: The launcher's exit code, stdout and stderr (stderr
+        in stdout with `merge_stderr`). MLX 0.32.4's launcher exits 0 even
+        where a rank failed (it warns on stderr): check what the ranks print.
     """
     command = [mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring",
                "--starting-port", str(free_port()), "--", *map(str, argv)]
