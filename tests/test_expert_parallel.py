@@ -26,12 +26,13 @@ LAUNCH_TIMEOUT_S = 120
 @pytest.mark.skipif(two_ranks.ring_runs() is not None, reason=str(two_ranks.ring_runs()))
 def test_two_ranks_match_one_process():
     # Expert-parallel logits of Qwen3-MoE, Mixtral, DeepSeek-V3 and gpt-oss,
-    # float and 4-bit, at 1, 10, 80 and 600 tokens (compiled, uncompiled, and
-    # past the used-rows sync), equal the single-process model's within float
-    # tolerance: each rank rounds its partial weighted sum before the
-    # all_sum adds them, so the last bits differ from one float32 sum. So do
-    # mlx-lm's model.shard() then patch_model, and one layer's input
-    # gradients; bad setups raise. See ep_worker.py.
+    # float and 4-bit, at 1, 10, 80 and 600 tokens (compiled, uncompiled,
+    # and past the used-rows sync), equal the single-process
+    # model's within float tolerance: each rank rounds its partial weighted
+    # sum before the all_sum adds them, so the last bits differ from one
+    # float32 sum. So do mlx-lm's model.shard() then patch_model, one layer's
+    # input gradients, and its weight gradients (a rank's experts' slice of
+    # the whole layer's), unfused and fused; bad setups raise. See ep_worker.py.
     result = two_ranks.launch(
         [sys.executable, WORKER.name], timeout_s=LAUNCH_TIMEOUT_S, cwd=WORKER.parent,
         merge_stderr=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
