@@ -20,9 +20,8 @@ from mlx_lm.models import switch_layers
 from mlx_moe_plan.nn import SwitchGLU, patch_model, shard_experts
 from test_nn import make_model
 
-# The models of the layer tests that mlx-lm 0.32.2 has; qwen3_next is left
-# out for time (its MoE block is Qwen3-MoE's with a shared expert).
-MODELS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+# The models of the layer tests, mlx-lm 0.32.2's.
+MODELS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next"]
 # One token (a decode step: sorted rows where one process runs mlx-lm's call),
 # 10 and 80 tokens run compiled (the all_sum inside the trace); 600 tokens
 # route 1200 to 2400 entries, past EXPERT_PARALLEL_SYNC_FROM_ENTRIES, uncompiled.
@@ -86,7 +85,7 @@ for name in MODELS:
         # mlx-lm's tensor parallelism cuts each expert's hidden width in two:
         # the test models' 32 hold a single 4-bit group of 32, which cannot
         # be cut, so it runs on the float models (qwen3_moe, deepseek_v3 and
-        # gpt_oss; mixtral has no shard()).
+        # gpt_oss; mixtral and qwen3_next have no shard()).
         if hasattr(model, "shard") and not quantized:
             parallel = copy.deepcopy(model)
             parallel.shard(group)

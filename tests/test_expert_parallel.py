@@ -19,15 +19,15 @@ from mlx_moe_plan.nn import SwitchGLU, shard_experts  # noqa: E402
 import two_ranks  # noqa: E402  (beside this file, on sys.path as pytest imports it)
 
 WORKER = Path(__file__).with_name("ep_worker.py")
-# The run takes about 10 s on a 2-core CPU; past this it is hung, not slow.
+# The run takes about 12 s on a 2-core CPU; past this it is hung, not slow.
 LAUNCH_TIMEOUT_S = 120
 
 
 @pytest.mark.skipif(two_ranks.ring_runs() is not None, reason=str(two_ranks.ring_runs()))
 def test_two_ranks_match_one_process():
-    # Expert-parallel logits of Qwen3-MoE, Mixtral, DeepSeek-V3 and gpt-oss,
-    # float and 4-bit, at 1, 10, 80 and 600 tokens (compiled, uncompiled,
-    # and past the used-rows sync), equal the single-process
+    # Expert-parallel logits of Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss and
+    # Qwen3-Next, float and 4-bit, at 1, 10, 80 and 600 tokens (compiled,
+    # uncompiled, and past the used-rows sync), equal the single-process
     # model's within float tolerance: each rank rounds its partial weighted
     # sum before the all_sum adds them, so the last bits differ from one
     # float32 sum. So do mlx-lm's model.shard() then patch_model, one layer's
