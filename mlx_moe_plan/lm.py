@@ -1,7 +1,8 @@
 """mlx-lm's own commands, with every model they load patched by `patch_model`.
 
-    python -m mlx_moe_plan.lm [--no-patch] [--tile-m N] [--no-fuse] COMMAND [ARGS ...]
-    mlx-moe-lm [--no-patch] [--tile-m N] [--no-fuse] COMMAND [ARGS ...]
+    python -m mlx_moe_plan.lm [--no-patch] [--tile-m N] [--no-fuse] [--expert-parallel]
+                              COMMAND [ARGS ...]
+    mlx-moe-lm [--no-patch] [--tile-m N] [--no-fuse] [--expert-parallel] COMMAND [ARGS ...]
 
 COMMAND is one of mlx-lm's commands that run a model (`COMMANDS`: generate,
 chat, server, benchmark, ...) and ARGS are that command's own arguments.
@@ -19,10 +20,31 @@ stderr says what was patched (once, however often the same model loads), or
 that a model has no MoE layer and runs unpatched: its command still runs, with
 mlx-lm's exit code, since an unpatched model is what `--no-patch` runs too.
 
+With `--expert-parallel`, under `mlx.launch` (an `mx.distributed` group of
+N > 1 processes), every model loaded is also split by `nn.shard_experts`: each
+process keeps and computes E / N experts of every MoE layer. The hook loads
+the model lazily, patches and shards it, and only then evaluates its
+parameters (unless the caller asked for a lazy load), the experts array by
+array: a process holds its own experts and, while loading, one whole expert
+array, never the whole model's experts. How a command loads under a group
+decides whether it can run so (`EXPERT_PARALLEL`): generate, perplexity,
+cache_prompt and evaluate call `load` on every rank, which the hook shards;
+benchmark, chat and server call `sharded_load`, which would cut every expert
+in width by mlx-lm's tensor-parallel `model.shard()` (which `shard_experts`
+refuses), so inside the block their modules' `sharded_load` is `load` through
+the hook instead (`--pipeline` is refused). Every rank must run the same
+tokens: the ranks agree on one random seed first (a sampled token is then the
+same on each), the commands that print the same output on every rank print it
+on rank 0 only, and evaluate, which splits its requests among the ranks, and
+cache_prompt, whose ranks would all write one file, are refused
+(`NOT_EXPERT_PARALLEL`). In a group of one process (not started by
+`mlx.launch`) the option warns and the command runs patched, unsplit.
+
 Errors of mlx-lm (a missing model, a bad argument) read as they do from
 `mlx_lm COMMAND`: the same message and exit code, its traceback without the
 frames of this module; errors of ours (no mlx-lm, no hook point, a bad option
-of ours) are one line and a non-zero exit.
+of ours, a model whose experts do not divide among the ranks) are one line and
+a non-zero exit.
 """
 
 from __future__ import annotations
@@ -31,11 +53,15 @@ import argparse
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import sys
 import traceback
 import types
 from typing import Callable, Iterator
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
 # The mlx-lm these commands are written and tested against.
 MLX_LM_VERSION = "0.32.2"
@@ -57,6 +83,21 @@ NOT_PATCHED = {
     "lora": "training runs mlx-lm's own layers",
     **dict.fromkeys(("manage", "upload", "share"), "it runs no model"),
 }
+
+# The commands --expert-parallel runs, and the others with why not. Every rank
+# of an expert-parallel model must run the same tokens: each computes its own
+# experts' part of the same MoE outputs.
+EXPERT_PARALLEL = ("generate", "chat", "server", "benchmark", "perplexity")
+NOT_EXPERT_PARALLEL = {
+    "evaluate": "it splits its requests among the ranks, and expert parallelism "
+                "needs every rank to run the same tokens",
+    "cache_prompt": "its ranks would all write the same file: run it as one process "
+                    "(the KV cache it saves serves an expert-parallel generate as it is)",
+}
+# Commands that know nothing of ranks and print the same output on each: under
+# --expert-parallel only rank 0's standard output is kept (the others' errors
+# still reach stderr).
+PRINT_ON_EVERY_RANK = ("generate", "perplexity")
 
 _PREFIX = "mlx-moe-plan:"
 
@@ -96,6 +137,25 @@ def describe_patch(model, config: dict, replaced: int, tile_m: int | None) -> st
         formulation = f"tile_m {tile_m}"
     layers = "layer" if replaced == 1 else "layers"
     return f"patched {replaced} MoE {layers} of {name} ({fused} blocks fused, {formulation})"
+
+
+def _sharded_layers(model) -> list:
+    """The layers of `model` whose experts `shard_experts` split."""
+    from .nn import SwitchGLU
+
+    return [layer for _, layer in model.named_modules()
+            if isinstance(layer, SwitchGLU) and layer.expert_group is not None]
+
+
+def describe_sharding(model, group: mx.distributed.Group) -> str:
+    """How `shard_experts` split a loaded model's experts, to follow `describe_patch`."""
+    ranks = group.size()
+    # A sharded layer's num_experts is its own E / N.
+    totals = sorted({layer.num_experts * ranks for layer in _sharded_layers(model)})
+    if not totals:
+        return f"nothing to split: each of the {ranks} ranks runs the whole model"
+    each = ", ".join(f"{total // ranks} of {total}" for total in totals)
+    return f"sharded across {ranks} ranks ({each} experts a layer each)"
 
 
 class _OncePerMessage:
@@ -142,23 +202,38 @@ def installed_mlx_lm_version() -> str:
 
 @contextlib.contextmanager
 def patched_loads(*, tile_m: int | None = None, fuse: bool = True,
+                  expert_group: mx.distributed.Group | None = None,
                   report: Callable[[str], None] = say) -> Iterator[None]:
     """Patch every model mlx-lm loads inside the block with `patch_model`.
 
     Replaces `mlx_lm.utils.load_model` with a wrapper that patches the model
     it returns and reports it (`describe_patch`, each message once); the
-    original is restored on exit.
+    original is restored on exit. With an `expert_group` of more than one
+    rank, the wrapper also splits the model's experts (`shard_experts`), and
+    `sharded_load` (in `mlx_lm.utils` and in every mlx-lm module already
+    imported that imported it by name) becomes `load` through the wrapper.
 
     Args:
         tile_m (int, optional): `patch_model`'s `tile_m`. Default: its rule.
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
-        report (Callable[[str], None]): Where the messages go. Default: stderr.
+        expert_group (Group, optional): The ranks to split the experts among.
+          Default: ``None``, every process keeps every expert.
+        report (Callable[[str], None]): Where the messages go. Default: stderr
+          (under an expert group, rank 0's only: the message is the same on
+          every rank).
+
+    Raises:
+        UsageError: Inside the block, a model's experts do not divide among
+          the ranks, mlx-lm's `--pipeline` asks for `sharded_load`'s pipeline,
+          or LoRA adapters are to be applied to an expert-parallel model.
     """
     utils = hook_point()  # before importing nn, which needs mlx-lm
-    from .nn import patch_model
+    from .nn import patch_model, shard_experts
 
     load_model = utils.load_model
     report_once = _OncePerMessage(report)
+    if expert_group is not None and expert_group.size() == 1:
+        expert_group = None  # shard_experts is a no-op there
 
     @functools.wraps(load_model)
     def patching_load_model(*args, **kwargs):
@@ -167,11 +242,77 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True,
         report_once(describe_patch(model, config, replaced, tile_m))
         return model, config
 
-    utils.load_model = patching_load_model
+    # The caller's arguments, whichever way they are passed, to read and set `lazy`.
+    signature = inspect.signature(load_model)
+
+    @functools.wraps(load_model)
+    def sharding_load_model(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        lazy = bound.arguments.get("lazy", False)
+        # Lazily, whatever the caller asked: the other ranks' experts are cut
+        # from the still unread arrays, so this rank's parameters only ever
+        # hold its own.
+        bound.arguments["lazy"] = True
+        model, config = load_model(*bound.args, **bound.kwargs)
+        replaced = patch_model(model, tile_m=tile_m, fuse=fuse)
+        try:
+            shard_experts(model, expert_group)
+        except ValueError as error:  # experts that do not divide among the ranks
+            raise UsageError(str(error)) from None
+        if not lazy:
+            # The experts array by array, each read and cut before the next is
+            # read: evaluated all at once, MLX read every whole array before it
+            # cut any (a peak of the whole model and this rank's copy).
+            for layer in _sharded_layers(model):
+                for _, array in tree_flatten(layer.parameters()):
+                    mx.eval(array)
+            mx.eval(model.parameters())
+        if expert_group.rank() == 0:
+            report_once(f"{describe_patch(model, config, replaced, tile_m)}; "
+                        f"{describe_sharding(model, expert_group)}")
+        return model, config
+
+    def expert_parallel_load(repo, pipeline_group=None, tensor_group=None,
+                             return_config=False, *, tokenizer_config=None,
+                             trust_remote_code=False):
+        """`sharded_load`'s call, answered by `load` (whose `load_model` shards
+        the experts) in place of mlx-lm's tensor or pipeline parallelism: the
+        `tensor_group` a command passes is the group of every rank, the
+        expert group itself."""
+        if pipeline_group is not None:
+            raise UsageError("--expert-parallel and mlx-lm's --pipeline each split the "
+                             "model among the ranks: use one or the other")
+        model, tokenizer, config = utils.load(
+            repo, tokenizer_config=tokenizer_config or {"trust_remote_code": True},
+            return_config=True, trust_remote_code=trust_remote_code)
+        # As sharded_load ends: no rank starts while another is still loading.
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=expert_group))
+        return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+    def refusing_load_adapters(model, adapter_path):
+        # Adapters of the experts' projections hold every expert, and the
+        # projections they wrap only this rank's.
+        raise UsageError("--expert-parallel: LoRA adapters are not split among the "
+                         "ranks; fuse them into the model first (mlx_lm fuse)")
+
+    originals = {(utils, "load_model"): load_model}
+    if expert_group is None:
+        utils.load_model = patching_load_model
+    else:
+        utils.load_model = sharding_load_model
+        originals[utils, "load_adapters"] = utils.load_adapters
+        utils.load_adapters = refusing_load_adapters
+        sharded_load = utils.sharded_load
+        for name, module in list(sys.modules.items()):
+            if (name == "mlx_lm" or name.startswith("mlx_lm.")) and \
+                    getattr(module, "sharded_load", None) is sharded_load:
+                originals[module, "sharded_load"] = sharded_load
+                module.sharded_load = expert_parallel_load
     try:
         yield
     finally:
-        utils.load_model = load_model
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
 
 
 def _tile_m(text: str) -> int:
@@ -196,13 +337,17 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
     commands = "\n".join(f"  {name:<14}{what}" for name, what in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog=prog or _program_name(),
-        usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] COMMAND [ARGS ...]",
+        usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] [--expert-parallel] "
+              "COMMAND [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one of mlx-lm's commands with every MoE model it loads patched "
                     "by mlx_moe_plan.nn.patch_model. Options of ours come before COMMAND; "
                     "what follows COMMAND is mlx-lm's (COMMAND --help shows them).",
         epilog=f"commands (mlx-lm {MLX_LM_VERSION}'s):\n{commands}\n\n"
-               "Compare with mlx-lm itself: the same command with --no-patch.")
+               "Compare with mlx-lm itself: the same command with --no-patch.\n\n"
+               "Expert parallelism, two processes on this machine:\n"
+               "  mlx.launch -n 2 --backend ring -- python -m mlx_moe_plan.lm "
+               "--expert-parallel generate --model PATH --prompt ...")
     parser.add_argument("--no-patch", action="store_true",
                         help="run mlx-lm's command as it is, models unpatched")
     parser.add_argument("--tile-m", type=_tile_m, default=None, metavar="N",
@@ -211,6 +356,10 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "rule, per call)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep every MoE block's own weighted sum of its experts")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="under mlx.launch, split every MoE layer's experts among the "
+                             "processes (nn.shard_experts): each holds and computes E/N of "
+                             "them; for " + ", ".join(EXPERT_PARALLEL))
     # Optional to argparse, so that its absence gets our message, not one
     # that also calls the remainder required.
     parser.add_argument("command", metavar="COMMAND", nargs="?",
@@ -248,8 +397,21 @@ def _raised_by_us(tb: types.TracebackType | None) -> bool:
 
 
 def run_command(command: str, args: list[str], *, patch: bool = True,
-                tile_m: int | None = None, fuse: bool = True, prog: str | None = None) -> None:
+                tile_m: int | None = None, fuse: bool = True,
+                expert_group: mx.distributed.Group | None = None,
+                prog: str | None = None) -> None:
     """Run `mlx_lm COMMAND ARGS` through mlx-lm's own dispatch, models patched.
+
+    Args:
+        command (str): One of `COMMANDS`.
+        args (list[str]): The command's own arguments.
+        patch (bool): Patch the models the command loads. Default: ``True``.
+        tile_m (int, optional): `patch_model`'s `tile_m`. Default: its rule.
+        fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
+        expert_group (Group, optional): Split the experts of every model among
+          these ranks (`patched_loads`), which all run this same command.
+          Default: ``None``, not split.
+        prog (str, optional): The name the command's usage goes by.
 
     Exceptions and `SystemExit` of the command propagate as they are.
     """
@@ -260,13 +422,32 @@ def run_command(command: str, args: list[str], *, patch: bool = True,
     # command's parser then names itself after argv[0].
     sys.argv = [f"{prog or _program_name()} {command}", command, *args]
     try:
-        if patch:
-            with patched_loads(tile_m=tile_m, fuse=fuse):
-                cli.main()
-        else:
+        with contextlib.ExitStack() as stack:
+            if expert_group is not None:
+                _same_on_every_rank(command, expert_group, stack)
+            if patch:
+                stack.enter_context(patched_loads(tile_m=tile_m, fuse=fuse,
+                                                  expert_group=expert_group))
             cli.main()
     finally:
         sys.argv = argv
+
+
+def _same_on_every_rank(command: str, group: mx.distributed.Group,
+                        stack: contextlib.ExitStack) -> None:
+    """Set up an expert-parallel run of `command`: its module imported (so that
+    `patched_loads` finds its `sharded_load`), one random seed for every rank,
+    and rank 0's standard output only where the command prints on every rank."""
+    importlib.import_module(f"mlx_lm.{command}")
+    # Sampled tokens must be the same on every rank: ranks that ran different
+    # tokens would add up parts of different MoE outputs, and one that stopped
+    # first would leave the others waiting in their all_sum. MLX seeds each
+    # process from the clock; mlx-lm's server agrees on a seed this way.
+    seed = mx.distributed.all_sum(mx.random.state[0], group=group)
+    mx.random.seed(seed.view(mx.uint64).item())
+    if command in PRINT_ON_EVERY_RANK and group.rank() != 0:
+        stack.enter_context(contextlib.redirect_stdout(
+            stack.enter_context(open(os.devnull, "w"))))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     if options.no_patch and (options.tile_m is not None or options.no_fuse):
         parser.error("--tile-m and --no-fuse choose how models are patched: "
                      "not with --no-patch")
+    if options.expert_parallel and options.no_patch:
+        parser.error("--expert-parallel splits the experts of the patched layers: "
+                     "not with --no-patch")
+    if options.expert_parallel and options.command in NOT_EXPERT_PARALLEL:
+        parser.error(f"mlx-lm's {options.command} does not run with --expert-parallel "
+                     f"({NOT_EXPERT_PARALLEL[options.command]})")
     try:
         hook_point()
     except UsageError as error:
@@ -295,10 +482,23 @@ def main(argv: list[str] | None = None) -> int:
             f"mlx-lm {MLX_LM_VERSION}: patching through mlx_lm.utils.load_model anyway")
     if options.no_patch:
         say("--no-patch: models run unpatched, as mlx-lm's own")
+    expert_group = None
+    if options.expert_parallel:
+        expert_group = mx.distributed.init()
+        if expert_group.size() == 1:
+            # Not an error: the same command line runs, and can be compared,
+            # without the launcher.
+            say("warning: --expert-parallel: this is one process (mlx.launch starts "
+                "several): the experts are not split, models run patched only")
+            expert_group = None
 
     try:
         run_command(options.command, options.args, patch=not options.no_patch,
-                    tile_m=options.tile_m, fuse=not options.no_fuse, prog=parser.prog)
+                    tile_m=options.tile_m, fuse=not options.no_fuse,
+                    expert_group=expert_group, prog=parser.prog)
+    except UsageError as error:  # ours, raised inside mlx-lm's command by the hook
+        say(f"error: {error}")
+        return 1
     except Exception as error:  # noqa: BLE001  (printed as Python would, then exit 1)
         tb = error.__traceback__
         if not _raised_by_us(tb):

@@ -13,15 +13,15 @@ import traceback
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import switch_layers
 
 from mlx_moe_plan.nn import SwitchGLU, patch_model, shard_experts
-from test_nn import CONFIGS, make_model
+from test_nn import make_model
 
-# The models of the layer tests that mlx-lm 0.32.2 has; qwen3_next is left
-# out for time (its MoE block is Qwen3-MoE's with a shared expert).
-MODELS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+# The models of the layer tests, mlx-lm 0.32.2's.
+MODELS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next"]
 # One token (a decode step: sorted rows where one process runs mlx-lm's call),
 # 10 and 80 tokens run compiled (the all_sum inside the trace); 600 tokens
 # route 1200 to 2400 entries, past EXPERT_PARALLEL_SYNC_FROM_ENTRIES, uncompiled.
@@ -85,7 +85,7 @@ for name in MODELS:
         # mlx-lm's tensor parallelism cuts each expert's hidden width in two:
         # the test models' 32 hold a single 4-bit group of 32, which cannot
         # be cut, so it runs on the float models (qwen3_moe, deepseek_v3 and
-        # gpt_oss; mixtral has no shard()).
+        # gpt_oss; mixtral and qwen3_next have no shard()).
         if hasattr(model, "shard") and not quantized:
             parallel = copy.deepcopy(model)
             parallel.shard(group)
@@ -115,7 +115,15 @@ for name in ("qwen3_moe", "gpt_oss"):
           lambda: [t for t, _ in generate_step(prompt, sharded, max_tokens=12)] ==
           [t for t, _ in generate_step(prompt, model, max_tokens=12)])
 
-# One layer's input gradient, summed over the ranks as the whole layer's.
+def weight_grads(layer, loss) -> dict[str, mx.array]:
+    """The gradients of `loss()` with respect to `layer`'s parameters, by name."""
+    return dict(tree_flatten(nn.value_and_grad(layer, loss)()[1]))
+
+
+# One layer's gradients. Its input gradient: summed over the ranks, the whole
+# layer's. Its weights': a rank's experts are rows [start, stop) of the
+# whole layer's, and so are their gradients (the all_sum passes the
+# cotangent through unchanged).
 for tile_m in (None, 1, 8):
     mx.random.seed(2)
     theirs = switch_layers.SwitchGLU(32, 48, 8, bias=True)
@@ -147,6 +155,26 @@ for tile_m in (None, 1, 8):
         for got, want, how in zip(input_grads(ours), input_grads(theirs), ("unfused", "fused")):
             check(f"layer tile_m={tile_m} T={tokens}: {how} input gradient",
                   lambda: close(got, want, f"gradient {how}"))
+
+        def losses(layer):
+            unfused = lambda: (layer(x, indices) * dy).sum()  # noqa: E731
+            fused = (lambda: (layer.weighted_sum(x, indices, scores) * dy[:, 0]).sum()) \
+                if isinstance(layer, SwitchGLU) else \
+                (lambda: ((layer(x, indices) * scores[..., None]).sum(-2) * dy[:, 0]).sum())
+            return unfused, fused
+
+        start, stop = ours.expert_offset, ours.expert_offset + ours.num_experts
+        for got_loss, want_loss, how in zip(losses(ours), losses(theirs), ("unfused", "fused")):
+            def rank_slice_of_whole(got_loss=got_loss, want_loss=want_loss, how=how):
+                got, want = weight_grads(ours, got_loss), weight_grads(theirs, want_loss)
+                assert sorted(got) == sorted(want) == sorted(
+                    f"{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj")
+                    for k in ("weight", "bias")), sorted(got)
+                for name in want:
+                    close(got[name], want[name][start:stop], f"{how} {name} gradient")
+
+            check(f"layer tile_m={tile_m} T={tokens}: {how} weight gradients of experts "
+                  f"[{start}, {stop})", rank_slice_of_whole)
 
 # Bad setups: clear errors or no-ops, never a hang.
 uneven = SwitchGLU(16, 24, 3)

@@ -1,15 +1,11 @@
 # Expert parallelism (mlx_moe_plan.nn.shard_experts) across two processes on
 # this machine: one `mlx.launch -n 2 --backend ring` run of tests/ep_worker.py
 # checks every model and setup (a launch costs seconds; one is enough), and
-# the single-process cases run here.
+# the single-process cases run here. The launch itself: tests/two_ranks.py.
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,58 +16,30 @@ import pytest
 pytest.importorskip("mlx_lm", reason="shard_experts shards mlx-lm models")
 from mlx_moe_plan.nn import SwitchGLU, shard_experts  # noqa: E402
 
+import two_ranks  # noqa: E402  (beside this file, on sys.path as pytest imports it)
+
 WORKER = Path(__file__).with_name("ep_worker.py")
-# The run takes about 10 s on a 2-core CPU; past this it is hung, not slow.
+# The run takes about 12 s on a 2-core CPU; past this it is hung, not slow.
 LAUNCH_TIMEOUT_S = 120
 
 
-def _mlx_launch() -> str | None:
-    """MLX's launcher next to this interpreter (a virtual environment's bin), or on PATH."""
-    beside = Path(sys.executable).with_name("mlx.launch")
-    return str(beside) if beside.exists() else shutil.which("mlx.launch")
-
-
-def _free_port() -> int:
-    """A port free on the loopback now: the ring's first (rank 0 listens on it, rank 1 on the next)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _ring_runs() -> str | None:
-    """Why the ring backend cannot run here, or None if it can."""
-    if _mlx_launch() is None:
-        return "mlx.launch is not installed"
-    if not mx.distributed.is_available(backend="ring"):
-        return "this MLX has no ring backend"
-    return None
-
-
-@pytest.mark.skipif(_ring_runs() is not None, reason=str(_ring_runs()))
+@pytest.mark.skipif(two_ranks.ring_runs() is not None, reason=str(two_ranks.ring_runs()))
 def test_two_ranks_match_one_process():
-    # Expert-parallel logits of Qwen3-MoE, Mixtral, DeepSeek-V3 and gpt-oss,
-    # float and 4-bit, at 1, 10, 80 and 600 tokens (compiled, uncompiled, and
-    # past the used-rows sync), equal the single-process model's within float
-    # tolerance: each rank rounds its partial weighted sum before the
-    # all_sum adds them, so the last bits differ from one float32 sum. So do
-    # mlx-lm's model.shard() then patch_model, and one layer's input
-    # gradients; bad setups raise. See ep_worker.py.
-    command = [_mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring",
-               "--starting-port", str(_free_port()), "--", sys.executable, WORKER.name]
-    # Its own process group, so a hung run is killed whole: launcher and ranks.
-    process = subprocess.Popen(command, cwd=WORKER.parent, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                   filter(None, [str(WORKER.parent),
-                                                 os.environ.get("PYTHONPATH")]))))
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the two ranks did not finish in {LAUNCH_TIMEOUT_S} s:\n{output[-4000:]}")
+    # Expert-parallel logits of Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss and
+    # Qwen3-Next, float and 4-bit, at 1, 10, 80 and 600 tokens (compiled,
+    # uncompiled, and past the used-rows sync), equal the single-process
+    # model's within float tolerance: each rank rounds its partial weighted
+    # sum before the all_sum adds them, so the last bits differ from one
+    # float32 sum. So do mlx-lm's model.shard() then patch_model, one layer's
+    # input gradients, and its weight gradients (a rank's experts' slice of
+    # the whole layer's), unfused and fused; bad setups raise. See ep_worker.py.
+    result = two_ranks.launch(
+        [sys.executable, WORKER.name], timeout_s=LAUNCH_TIMEOUT_S, cwd=WORKER.parent,
+        merge_stderr=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(WORKER.parent), os.environ.get("PYTHONPATH")]))))
+    output = result.stdout
     failed = [line for line in output.splitlines() if " FAIL " in line]
-    assert process.returncode == 0 and not failed, output[-8000:]
+    assert result.returncode == 0 and not failed, output[-8000:]
     for rank in (0, 1):
         assert f"rank {rank} done: 0 failed" in output, output[-8000:]
 

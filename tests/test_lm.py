@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import socket
@@ -26,12 +27,14 @@ pytest.importorskip("tokenizers", reason="the test models' tokenizer is built wi
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 import mlx_moe_plan  # noqa: E402
 from mlx_moe_plan import lm  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU  # noqa: E402
 
 import lm_fixtures  # noqa: E402  (beside this file, on sys.path as pytest imports it)
+import two_ranks  # noqa: E402
 
 MOE_MODELS = ["qwen3_moe", "mixtral", "gpt_oss"]
 # Generous bounds on every wait: a command here takes about a second.
@@ -296,6 +299,12 @@ def test_unknown_option_of_ours():
     (["--tile-m", "-1", "generate"], "argument --tile-m: expected 0 (mlx-lm's own call)"),
     (["--tile-m", "sixteen", "generate"], "argument --tile-m: expected 0"),
     (["--no-patch", "--no-fuse", "generate"], "not with --no-patch"),
+    (["--expert-parallel", "--no-patch", "generate"],
+     "--expert-parallel splits the experts of the patched layers: not with --no-patch"),
+    (["--expert-parallel", "evaluate"], "mlx-lm's evaluate does not run with "
+     "--expert-parallel (it splits its requests among the ranks"),
+    (["--expert-parallel", "cache_prompt"], "mlx-lm's cache_prompt does not run with "
+     "--expert-parallel (its ranks would all write the same file"),
 ])
 def test_bad_options_of_ours(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -311,6 +320,7 @@ def test_help_lists_commands_and_command_help_is_mlx_lms(capsys):
     ours_help = capsys.readouterr().out
     assert all(name in ours_help for name in lm.COMMANDS)
     assert "--no-patch" in ours_help and "--tile-m" in ours_help
+    assert "--expert-parallel" in ours_help and "mlx.launch -n 2" in ours_help
     with pytest.raises(SystemExit) as exit_:
         lm.main(["generate", "--help"])
     assert exit_.value.code == 0
@@ -378,3 +388,177 @@ def test_patch_options_reach_patch_model(models):
     assert said == ["patched 2 MoE layers of GptOssForCausalLM (0 blocks fused, tile_m 16)"]
     assert {module.tile_m for _, module in model.named_modules()
             if isinstance(module, SwitchGLU)} == {16}
+
+
+# --expert-parallel: two processes launched on the loopback (tests/two_ranks.py),
+# each keeping half of every layer's experts, give one process's text. One
+# launch a loader of mlx-lm's: `load` (generate) and `sharded_load` (chat,
+# through our replacement), a few seconds each.
+LAUNCH_TIMEOUT_S = 120
+needs_ring = pytest.mark.skipif(two_ranks.ring_runs() is not None,
+                                reason=str(two_ranks.ring_runs()))
+
+
+def launch_ours(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return two_ranks.launch(ours("--expert-parallel", *args), stdin=stdin,
+                            timeout_s=LAUNCH_TIMEOUT_S, env=offline_env())
+
+
+@needs_ring
+def test_expert_parallel_generate_matches_one_process(models):
+    # generate loads with `load` on every rank: the hook loads lazily, patches
+    # and shards. Only rank 0 prints its text and the report line.
+    args = ["generate", "--model", models["qwen3_moe"], "--prompt", LONG_PROMPT,
+            "--max-tokens", "12", "--temp", "0"]
+    with ThreadPoolExecutor(2) as pool:
+        launched = pool.submit(launch_ours, *args)
+        reference = succeeded(pool.submit(run, ours("--no-patch", *args)).result())
+        launched = succeeded(launched.result())
+    assert patched_line(launched) == (
+        "mlx-moe-plan: patched 2 MoE layers of Qwen3MoeForCausalLM (2 blocks fused, GEMMs "
+        "by the measured rule); sharded across 2 ranks (8 of 16 experts a layer each)")
+    assert launched.stdout.count("==========") == 2, launched.stdout  # one rank's text
+    text = generated_text(launched.stdout)
+    assert len(set(text.split())) >= 3, f"too uniform a text to compare: {text!r}"
+    assert text == generated_text(reference.stdout)
+
+
+@needs_ring
+def test_expert_parallel_chat_matches_one_process(models):
+    # chat loads with mlx-lm's sharded_load in a group, which would cut the
+    # experts by tensor parallelism: ours loads with `load` instead. Both
+    # ranks read the launcher's stdin; rank 0 prints.
+    args = ["chat", "--model", models["gpt_oss"], "--max-tokens", "12", "--temp", "0"]
+    stdin = "hello the model\nq\n"
+    with ThreadPoolExecutor(2) as pool:
+        launched = pool.submit(launch_ours, *args, stdin=stdin)
+        reference = succeeded(pool.submit(run, ours("--no-patch", *args), stdin).result())
+        launched = succeeded(launched.result())
+    assert patched_line(launched) == (
+        "mlx-moe-plan: patched 2 MoE layers of GptOssForCausalLM (2 blocks fused, GEMMs "
+        "by the measured rule); sharded across 2 ranks (4 of 8 experts a layer each)")
+
+    def transcript(stdout: str) -> list[str]:  # all but the rates
+        return [line for line in stdout.splitlines() if "tok/s" not in line]
+
+    assert "bye" in launched.stdout
+    assert transcript(launched.stdout) == transcript(reference.stdout)
+
+
+class StandInGroup:
+    """Rank `rank` of a group of `size`, as `shard_experts` and the hook ask
+    it; no collective can run on it, so only what comes before one is tested
+    with it."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_parallel_load_keeps_a_ranks_experts(models, rank, monkeypatch):
+    # mlx-lm's load(lazy=False) through the hook: load_model runs lazily, the
+    # model is patched and keeps rank r's experts [8r, 8r + 8) of 16, bit for
+    # bit the whole model's; rank 0 alone reports it.
+    import mlx_lm.utils
+
+    load_model, lazy_calls = mlx_lm.utils.load_model, []
+
+    @functools.wraps(load_model)  # its signature, as the hook reads `lazy` by it
+    def recording_load_model(*args, **kwargs):
+        lazy_calls.append(kwargs.get("lazy", args[1] if len(args) > 1 else False))
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(mlx_lm.utils, "load_model", recording_load_model)
+    said = []
+    path = str(models["qwen3_moe-4bit"])
+    with lm.patched_loads(expert_group=StandInGroup(2, rank), report=said.append):
+        model, _ = mlx_lm.utils.load(path)
+    assert lazy_calls == [True]
+    assert mlx_lm.utils.load_model is recording_load_model  # restored
+    whole, _ = mlx_lm.utils.load(path)
+    ours_layers = [m for _, m in model.named_modules() if isinstance(m, SwitchGLU)]
+    theirs = [m for p, m in whole.named_modules() if p.endswith("mlp.switch_mlp")]
+    assert len(ours_layers) == len(theirs) == 2
+    for layer, reference in zip(ours_layers, theirs):
+        assert (layer.num_experts, layer.expert_offset) == (8, 8 * rank)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            for key in ("weight", "scales", "biases"):
+                assert mx.array_equal(layer[name][key],
+                                      reference[name][key][8 * rank:8 * rank + 8])
+    assert said == ([] if rank else [
+        "patched 2 MoE layers of Qwen3MoeForCausalLM (2 blocks fused, GEMMs by the "
+        "measured rule); sharded across 2 ranks (8 of 16 experts a layer each)"])
+
+
+def test_expert_parallel_load_never_holds_the_whole_experts(models):
+    # The peak of the load is this rank's model and one whole expert array
+    # (read, then cut): not the whole model (rank 1 of 2; float32 experts,
+    # half of its bytes).
+    import mlx_lm.utils
+
+    path = str(models["qwen3_moe"])
+    whole, _ = mlx_lm.utils.load(path)
+    whole_bytes = sum(v.nbytes for _, v in tree_flatten(whole.parameters()))
+    largest_expert_array = max(v.nbytes for k, v in tree_flatten(whole.parameters())
+                               if ".switch_mlp." in k)
+    del whole
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    with lm.patched_loads(expert_group=StandInGroup(2, 1), report=lambda _: None):
+        model, _ = mlx_lm.utils.load(path)
+    model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    assert model_bytes < 0.75 * whole_bytes
+    assert mx.get_peak_memory() - before <= model_bytes + largest_expert_array
+
+
+def test_expert_parallel_refusals_inside_mlx_lm(models, tmp_path):
+    # What the hook meets inside mlx-lm's loaders and cannot run: one
+    # UsageError each (main prints it in one line), and the hooks removed.
+    import mlx_lm.benchmark  # noqa: F401  (imported: its sharded_load is replaced)
+    import mlx_lm.utils
+
+    originals = (mlx_lm.utils.load_model, mlx_lm.utils.load_adapters,
+                 mlx_lm.utils.sharded_load, mlx_lm.benchmark.sharded_load)
+    adapter = lm_fixtures.write_adapter(tmp_path / "adapter", models["mixtral"])
+    with lm.patched_loads(expert_group=StandInGroup(3), report=lambda _: None):
+        assert mlx_lm.benchmark.sharded_load is not originals[3]
+        with pytest.raises(lm.UsageError, match="the layer's 16 experts do not divide "
+                                                "among 3 ranks"):
+            mlx_lm.utils.load(str(models["qwen3_moe"]))
+        with pytest.raises(lm.UsageError, match="and mlx-lm's --pipeline each split"):
+            mlx_lm.benchmark.sharded_load(str(models["qwen3_moe"]), StandInGroup(3))
+    with lm.patched_loads(expert_group=StandInGroup(2), report=lambda _: None):
+        with pytest.raises(lm.UsageError, match="LoRA adapters are not split"):
+            mlx_lm.utils.load(str(models["mixtral"]), adapter_path=str(adapter))
+    assert (mlx_lm.utils.load_model, mlx_lm.utils.load_adapters,
+            mlx_lm.utils.sharded_load, mlx_lm.benchmark.sharded_load) == originals
+
+
+def test_expert_parallel_error_is_one_line(models, monkeypatch, capsys):
+    # From the command line: experts that do not divide among the ranks (a
+    # stand-in group of 3; nothing is run on it) end in one line, exit 1.
+    monkeypatch.setattr(lm.mx.distributed, "init", lambda *args, **kwargs: StandInGroup(3))
+    monkeypatch.setattr(lm, "_same_on_every_rank", lambda *args: None)
+    assert lm.main(["--expert-parallel", "generate", "--model", str(models["qwen3_moe"]),
+                    "--prompt", "hello", "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "mlx-moe-plan: error: expert parallelism: the layer's 16 "
+        "experts do not divide among 3 ranks (E = 16, N = 3)"), err
+    assert "Traceback" not in err
+
+
+def test_expert_parallel_in_one_process_warns_and_runs_patched(models, capsys):
+    # Without mlx.launch the group is this one process: nothing to split.
+    assert lm.main(["--expert-parallel", "generate", "--model", str(models["mixtral"]),
+                    "--prompt", "hello", "--max-tokens", "2", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "mlx-moe-plan: warning: --expert-parallel: this is one process (mlx.launch " \
+           "starts several): the experts are not split, models run patched only" in err
+    assert "patched 2 MoE layers of MixtralForCausalLM" in err and "sharded" not in err
