@@ -1,10 +1,13 @@
-# The whole-model benchmark's own machinery, on the CPU: a copy that shares
-# weights, cache snapshots, and a short run end to end. The figures it reports
-# are only as good as these.
+# The whole-model benchmarks' own machinery, on the CPU: a copy that shares
+# weights, cache snapshots, and short runs end to end (the expert-parallel one
+# as two ranks on the loopback). The figures they report are only as good as
+# these.
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -18,6 +21,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from benchmarks import model as bench  # noqa: E402
 from benchmarks.workloads import LAYER_SHAPES, MODELS, layer_shape, with_layers  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
+
+import two_ranks  # noqa: E402  (beside this file, on sys.path as pytest imports it)
 
 
 def small_model(name="small-qwen3-moe", layers=2):
@@ -77,3 +82,32 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
         assert row["patched_wall_ms"] >= row["patched_build_ms"] > 0
         assert row["mlx-lm_wall_ms"] >= row["mlx-lm_build_ms"] > 0
     assert "speedup" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(two_ranks.ring_runs() is not None, reason=str(two_ranks.ring_runs()))
+def test_expert_parallel_benchmark_end_to_end(tmp_path):
+    # benchmarks.expert_parallel as two ranks on the loopback, every side, one
+    # short run: each side's figures are there, a rank holds half the experts'
+    # bytes under expert and tensor parallelism, and every side's logits are
+    # the single device's within float32 rounding.
+    out = tmp_path / "ep.json"
+    result = two_ranks.launch(
+        [sys.executable, "-m", "benchmarks.expert_parallel", "--layers", "1", "--prompts",
+         "20", "--block-tokens", "1,8", "--batches", "1,3", "--context", "8", "--steps", "2",
+         "--warmup", "1", "--rounds", "1", "--calls", "2", "--json", out],
+        timeout_s=240, cwd=Path(bench.__file__).parents[1], merge_stderr=True)
+    assert out.exists(), result.stdout[-4000:]
+    (entry,) = json.loads(out.read_text())["models"]
+    sides = entry["sides"]
+    assert list(sides) == ["one", "tensor", "tensor+patch", "expert"], result.stdout[-4000:]
+    full = sides["one"]["expert_bytes"]
+    for side, row in sides.items():
+        assert "error" not in row, (side, row)
+        assert set(row["block_ms"]) == {"1", "8"} and set(row["prefill_ms"]) == {"20"}
+        assert set(row["decode_ms"]) == {"1", "3"}
+        timings = [*row["block_ms"].values(), *row["prefill_ms"].values(),
+                   *row["decode_ms"].values()]
+        assert all(t > 0 for t in timings), (side, row)
+        assert row["logits_rel_diff"] < 1e-5, (side, row["logits_rel_diff"])
+        assert row["expert_bytes"] * (1 if side == "one" else 2) == full, (side, row)
+    assert "experts' bytes a rank holds" in result.stdout
