@@ -3,7 +3,7 @@
 # on Linux; Metal on a Mac), from the project root:
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
-# bench = model,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large):
+# bench = model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
@@ -14,6 +14,10 @@
 #               decode at batch 1 to 64, three processes (on a fresh machine
 #               the first compiles MLX's CUDA kernels, about 2.5 minutes; the
 #               others find them in MLX's disk cache);
+#   decode      decode only, Qwen3-30B-A3B at batch 1 to 16 (below tiles: mlx-lm's
+#               call, compiled), three processes, then batch 4 and 8 uncompiled
+#               and in sorted rows, two each: which of compiling and the
+#               formulation moves generate's pipelined loop;
 #   lm          mlx-lm's own `benchmark` command on a Qwen3-30B-A3B model
 #               directory of random weights (benchmarks.model_dir, 17 GB in
 #               $TMPDIR), unpatched (--no-patch) and patched, prompts of 2048;
@@ -51,7 +55,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
-steps=${steps//bench/model,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large}
+steps=${steps//bench/model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -70,6 +74,15 @@ fi
 if wanted model; then
   logged "$results/model.log" python3 -m benchmarks.model \
     --models qwen3-30b-a3b,gpt-oss-20b --processes 3 --json "$results/model.json"
+fi
+if wanted decode; then
+  logged "$results/decode.log" python3 -m benchmarks.model --models qwen3-30b-a3b \
+    --prompt 0 --batches 1,4,8,16 --processes 3 --json "$results/decode.json"
+  logged "$results/decode-no-compile.log" python3 -m benchmarks.model \
+    --models qwen3-30b-a3b --prompt 0 --batches 4,8 --no-compile --processes 2 \
+    --json "$results/decode-no-compile.json"
+  logged "$results/decode-rows.log" python3 -m benchmarks.model --models qwen3-30b-a3b \
+    --prompt 0 --batches 4,8 --tile-m 1 --processes 2 --json "$results/decode-rows.json"
 fi
 if wanted lm; then
   model_dir=${TMPDIR:-/tmp}/mlx-moe-plan-qwen3-30b-a3b
