@@ -475,6 +475,10 @@ def parse_args(argv):
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,
                         help="run in N processes; report medians and the lowest ratio")
+    parser.add_argument("--warm-process", action="store_true",
+                        help="with --processes: first one short untimed process of the "
+                             "same models and sizes, which fills MLX's kernel cache on a "
+                             "fresh machine (its figures are not reported)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     args.argv = list(argv)
@@ -490,6 +494,18 @@ def main(argv=None) -> int:
         i = child.index("--processes")
         del child[i : i + 2]
         with tempfile.TemporaryDirectory() as tmp:
+            if args.warm_process:
+                # MLX's CUDA backend compiles each kernel at its first use and
+                # keeps it in a disk cache: on a fresh machine the first process
+                # spends minutes compiling, and its decode figures at batch 4
+                # and 8 were 0.87x to 0.90x where the later processes' were 1.02x
+                # to 1.05x (RESULTS.md, Qwen3-30B-A3B at f4ee542).
+                progress("warm-up process (not reported)")
+                warm = [a for a in _without_json(child) if a != "--warm-process"]
+                subprocess.run([sys.executable, "-m", "benchmarks.model", *warm, "--steps", "1",
+                                "--warmup", "1", "--rounds", "1", "--decode-rounds", "1",
+                                "--no-pipelined"], check=True, stdout=subprocess.DEVNULL)
+            child = [a for a in child if a != "--warm-process"]
             for p in range(args.processes):
                 out = os.path.join(tmp, f"{p}.json")
                 progress(f"process {p + 1} of {args.processes}")

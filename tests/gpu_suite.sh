@@ -11,9 +11,10 @@
 #   nn          the mlx-lm model and layer tests on the default device (the GPU);
 #   model       whole models, patched against mlx-lm (benchmarks.model):
 #               Qwen3-30B-A3B and gpt-oss-20b, prefill of 8192 tokens and
-#               decode at batch 1 to 64, three processes (on a fresh machine
-#               the first compiles MLX's CUDA kernels, about 2.5 minutes; the
-#               others find them in MLX's disk cache);
+#               decode at batch 1 to 64, three processes after an untimed one
+#               (--warm-process: on a fresh machine it compiles MLX's CUDA
+#               kernels, about 2.5 minutes, into MLX's disk cache, where the
+#               timed ones find them);
 #   decode      decode only, Qwen3-30B-A3B at batch 1 to 16 (below tiles: mlx-lm's
 #               call, compiled), three processes, then batch 4 and 8 uncompiled
 #               and in sorted rows, two each: which of compiling and the
@@ -73,11 +74,12 @@ if wanted nn; then
 fi
 if wanted model; then
   logged "$results/model.log" python3 -m benchmarks.model \
-    --models qwen3-30b-a3b,gpt-oss-20b --processes 3 --json "$results/model.json"
+    --models qwen3-30b-a3b,gpt-oss-20b --processes 3 --warm-process \
+    --json "$results/model.json"
 fi
 if wanted decode; then
   logged "$results/decode.log" python3 -m benchmarks.model --models qwen3-30b-a3b \
-    --prompt 0 --batches 1,4,8,16 --processes 3 --json "$results/decode.json"
+    --prompt 0 --batches 1,4,8,16 --processes 3 --warm-process --json "$results/decode.json"
   logged "$results/decode-no-compile.log" python3 -m benchmarks.model \
     --models qwen3-30b-a3b --prompt 0 --batches 4,8 --no-compile --processes 2 \
     --json "$results/decode-no-compile.json"

@@ -84,6 +84,27 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypatch, capsys):
+    # --processes 2 --warm-process: three children, the first unreported; the
+    # merged figures are the medians of the two reported ones, each ratio's
+    # lowest beside it.
+    monkeypatch.chdir(Path(bench.__file__).parents[1])
+    out = tmp_path / "model.json"
+    assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
+                       "--steps", "2", "--warmup", "1", "--decode-rounds", "1",
+                       "--processes", "2", "--warm-process", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["processes"] == 2 and len(result["per_process"]) == 2
+    for process in result["per_process"]:
+        assert "--warm-process" not in process["command"]
+        assert "--steps 2" in process["command"]  # not the warm-up's settings
+    (row,) = result["models"][0]["decode"]
+    speedups = [p["models"][0]["decode"][0]["speedup"] for p in result["per_process"]]
+    assert row["speedup"] == pytest.approx(sum(speedups) / 2)
+    assert row["speedup_min"] == min(speedups)
+    assert "lowest ratio of 2 processes" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(two_ranks.ring_runs() is not None, reason=str(two_ranks.ring_runs()))
 def test_expert_parallel_benchmark_end_to_end(tmp_path):
     # benchmarks.expert_parallel as two ranks on the loopback, every side, one
