@@ -22,9 +22,11 @@ and server run it:
 
 The sides alternate (prefill: each side in turn, `--rounds` times; decode: at
 each batch size, each side's steps in turn, `--decode-rounds` times) so drift
-hits both, and the figures are medians. `--processes N` runs the whole benchmark in N processes
-and reports the median of their figures and the lowest ratio. The logits of
-both sides are compared (relative L2 difference, float32). Progress goes to
+hits both, and the figures are medians. `--processes N` runs the whole
+benchmark in N processes and reports the median of their figures and the
+lowest ratio; `--warm-process` runs a short untimed one first, in which a
+fresh CUDA machine compiles MLX's kernels. The logits of both sides are
+compared (relative L2 difference, float32). Progress goes to
 stderr; the table to stdout; `--json` writes every figure.
 """
 
