@@ -146,6 +146,32 @@ def test_generate_with_adapters_matches_unpatched(models, tmp_path):
     assert text != generated_text(plain.stdout), "the adapters changed nothing"
 
 
+def test_cache_prompt_then_generate_matches_unpatched(models, tmp_path):
+    # cache_prompt saves a prompt's KV cache (the prompt's forward runs the
+    # patched layers, over mlx-lm's sort threshold), generate continues from
+    # it: the same text as mlx-lm's, whichever side saved the cache.
+    model = models["qwen3_moe"]
+    saved = {"patched": tmp_path / "patched.safetensors",
+             "unpatched": tmp_path / "unpatched.safetensors"}
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run, ours(*([] if side == "patched" else ["--no-patch"]),
+                                      "cache_prompt", "--model", model, "--prompt",
+                                      LONG_PROMPT, "--prompt-cache-file", path))
+                for side, path in saved.items()]
+        for job in jobs:
+            succeeded(job.result())
+    assert all(path.stat().st_size > 0 for path in saved.values())
+    texts = {}
+    for side, path in saved.items():
+        args = ["generate", "--model", model, "--prompt-cache-file", path, "--prompt",
+                SHORT_PROMPT, "--max-tokens", "12", "--temp", "0"]
+        patched, unpatched = map(succeeded, run_patched_and_not(args))
+        texts[side] = generated_text(patched.stdout)
+        assert texts[side] == generated_text(unpatched.stdout), side
+    assert texts["patched"] == texts["unpatched"]
+    assert len(set(texts["patched"].split())) >= 3, texts
+
+
 def test_chat_matches_unpatched(models):
     args = ["chat", "--model", models["mixtral"], "--max-tokens", "12", "--temp", "0"]
     patched, unpatched = map(succeeded, run_patched_and_not(args, stdin="hello the model\nq\n"))
