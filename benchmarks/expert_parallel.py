@@ -29,7 +29,6 @@ prints the table and writes `--json`; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import statistics
@@ -266,7 +265,7 @@ def main(argv=None) -> int:
         print(format_tables(result), flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(copy.deepcopy(result), f, indent=1)
+                json.dump(result, f, indent=1)
     return 0
 
 
