@@ -52,14 +52,11 @@ def expert_bytes(model) -> int:
     """Bytes of the experts' projections (mlx-lm's SwitchGLU or ours) this rank holds."""
     from mlx_lm.models.switch_layers import SwitchGLU as MlxLmSwitchGLU
 
+    from mlx_moe_plan import expert_parallel
     from mlx_moe_plan.nn import SwitchGLU
 
-    total = 0
-    for _, layer in model.named_modules():
-        if isinstance(layer, (SwitchGLU, MlxLmSwitchGLU)):
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                total += sum(v.nbytes for k, v in layer[name].items() if isinstance(v, mx.array))
-    return total
+    return sum(expert_parallel.expert_bytes(layer) for _, layer in model.named_modules()
+               if isinstance(layer, (SwitchGLU, MlxLmSwitchGLU)))
 
 
 def build_side(side: str, config: dict, args, group) -> tuple[object, str | None]:

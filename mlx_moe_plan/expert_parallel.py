@@ -50,6 +50,13 @@ def check_not_tensor_parallel(model: nn.Module) -> None:
                              "tensor-parallel (mlx-lm's model.shard()); use one or the other")
 
 
+def expert_bytes(layer: nn.Module) -> int:
+    """Bytes of the expert arrays of `layer`'s projections: what `keep_experts`
+    cuts, of a `SwitchGLU` (ours or mlx-lm's)."""
+    return sum(array.nbytes for name in _PROJECTIONS for key in _EXPERT_ARRAYS
+               if isinstance(array := layer[name].get(key), mx.array))
+
+
 def keep_experts(layer: nn.Module, start: int, stop: int) -> None:
     """Keep experts `[start, stop)` of `layer`'s projections, in place.
 

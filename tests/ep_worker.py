@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import switch_layers
 
+from mlx_moe_plan import expert_parallel
 from mlx_moe_plan.nn import SwitchGLU, patch_model, shard_experts
 from test_nn import make_model
 
@@ -56,9 +57,8 @@ def logits(model, shape) -> mx.array:
 
 
 def expert_bytes(model) -> int:
-    return sum(layer[p][k].nbytes for _, layer in model.named_modules()
-               if isinstance(layer, SwitchGLU) for p in ("gate_proj", "up_proj", "down_proj")
-               for k in ("weight", "scales", "biases", "bias") if k in layer[p])
+    return sum(expert_parallel.expert_bytes(layer) for _, layer in model.named_modules()
+               if isinstance(layer, SwitchGLU))
 
 
 for name in MODELS:
