@@ -117,8 +117,7 @@ def measure_side(model, config: dict, args) -> dict:
     mx.reset_peak_memory()
     for tokens in args.prompts:
         prompt = mx.random.randint(0, vocab, (1, tokens), key=mx.random.key(1))
-        whole.prefill(model, prompt[:, : min(tokens, 2 * whole.PREFILL_STEP)],
-                      make_prompt_cache(model))  # warm-up: the timed chunk sizes
+        whole.prefill(model, whole.warmup_prompt(prompt), make_prompt_cache(model))
         samples = []
         for _ in range(args.rounds):
             cache = make_prompt_cache(model)

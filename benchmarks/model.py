@@ -171,6 +171,14 @@ def prefill(model, prompt: mx.array, cache) -> mx.array:
     return logits
 
 
+def warmup_prompt(prompt: mx.array) -> mx.array:
+    """The start of `prompt` whose `prefill` chunks have the sizes of the whole
+    prompt's: run untimed first, it keeps MLX's kernel compilation (minutes on
+    a fresh CUDA machine) out of the timed prefill."""
+    tokens = prompt.shape[1]
+    return prompt[:, : min(tokens, PREFILL_STEP + (tokens - 1) % PREFILL_STEP + 1)]
+
+
 class Sides:
     """mlx-lm's model and the patched one, taking turns.
 
@@ -212,9 +220,7 @@ def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int) -> dic
     sides = Sides(model, patched)
     times = {"mlx-lm": [], "patched": []}
     logits = {}
-    # Untimed first: a prompt whose chunks have the timed ones' sizes, so that
-    # MLX's kernel compilation (minutes on a fresh CUDA machine) stays out.
-    warm = prompt[:, : min(tokens, PREFILL_STEP + (tokens - 1) % PREFILL_STEP + 1)]
+    warm = warmup_prompt(prompt)
     for side, m in sides.turns(1):
         sides.attempt(side, "prefill", lambda: prefill(m, warm, make_prompt_cache(m)))
     progress(f"  warmed up on {warm.shape[1]} tokens")
