@@ -182,12 +182,14 @@ def format_tables(result: dict) -> str:
                      "speedup over each side")
         rows = [("expert MB", lambda r: r["expert_bytes"] / 1e6, False),
                 ("peak MB", lambda r: r["peak_gb"] * 1e3, False)]
-        for tokens in next(iter(sides.values()))["block_ms"] if sides else ():
-            rows.append((f"block T={tokens}", lambda r, t=tokens: r["block_ms"][t], True))
-        for tokens in next(iter(sides.values()))["prefill_ms"] if sides else ():
-            rows.append((f"prefill {tokens}", lambda r, t=tokens: r["prefill_ms"][t], True))
-        for batch in next(iter(sides.values()))["decode_ms"] if sides else ():
-            rows.append((f"decode b{batch}", lambda r, b=batch: r["decode_ms"][b], True))
+        if sides:  # every side measured the same sizes
+            first = next(iter(sides.values()))
+            rows += [(f"block T={t}", lambda r, t=t: r["block_ms"][t], True)
+                     for t in first["block_ms"]]
+            rows += [(f"prefill {t}", lambda r, t=t: r["prefill_ms"][t], True)
+                     for t in first["prefill_ms"]]
+            rows += [(f"decode b{b}", lambda r, b=b: r["decode_ms"][b], True)
+                     for b in first["decode_ms"]]
         lines.append("  " + f"{'':16s}" + "".join(f"{s:>14s}" for s in sides) +
                      "".join(f"{'vs ' + s:>16s}" for s in sides if s != "expert"))
         for label, value, timed in rows:

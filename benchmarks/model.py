@@ -498,7 +498,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.processes > 1:
         results = []
-        child = [a for a in argv]
+        # What each process runs: this command but for --processes, --json and
+        # --warm-process.
+        child = [a for a in _without_json(argv) if a != "--warm-process"]
         i = child.index("--processes")
         del child[i : i + 2]
         with tempfile.TemporaryDirectory() as tmp:
@@ -509,16 +511,14 @@ def main(argv=None) -> int:
                 # and 8 were 0.87x to 0.90x where the later processes' were 1.02x
                 # to 1.05x (RESULTS.md, Qwen3-30B-A3B at f4ee542).
                 progress("warm-up process (not reported)")
-                warm = [a for a in _without_json(child) if a != "--warm-process"]
-                subprocess.run([sys.executable, "-m", "benchmarks.model", *warm, "--steps", "1",
+                subprocess.run([sys.executable, "-m", "benchmarks.model", *child, "--steps", "1",
                                 "--warmup", "1", "--rounds", "1", "--decode-rounds", "1",
                                 "--no-pipelined"], check=True, stdout=subprocess.DEVNULL)
-            child = [a for a in child if a != "--warm-process"]
             for p in range(args.processes):
                 out = os.path.join(tmp, f"{p}.json")
                 progress(f"process {p + 1} of {args.processes}")
-                subprocess.run([sys.executable, "-m", "benchmarks.model", *_without_json(child),
-                                "--json", out], check=True)
+                subprocess.run([sys.executable, "-m", "benchmarks.model", *child, "--json", out],
+                               check=True)
                 with open(out) as f:
                     results.append(json.load(f))
         result = median_of_processes(results)
