@@ -15,7 +15,10 @@ the sides run one after another:
 - `tensor+patch`: the same, then `patch_model` (the experts' GEMMs ours; the
   sharded blocks keep their own call);
 - `expert`: `nn.shard_experts(model, group)`: E/N whole experts a rank,
-  attention and dense layers replicated, one `all_sum` a MoE block.
+  attention and dense layers replicated, one `all_sum` a MoE block;
+- `expert+tensor`: `nn.shard_experts(model, group, tensor_parallel=True)`:
+  the same experts a rank, attention and dense layers cut by mlx-lm's
+  `model.shard(group)` as in `tensor`.
 
 For each side: the first MoE block alone on T tokens (wall time of building and
 evaluating it, median of several calls), a whole-model prefill in mlx-lm's
@@ -40,7 +43,8 @@ import mlx.core as mx
 from . import model as whole
 from .workloads import DEFAULT_LAYERS, MODELS, with_layers
 
-SIDES = ("one", "tensor", "tensor+patch", "expert")
+SIDES = ("one", "tensor", "tensor+patch", "expert", "expert+tensor")
+EXPERT_SIDES = ("expert", "expert+tensor")
 DEFAULTS = {  # device type -> (models, prompts, block tokens, batches, context, dtype)
     "gpu": (["qwen3-30b-a3b", "deepseek-v3"], (2048, 8192), (1, 32, 2048, 8192), (1, 32),
             512, "bfloat16"),
@@ -71,8 +75,10 @@ def build_side(side: str, config: dict, args, group) -> tuple[object, str | None
         model.shard(group)
         if side == "tensor+patch":
             patch_model(model)
-    elif side == "expert":
-        shard_experts(model, group)
+    elif side in EXPERT_SIDES:
+        if side == "expert+tensor" and not hasattr(model, "shard"):
+            return None, f"mlx-lm's {config['model_type']} has no shard()"
+        shard_experts(model, group, tensor_parallel=side == "expert+tensor")
     else:
         patch_model(model)
     mx.eval(model.parameters())
@@ -178,8 +184,8 @@ def format_tables(result: dict) -> str:
     lines = [f"{result['ranks']} ranks, {result['device']}, MLX {result['mlx']}"]
     for entry in result["models"]:
         sides = {s: r for s, r in entry["sides"].items() if "error" not in r}
-        lines.append(f"{entry['name']} ({entry['layers']} layers); ms, and `expert`'s "
-                     "speedup over each side")
+        lines.append(f"{entry['name']} ({entry['layers']} layers); ms, and each expert "
+                     "side's speedup over the others")
         rows = [("expert MB", lambda r: r["expert_bytes"] / 1e6, False),
                 ("peak MB", lambda r: r["peak_gb"] * 1e3, False)]
         if sides:  # every side measured the same sizes
@@ -190,14 +196,15 @@ def format_tables(result: dict) -> str:
                      for t in first["prefill_ms"]]
             rows += [(f"decode b{b}", lambda r, b=b: r["decode_ms"][b], True)
                      for b in first["decode_ms"]]
+        pairs = [(e, s) for e in EXPERT_SIDES if e in sides
+                 for s in sides if s not in EXPERT_SIDES]
+        width = max((len(f"{e} vs {s}") for e, s in pairs), default=0) + 2
         lines.append("  " + f"{'':16s}" + "".join(f"{s:>14s}" for s in sides) +
-                     "".join(f"{'vs ' + s:>16s}" for s in sides if s != "expert"))
+                     "".join(f"{e + ' vs ' + s:>{width}s}" for e, s in pairs))
         for label, value, timed in rows:
             cells = "".join(f"{value(r):14.2f}" for r in sides.values())
-            ratios = ""
-            if timed and "expert" in sides:
-                ratios = "".join(f"{value(r) / value(sides['expert']):15.2f}x"
-                                 for s, r in sides.items() if s != "expert")
+            ratios = "".join(f"{value(sides[s]) / value(sides[e]):{width - 1}.2f}x"
+                             for e, s in pairs) if timed else ""
             lines.append(f"  {label:16s}{cells}{ratios}")
         if "one" in sides:
             full = sides["one"]["expert_bytes"]

@@ -7,13 +7,16 @@ computes only the routed entries of its own experts (the plan skips the
 others) and one `all_sum` of the block's `[T, D]` output adds the ranks' parts.
 The layer (`nn.SwitchGLU`) does the shifting, skipping and summing once it
 has an `expert_group`; this module cuts its projections and sets it.
-`nn.shard_experts` is the entry point.
+`nn.shard_experts` is the entry point. With `tensor_parallel=True` the rest of
+the model (attention, dense layers) is cut by mlx-lm's own `model.shard()`
+first, while stand-ins hold the MoE blocks' places (`shard_all_but`).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 # The projections of a SwitchGLU and their arrays whose first axis is the
 # expert's: float weight and bias, quantized weight, scales and biases.
@@ -48,6 +51,53 @@ def check_not_tensor_parallel(model: nn.Module) -> None:
         if getattr(module, "sharding_group", None) is not None:
             raise ValueError(f"expert parallelism: {path or 'the model'} is already "
                              "tensor-parallel (mlx-lm's model.shard()); use one or the other")
+
+
+class _StandIn(nn.Module):
+    """Holds an MoE block's place while mlx-lm's `model.shard()` runs.
+
+    mlx-lm's `shard()` methods cut a block's experts in width and mark the
+    block to sum its output over the group. Here every attribute their code
+    reads is another stand-in holding no array, and arithmetic on it (gpt-oss
+    divides the experts' bias by N) returns it, so all of that is a no-op.
+    """
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self:
+            self[name] = _StandIn()
+        return self[name]
+
+    def _same(self, _other):
+        return self
+
+    __truediv__ = __itruediv__ = __floordiv__ = __ifloordiv__ = _same
+    __mul__ = __imul__ = __add__ = __iadd__ = __sub__ = __isub__ = _same
+
+
+def shard_all_but(model: nn.Module, block_paths: list[str], group: mx.distributed.Group) -> None:
+    """mlx-lm's `model.shard(group)` on all of `model` but the modules at `block_paths`.
+
+    Attention and dense layers are cut as mlx-lm's tensor parallelism cuts
+    them (their `all_sum`s included); the modules at `block_paths` (the MoE
+    blocks) are swapped out for stand-ins meanwhile and come back untouched.
+
+    Args:
+        model (Module): An mlx-lm model with a `shard` method.
+        block_paths (list[str]): Dotted paths of the modules to leave whole.
+        group (Group): The ranks.
+    """
+    if not callable(getattr(model, "shard", None)):
+        raise ValueError("expert parallelism with tensor-parallel attention: "
+                         f"mlx-lm's {type(model).__name__} has no shard()")
+    blocks = dict(model.named_modules())
+    kept = [(path, blocks[path]) for path in block_paths]
+    model.update_modules(tree_unflatten([(path, _StandIn()) for path in block_paths]))
+    try:
+        model.shard(group)
+    finally:
+        model.update_modules(tree_unflatten(kept))
 
 
 def expert_bytes(layer: nn.Module) -> int:

@@ -393,7 +393,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     return len(replacements)
 
 
-def shard_experts(model: nn.Module, group: mx.distributed.Group | None = None) -> int:
+def shard_experts(model: nn.Module, group: mx.distributed.Group | None = None, *,
+                  tensor_parallel: bool = False) -> int:
     """Split the experts of every MoE layer of `model` among `group`'s ranks, in place.
 
     Patches the model first if it has mlx-lm `SwitchGLU` layers left
@@ -403,17 +404,23 @@ def shard_experts(model: nn.Module, group: mx.distributed.Group | None = None) -
     lazy), computes the routed entries of those experts only, and the layer's
     output is summed over the group with one `all_sum` (the weighted sum of
     a fused block, or the `[..., K, D]` outputs of an unfused one). Input
-    gradients are summed over the group too, so training works. Attention,
-    routers and dense layers stay replicated: every rank must run the same
-    model on the same inputs.
+    gradients are summed over the group too, so training works. Routers stay
+    replicated; attention and dense layers too, unless `tensor_parallel`:
+    every rank must run the same model on the same inputs.
 
     A group of one rank is a no-op (returns 0). A model without MoE layers
-    returns 0. A model already tensor-parallel (mlx-lm's `model.shard()`)
-    raises a ValueError: its blocks sum over their own group.
+    returns 0. A model already tensor-parallel (mlx-lm's `model.shard()`,
+    which cuts every expert in width) raises a ValueError: ask for
+    `tensor_parallel` here instead.
 
     Args:
         model (Module): A loaded mlx-lm model (or any module tree).
         group (Group, optional): The ranks. Default: `mx.distributed.init()`.
+        tensor_parallel (bool): Also cut attention and dense layers with
+          mlx-lm's own `model.shard(group)` (the model must have one), all
+          but the MoE blocks, which stay whole for expert parallelism
+          (DeepSeek-V3's shared experts included: replicated). A rank then
+          computes 1/N of the attention heads too. Default: ``False``.
 
     Returns:
         int: How many layers were sharded.
@@ -424,11 +431,18 @@ def shard_experts(model: nn.Module, group: mx.distributed.Group | None = None) -
     expert_parallel.check_not_tensor_parallel(model)
     if any(isinstance(m, _mlx_lm_switch.SwitchGLU) for _, m in model.named_modules()):
         patch_model(model)
-    layers = [m for _, m in model.named_modules()
-              if isinstance(m, SwitchGLU) and m.expert_group is None]
-    ranges = [expert_parallel.expert_range(layer.num_experts, group) for layer in layers]
-    for layer, (start, stop) in zip(layers, ranges):  # all checked before any is cut
+    named = [(path, m) for path, m in model.named_modules()
+             if isinstance(m, SwitchGLU) and m.expert_group is None]
+    ranges = [expert_parallel.expert_range(layer.num_experts, group) for _, layer in named]
+    if tensor_parallel and named:  # all checked before anything is cut
+        if any("." not in path for path, _ in named):
+            raise ValueError("expert parallelism with tensor-parallel attention: the MoE "
+                             "layers must sit in blocks of a model, not at its top")
+        # A layer's parent is its MoE block (`mlp`), which stays whole.
+        expert_parallel.shard_all_but(model, sorted({path.rpartition(".")[0]
+                                                     for path, _ in named}), group)
+    for (_, layer), (start, stop) in zip(named, ranges):
         expert_parallel.keep_experts(layer, start, stop)
         layer.expert_offset = start
         layer.expert_group = group
-    return len(layers)
+    return len(named)

@@ -104,6 +104,27 @@ for name in MODELS:
             check(f"{variant}: shard_experts after model.shard() raises",
                   refuses_tensor_parallel)
 
+        # Both at once: mlx-lm's shard() cuts attention and dense layers, the
+        # MoE blocks stay whole and their experts are split by rank. (The 4-bit
+        # DeepSeek-V3 test model's dense layer is one 4-bit group wide: mlx-lm
+        # cannot cut it.)
+        if hasattr(model, "shard") and not (quantized and name == "deepseek_v3"):
+            both = copy.deepcopy(model)
+            check(f"{variant}: shard_experts(tensor_parallel=True) shards every MoE layer",
+                  lambda: shard_experts(both, group, tensor_parallel=True) == layers)
+            check(f"{variant}: with tensor-parallel attention, 1/2 of the experts' bytes",
+                  lambda: expert_bytes(both) * 2 == full_bytes)
+            check(f"{variant}: attention cut by mlx-lm's sharded linears",
+                  lambda: any(type(m).__name__.endswith("AllToShardedLinear")
+                              for _, m in both.named_modules()))
+            check(f"{variant}: tensor-parallel attention, MoE blocks not marked",
+                  lambda: not any(getattr(m, "sharding_group", None) is not None
+                                  for _, m in both.named_modules()))
+            for shape, want in wants.items():
+                check(f"{variant} {shape}: expert-parallel, tensor-parallel attention",
+                      lambda: close(logits(both, shape), want,
+                                    f"{variant} {shape} expert+tensor"))
+
 # mlx-lm's generation loop (its own stream, KV cache, pipelined evals) runs a
 # sharded model: greedy tokens as one process's (these seeds have no near-tie).
 for name in ("qwen3_moe", "gpt_oss"):
@@ -191,6 +212,17 @@ def refuses_uneven():
 check("3 experts among 2 ranks raises a ValueError naming E and N", refuses_uneven)
 check("a model without MoE layers: 0", lambda: shard_experts(
     nn.Sequential(nn.Linear(8, 8), nn.ReLU()), group) == 0)
+
+
+def refuses_without_shard():
+    try:
+        shard_experts(make_model("mixtral", False), group, tensor_parallel=True)
+    except ValueError as error:
+        return "has no shard()" in str(error)
+    return False
+
+
+check("tensor_parallel on a model without mlx-lm's shard() raises", refuses_without_shard)
 
 print(f"rank {rank} done: {len(failures)} failed", flush=True)
 sys.exit(1 if failures else 0)

@@ -120,7 +120,8 @@ def test_expert_parallel_benchmark_end_to_end(tmp_path):
     assert out.exists(), result.stdout[-4000:]
     (entry,) = json.loads(out.read_text())["models"]
     sides = entry["sides"]
-    assert list(sides) == ["one", "tensor", "tensor+patch", "expert"], result.stdout[-4000:]
+    assert list(sides) == ["one", "tensor", "tensor+patch", "expert", "expert+tensor"], \
+        result.stdout[-4000:]
     full = sides["one"]["expert_bytes"]
     for side, row in sides.items():
         assert "error" not in row, (side, row)
@@ -132,3 +133,4 @@ def test_expert_parallel_benchmark_end_to_end(tmp_path):
         assert row["logits_rel_diff"] < 1e-5, (side, row["logits_rel_diff"])
         assert row["expert_bytes"] * (1 if side == "one" else 2) == full, (side, row)
     assert "experts' bytes a rank holds" in result.stdout
+    assert "expert+tensor vs tensor+patch" in result.stdout
