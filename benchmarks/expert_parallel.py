@@ -65,7 +65,7 @@ def expert_bytes(model) -> int:
 
 def build_side(side: str, config: dict, args, group) -> tuple[object, str | None]:
     """The model of `side` on this rank, evaluated; or None and why it cannot run."""
-    from mlx_moe_plan.nn import patch_model, shard_experts
+    from mlx_moe_plan.nn import SwitchGLU, patch_model, shard_experts
 
     model, _ = whole.random_model(config, dtype=getattr(mx, args.dtype), bits=args.bits,
                                   group_size=args.group_size, seed=0)
@@ -81,6 +81,10 @@ def build_side(side: str, config: dict, args, group) -> tuple[object, str | None
         shard_experts(model, group, tensor_parallel=side == "expert+tensor")
     else:
         patch_model(model)
+    if args.no_compile:  # our layers' small calls uncompiled, as benchmarks.model's
+        for _, layer in model.named_modules():
+            if isinstance(layer, SwitchGLU):
+                layer.compile_max_tokens = 0
     mx.eval(model.parameters())
     mx.clear_cache()
     return model, None
@@ -110,37 +114,54 @@ def time_block(block, tokens: int, hidden: int, dtype, calls: int) -> float:
 
 
 def measure_side(model, config: dict, args) -> dict:
+    """One side's figures; a figure whose graph MLX failed to run is None, and
+    its error is in `row["errors"]` (every rank fails alike: same shapes)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     dtype = getattr(mx, args.dtype)
     row: dict = {"expert_bytes": expert_bytes(model), "block_ms": {}, "prefill_ms": {},
-                 "decode_ms": {}}
+                 "decode_ms": {}, "errors": {}, "logits": None}
+
+    def attempt(table: str, key: int, measure) -> None:
+        try:
+            row[table][key] = measure()
+        except RuntimeError as error:  # e.g. MLX CUDA's graph launch at some shapes
+            row[table][key] = None
+            row["errors"][f"{table} {key}"] = str(error)
+            whole.progress(f"  {table} {key}: failed: {error}")
+
     block = first_moe_block(model)
     for tokens in args.block_tokens:
-        row["block_ms"][tokens] = time_block(block, tokens, config["hidden_size"], dtype,
-                                             args.calls) * 1e3
+        attempt("block_ms", tokens, lambda: time_block(
+            block, tokens, config["hidden_size"], dtype, args.calls) * 1e3)
     vocab = config["vocab_size"]
     mx.reset_peak_memory()
-    for tokens in args.prompts:
-        prompt = mx.random.randint(0, vocab, (1, tokens), key=mx.random.key(1))
+
+    def time_prefill(prompt) -> float:
         whole.prefill(model, whole.warmup_prompt(prompt), make_prompt_cache(model))
         samples = []
         for _ in range(args.rounds):
             cache = make_prompt_cache(model)
             mx.synchronize()
             start = time.perf_counter()
-            logits = whole.prefill(model, prompt, cache)
+            row["logits"] = whole.prefill(model, prompt, cache)
             samples.append(time.perf_counter() - start)
             cache = None
-        row["prefill_ms"][tokens] = statistics.median(samples) * 1e3
-        row["logits"] = logits
+        return statistics.median(samples) * 1e3
+
+    for tokens in args.prompts:
+        prompt = mx.random.randint(0, vocab, (1, tokens), key=mx.random.key(1))
+        attempt("prefill_ms", tokens, lambda: time_prefill(prompt))
     row["peak_gb"] = mx.get_peak_memory() / 1e9
-    for batch in args.batches:
+
+    def time_decode(batch) -> float:
         mx.random.seed(2)  # the same context and first tokens on every side
         cache, first = whole.fill_context(model, batch, args.context, vocab)
         _, walls, _ = whole.decode_steps(model, cache, first, args.steps, args.warmup)
-        row["decode_ms"][batch] = statistics.median(walls) * 1e3
-        cache = None
+        return statistics.median(walls) * 1e3
+
+    for batch in args.batches:
+        attempt("decode_ms", batch, lambda: time_decode(batch))
     mx.clear_cache()
     return row
 
@@ -171,7 +192,8 @@ def run(args) -> dict:
             logits = row.pop("logits")
             if reference is None:
                 reference = logits
-            row["logits_rel_diff"] = whole.relative_difference(logits, reference)
+            row["logits_rel_diff"] = None if logits is None or reference is None else \
+                whole.relative_difference(logits, reference)
             entry["sides"][side] = row
             say(f"  {side}: prefill {row['prefill_ms']} ms, decode {row['decode_ms']} ms")
             del model, logits
@@ -201,9 +223,15 @@ def format_tables(result: dict) -> str:
         width = max((len(f"{e} vs {s}") for e, s in pairs), default=0) + 2
         lines.append("  " + f"{'':16s}" + "".join(f"{s:>14s}" for s in sides) +
                      "".join(f"{e + ' vs ' + s:>{width}s}" for e, s in pairs))
+        def ratio(numerator, denominator) -> str:
+            if numerator is None or denominator is None:
+                return f"{'-':>{width}s}"
+            return f"{numerator / denominator:{width - 1}.2f}x"
+
         for label, value, timed in rows:
-            cells = "".join(f"{value(r):14.2f}" for r in sides.values())
-            ratios = "".join(f"{value(sides[s]) / value(sides[e]):{width - 1}.2f}x"
+            cells = "".join(f"{'failed':>14s}" if value(r) is None else f"{value(r):14.2f}"
+                            for r in sides.values())
+            ratios = "".join(ratio(value(sides[s]), value(sides[e]))
                              for e, s in pairs) if timed else ""
             lines.append(f"  {label:16s}{cells}{ratios}")
         if "one" in sides:
@@ -212,7 +240,11 @@ def format_tables(result: dict) -> str:
                 f"{s} {r['expert_bytes'] / full:.3f}" for s, r in sides.items()) +
                 f" (1/N = {1 / result['ranks']:.3f})")
         lines.append("  logits rel. diff vs one: " + ", ".join(
-            f"{s} {r['logits_rel_diff']:.1e}" for s, r in sides.items()))
+            f"{s} {r['logits_rel_diff']:.1e}" for s, r in sides.items()
+            if r["logits_rel_diff"] is not None))
+        for side, row in sides.items():
+            for what, error in row["errors"].items():
+                lines.append(f"  {side}: {what} failed: {error}")
         for side, row in entry["sides"].items():
             if "error" in row:
                 lines.append(f"  {side}: not run ({row['error']})")
@@ -241,6 +273,8 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--rounds", type=int, default=2, help="timed prefills a side")
     parser.add_argument("--calls", type=int, default=10, help="timed block calls a size")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="our layers' small calls uncompiled (compile_max_tokens = 0)")
     parser.add_argument("--dtype")
     parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
     parser.add_argument("--group-size", type=int, default=64)
