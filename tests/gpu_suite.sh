@@ -37,7 +37,9 @@
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend)
 #               benchmarks.expert_parallel under `mlx.launch -n 2 --backend
 #               nccl`: one GPU, mlx-lm's tensor parallelism (patched and not)
-#               and expert parallelism, Qwen3-30B-A3B and DeepSeek-V3 (4 layers).
+#               and expert parallelism (attention replicated, and cut by mlx-lm's
+#               shard()), Qwen3-30B-A3B and DeepSeek-V3 (fewer layers), one
+#               launch a model (mlx.launch must be on the PATH).
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -137,7 +139,11 @@ if wanted layer-large; then
   done
 fi
 if wanted expert-parallel; then
-  logged "$results/expert-parallel.log" mlx.launch -n 2 --backend nccl -- \
-    python3 -m benchmarks.expert_parallel --json "$results/expert-parallel.json"
+  for model in qwen3-30b-a3b deepseek-v3; do
+    # The launcher polls its stdin: give it one that stays open, not a closed one.
+    logged "$results/expert-parallel-$model.log" mlx.launch -n 2 --backend nccl -- \
+      python3 -m benchmarks.expert_parallel --models "$model" \
+      --json "$results/expert-parallel-$model.json" < <(sleep 3600)
+  done
 fi
 exit $status
