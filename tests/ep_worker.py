@@ -93,6 +93,15 @@ for name in MODELS:
             for shape, want in wants.items():
                 check(f"{variant} {shape}: model.shard() then patch_model", lambda: close(
                     logits(parallel, shape), want, f"{variant} {shape} tensor-parallel"))
+            # The other order, mlx-lm's sharded_load through the command-line
+            # hook (patched at load_model, then shard()): the fused blocks see
+            # their sharding_group and keep their own call.
+            patched_first = copy.deepcopy(model)
+            patch_model(patched_first)
+            patched_first.shard(group)
+            for shape, want in wants.items():
+                check(f"{variant} {shape}: patch_model then model.shard()", lambda: close(
+                    logits(patched_first, shape), want, f"{variant} {shape} patched first"))
 
             def refuses_tensor_parallel():
                 try:
