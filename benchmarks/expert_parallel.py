@@ -81,10 +81,12 @@ def build_side(side: str, config: dict, args, group) -> tuple[object, str | None
         shard_experts(model, group, tensor_parallel=side == "expert+tensor")
     else:
         patch_model(model)
-    if args.no_compile:  # our layers' small calls uncompiled, as benchmarks.model's
-        for _, layer in model.named_modules():
-            if isinstance(layer, SwitchGLU):
+    for _, layer in model.named_modules():
+        if isinstance(layer, SwitchGLU):
+            if args.no_compile:  # our layers' small calls uncompiled, as benchmarks.model's
                 layer.compile_max_tokens = 0
+            if args.sync_from_entries is not None:
+                layer.sync_from_entries = args.sync_from_entries
     mx.eval(model.parameters())
     mx.clear_cache()
     return model, None
@@ -275,6 +277,10 @@ def parse_args(argv):
     parser.add_argument("--calls", type=int, default=10, help="timed block calls a size")
     parser.add_argument("--no-compile", action="store_true",
                         help="our layers' small calls uncompiled (compile_max_tokens = 0)")
+    parser.add_argument("--sync-from-entries", type=int, metavar="N",
+                        help="expert-parallel layers sync to run their GEMMs over their own "
+                             "rows from N routed entries (default: the layer's, "
+                             "EXPERT_PARALLEL_SYNC_FROM_ENTRIES; a huge N: never)")
     parser.add_argument("--dtype")
     parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
     parser.add_argument("--group-size", type=int, default=64)

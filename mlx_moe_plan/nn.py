@@ -159,6 +159,10 @@ class SwitchGLU(nn.Module):
     # outputs are summed over expert_group. None: the layer holds every expert.
     expert_group: mx.distributed.Group | None = None
     expert_offset = 0
+    # From this many routed entries an expert-parallel call syncs to run its
+    # GEMMs over its own rows (EXPERT_PARALLEL_SYNC_FROM_ENTRIES); per layer,
+    # so that a benchmark can weigh the sync against the whole capacity.
+    sync_from_entries = EXPERT_PARALLEL_SYNC_FROM_ENTRIES
 
     def __init__(
         self,
@@ -224,12 +228,12 @@ class SwitchGLU(nn.Module):
 
     def _used_rows(self, plan) -> int:
         """The rows an expert-parallel layer runs its GEMMs over: all of the
-        capacity, or from `EXPERT_PARALLEL_SYNC_FROM_ENTRIES` entries (and not
+        capacity, or from `sync_from_entries` entries (and not
         while traced: no sync there) the used rows rounded up to a multiple
         of an eighth of the next power of two, which reads the plan's
         `num_rows` (a host sync)."""
         if self.expert_group is None or \
-                math.prod(plan.indices_shape) < EXPERT_PARALLEL_SYNC_FROM_ENTRIES or \
+                math.prod(plan.indices_shape) < self.sync_from_entries or \
                 _compiled.tracing():
             return plan.capacity
         used = max(int(plan.num_rows.item()), 1)

@@ -182,6 +182,10 @@ for tile_m in (None, 1, 8):
         # half, rounded up a little); below, over all of them.
         check(f"layer tile_m={tile_m} T={tokens}: GEMM rows {used} of {plan.capacity}",
               lambda: used < plan.capacity if tokens * 3 >= 1024 else used == plan.capacity)
+        ours.sync_from_entries = 10**9  # never: the whole capacity, no sync
+        check(f"layer tile_m={tile_m} T={tokens}: no sync, all {plan.capacity} GEMM rows",
+              lambda: ours._used_rows(plan) == plan.capacity)
+        del ours.sync_from_entries  # the class's again
         for got, want, how in zip(input_grads(ours), input_grads(theirs), ("unfused", "fused")):
             check(f"layer tile_m={tile_m} T={tokens}: {how} input gradient",
                   lambda: close(got, want, f"gradient {how}"))

@@ -39,7 +39,8 @@
 #               nccl`: one GPU, mlx-lm's tensor parallelism (patched and not)
 #               and expert parallelism (attention replicated, and cut by mlx-lm's
 #               shard()), Qwen3-30B-A3B and DeepSeek-V3 (fewer layers), one
-#               launch a model (mlx.launch must be on the PATH).
+#               launch a model, then Qwen3-30B-A3B's expert parallelism without
+#               its per-layer sync (mlx.launch must be on the PATH).
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -145,5 +146,11 @@ if wanted expert-parallel; then
       python3 -m benchmarks.expert_parallel --models "$model" \
       --json "$results/expert-parallel-$model.json" < <(sleep 3600)
   done
+  # Expert parallelism without its per-layer sync (every rank's GEMMs over all
+  # rows): which costs more, the sync or the rows it saves.
+  logged "$results/expert-parallel-no-sync.log" mlx.launch -n 2 --backend nccl -- \
+    python3 -m benchmarks.expert_parallel --models qwen3-30b-a3b \
+    --sides one,expert,expert+tensor --sync-from-entries 1000000000 \
+    --json "$results/expert-parallel-no-sync.json" < <(sleep 3600)
 fi
 exit $status
