@@ -88,9 +88,6 @@ def shard_all_but(model: nn.Module, block_paths: list[str], group: mx.distribute
         block_paths (list[str]): Dotted paths of the modules to leave whole.
         group (Group): The ranks.
     """
-    if not callable(getattr(model, "shard", None)):
-        raise ValueError("expert parallelism with tensor-parallel attention: "
-                         f"mlx-lm's {type(model).__name__} has no shard()")
     blocks = dict(model.named_modules())
     kept = [(path, blocks[path]) for path in block_paths]
     model.update_modules(tree_unflatten([(path, _StandIn()) for path in block_paths]))

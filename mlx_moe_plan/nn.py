@@ -433,6 +433,9 @@ def shard_experts(model: nn.Module, group: mx.distributed.Group | None = None, *
     if group.size() == 1:
         return 0
     expert_parallel.check_not_tensor_parallel(model)
+    if tensor_parallel and not callable(getattr(model, "shard", None)):
+        raise ValueError("expert parallelism with tensor-parallel attention: "
+                         f"mlx-lm's {type(model).__name__} has no shard()")
     if any(isinstance(m, _mlx_lm_switch.SwitchGLU) for _, m in model.named_modules()):
         patch_model(model)
     named = [(path, m) for path, m in model.named_modules()
