@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 # The projections of a SwitchGLU and their arrays whose first axis is the
 # expert's: float weight and bias, quantized weight, scales and biases.
@@ -97,11 +97,38 @@ def shard_all_but(model: nn.Module, block_paths: list[str], group: mx.distribute
         model.update_modules(tree_unflatten(kept))
 
 
+def evaluate_sharded(model: nn.Module) -> None:
+    """Evaluate the parameters of a lazily loaded model `shard_experts` split.
+
+    The expert-parallel layers' arrays one by one first, each read and cut
+    before the next is read, then the rest. Evaluated all at once, MLX reads
+    every whole expert array before it cuts any: a peak above the whole
+    model's, where this holds one whole array at a time besides the rank's own.
+
+    Args:
+        model (Module): The model, its parameters lazy.
+    """
+    for _, layer in model.named_modules():
+        if getattr(layer, "expert_group", None) is not None:
+            for _, array in tree_flatten(layer.parameters()):
+                mx.eval(array)
+    mx.eval(model.parameters())
+
+
+def _expert_arrays(layer: nn.Module):
+    """`(projection, key, array)` for each expert array of `layer`'s projections."""
+    for name in _PROJECTIONS:
+        projection = layer[name]
+        for key in _EXPERT_ARRAYS:
+            array = projection.get(key)
+            if isinstance(array, mx.array):
+                yield projection, key, array
+
+
 def expert_bytes(layer: nn.Module) -> int:
     """Bytes of the expert arrays of `layer`'s projections: what `keep_experts`
     cuts, of a `SwitchGLU` (ours or mlx-lm's)."""
-    return sum(array.nbytes for name in _PROJECTIONS for key in _EXPERT_ARRAYS
-               if isinstance(array := layer[name].get(key), mx.array))
+    return sum(array.nbytes for _, _, array in _expert_arrays(layer))
 
 
 def keep_experts(layer: nn.Module, start: int, stop: int) -> None:
@@ -111,9 +138,5 @@ def keep_experts(layer: nn.Module, start: int, stop: int) -> None:
     nothing else holds them; lazy (not yet loaded) arrays stay lazy, and only
     the slices are ever computed.
     """
-    for name in _PROJECTIONS:
-        projection = layer[name]
-        for key in _EXPERT_ARRAYS:
-            array = projection.get(key)
-            if isinstance(array, mx.array):
-                projection[key] = mx.array(array[start:stop])
+    for projection, key, array in list(_expert_arrays(layer)):
+        projection[key] = mx.array(array[start:stop])

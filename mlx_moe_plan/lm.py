@@ -61,7 +61,6 @@ import types
 from typing import Callable, Iterator
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 # The mlx-lm these commands are written and tested against.
 MLX_LM_VERSION = "0.32.2"
@@ -87,13 +86,13 @@ NOT_PATCHED = {
 # The commands --expert-parallel runs, and the others with why not. Every rank
 # of an expert-parallel model must run the same tokens: each computes its own
 # experts' part of the same MoE outputs.
-EXPERT_PARALLEL = ("generate", "chat", "server", "benchmark", "perplexity")
 NOT_EXPERT_PARALLEL = {
     "evaluate": "it splits its requests among the ranks, and expert parallelism "
                 "needs every rank to run the same tokens",
     "cache_prompt": "its ranks would all write the same file: run it as one process "
                     "(the KV cache it saves serves an expert-parallel generate as it is)",
 }
+EXPERT_PARALLEL = tuple(command for command in COMMANDS if command not in NOT_EXPERT_PARALLEL)
 # Commands that know nothing of ranks and print the same output on each: under
 # --expert-parallel only rank 0's standard output is kept (the others' errors
 # still reach stderr).
@@ -228,6 +227,7 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True,
           or LoRA adapters are to be applied to an expert-parallel model.
     """
     utils = hook_point()  # before importing nn, which needs mlx-lm
+    from . import expert_parallel
     from .nn import patch_model, shard_experts
 
     load_model = utils.load_model
@@ -259,14 +259,8 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True,
             shard_experts(model, expert_group)
         except ValueError as error:  # experts that do not divide among the ranks
             raise UsageError(str(error)) from None
-        if not lazy:
-            # The experts array by array, each read and cut before the next is
-            # read: evaluated all at once, MLX read every whole array before it
-            # cut any (a peak of the whole model and this rank's copy).
-            for layer in _sharded_layers(model):
-                for _, array in tree_flatten(layer.parameters()):
-                    mx.eval(array)
-            mx.eval(model.parameters())
+        if not lazy:  # the experts array by array, not the whole of each at once
+            expert_parallel.evaluate_sharded(model)
         if expert_group.rank() == 0:
             report_once(f"{describe_patch(model, config, replaced, tile_m)}; "
                         f"{describe_sharding(model, expert_group)}")
@@ -500,13 +494,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"error: {error}")
         return 1
     except Exception as error:  # noqa: BLE001  (printed as Python would, then exit 1)
-        tb = error.__traceback__
-        if not _raised_by_us(tb):
-            # mlx-lm's error, as `mlx_lm COMMAND` shows it: our frames only
-            # pass it along.
-            tb = _without_our_frames(tb)
+        ours = _raised_by_us(error.__traceback__)
+        # mlx-lm's error, as `mlx_lm COMMAND` shows it: our frames only pass it along.
+        tb = error.__traceback__ if ours else _without_our_frames(error.__traceback__)
         traceback.print_exception(type(error), error, tb)
-        if _raised_by_us(error.__traceback__):
+        if ours:
             say("the patch failed; --no-patch runs mlx-lm's command unpatched")
         else:
             say(f"mlx-lm's {options.command} failed with {type(error).__name__} "
