@@ -17,6 +17,7 @@ live in `nn.py`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -113,6 +114,7 @@ class FusedMoEBlock:
     calling the fused forward (a subclass of the block's own class)."""
 
 
+@functools.cache  # once a class, not once a block of it
 def source_digest(function) -> str | None:
     """SHA-256 prefix of `function`'s source; None if it has none to read."""
     try:

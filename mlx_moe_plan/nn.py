@@ -49,7 +49,7 @@ from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
 
-# The registry of fused blocks, here as well, where patch_model uses it.
+# The registry of fused blocks and their marker class, public here too.
 FUSED_BLOCKS = fused_blocks.FUSED_BLOCKS
 FusedMoEBlock = fused_blocks.FusedMoEBlock
 
@@ -264,7 +264,7 @@ class SwitchGLU(nn.Module):
 
     def _expert_rows(self, x: mx.array, plan) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
-        rows = moe_gather(x, plan)
+        rows = moe_gather(self._sharded_input(x), plan)
         used = self._used_rows(plan)
         if used < plan.capacity:
             # Rows past num_rows are padding nobody reads: zeros stand for
@@ -319,7 +319,7 @@ class SwitchGLU(nn.Module):
         if tile_m == MLX_LM:
             return self._mlx_lm(x, indices)
         plan = self._plan(indices, tile_m)
-        rows = self._expert_rows(self._sharded_input(x), plan)
+        rows = self._expert_rows(x, plan)
         return self._summed(moe_unsort(rows, plan))
 
     def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array, *,
@@ -360,7 +360,7 @@ class SwitchGLU(nn.Module):
             weighted = (y * scores[..., None]).sum(-2)
             return weighted.astype(y.dtype) if in_rows_dtype else weighted
         plan = self._plan(indices, tile_m)
-        rows = self._expert_rows(self._sharded_input(x), plan)
+        rows = self._expert_rows(x, plan)
         dtype = rows.dtype if in_rows_dtype else mx.result_type(rows.dtype, scores.dtype)
         return self._summed(moe_combine(rows, plan, weights=scores, dtype=dtype))
 
