@@ -182,8 +182,7 @@ CHUNKED = [(case, cap) for case in ("one_expert_owns_all", "one_expert_e1", "max
 def test_plan_groups_place_several_blocks(case, max_groups):
     """Past PLAN_MAX_GROUPS blocks, a group places a chunk of blocks in turn."""
     ids, num_experts, tile_m = PLAN_EDGES[case]
-    with pytest.MonkeyPatch.context() as patch:  # a lowered cap: chunks of several blocks
-        patch.setattr(launch, "PLAN_MAX_GROUPS", max_groups)
+    with launch.plan_max_groups(max_groups):  # a lowered cap: chunks of several blocks
         plan_launch = launch.plan_launch(ids.size, num_experts, tile_m, ids.shape[-1], True)
         assert plan_launch.groups <= max_groups and plan_launch.params.blocks_per_group > 1
         _check_plan(ids, num_experts, tile_m, _weights(np.random.default_rng(2), ids.shape))
@@ -191,8 +190,7 @@ def test_plan_groups_place_several_blocks(case, max_groups):
 
 @given(case=plan_cases(), max_groups=st.integers(1, 3))
 def test_plan_chunks_match_reference(case, max_groups):
-    with pytest.MonkeyPatch.context() as patch:  # per example: not a fixture's scope
-        patch.setattr(launch, "PLAN_MAX_GROUPS", max_groups)
+    with launch.plan_max_groups(max_groups):  # per example: not a fixture's scope
         _check_plan(*case)
 
 

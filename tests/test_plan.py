@@ -199,14 +199,14 @@ def test_plan_more_than_65536_rows(skew, device):
 
 @pytest.mark.parametrize("max_groups", [1, 3])
 @pytest.mark.parametrize("mode", ["uniform", "one_expert", "duplicates"])
-def test_plan_groups_place_chunks(mode, max_groups, device, monkeypatch):
+def test_plan_groups_place_chunks(mode, max_groups, device):
     # The GPU plan under a lowered cap on its groups: each places a chunk of
     # blocks in turn (3,000 entries: 6 blocks, in chunks of 6 or of 2).
-    monkeypatch.setattr(launch, "PLAN_MAX_GROUPS", max_groups)
     rng = np.random.default_rng(max_groups)
     ids = make_ids(rng, (1000, 3), 37, "int32", mode, 0.1, 0.1)
     weight_values = rng.standard_normal(ids.shape).astype(np.float32)
-    plan = _plan_of(ids, 37, device, weights=mx.array(weight_values), tile_m=4)
+    with launch.plan_max_groups(max_groups):
+        plan = _plan_of(ids, 37, device, weights=mx.array(weight_values), tile_m=4)
     assert_plan_matches(plan, ref.moe_plan(ids, 37, weights=weight_values, tile_m=4))
 
 

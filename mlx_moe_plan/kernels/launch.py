@@ -144,7 +144,7 @@ def plan_launch(
     """The plan kernel, for `num_entries >= 1`: outputs plan_data, row_weights.
 
     Its groups are capped at the cap of an enclosing `plan_max_groups` block,
-    else at PLAN_MAX_GROUPS as that is at the call (the tests patch it).
+    else at PLAN_MAX_GROUPS.
     """
     cap = _plan_max_groups.get()
     return _plan_launch(num_entries, num_experts, tile_m, top_k, has_weights,
