@@ -19,7 +19,7 @@ from mlx_lm.models import switch_layers
 
 from mlx_moe_plan import expert_parallel
 from mlx_moe_plan.nn import SwitchGLU, patch_model, shard_experts
-from test_nn import make_model
+from test_nn import count_switch_glu, make_model
 
 # The models of the layer tests, mlx-lm 0.32.2's.
 MODELS = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next"]
@@ -65,7 +65,7 @@ for name in MODELS:
     for quantized in (False, True):
         variant = f"{name} {'4bit' if quantized else 'float'}"
         model = make_model(name, quantized)
-        layers = sum(isinstance(m, switch_layers.SwitchGLU) for _, m in model.named_modules())
+        layers = count_switch_glu(model, switch_layers.SwitchGLU)
         wants = {shape: logits(model, shape) for shape in PROMPT_SHAPES}
 
         patched = copy.deepcopy(model)
@@ -145,9 +145,9 @@ for name in ("qwen3_moe", "gpt_oss"):
           lambda: [t for t, _ in generate_step(prompt, sharded, max_tokens=12)] ==
           [t for t, _ in generate_step(prompt, model, max_tokens=12)])
 
-def weight_grads(layer, loss) -> dict[str, mx.array]:
-    """The gradients of `loss()` with respect to `layer`'s parameters, by name."""
-    return dict(tree_flatten(nn.value_and_grad(layer, loss)()[1]))
+def weight_grads(layer, loss, x) -> dict[str, mx.array]:
+    """The gradients of `loss(x)` with respect to `layer`'s parameters, by name."""
+    return dict(tree_flatten(nn.value_and_grad(layer, loss)(x)[1]))
 
 
 # One layer's gradients. Its input gradient: summed over the ranks, the whole
@@ -167,13 +167,12 @@ for tile_m in (None, 1, 8):
         dy = mx.random.normal((tokens, 3, 32), key=mx.random.key(5))
         scores = mx.softmax(mx.random.normal((tokens, 3), key=mx.random.key(6)), axis=-1)
 
-        def input_grads(layer):
-            unfused = mx.grad(lambda v: (layer(v, indices) * dy).sum())(x)
-            fused = mx.grad(lambda v: (layer.weighted_sum(v, indices, scores) *
-                                       dy[:, 0]).sum())(x) \
+        def losses(layer):
+            """The layer's loss on input v, unfused and fused (weighted sum)."""
+            unfused = lambda v: (layer(v, indices) * dy).sum()  # noqa: E731
+            fused = (lambda v: (layer.weighted_sum(v, indices, scores) * dy[:, 0]).sum()) \
                 if isinstance(layer, SwitchGLU) else \
-                mx.grad(lambda v: ((layer(v, indices) * scores[..., None]).sum(-2) *
-                                   dy[:, 0]).sum())(x)
+                (lambda v: ((layer(v, indices) * scores[..., None]).sum(-2) * dy[:, 0]).sum())
             return unfused, fused
 
         plan = ours._plan(indices, ours._formulation(indices))
@@ -186,21 +185,15 @@ for tile_m in (None, 1, 8):
         check(f"layer tile_m={tile_m} T={tokens}: no sync, all {plan.capacity} GEMM rows",
               lambda: ours._used_rows(plan) == plan.capacity)
         del ours.sync_from_entries  # the class's again
-        for got, want, how in zip(input_grads(ours), input_grads(theirs), ("unfused", "fused")):
+        for got_loss, want_loss, how in zip(losses(ours), losses(theirs), ("unfused", "fused")):
+            got, want = mx.grad(got_loss)(x), mx.grad(want_loss)(x)
             check(f"layer tile_m={tile_m} T={tokens}: {how} input gradient",
                   lambda: close(got, want, f"gradient {how}"))
-
-        def losses(layer):
-            unfused = lambda: (layer(x, indices) * dy).sum()  # noqa: E731
-            fused = (lambda: (layer.weighted_sum(x, indices, scores) * dy[:, 0]).sum()) \
-                if isinstance(layer, SwitchGLU) else \
-                (lambda: ((layer(x, indices) * scores[..., None]).sum(-2) * dy[:, 0]).sum())
-            return unfused, fused
 
         start, stop = ours.expert_offset, ours.expert_offset + ours.num_experts
         for got_loss, want_loss, how in zip(losses(ours), losses(theirs), ("unfused", "fused")):
             def rank_slice_of_whole(got_loss=got_loss, want_loss=want_loss, how=how):
-                got, want = weight_grads(ours, got_loss), weight_grads(theirs, want_loss)
+                got, want = weight_grads(ours, got_loss, x), weight_grads(theirs, want_loss, x)
                 assert sorted(got) == sorted(want) == sorted(
                     f"{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj")
                     for k in ("weight", "bias")), sorted(got)

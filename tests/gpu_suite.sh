@@ -140,17 +140,19 @@ if wanted layer-large; then
   done
 fi
 if wanted expert-parallel; then
-  for model in qwen3-30b-a3b deepseek-v3; do
+  two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
+    local name=$1
+    shift
     # The launcher polls its stdin: give it one that stays open, not a closed one.
-    logged "$results/expert-parallel-$model.log" mlx.launch -n 2 --backend nccl -- \
-      python3 -m benchmarks.expert_parallel --models "$model" \
-      --json "$results/expert-parallel-$model.json" < <(sleep 3600)
+    logged "$results/$name.log" mlx.launch -n 2 --backend nccl -- \
+      python3 -m benchmarks.expert_parallel "$@" --json "$results/$name.json" < <(sleep 3600)
+  }
+  for model in qwen3-30b-a3b deepseek-v3; do
+    two_gpus "expert-parallel-$model" --models "$model"
   done
   # Expert parallelism without its per-layer sync (every rank's GEMMs over all
   # rows): which costs more, the sync or the rows it saves.
-  logged "$results/expert-parallel-no-sync.log" mlx.launch -n 2 --backend nccl -- \
-    python3 -m benchmarks.expert_parallel --models qwen3-30b-a3b \
-    --sides one,expert,expert+tensor --sync-from-entries 1000000000 \
-    --json "$results/expert-parallel-no-sync.json" < <(sleep 3600)
+  two_gpus expert-parallel-no-sync --models qwen3-30b-a3b \
+    --sides one,expert,expert+tensor --sync-from-entries 1000000000
 fi
 exit $status

@@ -105,7 +105,7 @@ def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypa
     assert "lowest ratio of 2 processes" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(two_ranks.ring_runs() is not None, reason=str(two_ranks.ring_runs()))
+@two_ranks.needs_ring
 def test_expert_parallel_benchmark_end_to_end(tmp_path):
     # benchmarks.expert_parallel as two ranks on the loopback, every side, one
     # short run: each side's figures are there, a rank holds half the experts'

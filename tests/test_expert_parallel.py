@@ -23,7 +23,7 @@ WORKER = Path(__file__).with_name("ep_worker.py")
 LAUNCH_TIMEOUT_S = 120
 
 
-@pytest.mark.skipif(two_ranks.ring_runs() is not None, reason=str(two_ranks.ring_runs()))
+@two_ranks.needs_ring
 def test_two_ranks_match_one_process():
     # Expert-parallel logits of Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss and
     # Qwen3-Next, float and 4-bit, at 1, 10, 80 and 600 tokens (compiled,

@@ -172,28 +172,24 @@ def test_cache_prompt_then_generate_matches_unpatched(models, tmp_path):
     assert len(set(texts["patched"].split())) >= 3, texts
 
 
+def transcript(stdout: str) -> list[str]:
+    """A chat's output, all but the rates."""
+    return [line for line in stdout.splitlines() if "tok/s" not in line]
+
+
 def test_chat_matches_unpatched(models):
     args = ["chat", "--model", models["mixtral"], "--max-tokens", "12", "--temp", "0"]
     patched, unpatched = map(succeeded, run_patched_and_not(args, stdin="hello the model\nq\n"))
     assert "patched 2 MoE layers of MixtralForCausalLM" in patched_line(patched)
 
-    def transcript(stdout: str) -> list[str]:  # all but the rates
-        return [line for line in stdout.splitlines() if "tok/s" not in line]
-
     assert "bye" in patched.stdout
     assert transcript(patched.stdout) == transcript(unpatched.stdout)
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
 def running_server(argv: list[str], log_dir: Path, label: str):
     """`argv` + `--host 127.0.0.1 --port PORT` running; yields PORT; stops it on exit."""
-    port = free_loopback_port()
+    port = two_ranks.free_port()
     stdout, stderr = log_dir / f"{label}.out", log_dir / f"{label}.err"
     with open(stdout, "w") as out, open(stderr, "w") as err:
         server = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)],
@@ -421,8 +417,6 @@ def test_patch_options_reach_patch_model(models):
 # launch a loader of mlx-lm's: `load` (generate) and `sharded_load` (chat,
 # through our replacement), a few seconds each.
 LAUNCH_TIMEOUT_S = 120
-needs_ring = pytest.mark.skipif(two_ranks.ring_runs() is not None,
-                                reason=str(two_ranks.ring_runs()))
 
 
 def launch_ours(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -430,7 +424,7 @@ def launch_ours(*args: str, stdin: str | None = None) -> subprocess.CompletedPro
                             timeout_s=LAUNCH_TIMEOUT_S, env=offline_env())
 
 
-@needs_ring
+@two_ranks.needs_ring
 def test_expert_parallel_generate_matches_one_process(models):
     # generate loads with `load` on every rank: the hook loads lazily, patches
     # and shards. Only rank 0 prints its text and the report line.
@@ -449,7 +443,7 @@ def test_expert_parallel_generate_matches_one_process(models):
     assert text == generated_text(reference.stdout)
 
 
-@needs_ring
+@two_ranks.needs_ring
 def test_expert_parallel_chat_matches_one_process(models):
     # chat loads with mlx-lm's sharded_load in a group, which would cut the
     # experts by tensor parallelism: ours loads with `load` instead. Both
@@ -463,9 +457,6 @@ def test_expert_parallel_chat_matches_one_process(models):
     assert patched_line(launched) == (
         "mlx-moe-plan: patched 2 MoE layers of GptOssForCausalLM (2 blocks fused, GEMMs "
         "by the measured rule); sharded across 2 ranks (4 of 8 experts a layer each)")
-
-    def transcript(stdout: str) -> list[str]:  # all but the rates
-        return [line for line in stdout.splitlines() if "tok/s" not in line]
 
     assert "bye" in launched.stdout
     assert transcript(launched.stdout) == transcript(reference.stdout)

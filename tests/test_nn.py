@@ -283,8 +283,8 @@ def test_blocks_of_other_code_are_not_fused(monkeypatch):
     # A block whose __call__ is not the code its fused forward mirrors (another
     # mlx-lm's) keeps it: experts patched, weighted sum unfused.
     key = "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock"
-    entry = moe_nn.FUSED_BLOCKS[key]
-    monkeypatch.setitem(moe_nn.FUSED_BLOCKS, key,
+    entry = fused_blocks.FUSED_BLOCKS[key]
+    monkeypatch.setitem(fused_blocks.FUSED_BLOCKS, key,
                         dataclasses.replace(entry, source_digest="0" * 16))
     model = make_model("qwen3_moe", quantized=False)
     patched = copy.deepcopy(model)

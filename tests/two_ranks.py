@@ -25,7 +25,8 @@ def mlx_launch() -> str | None:
 
 
 def free_port() -> int:
-    """A port free on the loopback now: the ring's first (rank 0 listens on it, rank 1 on the next)."""
+    """A port free on the loopback now (for the ring: its first; rank 0 listens on it,
+    rank 1 on the next)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -38,6 +39,10 @@ def ring_runs() -> str | None:
     if not mx.distributed.is_available(backend="ring"):
         return "this MLX has no ring backend"
     return None
+
+
+# The mark of a test that launches two ranks: skipped, with why, where they cannot run.
+needs_ring = pytest.mark.skipif(ring_runs() is not None, reason=str(ring_runs()))
 
 
 def launch(argv: list[str], *, timeout_s: float, cwd: Path | None = None,
