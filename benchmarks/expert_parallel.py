@@ -45,6 +45,7 @@ from .workloads import DEFAULT_LAYERS, MODELS, with_layers
 
 SIDES = ("one", "tensor", "tensor+patch", "expert", "expert+tensor")
 EXPERT_SIDES = ("expert", "expert+tensor")
+TENSOR_PARALLEL_SIDES = ("tensor", "tensor+patch", "expert+tensor")  # need mlx-lm's shard()
 DEFAULTS = {  # device type -> (models, prompts, block tokens, batches, context, dtype)
     "gpu": (["qwen3-30b-a3b", "deepseek-v3"], (2048, 8192), (1, 32, 2048, 8192), (1, 32),
             512, "bfloat16"),
@@ -65,28 +66,24 @@ def expert_bytes(model) -> int:
 
 def build_side(side: str, config: dict, args, group) -> tuple[object, str | None]:
     """The model of `side` on this rank, evaluated; or None and why it cannot run."""
-    from mlx_moe_plan.nn import SwitchGLU, patch_model, shard_experts
+    from mlx_moe_plan.nn import patch_model, shard_experts
 
+    if side in TENSOR_PARALLEL_SIDES and not hasattr(whole.model_module(config).Model, "shard"):
+        return None, f"mlx-lm's {config['model_type']} has no shard()"
     model, _ = whole.random_model(config, dtype=getattr(mx, args.dtype), bits=args.bits,
                                   group_size=args.group_size, seed=0)
     if side.startswith("tensor"):
-        if not hasattr(model, "shard"):
-            return None, f"mlx-lm's {config['model_type']} has no shard()"
         model.shard(group)
         if side == "tensor+patch":
             patch_model(model)
     elif side in EXPERT_SIDES:
-        if side == "expert+tensor" and not hasattr(model, "shard"):
-            return None, f"mlx-lm's {config['model_type']} has no shard()"
         shard_experts(model, group, tensor_parallel=side == "expert+tensor")
     else:
         patch_model(model)
-    for _, layer in model.named_modules():
-        if isinstance(layer, SwitchGLU):
-            if args.no_compile:  # our layers' small calls uncompiled, as benchmarks.model's
-                layer.compile_max_tokens = 0
-            if args.sync_from_entries is not None:
-                layer.sync_from_entries = args.sync_from_entries
+    options = {"compile_max_tokens": 0} if args.no_compile else {}  # as benchmarks.model's
+    if args.sync_from_entries is not None:
+        options["sync_from_entries"] = args.sync_from_entries
+    whole.set_our_layers(model, **options)
     mx.eval(model.parameters())
     mx.clear_cache()
     return model, None
@@ -143,12 +140,8 @@ def measure_side(model, config: dict, args) -> dict:
         whole.prefill(model, whole.warmup_prompt(prompt), make_prompt_cache(model))
         samples = []
         for _ in range(args.rounds):
-            cache = make_prompt_cache(model)
-            mx.synchronize()
-            start = time.perf_counter()
-            row["logits"] = whole.prefill(model, prompt, cache)
-            samples.append(time.perf_counter() - start)
-            cache = None
+            seconds, row["logits"] = whole.timed_prefill(model, prompt)
+            samples.append(seconds)
         return statistics.median(samples) * 1e3
 
     for tokens in args.prompts:

@@ -69,7 +69,8 @@ def progress(message: str) -> None:
 # ---------------------------------------------------------------- the models
 
 
-def _model_module(config: dict):
+def model_module(config: dict):
+    """mlx-lm's module of `config`'s model type."""
     return importlib.import_module(f"mlx_lm.models.{config['model_type']}")
 
 
@@ -82,7 +83,7 @@ def random_model(config: dict, *, dtype: mx.Dtype, bits: int | None, group_size:
     its `quantization` entry)."""
     from mlx_lm.utils import quantize_model
 
-    module = _model_module(config)
+    module = model_module(config)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(dtype)
@@ -116,9 +117,19 @@ def _shared_value(value):
     return value
 
 
+def set_our_layers(model: nn.Module, **attributes) -> None:
+    """Set `attributes` (`compile_max_tokens`, ...) on every one of our layers in `model`."""
+    from mlx_moe_plan.nn import SwitchGLU
+
+    for _, layer in model.named_modules():
+        if isinstance(layer, SwitchGLU):
+            for name, value in attributes.items():
+                setattr(layer, name, value)
+
+
 def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
     """(name, mlx-lm's model, the patched one, description) for one benchmark."""
-    from mlx_moe_plan.nn import SwitchGLU, patch_model
+    from mlx_moe_plan.nn import patch_model
 
     if args.model:
         from mlx_lm.utils import load_model
@@ -140,9 +151,7 @@ def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
     patched = shared_copy(model)
     replaced = patch_model(patched, tile_m=args.tile_m)
     if args.no_compile:
-        for _, layer in patched.named_modules():
-            if isinstance(layer, SwitchGLU):
-                layer.compile_max_tokens = 0
+        set_our_layers(patched, compile_max_tokens=0)
     describe["patched_layers"] = replaced
     describe["weights_gb"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     progress(f"patched {replaced} MoE layers; weights {describe['weights_gb']:.1f} GB")
@@ -213,6 +222,17 @@ class Sides:
             return None
 
 
+def timed_prefill(model, prompt: mx.array) -> tuple[float, mx.array]:
+    """Wall seconds of `prefill` of `prompt` into a new KV cache, and its logits."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.synchronize()
+    start = time.perf_counter()
+    logits = prefill(model, prompt, cache)
+    return time.perf_counter() - start, logits
+
+
 def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -225,17 +245,13 @@ def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int) -> dic
         sides.attempt(side, "prefill", lambda: prefill(m, warm, make_prompt_cache(m)))
     progress(f"  warmed up on {warm.shape[1]} tokens")
     for side, m in sides.turns(rounds):
-        cache = make_prompt_cache(m)
-        mx.synchronize()
-        start = time.perf_counter()
-        result = sides.attempt(side, "prefill", lambda: prefill(m, prompt, cache))
+        result = sides.attempt(side, "prefill", lambda: timed_prefill(m, prompt))
         if result is None:
             continue
-        logits[side] = result
-        times[side].append(time.perf_counter() - start)
-        progress(f"  prefill {tokens} tokens, {side}: {times[side][-1] * 1e3:.1f} ms")
-        cache = None  # its memory back to MLX before the next turn's
-        mx.clear_cache()
+        seconds, logits[side] = result
+        times[side].append(seconds)
+        progress(f"  prefill {tokens} tokens, {side}: {seconds * 1e3:.1f} ms")
+        mx.clear_cache()  # the turn's cache, freed, back to MLX before the next turn's
     row = {"tokens": tokens}
     for side, samples in times.items():
         row[f"{side}_ms"] = statistics.median(samples) * 1e3 if samples else None
