@@ -2,7 +2,7 @@
 
     python -m benchmarks.layer                        # quick, on the default device
     python -m benchmarks.layer --shapes qwen3-next --tokens 1,8,64,2048
-    python -m benchmarks.layer --tile-m auto,1,16,64  # each GEMM formulation
+    python -m benchmarks.layer --tile-m auto,0,-1,1,16,64  # each GEMM formulation
 
 Each call is one MoE layer's expert work with 4-bit weights (group 64):
 mlx-lm's `SwitchGLU(x, indices)` then the weighted sum the model applies,
@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tile-m", default="auto",
                         help="comma list of GEMM formulations: auto = the layer's default "
                              "(nn.default_tile_m), 0 = mlx-lm's own call (no plan), "
+                             "-1 = sorted rows through the grouped kernel, "
                              "1 = sorted rows, >1 = tiles of that many rows")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)

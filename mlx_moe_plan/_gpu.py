@@ -184,6 +184,45 @@ class GpuBackend:
             return _combine_function(self.backend, dtype, False, stream)(src, index, inverse)
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
 
+    def grouped_qmm(
+        self,
+        rows: mx.array,
+        weight: mx.array,
+        scales: mx.array,
+        biases: mx.array,
+        expert_offsets: mx.array,
+        row_experts: mx.array,
+        *,
+        bits: int,
+        group_size: int,
+        stream: mx.Stream,
+    ) -> mx.array:
+        """The expert GEMM over a plan's sorted rows (kernels/grouped_qmm.h).
+
+        Not part of `_backend.Backend`: a GPU kernel the layer uses where it
+        can (`nn.SwitchGLU`'s GROUPED formulation), with no CPU counterpart.
+        `out[r] = rows[r] @ dequantize(weight[e]).T` for the rows of expert
+        e's span, zeros on the tail rows. Differentiable with respect to
+        `rows` (through MLX's `gather_qmm`, `row_experts` naming each row's
+        expert); quantized weights get no gradient, as in MLX.
+
+        Args:
+            rows (array): `[capacity, D]`, the dtype of `scales` and `biases`.
+            weight (array): uint32 `[E, N, D * bits / 32]`, MLX's affine packing.
+            scales (array): `[E, N, D / group_size]`.
+            biases (array): `[E, N, D / group_size]`.
+            expert_offsets (array): int32 `[E + 1]`, the plan's.
+            row_experts (array): int32 `[capacity]`, the plan's (non-decreasing).
+            bits (int): 4 or 8 (`launch.GROUPED_QMM_BITS`).
+            group_size (int): One of `launch.GROUPED_QMM_QUANT_GROUPS`.
+            stream (Stream): Where to run.
+
+        Returns:
+            array: `[capacity, N]` in the rows' dtype.
+        """
+        function = _grouped_qmm_function(self.backend, bits, group_size, stream)
+        return function(rows, weight, scales, biases, expert_offsets, row_experts)
+
 
 def _device_rows(src, stream):
     """`src`, padded with zero rows to 8 elements or more if it has fewer.
@@ -261,6 +300,44 @@ def _combine_function(backend, dtype, has_weights, stream):
         return grad_src, mx.zeros_like(index), mx.zeros_like(inverse), grad_weights
 
     return combine
+
+
+def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, bits, group_size,
+                 stream):
+    capacity, in_dims = rows.shape
+    num_experts, out_dims, _ = weight.shape
+    if capacity == 0 or out_dims == 0:
+        return mx.zeros((capacity, out_dims), rows.dtype)
+    qmm_launch = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits,
+                                           group_size, _name(rows.dtype))
+    (out,) = _run(backend, "grouped_qmm", [rows, weight, scales, biases, expert_offsets],
+                  qmm_launch, stream)
+    return out
+
+
+@_cache_by_stream
+def _grouped_qmm_function(backend, bits, group_size, stream):
+    @mx.custom_function
+    def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts):
+        return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, bits,
+                            group_size, stream)
+
+    @grouped_qmm.vjp
+    def grouped_qmm_vjp(primals, cotangent, output):
+        rows, weight, scales, biases, expert_offsets, row_experts = primals
+        # d rows[r] = cotangent[r] @ dequantize(weight[e]): MLX's own GEMM,
+        # each row [1, N] against its expert (reshaped, not expand_dims: see
+        # nn.SwitchGLU._expert_rows_used). Tail rows carry the last expert and
+        # a zero cotangent (nothing reads their zeros).
+        grad = mx.gather_qmm(cotangent.reshape(-1, 1, cotangent.shape[-1]), weight, scales,
+                             biases, rhs_indices=row_experts, transpose=False,
+                             group_size=group_size, bits=bits, sorted_indices=True,
+                             stream=stream)
+        return (grad.reshape(rows.shape), mx.zeros_like(weight), mx.zeros_like(scales),
+                mx.zeros_like(biases), mx.zeros_like(expert_offsets),
+                mx.zeros_like(row_experts))
+
+    return grouped_qmm
 
 
 @cache

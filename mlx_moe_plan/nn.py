@@ -47,6 +47,7 @@ from . import _backend, _compiled, expert_parallel, fused_blocks
 from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
+from .kernels import launch
 from .plan import moe_plan
 
 # The registry of fused blocks and their marker class, public here too.
@@ -75,6 +76,14 @@ MLX_LM_SORTS_FROM_ENTRIES = 64
 # 1.01x to 1.05x with mlx-lm's call.
 TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
+# The formulation whose GEMMs are this package's kernel (kernels/grouped_qmm.h):
+# sorted single rows, each expert's quantized weights read once for a few of
+# its rows at a time, the row counts read on the device (no host sync, and an
+# expert without rows costs nothing). For affine-quantized projections (4 or 8
+# bits) on a GPU; elsewhere a layer given GROUPED runs sorted rows (1). Only
+# on request: on the H200 its first version lost to mlx-lm's call and to
+# 16-row tiles at every decode size (RESULTS.md), so the rule never picks it.
+GROUPED = -1
 # An expert-parallel layer (shard_experts) routes about 1/N of
 # its entries to its own experts, but a plan's static capacity is all T * K.
 # From this many entries it reads the plan's num_rows (one host sync) and runs
@@ -116,10 +125,20 @@ def _checked_tile_m(tile_m: int | None) -> int | None:
         return None
     if isinstance(tile_m, bool) or not isinstance(tile_m, int):
         raise TypeError(f"tile_m: expected an int or None, got {type(tile_m).__name__}")
-    if tile_m < 0:
-        raise ValueError(f"tile_m: must be MLX_LM (0), 1 (sorted rows) or a tile height "
-                         f"above 1, got {tile_m}")
+    if tile_m < GROUPED:
+        raise ValueError(f"tile_m: must be MLX_LM (0), GROUPED (-1), 1 (sorted rows) or a "
+                         f"tile height above 1, got {tile_m}")
     return tile_m
+
+
+def _kernel_computes(projection: nn.Module) -> bool:
+    """Whether kernels/grouped_qmm.h can compute `projection` (a GPU aside)."""
+    return (isinstance(projection, _mlx_lm_switch.QuantizedSwitchLinear)
+            and getattr(projection, "mode", "affine") == "affine"
+            and getattr(projection, "global_scale", None) is None
+            and projection.get("biases") is not None
+            and projection.bits in launch.GROUPED_QMM_BITS
+            and projection.group_size in launch.GROUPED_QMM_QUANT_GROUPS)
 
 
 def _row_strided(rows: mx.array) -> mx.array:
@@ -138,8 +157,10 @@ class SwitchGLU(nn.Module):
         bias (bool): Projection biases. Default: ``False``.
         tile_m (int, optional): GEMM formulation: `MLX_LM` (0) for mlx-lm's
           own call (no plan; meant for small batches: large ones are not
-          sliced as our sorted rows are), 1 for sorted single rows, more for
-          tiles of that many rows. Default: `default_tile_m` per call.
+          sliced as our sorted rows are), `GROUPED` (-1) for sorted rows
+          through this package's grouped kernel (meant for a few rows an
+          expert), 1 for sorted single rows, more for tiles of that many
+          rows. Default: `default_tile_m` per call.
 
     Expert ids must lie in `[0, num_experts)`, as a router gives them. The
     planned formulations skip others (their outputs are zero); mlx-lm's
@@ -198,14 +219,22 @@ class SwitchGLU(nn.Module):
     def num_experts(self) -> int:
         return self.gate_proj.num_experts
 
+    def _can_group(self) -> bool:
+        """Whether the grouped kernel can compute this layer here."""
+        return (_backend.resolve_stream(None).device.type == mx.gpu
+                and all(_kernel_computes(p) for p in (self.gate_proj, self.up_proj, self.down_proj)))
+
     def _formulation(self, indices: mx.array) -> int:
         tile_m = self.tile_m
         if tile_m is None:
             tile_m = default_tile_m(indices.size, self.num_experts)
+        elif tile_m == GROUPED and not self._can_group():
+            tile_m = 1
         # mlx-lm's call would hand the skipped ids (-1) to gather_qmm unchecked.
         return 1 if tile_m == MLX_LM and self.expert_group is not None else tile_m
 
     def _plan(self, indices: mx.array, tile_m: int):
+        tile_m = 1 if tile_m == GROUPED else tile_m  # sorted single rows
         indices = mx.stop_gradient(indices)
         if self.expert_group is not None:
             # The model's ids to this rank's, -1 (skipped) for other ranks' experts.
@@ -262,8 +291,36 @@ class SwitchGLU(nn.Module):
             x_gate = _row_strided(x_gate)
         return self.down_proj(self.activation(x_up, x_gate), experts, sorted_indices=True)
 
-    def _expert_rows(self, x: mx.array, plan) -> mx.array:
+    def _grouped_projection(self, projection: nn.Module, rows: mx.array, plan) -> mx.array:
+        """`projection` of `rows` `[capacity, D]` by the grouped kernel, each row
+        against its expert (the plan's spans); through MLX's `gather_qmm` where
+        the rows' dtype is not the scales' (the kernel reads one dtype)."""
+        if rows.dtype != projection.scales.dtype:
+            out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan.row_experts,
+                             sorted_indices=True)
+            return out.reshape(rows.shape[0], out.shape[-1])
+        gpu = _backend.implementation(_backend.resolve_stream(None))
+        out = gpu.grouped_qmm(rows, projection.weight, projection.scales, projection.biases,
+                              plan.expert_offsets, plan.row_experts, bits=projection.bits,
+                              group_size=projection.group_size,
+                              stream=_backend.resolve_stream(None))
+        if "bias" in projection:
+            out = out + projection["bias"][plan.row_experts]
+        return out
+
+    def _grouped_rows(self, x: mx.array, plan) -> mx.array:
+        """The expert MLP of every row of the plan, `[capacity, D]`, by the
+        grouped kernel: over the rows each expert has, which it reads on the
+        device, so an expert-parallel layer needs no sync either."""
+        rows = moe_gather(self._sharded_input(x), plan)
+        x_up = self._grouped_projection(self.up_proj, rows, plan)
+        x_gate = self._grouped_projection(self.gate_proj, rows, plan)
+        return self._grouped_projection(self.down_proj, self.activation(x_up, x_gate), plan)
+
+    def _expert_rows(self, x: mx.array, plan, tile_m: int) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
+        if tile_m == GROUPED:
+            return self._grouped_rows(x, plan)
         rows = moe_gather(self._sharded_input(x), plan)
         used = self._used_rows(plan)
         if used < plan.capacity:
@@ -319,7 +376,7 @@ class SwitchGLU(nn.Module):
         if tile_m == MLX_LM:
             return self._mlx_lm(x, indices)
         plan = self._plan(indices, tile_m)
-        rows = self._expert_rows(x, plan)
+        rows = self._expert_rows(x, plan, tile_m)
         return self._summed(moe_unsort(rows, plan))
 
     def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array, *,
@@ -360,7 +417,7 @@ class SwitchGLU(nn.Module):
             weighted = (y * scores[..., None]).sum(-2)
             return weighted.astype(y.dtype) if in_rows_dtype else weighted
         plan = self._plan(indices, tile_m)
-        rows = self._expert_rows(x, plan)
+        rows = self._expert_rows(x, plan, tile_m)
         dtype = rows.dtype if in_rows_dtype else mx.result_type(rows.dtype, scores.dtype)
         return self._summed(moe_combine(rows, plan, weights=scores, dtype=dtype))
 

@@ -174,6 +174,40 @@ def moe_unsort(rows, plan: ReferencePlan):
     return out.reshape(plan.positions.shape + (rows.shape[-1],))
 
 
+def dequantize(weight, scales, biases, bits: int, group_size: int,
+               dtype: str = "float32") -> np.ndarray:
+    """MLX's affine quantization undone, in float64: `[..., out, in]`.
+
+    `weight` uint32 `[..., out, in * bits / 32]`, its `bits`-bit fields packed
+    from each word's low bits up; `scales`, `biases` `[..., out, in /
+    group_size]` stored as `dtype`. A value is `scale * q + bias`.
+    """
+    weight = np.asarray(weight, np.uint32)
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    q = (weight[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    q = q.reshape(*weight.shape[:-1], -1).astype(np.float64)
+    scale = np.repeat(to_float32(np.asarray(scales), dtype).astype(np.float64), group_size, -1)
+    bias = np.repeat(to_float32(np.asarray(biases), dtype).astype(np.float64), group_size, -1)
+    return scale * q + bias
+
+
+def grouped_qmm(rows, weight, scales, biases, expert_offsets, bits: int, group_size: int,
+                dtype: str = "float32") -> np.ndarray:
+    """`out[row] = rows[row] @ dequantize(weight[e]).T` for expert e's span of rows
+    `[expert_offsets[e], expert_offsets[e + 1])`, zeros past the last span, in
+    float64: a GEMM's sums are checked within float tolerance, not bit for bit.
+
+    `rows` `[capacity, in]` and the scales and biases stored as `dtype`.
+    """
+    values = to_float32(np.asarray(rows), dtype).astype(np.float64)
+    dense = dequantize(weight, scales, biases, bits, group_size, dtype)
+    out = np.zeros((values.shape[0], dense.shape[-2]), np.float64)
+    for expert in range(dense.shape[0]):
+        first, last = int(expert_offsets[expert]), int(expert_offsets[expert + 1])
+        out[first:last] = values[first:last] @ dense[expert].T
+    return out
+
+
 # --- comparing an implementation with the reference, bit for bit ---------------
 # The tests assert these; the benchmark checks the same before it times.
 

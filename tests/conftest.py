@@ -366,3 +366,37 @@ def assert_plan_matches(plan: mlx_moe_plan.MoEPlan, expected: ref.ReferencePlan)
     problem = ref.plan_mismatch(plan, expected)
     if problem:
         raise AssertionError(problem)
+
+
+# --- the grouped GEMM (kernels/grouped_qmm.h): float tolerance, not bits -----------
+
+
+def quantized_experts(rng, num_experts, out_dims, in_dims, bits, group_size, name):
+    """Random packed weights (every field value) and normal scales and biases."""
+    words = in_dims * bits // 32
+    weight = rng.integers(0, 2**32, (num_experts, out_dims, words), dtype=np.uint64)
+    groups = (num_experts, out_dims, in_dims // group_size)
+    scales = ref.from_float32((rng.standard_normal(groups) * 0.05).astype(np.float32), name)
+    biases = ref.from_float32((rng.standard_normal(groups) * 0.05).astype(np.float32), name)
+    return weight.astype(np.uint32), scales, biases
+
+
+def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group_size, name):
+    """`actual` within the rounding of a float32 sum and of `name` of the
+    float64 reference, and zeros on the tail rows."""
+    expected = ref.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size, name)
+    values = ref.to_float32(np.asarray(actual), name).astype(np.float64)
+    assert np.isfinite(values).all(), "an unwritten (poisoned) or overflowed element"
+    # The sum of the terms' magnitudes bounds a float32 sum's error.
+    dense = np.abs(ref.dequantize(weight, scales, biases, bits, group_size, name))
+    magnitude = np.zeros_like(expected)
+    absolute_rows = np.abs(ref.to_float32(rows, name)).astype(np.float64)
+    for expert in range(weight.shape[0]):
+        first, last = offsets[expert], offsets[expert + 1]
+        magnitude[first:last] = absolute_rows[first:last] @ dense[expert].T
+    unit = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
+    in_dims = rows.shape[1]
+    tolerance = unit * np.abs(expected) + (in_dims + 8) * 2.0**-24 * magnitude + 1e-30
+    worst = np.max(np.abs(values - expected) - tolerance, initial=-1.0)
+    assert worst <= 0, f"max excess over tolerance {worst}"
+    assert (values[offsets[-1]:] == 0).all(), "tail rows must be zeros"

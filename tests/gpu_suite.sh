@@ -3,7 +3,8 @@
 # on Linux; Metal on a Mac), from the project root:
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
-# bench = model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large):
+# bench = model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large,
+# grouped-qmm):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
@@ -27,13 +28,15 @@
 #   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
 #   layer       the layer end to end at every shape, T = 1 to 2048, in the
 #               default formulation and each fixed one, one process a shape;
-#   layer-small the default, mlx-lm's unsorted formulation, sorted rows and
-#               16-row tiles at T = 1 to 128 in graphs of 16 layers (8 for
+#   layer-small the default, mlx-lm's unsorted formulation, the grouped kernel,
+#               sorted rows and 16-row tiles at T = 1 to 128 in graphs of 16 layers (8 for
 #               DeepSeek-V3's 5.6 GB a layer): the decode sizes, where
 #               microseconds are at stake, timed with graph building;
 #   layer-large the same in the default formulation at T = 8192 and 16384, one
 #               process a shape and T (a failing mlx-lm launch cannot disturb
 #               the next). All three write JSON.
+#   grouped-qmm the grouped GEMM kernel against MLX's gather_qmm on the same
+#               sorted rows, and the weight-read floor, every shape, T = 1 to 64.
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend)
 #               benchmarks.expert_parallel under `mlx.launch -n 2 --backend
 #               nccl`: one GPU, mlx-lm's tensor parallelism (patched and not)
@@ -59,7 +62,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
-steps=${steps//bench/model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large}
+steps=${steps//bench/model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -125,7 +128,7 @@ fi
 if wanted layer-small; then
   for shape in qwen3-next qwen3-30b-a3b deepseek-v3 mixtral; do
     logged "$results/layer-small-$shape.log" python3 -m benchmarks.layer \
-      --shapes "$shape" --tokens 1,4,8,16,32,64,128 --tile-m auto,0,1,16 \
+      --shapes "$shape" --tokens 1,4,8,16,32,64,128 --tile-m auto,0,-1,1,16 \
       --layers $([ "$shape" = deepseek-v3 ] && echo 8 || echo 16) \
       --json "$results/layer-small-$shape.json"
   done
@@ -138,6 +141,10 @@ if wanted layer-large; then
         --json "$results/layer-$shape-$tokens.json"
     done
   done
+fi
+if wanted grouped-qmm; then
+  logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
+    --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64
 fi
 if wanted expert-parallel; then
   two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME

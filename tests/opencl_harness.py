@@ -8,7 +8,7 @@ argument becomes `#define InT half` (say), and InT / OutT also an IN_DTYPE /
 OUT_DTYPE code that picks the prelude's conversions; ints and bools become
 numbers.
 
-`plan`, `gather` and `combine` run the bodies as `_gpu.py` does, from the same
+`plan`, `gather`, `combine` and `grouped_qmm` run the bodies as `_gpu.py` does, from the same
 `kernels/launch.py` launches: arrays, params, template constants, groups and
 group sizes. Every output buffer is poisoned first (`POISON_BYTE` in every
 byte), so an element no kernel writes shows in the comparison with the
@@ -45,7 +45,8 @@ ROW_DTYPES = ("float32", "float16", "bfloat16")  # prelude_opencl.h's codes 0, 1
 _DTYPE_CODES = {"InT": "IN_DTYPE", "OutT": "OUT_DTYPE"}
 
 # Argument types by name; every other argument is int32.
-_ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "float"}
+_ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "float",
+              "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT"}
 
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
@@ -212,4 +213,22 @@ def combine(src: np.ndarray, index: np.ndarray, weights, out_dtype: str) -> np.n
         num_src, hidden, num_out, fan_in, has_weights, dtype_name(src), out_dtype)
     weights_in = np.asarray(weights, np.float32) if has_weights else np.zeros(1, np.float32)
     (out,) = run("combine", [src, np.asarray(index, np.int32), weights_in], combine_launch)
+    return out
+
+
+def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                expert_offsets: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """The expert GEMM over sorted rows as `_gpu._grouped_qmm` runs it.
+
+    `rows` [capacity, in] float32, float16 or uint16 (bfloat16 bits), the
+    scales and biases of the same dtype; `weight` uint32 [E, out, in * bits /
+    32]; `expert_offsets` int32 [E + 1]. Returns [capacity, out] in the rows' dtype.
+    """
+    capacity, in_dims = rows.shape
+    num_experts, out_dims, _ = weight.shape
+    qmm_launch = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits,
+                                           group_size, dtype_name(rows))
+    arrays = [rows, np.asarray(weight, np.uint32), scales, biases,
+              np.asarray(expert_offsets, np.int32)]
+    (out,) = run("grouped_qmm", arrays, qmm_launch)
     return out

@@ -1,7 +1,8 @@
 # The kernel bodies of mlx_moe_plan/kernels/, compiled as OpenCL C and run on
 # PoCL's CPU device (tests/opencl_harness.py), against mlx_moe_plan.reference
-# bit for bit: the same texts that Metal and CUDA compile, launched as _gpu.py
-# launches them (kernels/launch.py), every output poisoned first.
+# bit for bit (grouped_qmm.h, a GEMM, within float tolerance): the same texts
+# that Metal and CUDA compile, launched as _gpu.py launches them
+# (kernels/launch.py), every output poisoned first.
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import INT32_MAX, INT32_MIN, assert_bitwise, experts_strategy, make_ids
+from conftest import (INT32_MAX, INT32_MIN, assert_bitwise, assert_gemm_close, experts_strategy,
+                      make_ids, quantized_experts)
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mlx_moe_plan import MAX_EXPERTS
 from mlx_moe_plan import reference as ref
 from mlx_moe_plan.kernels import launch
 
@@ -326,3 +329,51 @@ def test_rows_beyond_max_groups():
     _check_combine(src, index[:num_out, None], None, "bfloat16")
     pairs = _index(rng, (num_out, 2), 50, 0.1)
     _check_combine(src, pairs, rng.standard_normal(pairs.shape).astype(np.float32), "float32")
+
+
+# --- grouped_qmm: a GEMM, checked within float tolerance ----------------------------
+
+
+def _check_grouped_qmm(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    capacity = int(offsets[-1]) + tail
+    weight, scales, biases = quantized_experts(rng, len(counts), out_dims, in_dims, bits,
+                                               group_size, name)
+    rows = ref.from_float32(rng.standard_normal((capacity, in_dims)).astype(np.float32), name)
+    if name != "bfloat16":
+        rows = rows.astype(ocl.DTYPES[name][0])
+    if capacity == 0:
+        return
+    out = ocl.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size)
+    assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name)
+
+
+@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1,
+                       max_size=5),
+       out_dims=st.one_of(st.sampled_from([1, 7, 8, 9]), st.integers(1, 40)),
+       in_groups=st.integers(1, 3), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
+       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
+       name=st.sampled_from(NAMES), tail=st.integers(0, 9), seed=st.integers(0, 2**32 - 1))
+def test_grouped_qmm_matches_reference(counts, out_dims, in_groups, bits, group_size, name,
+                                       tail, seed):
+    """Experts without rows, with one, with more than a pass of ROWS; columns
+    past a group's last; one to three quantization groups a row; tail rows."""
+    _check_grouped_qmm(np.random.default_rng(seed), counts, out_dims, in_groups * group_size,
+                       bits, group_size, name, tail)
+
+
+@pytest.mark.parametrize("active", [1, 300, MAX_EXPERTS])
+def test_grouped_qmm_more_items_than_groups(active):
+    """Every expert count up to MAX_EXPERTS, more (expert, columns) items than
+    groups: the groups' lists of experts with rows, and their share of items."""
+    rng = np.random.default_rng(active)
+    counts = np.zeros(MAX_EXPERTS, np.int64)
+    counts[rng.choice(MAX_EXPERTS, active, replace=False)] = rng.integers(1, 4, active)
+    _check_grouped_qmm(rng, counts, 72, 32, 8, 32, "float16", 2)
+
+
+@pytest.mark.parametrize("bits", launch.GROUPED_QMM_BITS)
+def test_grouped_qmm_wide_rows(bits):
+    """A row of more words than a team loads in one step (LANES * WORDS)."""
+    _check_grouped_qmm(np.random.default_rng(bits), [2, 0, 9], 17, 2048, bits, 64,
+                       "bfloat16", 3)

@@ -91,6 +91,17 @@ def _record() -> list[Launch]:
                     index = mx.zeros((num_out, fan_in), mx.int32)
                     for weights in (None, mx.zeros((num_out, fan_in), mx.float32)):
                         gpu.combine_rows(src, index, weights, index, dtype=dtype, stream=None)
+        # grouped_qmm: one expert of one column (tiny: constant), a decode
+        # shape, each bit width and quantization group.
+        for experts, out_dims, in_dims, bits, group_size in [
+                (1, 1, 32, 8, 32), (128, 768, 2048, 4, 64), (8, 40, 256, 8, 128)]:
+            words = in_dims * bits // 32
+            gpu.grouped_qmm(mx.zeros((5, in_dims), src_dtype),
+                            mx.zeros((experts, out_dims, words), mx.uint32),
+                            mx.zeros((experts, out_dims, in_dims // group_size), src_dtype),
+                            mx.zeros((experts, out_dims, in_dims // group_size), src_dtype),
+                            mx.zeros((experts + 1,), mx.int32), mx.zeros((5,), mx.int32),
+                            bits=bits, group_size=group_size, stream=None)
     unique = {}
     for launch in launches:
         unique.setdefault(launch.id, launch)

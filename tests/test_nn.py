@@ -84,7 +84,7 @@ def count_switch_glu(model, cls) -> int:
 # own call below 64 entries, sorted rows or tiles from there) fused and
 # unfused, and each formulation fixed.
 PATCHES = {"default": (None, True), "unfused": (None, False), "mlx_lm": (0, True),
-           "rows": (1, True), "tiles16": (16, True)}
+           "rows": (1, True), "tiles16": (16, True), "grouped": (moe_nn.GROUPED, True)}
 
 
 @pytest.mark.parametrize("patch", PATCHES)
@@ -230,7 +230,7 @@ def test_empty_batch(tile_m):
 
 def test_rejects_bad_tile_m():
     with pytest.raises(ValueError, match="tile_m"):
-        SwitchGLU(32, 48, 8, tile_m=-1)
+        SwitchGLU(32, 48, 8, tile_m=-2)
     for bad in (True, 16.0):
         with pytest.raises(TypeError, match="tile_m"):
             SwitchGLU(32, 48, 8, tile_m=bad)
@@ -378,6 +378,28 @@ def test_gradients_match_mlx_lm(tile_m):
                                    atol=1e-5, err_msg=key)
 
 
+def test_grouped_input_gradient_matches_mlx_lm():
+    # Quantized experts take no weight gradient; their input's is
+    # cotangent @ dequantized weights, which GROUPED computes with gather_qmm
+    # (on a GPU; elsewhere GROUPED runs sorted rows).
+    mx.random.seed(4)
+    theirs = switch_layers.SwitchGLU(64, 96, 8, bias=True)
+    theirs.update(tree_map_random(theirs.parameters()))
+    nn.quantize(theirs, group_size=32, bits=4)
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=moe_nn.GROUPED)
+    x = mx.random.normal((6, 64))
+    indices = mx.argpartition(-mx.random.normal((6, 8)), 2, axis=-1)[..., :3]
+    dy = mx.random.normal((6, 3, 64))
+
+    def input_grad(layer):
+        return mx.grad(lambda v: (layer(v, indices) * dy).sum())(x)
+
+    np.testing.assert_allclose(np.array(ours(x, indices)), np.array(theirs(x, indices)),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(input_grad(ours)), np.array(input_grad(theirs)),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_patched_model_compiles():
     model = make_model("qwen3_moe", quantized=False)
     tokens = mx.array(np.random.default_rng(4).integers(0, 96, (1, 40)))
@@ -473,8 +495,9 @@ def test_compiled_forwards_follow_tile_m():
     assert compiled_forwards(patched) == 3 * count_switch_glu(patched, SwitchGLU)
 
 
+@pytest.mark.parametrize("tile_m", [None, moe_nn.GROUPED], ids=["default", "grouped"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mixtral"])
-def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name):
+def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name, tile_m):
     # In bfloat16 the patched model's float32 sums differ from mlx-lm's
     # bfloat16 ones in the last bits: against a float32 run of the same
     # 4-bit weights, its logits must be as close as mlx-lm's, within noise.
@@ -483,7 +506,7 @@ def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name):
     exact = model(tokens).astype(mx.float32)
     model.set_dtype(mx.bfloat16)
     patched = copy.deepcopy(model)
-    patch_model(patched)
+    patch_model(patched, tile_m=tile_m)
 
     def error(m):
         got = m(tokens).astype(mx.float32)

@@ -37,6 +37,16 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     tests:    `tests/test_combine.py`, `tests/test_kernels_pocl.py` (combine),
               `tests/test_compile_grad.py`, `tests/test_gradients.py`
 
+`grouped_qmm.h` -- the layer's expert GEMM, `SwitchGLU`'s GROUPED formulation
+    (`mlx_moe_plan/nn.py`); not a public op
+    launch:   `launch.grouped_qmm_launch`, `launch.GroupedQmmParams`
+    GPU glue: `_gpu.GpuBackend.grouped_qmm`, `_gpu._grouped_qmm_function`,
+              `_gpu._grouped_qmm`
+    C++:      none (the CPU runs sorted rows through MLX's `gather_qmm`)
+    gradient: d rows through MLX's `gather_qmm`, in `_gpu._grouped_qmm_function`
+    tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
+              (grouped_qmm, within float tolerance), `tests/test_nn.py`
+
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL
 rules; `tests/test_structure.py` checks its `params` reads against `launch.py`
 (and plan.h's output layout against `launch.plan_layout`).
@@ -49,7 +59,7 @@ from functools import cache
 from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
-BODIES = ("plan", "gather", "combine")
+BODIES = ("plan", "gather", "combine", "grouped_qmm")
 
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (

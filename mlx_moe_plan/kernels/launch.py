@@ -38,7 +38,24 @@ MAX_GROUPS = 1 << 16
 MAX_ROW_GROUP = 512
 GATHER_ROWS = 4  # rows a gather group copies at a time
 
+# grouped_qmm.h: a group of 128 threads, teams of 32 lanes, each team 4
+# columns, 4 rows a pass, each lane loading 4 consecutive words of each
+# column before using any. At most GROUPED_QMM_MAX_GROUPS groups share the
+# items: on the H200, 512 ran Qwen3-30B-A3B's projections at T = 1 to 64 1% to
+# 23% faster than 1024 (benchmarks/RESULTS.md).
+GROUPED_QMM_THREADS = 128
+GROUPED_QMM_LANES = 32
+GROUPED_QMM_COLUMNS = 4
+GROUPED_QMM_ROWS = 4
+GROUPED_QMM_WORDS = 4
+GROUPED_QMM_MAX_GROUPS = 512
+# The affine quantizations grouped_qmm.h reads: bits whose values a uint32
+# word holds whole, and the quantization groups MLX makes.
+GROUPED_QMM_BITS = (4, 8)
+GROUPED_QMM_QUANT_GROUPS = (32, 64, 128)
+
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ROW_KINDS = ("float32", "float16", "bfloat16")  # the bodies' IN_KIND codes
 
 
 # Each body's arguments, as `_gpu.py` and the OpenCL harness pass them: its
@@ -47,6 +64,8 @@ INPUTS_OUTPUTS = {
     "plan": (("ids", "weights", "params"), ("plan_data", "row_weights")),
     "gather": (("src", "index", "params"), ("out",)),
     "combine": (("src", "index", "weights", "params"), ("out",)),
+    "grouped_qmm": (("rows", "weight", "scales", "biases", "expert_offsets", "params"),
+                    ("out",)),
 }
 
 
@@ -78,7 +97,16 @@ class CombineParams(NamedTuple):
     row_vectors: int  # 16-byte units in a row, 0 off the vector path
 
 
-PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams}
+class GroupedQmmParams(NamedTuple):
+    num_experts: int
+    in_dims: int
+    out_dims: int
+    capacity: int
+    column_blocks: int  # blocks of a group's columns that cover out_dims
+
+
+PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
+          "grouped_qmm": GroupedQmmParams}
 
 
 @dataclass(frozen=True)
@@ -87,7 +115,7 @@ class Launch:
 
     groups: int
     group_size: int
-    params: PlanParams | GatherParams | CombineParams
+    params: PlanParams | GatherParams | CombineParams | GroupedQmmParams
     template: tuple[tuple[str, object], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
 
@@ -202,11 +230,35 @@ def combine_launch(
     row_vectors = row_bytes // 16 if vectors else 0
     per_row = row_vectors if vectors else hidden
     group_size = min(MAX_ROW_GROUP if vectors else 256, _round_up(per_row, 32))
-    in_kind = ("float32", "float16", "bfloat16").index(in_dtype)
+    in_kind = ROW_KINDS.index(in_dtype)
     return Launch(
         min(num_out, MAX_GROUPS), group_size,
         CombineParams(num_src=num_src, hidden=hidden, num_out=num_out, row_vectors=row_vectors),
         (("InT", in_dtype), ("OutT", out_dtype), ("IN_KIND", in_kind), ("FAN_IN", fan_in),
          ("HAS_WEIGHTS", has_weights), ("VECTORS", vectors)),
         (((num_out, hidden), out_dtype),),
+    )
+
+
+@lru_cache(maxsize=256)
+def grouped_qmm_launch(
+    num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
+    quant_group: int, dtype: str,
+) -> Launch:
+    """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
+    in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
+    `in_dims` (grouped_qmm.h)."""
+    columns = GROUPED_QMM_THREADS // GROUPED_QMM_LANES * GROUPED_QMM_COLUMNS
+    column_blocks = -(-out_dims // columns)
+    return Launch(
+        min((num_experts + 1) * column_blocks, GROUPED_QMM_MAX_GROUPS), GROUPED_QMM_THREADS,
+        GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
+                         capacity=capacity, column_blocks=column_blocks),
+        (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
+         ("VALUES", 32 // bits), ("QUANT_GROUP", quant_group),
+         ("VECTOR_ROWS", bits == 4 and ELEMENT_BYTES[dtype] == 2),
+         ("THREADS", GROUPED_QMM_THREADS), ("MAX_EXPERTS", MAX_EXPERTS),
+         ("LANES", GROUPED_QMM_LANES), ("COLUMNS", GROUPED_QMM_COLUMNS),
+         ("ROWS", GROUPED_QMM_ROWS), ("WORDS", GROUPED_QMM_WORDS)),
+        (((capacity, out_dims), dtype),),
     )

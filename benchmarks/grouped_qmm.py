@@ -1,0 +1,107 @@
+"""The grouped GEMM (kernels/grouped_qmm.h) against MLX's `gather_qmm` on the same rows.
+
+    python -m benchmarks.grouped_qmm                       # Qwen3-30B-A3B, T = 1 to 64
+    python -m benchmarks.grouped_qmm --shapes mixtral --tokens 1,8
+
+One expert projection of a layer shape (`benchmarks/workloads.py`), 4-bit
+weights (group 64), bfloat16 rows as a decode step's plan sorts them (random
+top-K routing, `tile_m=1`): the package's kernel (`GpuBackend.grouped_qmm`)
+against MLX's sorted `gather_qmm` over the same rows, `[rows, 1, D]` against
+`row_experts`, the sorted-rows formulation's GEMM. Both outputs are compared
+first. Times are eval medians of graphs of `--calls` calls (`benchmarks.timing`),
+each side twice, in turns; "floor" is the time to read the touched experts'
+packed weights, scales and biases once at `--bandwidth` GB/s. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import mlx.core as mx
+import numpy as np
+
+from .timing import time_calls
+from .workloads import LAYER_SHAPES
+
+
+def projections(shape) -> dict[str, tuple[int, int]]:
+    """(out, in) of the layer's two kinds of projection: gate/up, and down."""
+    return {"gate": (shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate)}
+
+
+def measure(name: str, tokens: int, calls: int, bandwidth: float) -> list[dict]:
+    from mlx_moe_plan import _backend, _gpu, moe_plan
+
+    shape = LAYER_SHAPES[name]
+    stream = mx.default_stream(mx.gpu)
+    gpu = _gpu.for_backend(_backend.gpu_backend())
+    rng = np.random.default_rng(tokens)
+    routed = np.stack([rng.choice(shape.experts, shape.top_k, replace=False)
+                       for _ in range(tokens)]).astype(np.int32)
+    plan = moe_plan(mx.array(routed), shape.experts, tile_m=1)
+    active = int((np.bincount(routed.reshape(-1), minlength=shape.experts) > 0).sum())
+    rows_out = []
+    for projection, (out_dims, in_dims) in projections(shape).items():
+        weight = (mx.random.normal((shape.experts, out_dims, in_dims)) * 0.02).astype(mx.bfloat16)
+        packed, scales, biases = mx.quantize(weight, 64, 4)
+        rows = (mx.random.normal((plan.capacity, in_dims)) * 0.5).astype(mx.bfloat16)
+        mx.eval(packed, scales, biases, rows, plan.outputs)
+        del weight
+
+        def ours(_):
+            return gpu.grouped_qmm(rows, packed, scales, biases, plan.expert_offsets,
+                                   plan.row_experts, bits=4, group_size=64, stream=stream)
+
+        def theirs(_):
+            return mx.gather_qmm(rows.reshape(-1, 1, in_dims), packed, scales, biases,
+                                 rhs_indices=plan.row_experts, transpose=True, group_size=64,
+                                 bits=4, sorted_indices=True)
+
+        want = theirs(0).reshape(plan.capacity, out_dims).astype(mx.float32)
+        error = float(mx.abs(ours(0).astype(mx.float32) - want).max())
+        scale = float(mx.abs(want).max())
+        if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
+            raise SystemExit(f"{name} T={tokens} {projection}: the kernel differs from "
+                             f"gather_qmm by {error} (max |y| {scale})")
+        samples = {"ours": [], "gather_qmm": []}
+        for _ in range(2):
+            for side, call in (("ours", ours), ("gather_qmm", theirs)):
+                samples[side].append(time_calls(call, calls).median_s * 1e6)
+        touched = active * out_dims * (packed.shape[-1] * 4 + scales.shape[-1] * 2 * 2)
+        rows_out.append({
+            "shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
+            "in": in_dims, "experts": shape.experts, "active_experts": active,
+            "ours_us": statistics.median(samples["ours"]),
+            "gather_qmm_us": statistics.median(samples["gather_qmm"]),
+            "floor_us": touched / (bandwidth * 1e3), "max_abs_diff": error})
+    return rows_out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.grouped_qmm",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qwen3-30b-a3b",
+                        help=f"comma list from {', '.join(LAYER_SHAPES)}")
+    parser.add_argument("--tokens", default="1,8,32,64", help="comma list of T")
+    parser.add_argument("--calls", type=int, default=48, help="calls in one graph")
+    parser.add_argument("--bandwidth", type=float, default=4800.0,
+                        help="memory bandwidth for the floor, GB/s (H200: 4800)")
+    args = parser.parse_args(argv)
+    if mx.default_device().type != mx.gpu:
+        raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
+    print(f"{'shape':15s} {'T':>4s} {'proj':5s} {'experts':>7s} {'ours us':>8s} "
+          f"{'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s}")
+    for name in args.shapes.split(","):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for row in measure(name, tokens, args.calls, args.bandwidth):
+                print(f"{name:15s} {tokens:4d} {row['projection']:5s} "
+                      f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
+                      f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "
+                      f"{row['gather_qmm_us'] / row['ours_us']:8.2f}x "
+                      f"{row['ours_us'] / row['floor_us']:7.1f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

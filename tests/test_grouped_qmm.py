@@ -1,0 +1,125 @@
+# The grouped GEMM (kernels/grouped_qmm.h) on the GPU, through _gpu.py, against
+# the float64 reference within the rounding of a float32 sum: every output
+# poisoned first, experts with no rows, one, and more than a pass; its input
+# gradient; compiled. The PoCL tests run the same body as OpenCL C on any
+# machine (tests/test_kernels_pocl.py).
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import _NO_GPU, FLOAT_DTYPES, assert_gemm_close, quantized_experts
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_moe_plan import MAX_EXPERTS, _backend, _gpu
+from mlx_moe_plan import reference as ref
+from mlx_moe_plan.kernels import launch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_backend.gpu_backend() is None, reason=_NO_GPU)]
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(_gpu, "POISON", -7777.0)
+
+
+def _as_mlx(values: np.ndarray, name: str) -> mx.array:
+    if name == "bfloat16":
+        return mx.array(values).view(mx.bfloat16)
+    return mx.array(values)
+
+
+def _case(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    capacity = int(offsets[-1]) + tail
+    weight, scales, biases = quantized_experts(rng, len(counts), out_dims, in_dims, bits,
+                                               group_size, name)
+    rows = ref.from_float32(rng.standard_normal((capacity, in_dims)).astype(np.float32), name)
+    experts = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    row_experts = np.concatenate([experts, np.full(tail, len(counts) - 1, np.int32)])
+    return offsets, weight, scales, biases, rows, row_experts
+
+
+def _run(offsets, weight, scales, biases, rows, row_experts, bits, group_size, name):
+    gpu = _gpu.for_backend(_backend.gpu_backend())
+    return gpu.grouped_qmm(_as_mlx(rows, name), mx.array(weight), _as_mlx(scales, name),
+                           _as_mlx(biases, name), mx.array(offsets), mx.array(row_experts),
+                           bits=bits, group_size=group_size, stream=mx.default_stream(mx.gpu))
+
+
+def _check(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
+    case = _case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
+    offsets, weight, scales, biases, rows, _ = case
+    out = _run(*case, bits, group_size, name)
+    assert out.dtype == FLOAT_DTYPES[name] and out.shape == (rows.shape[0], out_dims)
+    assert_gemm_close(ref.to_numpy(out), rows, weight, scales, biases, offsets, bits,
+                      group_size, name)
+
+
+@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1,
+                       max_size=6),
+       out_dims=st.one_of(st.sampled_from([1, 7, 8, 9]), st.integers(1, 40)),
+       in_groups=st.integers(1, 4), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
+       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
+       name=st.sampled_from(list(FLOAT_DTYPES)), tail=st.integers(0, 9),
+       seed=st.integers(0, 2**32 - 1))
+def test_matches_reference(counts, out_dims, in_groups, bits, group_size, name, tail, seed):
+    _check(np.random.default_rng(seed), counts, out_dims, in_groups * group_size, bits,
+           group_size, name, tail)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+@pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048)], ids=["gate", "down"])
+def test_decoding_shapes(tokens, in_dims, out_dims):
+    """Qwen3-30B-A3B's projections (128 experts, 8 a token) as a decode step
+    routes them: most experts empty at batch 1, a few rows each at 32."""
+    rng = np.random.default_rng(tokens)
+    routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(tokens)])
+    counts = np.bincount(routed.reshape(-1), minlength=128)
+    _check(rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
+
+
+@pytest.mark.parametrize("active", [1, 5, 300, MAX_EXPERTS])
+def test_more_items_than_groups(active):
+    """Up to MAX_EXPERTS experts, with more (expert, columns) items than the
+    grid has groups: each group lists the experts with rows and takes several."""
+    rng = np.random.default_rng(active)
+    counts = np.zeros(MAX_EXPERTS, np.int64)
+    counts[rng.choice(MAX_EXPERTS, active, replace=False)] = rng.integers(1, 11, active)
+    _check(rng, counts, 72, 32, 8, 32, "float16", 2)
+
+
+def test_input_gradient_and_compile():
+    """d rows = cotangent @ dequantize(weight[e]) for each row; compiled, the
+    same bits as uncompiled; two runs, the same bits."""
+    rng = np.random.default_rng(9)
+    case = _case(rng, [3, 0, 11, 1], 24, 128, 4, 64, "float32", 2)
+    offsets, weight, scales, biases, rows, row_experts = case
+    arrays = [mx.array(offsets), mx.array(weight), mx.array(scales), mx.array(biases),
+              mx.array(rows), mx.array(row_experts)]
+    cotangent = mx.array(rng.standard_normal((rows.shape[0], 24)).astype(np.float32))
+    gpu = _gpu.for_backend(_backend.gpu_backend())
+
+    def loss(rows, offsets, weight, scales, biases, row_experts):
+        out = gpu.grouped_qmm(rows, weight, scales, biases, offsets, row_experts, bits=4,
+                              group_size=64, stream=mx.default_stream(mx.gpu))
+        return (out * cotangent).sum()
+
+    offsets_mx, weight_mx, scales_mx, biases_mx, rows_mx, experts_mx = arrays
+    grad = mx.grad(loss)(rows_mx, offsets_mx, weight_mx, scales_mx, biases_mx, experts_mx)
+    dense = ref.dequantize(weight, scales, biases, 4, 64)
+    expected = np.zeros(rows.shape)
+    for row, expert in enumerate(row_experts):
+        expected[row] = np.array(cotangent)[row].astype(np.float64) @ dense[expert]
+    np.testing.assert_allclose(np.array(grad), expected, rtol=1e-4, atol=1e-4)
+
+    def forward(rows):
+        return gpu.grouped_qmm(rows, weight_mx, scales_mx, biases_mx, offsets_mx, experts_mx,
+                               bits=4, group_size=64, stream=mx.default_stream(mx.gpu))
+
+    eager, again = forward(rows_mx), forward(rows_mx)
+    compiled = mx.compile(forward)(rows_mx)
+    assert np.array_equal(np.array(eager), np.array(compiled))
+    assert np.array_equal(np.array(eager), np.array(again))
