@@ -387,8 +387,10 @@ def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group
     expected = ref.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size, name)
     values = ref.to_float32(np.asarray(actual), name).astype(np.float64)
     assert np.isfinite(values).all(), "an unwritten (poisoned) or overflowed element"
-    # The sum of the terms' magnitudes bounds a float32 sum's error.
-    dense = np.abs(ref.dequantize(weight, scales, biases, bits, group_size, name))
+    # The sum of the terms' magnitudes bounds a float32 sum's error; the
+    # kernel sums scale * q * x and bias * x apart, so the terms are those.
+    magnitudes = [ref.from_float32(np.abs(ref.to_float32(v, name)), name) for v in (scales, biases)]
+    dense = ref.dequantize(weight, *magnitudes, bits, group_size, name)
     magnitude = np.zeros_like(expected)
     absolute_rows = np.abs(ref.to_float32(rows, name)).astype(np.float64)
     for expert in range(weight.shape[0]):
