@@ -10,7 +10,8 @@ Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of three
 formulations: sorted single rows (`tile_m=1`: one expert index a row), tiles
 (`tile_m` rows a tile, one expert a tile by the plan's construction, rows seen
 as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`), or no plan at all
-(`tile_m=MLX_LM`: mlx-lm's own call, which decoding runs). The default,
+(`tile_m=MLX_LM`: mlx-lm's own call, which decoding runs); or, on request
+(`tile_m=GROUPED`), this package's grouped kernel over sorted rows. The default,
 `default_tile_m`, is the rule measured per backend (benchmarks/RESULTS.md);
 `tile_m` overrides it per layer. Small batches run compiled
 (`COMPILE_MAX_TOKENS`): decoding is bound by the host's graph building. Needs
@@ -221,8 +222,9 @@ class SwitchGLU(nn.Module):
 
     def _can_group(self) -> bool:
         """Whether the grouped kernel can compute this layer here."""
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
         return (_backend.resolve_stream(None).device.type == mx.gpu
-                and all(_kernel_computes(p) for p in (self.gate_proj, self.up_proj, self.down_proj)))
+                and all(_kernel_computes(p) for p in projections))
 
     def _formulation(self, indices: mx.array) -> int:
         tile_m = self.tile_m
@@ -299,11 +301,11 @@ class SwitchGLU(nn.Module):
             out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan.row_experts,
                              sorted_indices=True)
             return out.reshape(rows.shape[0], out.shape[-1])
-        gpu = _backend.implementation(_backend.resolve_stream(None))
-        out = gpu.grouped_qmm(rows, projection.weight, projection.scales, projection.biases,
-                              plan.expert_offsets, plan.row_experts, bits=projection.bits,
-                              group_size=projection.group_size,
-                              stream=_backend.resolve_stream(None))
+        stream = _backend.resolve_stream(None)
+        out = _backend.implementation(stream).grouped_qmm(
+            rows, projection.weight, projection.scales, projection.biases, plan.expert_offsets,
+            plan.row_experts, bits=projection.bits, group_size=projection.group_size,
+            stream=stream)
         if "bias" in projection:
             out = out + projection["bias"][plan.row_experts]
         return out

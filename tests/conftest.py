@@ -381,6 +381,20 @@ def quantized_experts(rng, num_experts, out_dims, in_dims, bits, group_size, nam
     return weight.astype(np.uint32), scales, biases
 
 
+def grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
+    """The inputs of one grouped GEMM: experts with `counts` rows each, then
+    `tail` tail rows. Returns expert_offsets, weight, scales, biases, rows
+    (stored as `name`, bfloat16 as its bits) and row_experts."""
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    capacity = int(offsets[-1]) + tail
+    weight, scales, biases = quantized_experts(rng, len(counts), out_dims, in_dims, bits,
+                                               group_size, name)
+    rows = ref.from_float32(rng.standard_normal((capacity, in_dims)).astype(np.float32), name)
+    experts = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    row_experts = np.concatenate([experts, np.full(tail, len(counts) - 1, np.int32)])
+    return offsets, weight, scales, biases, rows, row_experts
+
+
 def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group_size, name):
     """`actual` within the rounding of a float32 sum and of `name` of the
     float64 reference, and zeros on the tail rows."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import _NO_GPU, FLOAT_DTYPES, assert_gemm_close, quantized_experts
+from conftest import _NO_GPU, FLOAT_DTYPES, assert_gemm_close, grouped_qmm_case
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,17 +31,6 @@ def _as_mlx(values: np.ndarray, name: str) -> mx.array:
     return mx.array(values)
 
 
-def _case(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    capacity = int(offsets[-1]) + tail
-    weight, scales, biases = quantized_experts(rng, len(counts), out_dims, in_dims, bits,
-                                               group_size, name)
-    rows = ref.from_float32(rng.standard_normal((capacity, in_dims)).astype(np.float32), name)
-    experts = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-    row_experts = np.concatenate([experts, np.full(tail, len(counts) - 1, np.int32)])
-    return offsets, weight, scales, biases, rows, row_experts
-
-
 def _run(offsets, weight, scales, biases, rows, row_experts, bits, group_size, name):
     gpu = _gpu.for_backend(_backend.gpu_backend())
     return gpu.grouped_qmm(_as_mlx(rows, name), mx.array(weight), _as_mlx(scales, name),
@@ -50,7 +39,7 @@ def _run(offsets, weight, scales, biases, rows, row_experts, bits, group_size, n
 
 
 def _check(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
-    case = _case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
+    case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
     offsets, weight, scales, biases, rows, _ = case
     out = _run(*case, bits, group_size, name)
     assert out.dtype == FLOAT_DTYPES[name] and out.shape == (rows.shape[0], out_dims)
@@ -95,7 +84,7 @@ def test_input_gradient_and_compile():
     """d rows = cotangent @ dequantize(weight[e]) for each row; compiled, the
     same bits as uncompiled; two runs, the same bits."""
     rng = np.random.default_rng(9)
-    case = _case(rng, [3, 0, 11, 1], 24, 128, 4, 64, "float32", 2)
+    case = grouped_qmm_case(rng, [3, 0, 11, 1], 24, 128, 4, 64, "float32", 2)
     offsets, weight, scales, biases, rows, row_experts = case
     arrays = [mx.array(offsets), mx.array(weight), mx.array(scales), mx.array(biases),
               mx.array(rows), mx.array(row_experts)]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import (INT32_MAX, INT32_MIN, assert_bitwise, assert_gemm_close, experts_strategy,
-                      make_ids, quantized_experts)
+                      grouped_qmm_case, make_ids)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -335,14 +335,9 @@ def test_rows_beyond_max_groups():
 
 
 def _check_grouped_qmm(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    capacity = int(offsets[-1]) + tail
-    weight, scales, biases = quantized_experts(rng, len(counts), out_dims, in_dims, bits,
-                                               group_size, name)
-    rows = ref.from_float32(rng.standard_normal((capacity, in_dims)).astype(np.float32), name)
-    if name != "bfloat16":
-        rows = rows.astype(ocl.DTYPES[name][0])
-    if capacity == 0:
+    case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
+    offsets, weight, scales, biases, rows, _ = case
+    if rows.shape[0] == 0:  # no kernel runs (_gpu.py returns the empty array)
         return
     out = ocl.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size)
     assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name)
