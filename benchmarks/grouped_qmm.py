@@ -2,6 +2,7 @@
 
     python -m benchmarks.grouped_qmm                       # Qwen3-30B-A3B, T = 1 to 64
     python -m benchmarks.grouped_qmm --shapes mixtral --tokens 1,8
+    python -m benchmarks.grouped_qmm --tilings "default;words=1;columns=8,words=1"
 
 One expert projection of a layer shape (`benchmarks/workloads.py`), 4-bit
 weights (group 64), bfloat16 rows as a decode step's plan sorts them (random
@@ -10,7 +11,8 @@ against MLX's sorted `gather_qmm` over the same rows, `[rows, 1, D]` against
 `row_experts`, the sorted-rows formulation's GEMM. Both outputs are compared
 first. Times are eval medians of graphs of `--calls` calls (`benchmarks.timing`),
 each side twice, in turns; "floor" is the time to read the touched experts'
-packed weights, scales and biases once at `--bandwidth` GB/s. GPU only.
+packed weights, scales and biases once at `--bandwidth` GB/s. `--tilings` times
+the kernel in other tilings too (`launch.GroupedQmmTiling`'s fields). GPU only.
 """
 
 from __future__ import annotations
@@ -30,8 +32,24 @@ def projections(shape) -> dict[str, tuple[int, int]]:
     return {"gate": (shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate)}
 
 
-def measure(name: str, tokens: int, calls: int, bandwidth: float) -> list[dict]:
+def parse_tilings(text: str) -> list[dict[str, int]]:
+    """`"default;words=1;columns=8,words=1"` -> `[{}, {"words": 1}, {...}]`."""
+    tilings = []
+    for item in text.split(";"):
+        pairs = [] if item.strip() == "default" else item.split(",")
+        tilings.append({key.strip(): int(value) for key, value in
+                        (pair.split("=") for pair in pairs)})
+    return tilings
+
+
+def tiling_name(changes: dict[str, int]) -> str:
+    return ",".join(f"{key}={value}" for key, value in changes.items()) or "default"
+
+
+def measure(name: str, tokens: int, calls: int, bandwidth: float,
+            tilings: list[dict[str, int]]) -> list[dict]:
     from mlx_moe_plan import _backend, _gpu, moe_plan
+    from mlx_moe_plan.kernels import launch
 
     shape = LAYER_SHAPES[name]
     stream = mx.default_stream(mx.gpu)
@@ -49,9 +67,10 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float) -> list[dict]:
         mx.eval(packed, scales, biases, rows, plan.outputs)
         del weight
 
-        def ours(_):
-            return gpu.grouped_qmm(rows, packed, scales, biases, plan.expert_offsets,
-                                   plan.row_experts, bits=4, group_size=64, stream=stream)
+        def ours(_, changes=None):
+            with launch.grouped_qmm_tiling(**(changes or {})):
+                return gpu.grouped_qmm(rows, packed, scales, biases, plan.expert_offsets,
+                                       plan.row_experts, bits=4, group_size=64, stream=stream)
 
         def theirs(_):
             return mx.gather_qmm(rows.reshape(-1, 1, in_dims), packed, scales, biases,
@@ -59,22 +78,27 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float) -> list[dict]:
                                  bits=4, sorted_indices=True)
 
         want = theirs(0).reshape(plan.capacity, out_dims).astype(mx.float32)
-        error = float(mx.abs(ours(0).astype(mx.float32) - want).max())
         scale = float(mx.abs(want).max())
-        if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
-            raise SystemExit(f"{name} T={tokens} {projection}: the kernel differs from "
-                             f"gather_qmm by {error} (max |y| {scale})")
-        samples = {"ours": [], "gather_qmm": []}
-        for _ in range(2):
-            for side, call in (("ours", ours), ("gather_qmm", theirs)):
+        sides = {"gather_qmm": theirs}
+        for changes in tilings:
+            error = float(mx.abs(ours(0, changes).astype(mx.float32) - want).max())
+            if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
+                raise SystemExit(f"{name} T={tokens} {projection} {tiling_name(changes)}: the "
+                                 f"kernel differs from gather_qmm by {error} (max |y| {scale})")
+            sides[tiling_name(changes)] = lambda i, changes=changes: ours(i, changes)
+        samples = {side: [] for side in sides}
+        for _ in range(2):  # each side twice, in turns
+            for side, call in sides.items():
                 samples[side].append(time_calls(call, calls).median_s * 1e6)
         touched = active * out_dims * (packed.shape[-1] * 4 + scales.shape[-1] * 2 * 2)
-        rows_out.append({
-            "shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
-            "in": in_dims, "experts": shape.experts, "active_experts": active,
-            "ours_us": statistics.median(samples["ours"]),
-            "gather_qmm_us": statistics.median(samples["gather_qmm"]),
-            "floor_us": touched / (bandwidth * 1e3), "max_abs_diff": error})
+        for changes in tilings:
+            rows_out.append({
+                "shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
+                "in": in_dims, "experts": shape.experts, "active_experts": active,
+                "tiling": tiling_name(changes),
+                "ours_us": statistics.median(samples[tiling_name(changes)]),
+                "gather_qmm_us": statistics.median(samples["gather_qmm"]),
+                "floor_us": touched / (bandwidth * 1e3)})
     return rows_out
 
 
@@ -87,15 +111,19 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=48, help="calls in one graph")
     parser.add_argument("--bandwidth", type=float, default=4800.0,
                         help="memory bandwidth for the floor, GB/s (H200: 4800)")
+    parser.add_argument("--tilings", default="default",
+                        help="semicolon list of kernel tilings: default, or comma lists of "
+                             "GroupedQmmTiling fields (words=1,columns=8)")
     args = parser.parse_args(argv)
+    tilings = parse_tilings(args.tilings)
     if mx.default_device().type != mx.gpu:
         raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
-    print(f"{'shape':15s} {'T':>4s} {'proj':5s} {'experts':>7s} {'ours us':>8s} "
-          f"{'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s}")
+    print(f"{'shape':15s} {'T':>4s} {'proj':5s} {'tiling':18s} {'experts':>7s} "
+          f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s}")
     for name in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for row in measure(name, tokens, args.calls, args.bandwidth):
-                print(f"{name:15s} {tokens:4d} {row['projection']:5s} "
+            for row in measure(name, tokens, args.calls, args.bandwidth, tilings):
+                print(f"{name:15s} {tokens:4d} {row['projection']:5s} {row['tiling']:18s} "
                       f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
                       f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "
                       f"{row['gather_qmm_us'] / row['ours_us']:8.2f}x "

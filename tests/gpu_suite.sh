@@ -36,7 +36,8 @@
 #               process a shape and T (a failing mlx-lm launch cannot disturb
 #               the next). All three write JSON.
 #   grouped-qmm the grouped GEMM kernel against MLX's gather_qmm on the same
-#               sorted rows, and the weight-read floor, every shape, T = 1 to 64.
+#               sorted rows, and the weight-read floor, every shape, T = 1 to 64,
+#               in several tilings (launch.GroupedQmmTiling).
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend)
 #               benchmarks.expert_parallel under `mlx.launch -n 2 --backend
 #               nccl`: one GPU, mlx-lm's tensor parallelism (patched and not)
@@ -144,7 +145,8 @@ if wanted layer-large; then
 fi
 if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
-    --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64
+    --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
+    --tilings "default;words=1;words=2;columns=8,words=1;rows=2,columns=8,words=2;threads=256"
 fi
 if wanted expert-parallel; then
   two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME

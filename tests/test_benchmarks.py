@@ -134,3 +134,11 @@ def test_expert_parallel_benchmark_end_to_end(tmp_path):
         assert row["expert_bytes"] * (1 if side == "one" else 2) == full, (side, row)
     assert "experts' bytes a rank holds" in result.stdout
     assert "expert+tensor vs tensor+patch" in result.stdout
+
+
+def test_grouped_qmm_tilings_parse():
+    from benchmarks.grouped_qmm import parse_tilings, tiling_name
+
+    tilings = parse_tilings("default; words=1;columns=8,words=2")
+    assert tilings == [{}, {"words": 1}, {"columns": 8, "words": 2}]
+    assert [tiling_name(t) for t in tilings] == ["default", "words=1", "columns=8,words=2"]

@@ -372,3 +372,18 @@ def test_grouped_qmm_wide_rows(bits):
     """A row of more words than a team loads in one step (LANES * WORDS)."""
     _check_grouped_qmm(np.random.default_rng(bits), [2, 0, 9], 17, 2048, bits, 64,
                        "bfloat16", 3)
+
+
+# The tilings `python -m benchmarks.grouped_qmm --tilings` may compare: each one
+# must give the reference's sums before it is worth timing.
+TILINGS = [dict(words=1), dict(columns=8, words=1), dict(rows=2, columns=8, words=2),
+           dict(threads=256), dict(lanes=16, columns=2), dict(max_groups=1)]
+
+
+@pytest.mark.parametrize("changes", TILINGS,
+                         ids=[",".join(f"{k}={v}" for k, v in t.items()) for t in TILINGS])
+def test_grouped_qmm_tilings(changes):
+    rng = np.random.default_rng(17)
+    with launch.grouped_qmm_tiling(**changes):
+        _check_grouped_qmm(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
+        _check_grouped_qmm(rng, [1, 3], 9, 128, 8, 32, "float32", 0)

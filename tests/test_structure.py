@@ -306,6 +306,22 @@ def test_launches_carry_their_bodys_params():
     assert (plan_params.num_entries, plan_params.tile_m, plan_params.top_k) == (1000, 4, 2)
 
 
+def test_grouped_qmm_tilings_are_checked():
+    from mlx_moe_plan.kernels import launch
+
+    for bad in (dict(lanes=24), dict(threads=96, lanes=32), dict(columns=16),
+                dict(words=0)):
+        with pytest.raises(ValueError, match="grouped_qmm tiling"):
+            with launch.grouped_qmm_tiling(**bad):
+                pass
+    default = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
+    with launch.grouped_qmm_tiling(words=1, max_groups=2) as tiling:
+        assert tiling.words == 1
+        changed = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
+    assert dict(changed.template)["WORDS"] == 1 and changed.groups == 2
+    assert launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16") == default
+
+
 # --- docs/DESIGN.md cites what the repository holds ------------------------------------
 
 REPOSITORY = PACKAGE_DIR.parent

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -38,17 +38,6 @@ MAX_GROUPS = 1 << 16
 MAX_ROW_GROUP = 512
 GATHER_ROWS = 4  # rows a gather group copies at a time
 
-# grouped_qmm.h: a group of 128 threads, teams of 32 lanes, each team 4
-# columns, 4 rows a pass, each lane loading 4 consecutive words of each
-# column before using any. At most GROUPED_QMM_MAX_GROUPS groups share the
-# items: on the H200, 512 ran Qwen3-30B-A3B's projections at T = 1 to 64 1% to
-# 23% faster than 1024 (benchmarks/RESULTS.md).
-GROUPED_QMM_THREADS = 128
-GROUPED_QMM_LANES = 32
-GROUPED_QMM_COLUMNS = 4
-GROUPED_QMM_ROWS = 4
-GROUPED_QMM_WORDS = 4
-GROUPED_QMM_MAX_GROUPS = 512
 # The affine quantizations grouped_qmm.h reads: bits whose values a uint32
 # word holds whole, and the quantization groups MLX makes.
 GROUPED_QMM_BITS = (4, 8)
@@ -95,6 +84,58 @@ class CombineParams(NamedTuple):
     hidden: int
     num_out: int
     row_vectors: int  # 16-byte units in a row, 0 off the vector path
+
+
+@dataclass(frozen=True)
+class GroupedQmmTiling:
+    """How grouped_qmm.h splits its work: the kernel's template constants of
+    that name, and the grid's cap. Any tiling gives the same sums up to float
+    rounding; `grouped_qmm_tiling` runs another one (the benchmark compares them)."""
+
+    threads: int = 128  # a group's threads: THREADS
+    lanes: int = 32  # a team's threads: LANES
+    columns: int = 4  # a team's output columns: COLUMNS
+    rows: int = 4  # rows a pass: ROWS
+    words: int = 4  # consecutive words of each column a lane loads at once: WORDS
+    # Groups at most, sharing the items: on the H200, 512 ran Qwen3-30B-A3B's
+    # projections at T = 1 to 64 1% to 23% faster than 1024 (RESULTS.md).
+    max_groups: int = 512
+
+    def check(self) -> None:
+        """Raises ValueError where grouped_qmm.h could not run this tiling."""
+        if min(self.threads, self.lanes, self.columns, self.rows, self.words,
+               self.max_groups) < 1:
+            raise ValueError(f"grouped_qmm tiling: every field must be at least 1: {self}")
+        if self.threads % self.lanes or MAX_EXPERTS % self.threads:
+            raise ValueError(f"grouped_qmm tiling: lanes must divide threads, and threads "
+                             f"MAX_EXPERTS ({MAX_EXPERTS}): {self}")
+        if self.lanes < self.columns * self.rows:
+            raise ValueError(f"grouped_qmm tiling: a team adds its columns * rows sums "
+                             f"with one lane each, so lanes >= columns * rows: {self}")
+
+
+GROUPED_QMM_TILING = GroupedQmmTiling()
+_grouped_qmm_tiling: ContextVar[GroupedQmmTiling] = ContextVar("grouped_qmm_tiling",
+                                                               default=GROUPED_QMM_TILING)
+
+
+@contextmanager
+def grouped_qmm_tiling(**changes):
+    """Run grouped_qmm.h with `GROUPED_QMM_TILING`'s fields changed, within the block.
+
+    Like `plan_max_groups`, it applies to the calls made inside the block (a
+    launch is fixed when the GEMM is called, not when the graph is evaluated).
+
+    Args:
+        **changes: Fields of `GroupedQmmTiling`, say `words=1, columns=8`.
+    """
+    tiling = replace(GROUPED_QMM_TILING, **changes)
+    tiling.check()
+    token = _grouped_qmm_tiling.set(tiling)
+    try:
+        yield tiling
+    finally:
+        _grouped_qmm_tiling.reset(token)
 
 
 class GroupedQmmParams(NamedTuple):
@@ -240,25 +281,34 @@ def combine_launch(
     )
 
 
-@lru_cache(maxsize=256)
 def grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str,
 ) -> Launch:
     """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
     in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
-    `in_dims` (grouped_qmm.h)."""
-    columns = GROUPED_QMM_THREADS // GROUPED_QMM_LANES * GROUPED_QMM_COLUMNS
+    `in_dims` (grouped_qmm.h), in the tiling of an enclosing
+    `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`."""
+    return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
+                               dtype, _grouped_qmm_tiling.get())
+
+
+@lru_cache(maxsize=256)
+def _grouped_qmm_launch(
+    num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
+    quant_group: int, dtype: str, tiling: GroupedQmmTiling,
+) -> Launch:
+    columns = tiling.threads // tiling.lanes * tiling.columns
     column_blocks = -(-out_dims // columns)
     return Launch(
-        min((num_experts + 1) * column_blocks, GROUPED_QMM_MAX_GROUPS), GROUPED_QMM_THREADS,
+        min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
                          capacity=capacity, column_blocks=column_blocks),
         (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
          ("VALUES", 32 // bits), ("QUANT_GROUP", quant_group),
          ("VECTOR_ROWS", bits == 4 and ELEMENT_BYTES[dtype] == 2),
-         ("THREADS", GROUPED_QMM_THREADS), ("MAX_EXPERTS", MAX_EXPERTS),
-         ("LANES", GROUPED_QMM_LANES), ("COLUMNS", GROUPED_QMM_COLUMNS),
-         ("ROWS", GROUPED_QMM_ROWS), ("WORDS", GROUPED_QMM_WORDS)),
+         ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
+         ("LANES", tiling.lanes), ("COLUMNS", tiling.columns), ("ROWS", tiling.rows),
+         ("WORDS", tiling.words)),
         (((capacity, out_dims), dtype),),
     )
