@@ -130,6 +130,8 @@ for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_G
           packed[k * COLUMNS + c] = inside ? weight[column_row * row_words + word] : 0u;
         }
       }
+      // Unrolled, so that packed[] is indexed by constants and stays in
+      // registers (NVCC left this loop rolled, packed[] in local memory).
 #pragma unroll
       for (int k = 0; k < WORDS; ++k) {
         const int word = word0 + k;
