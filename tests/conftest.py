@@ -402,14 +402,14 @@ def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group
     values = ref.to_float32(np.asarray(actual), name).astype(np.float64)
     assert np.isfinite(values).all(), "an unwritten (poisoned) or overflowed element"
     # The sum of the terms' magnitudes bounds a float32 sum's error; the
-    # kernel sums scale * q * x and bias * x apart, so the terms are those.
-    magnitudes = [ref.from_float32(np.abs(ref.to_float32(v, name)), name) for v in (scales, biases)]
-    dense = ref.dequantize(weight, *magnitudes, bits, group_size, name)
-    magnitude = np.zeros_like(expected)
-    absolute_rows = np.abs(ref.to_float32(rows, name)).astype(np.float64)
-    for expert in range(weight.shape[0]):
-        first, last = offsets[expert], offsets[expert + 1]
-        magnitude[first:last] = absolute_rows[first:last] @ dense[expert].T
+    # kernel sums scale * q * x and bias * x apart, so the terms are those:
+    # the reference's GEMM of the absolute rows, scales and biases (exact in
+    # every dtype).
+    def absolute(values):
+        return ref.from_float32(np.abs(ref.to_float32(values, name)), name)
+
+    magnitude = ref.grouped_qmm(absolute(rows), weight, absolute(scales), absolute(biases),
+                                offsets, bits, group_size, name)
     unit = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
     in_dims = rows.shape[1]
     tolerance = unit * np.abs(expected) + (in_dims + 8) * 2.0**-24 * magnitude + 1e-30
