@@ -12,24 +12,22 @@
 // of an item a group would be mostly groups of empty experts when decoding,
 // and a GPU starts groups at a limited rate (on the H200, 12,384 groups of
 // which 768 had rows took about 45 us).
-// Meant for few rows an expert (decoding), and bound by reading the weights:
-// an item dequantizes its expert's words once for ROWS rows at a time, so the
-// weights are read from memory once while the expert has at most ROWS rows
+// Meant for few rows an expert (decoding), and meant to be bound by reading
+// the weights: an item reads its expert's words once for ROWS rows at a time,
+// so the weights come from memory once while the expert has at most ROWS rows
 // (again, mostly from cache, for each further ROWS). A team of LANES threads
-// computes COLUMNS output columns: each lane reads WORDS consecutive words of
-// each column's packed row, the team LANES * WORDS words of it (coalesced:
-// the first load of a step brings the lines the others read, so a lane has
-// WORDS * COLUMNS * 4 bytes in flight), every thread dequantizes its words of the
-// COLUMNS columns and applies each value to all ROWS rows, whose values it
-// loaded once for all its columns (one 16-byte load for a 4-bit word's eight
-// 16-bit values), applying a word's scale and bias to the dot product of its
-// fields and values rather than to every field. Each thread keeps a partial
-// sum per column and row; the
-// team adds its lanes' partials in lane order through shared memory, so every
-// run gives the same bits. Weights dequantize as scale * q + bias, q the
-// BITS-bit fields of a uint32 word from its low bits up, as MLX's affine
-// quantization packs them; the sums are a GEMM's, within float32 rounding of
-// the exact ones, not the bits of any other implementation.
+// computes COLUMNS output columns. Each lane reads WORDS consecutive words of
+// each column's packed row, the team LANES * WORDS words of it (coalesced: the
+// first load of a step brings the lines the others read, so a lane has WORDS *
+// COLUMNS * 4 bytes in flight). It loads a word's values of each row once for
+// all its columns (one 16-byte load for a 4-bit word's eight 16-bit values)
+// and applies the word's scale and bias to the dot product of its fields and a
+// row's values rather than to every field. Each thread keeps a partial sum per
+// column and row; the team adds its lanes' partials in lane order through
+// shared memory, so every run gives the same bits. Weights dequantize as scale
+// * q + bias, q the BITS-bit fields of a uint32 word from its low bits up, as
+// MLX's affine quantization packs them; the sums are a GEMM's, within float32
+// rounding of the exact ones, not the bits of any other implementation.
 // Inputs: rows InT [capacity, in_dims]; weight uint32 [E, out_dims,
 //   in_dims / VALUES]; scales, biases InT [E, out_dims, in_dims /
 //   QUANT_GROUP]; expert_offsets int32 [E + 1]; params int32, the fields of
@@ -164,8 +162,10 @@ for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_G
         float x_sums[ROWS];
         for (int r = 0; r < ROWS; ++r) {
           x_sums[r] = 0.0f;
-          for (int v = 0; v < VALUES; ++v) {
-            x_sums[r] += x[r * VALUES + v];
+          if (r < count) {  // read below only for these
+            for (int v = 0; v < VALUES; ++v) {
+              x_sums[r] += x[r * VALUES + v];
+            }
           }
         }
         const int quant_group = word * VALUES / QUANT_GROUP;
