@@ -310,20 +310,19 @@ class SwitchGLU(nn.Module):
             out = out + projection["bias"][plan.row_experts]
         return out
 
-    def _grouped_rows(self, x: mx.array, plan) -> mx.array:
-        """The expert MLP of every row of the plan, `[capacity, D]`, by the
-        grouped kernel: over the rows each expert has, which it reads on the
-        device, so an expert-parallel layer needs no sync either."""
-        rows = moe_gather(self._sharded_input(x), plan)
+    def _grouped_mlp(self, rows: mx.array, plan) -> mx.array:
+        """The expert MLP of the plan's rows `[capacity, D]` by the grouped
+        kernel: over the rows each expert has, which it reads on the device,
+        so an expert-parallel layer needs no sync either."""
         x_up = self._grouped_projection(self.up_proj, rows, plan)
         x_gate = self._grouped_projection(self.gate_proj, rows, plan)
         return self._grouped_projection(self.down_proj, self.activation(x_up, x_gate), plan)
 
     def _expert_rows(self, x: mx.array, plan, tile_m: int) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
-        if tile_m == GROUPED:
-            return self._grouped_rows(x, plan)
         rows = moe_gather(self._sharded_input(x), plan)
+        if tile_m == GROUPED:
+            return self._grouped_mlp(rows, plan)
         used = self._used_rows(plan)
         if used < plan.capacity:
             # Rows past num_rows are padding nobody reads: zeros stand for
