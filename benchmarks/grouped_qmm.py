@@ -9,15 +9,18 @@ weights (group 64), bfloat16 rows as a decode step's plan sorts them (random
 top-K routing, `tile_m=1`): the package's kernel (`GpuBackend.grouped_qmm`)
 against MLX's sorted `gather_qmm` over the same rows, `[rows, 1, D]` against
 `row_experts`, the sorted-rows formulation's GEMM. Both outputs are compared
-first. Times are eval medians of graphs of `--calls` calls (`benchmarks.timing`),
-each side twice, in turns; "floor" is the time to read the touched experts'
-packed weights, scales and biases once at `--bandwidth` GB/s. `--tilings` times
-the kernel in other tilings too (`launch.GroupedQmmTiling`'s fields). GPU only.
+first. The calls of a graph cycle through enough sets of weights that each
+reads its weights from memory (`weight_sets_for`). Times are eval medians of
+graphs of `--calls` calls (`benchmarks.timing`), each side twice, in turns;
+"floor" is the time to read the touched experts' packed weights, scales and
+biases once at `--bandwidth` GB/s. `--tilings` times the kernel in other
+tilings too (`launch.GroupedQmmTiling`'s fields). GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 import mlx.core as mx
@@ -46,6 +49,17 @@ def tiling_name(changes: dict[str, int]) -> str:
     return ",".join(f"{key}={value}" for key, value in changes.items()) or "default"
 
 
+# A graph's calls cycle through sets of weights whose touched bytes together
+# are twice this (an H200's L2), so that a call reads its weights from memory,
+# as a model's layers do, not from an earlier call's cache.
+CACHE_BYTES = 50e6
+
+
+def weight_sets_for(touched_bytes: float, calls: int) -> int:
+    """Weight sets to cycle through: touched bytes of all of them >= 2 * CACHE_BYTES."""
+    return min(calls, max(2, math.ceil(2 * CACHE_BYTES / touched_bytes)))
+
+
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
             tilings: list[dict[str, int]]) -> list[dict]:
     from mlx_moe_plan import _backend, _gpu, moe_plan
@@ -61,18 +75,25 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
     active = int((np.bincount(routed.reshape(-1), minlength=shape.experts) > 0).sum())
     rows_out = []
     for projection, (out_dims, in_dims) in projections(shape).items():
-        weight = (mx.random.normal((shape.experts, out_dims, in_dims)) * 0.02).astype(mx.bfloat16)
-        packed, scales, biases = mx.quantize(weight, 64, 4)
+        # 4 bits a weight, a bfloat16 scale and bias every 64: a column's bytes.
+        column_bytes = in_dims // 2 + in_dims // 64 * 2 * 2
+        touched = active * out_dims * column_bytes
+        weight_sets = []
+        for _ in range(weight_sets_for(touched, calls)):
+            weight = (mx.random.normal((shape.experts, out_dims, in_dims)) * 0.02)
+            weight_sets.append(mx.quantize(weight.astype(mx.bfloat16), 64, 4))
+            mx.eval(weight_sets[-1])
         rows = (mx.random.normal((plan.capacity, in_dims)) * 0.5).astype(mx.bfloat16)
-        mx.eval(packed, scales, biases, rows, plan.outputs)
-        del weight
+        mx.eval(rows, plan.outputs)
 
-        def ours(_, changes=None):
+        def ours(i, changes=None):
+            packed, scales, biases = weight_sets[i % len(weight_sets)]
             with launch.grouped_qmm_tiling(**(changes or {})):
                 return gpu.grouped_qmm(rows, packed, scales, biases, plan.expert_offsets,
                                        plan.row_experts, bits=4, group_size=64, stream=stream)
 
-        def theirs(_):
+        def theirs(i):
+            packed, scales, biases = weight_sets[i % len(weight_sets)]
             return mx.gather_qmm(rows.reshape(-1, 1, in_dims), packed, scales, biases,
                                  rhs_indices=plan.row_experts, transpose=True, group_size=64,
                                  bits=4, sorted_indices=True)
@@ -90,7 +111,6 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
         for _ in range(2):  # each side twice, in turns
             for side, call in sides.items():
                 samples[side].append(time_calls(call, calls).median_s * 1e6)
-        touched = active * out_dims * (packed.shape[-1] * 4 + scales.shape[-1] * 2 * 2)
         for changes in tilings:
             rows_out.append({
                 "shape": name, "tokens": tokens, "projection": projection, "out": out_dims,

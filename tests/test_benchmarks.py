@@ -142,3 +142,12 @@ def test_grouped_qmm_tilings_parse():
     tilings = parse_tilings("default; words=1;columns=8,words=2")
     assert tilings == [{}, {"words": 1}, {"columns": 8, "words": 2}]
     assert [tiling_name(t) for t in tilings] == ["default", "words=1", "columns=8,words=2"]
+
+
+def test_grouped_qmm_weight_sets_outgrow_the_cache():
+    from benchmarks.grouped_qmm import CACHE_BYTES, weight_sets_for
+
+    for touched in (1e5, 6.3e6, 4e7, 6e7, 2e9):
+        sets = weight_sets_for(touched, 48)
+        assert 2 <= sets <= 48
+        assert sets * touched >= 2 * CACHE_BYTES or sets == 48
