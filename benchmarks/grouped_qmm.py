@@ -2,7 +2,7 @@
 
     python -m benchmarks.grouped_qmm                       # Qwen3-30B-A3B, T = 1 to 64
     python -m benchmarks.grouped_qmm --shapes mixtral --tokens 1,8
-    python -m benchmarks.grouped_qmm --tilings "default;words=1;columns=8,words=1"
+    python -m benchmarks.grouped_qmm --tilings "default;tiles=1;steps=4,tiles=1"
 
 One expert projection of a layer shape (`benchmarks/workloads.py`), 4-bit
 weights (group 64), bfloat16 rows as a decode step's plan sorts them (random
@@ -36,7 +36,7 @@ def projections(shape) -> dict[str, tuple[int, int]]:
 
 
 def parse_tilings(text: str) -> list[dict[str, int]]:
-    """`"default;words=1;columns=8,words=1"` -> `[{}, {"words": 1}, {...}]`."""
+    """`"default;tiles=1;steps=4,tiles=1"` -> `[{}, {"tiles": 1}, {...}]`."""
     tilings = []
     for item in text.split(";"):
         pairs = [] if item.strip() == "default" else item.split(",")
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                         help="memory bandwidth for the floor, GB/s (H200: 4800)")
     parser.add_argument("--tilings", default="default",
                         help="semicolon list of kernel tilings: default, or comma lists of "
-                             "GroupedQmmTiling fields (words=1,columns=8)")
+                             "GroupedQmmTiling fields (tiles=1,steps=4)")
     args = parser.parse_args(argv)
     tilings = parse_tilings(args.tilings)
     if mx.default_device().type != mx.gpu:

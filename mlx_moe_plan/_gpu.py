@@ -207,7 +207,8 @@ class GpuBackend:
         expert); quantized weights get no gradient, as in MLX.
 
         Args:
-            rows (array): `[capacity, D]`, the dtype of `scales` and `biases`.
+            rows (array): `[capacity, D]`, float16 or bfloat16
+                (`launch.GROUPED_QMM_DTYPES`), the dtype of `scales` and `biases`.
             weight (array): uint32 `[E, N, D * bits / 32]`, MLX's affine packing.
             scales (array): `[E, N, D / group_size]`.
             biases (array): `[E, N, D / group_size]`.
@@ -220,6 +221,9 @@ class GpuBackend:
         Returns:
             array: `[capacity, N]` in the rows' dtype.
         """
+        if _name(rows.dtype) not in launch.GROUPED_QMM_DTYPES:
+            raise ValueError(f"rows: grouped_qmm takes {' or '.join(launch.GROUPED_QMM_DTYPES)} "
+                             f"rows, got {rows.dtype}")
         function = _grouped_qmm_function(self.backend, bits, group_size, stream)
         return function(rows, weight, scales, biases, expert_offsets, row_experts)
 

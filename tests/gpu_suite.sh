@@ -146,7 +146,7 @@ fi
 if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
-    --tilings "default;words=1;words=2;columns=8,words=1;rows=2,columns=8,words=2;threads=256"
+    --tilings "default;tiles=1;steps=1;steps=4;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024"
 fi
 if wanted expert-parallel; then
   two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME

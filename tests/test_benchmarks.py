@@ -139,9 +139,9 @@ def test_expert_parallel_benchmark_end_to_end(tmp_path):
 def test_grouped_qmm_tilings_parse():
     from benchmarks.grouped_qmm import parse_tilings, tiling_name
 
-    tilings = parse_tilings("default; words=1;columns=8,words=2")
-    assert tilings == [{}, {"words": 1}, {"columns": 8, "words": 2}]
-    assert [tiling_name(t) for t in tilings] == ["default", "words=1", "columns=8,words=2"]
+    tilings = parse_tilings("default; tiles=1;steps=4,tiles=2")
+    assert tilings == [{}, {"tiles": 1}, {"steps": 4, "tiles": 2}]
+    assert [tiling_name(t) for t in tilings] == ["default", "tiles=1", "steps=4,tiles=2"]
 
 
 def test_grouped_qmm_weight_sets_outgrow_the_cache():

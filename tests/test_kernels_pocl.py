@@ -348,11 +348,13 @@ def _check_grouped_qmm(rng, counts, out_dims, in_dims, bits, group_size, name, t
        out_dims=st.one_of(st.sampled_from([1, 7, 8, 9]), st.integers(1, 40)),
        in_groups=st.integers(1, 3), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
        group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
-       name=st.sampled_from(NAMES), tail=st.integers(0, 9), seed=st.integers(0, 2**32 - 1))
+       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
+       seed=st.integers(0, 2**32 - 1))
 def test_grouped_qmm_matches_reference(counts, out_dims, in_groups, bits, group_size, name,
                                        tail, seed):
-    """Experts without rows, with one, with more than a pass of ROWS; columns
-    past a group's last; one to three quantization groups a row; tail rows."""
+    """Experts without rows, with one, with more than a pass of 8 rows;
+    columns past a group's last; one to three quantization groups a row (more
+    than a load's STEPS); tail rows."""
     _check_grouped_qmm(np.random.default_rng(seed), counts, out_dims, in_groups * group_size,
                        bits, group_size, name, tail)
 
@@ -369,15 +371,15 @@ def test_grouped_qmm_more_items_than_groups(active):
 
 @pytest.mark.parametrize("bits", launch.GROUPED_QMM_BITS)
 def test_grouped_qmm_wide_rows(bits):
-    """A row of more words than a team loads in one step (LANES * WORDS)."""
+    """A row of many quantization groups, loaded STEPS at a time."""
     _check_grouped_qmm(np.random.default_rng(bits), [2, 0, 9], 17, 2048, bits, 64,
                        "bfloat16", 3)
 
 
 # The tilings `python -m benchmarks.grouped_qmm --tilings` may compare: each one
 # must give the reference's sums before it is worth timing.
-TILINGS = [dict(words=1), dict(columns=8, words=1), dict(rows=2, columns=8, words=2),
-           dict(threads=256), dict(lanes=16, columns=2), dict(max_groups=1)]
+TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=2),
+           dict(threads=256, tiles=1), dict(threads=32), dict(max_groups=1)]
 
 
 @pytest.mark.parametrize("changes", TILINGS,
@@ -386,4 +388,4 @@ def test_grouped_qmm_tilings(changes):
     rng = np.random.default_rng(17)
     with launch.grouped_qmm_tiling(**changes):
         _check_grouped_qmm(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
-        _check_grouped_qmm(rng, [1, 3], 9, 128, 8, 32, "float32", 0)
+        _check_grouped_qmm(rng, [1, 3, 17], 9, 128, 8, 32, "float16", 0)

@@ -446,11 +446,17 @@ def test_compact_text_keeps_every_token_and_line_start(name):
 
 
 @pytest.mark.parametrize("text", ["int a/* x */b;", "#define A 1 \\\n  + 2", "// a \\\nb;",
-                                  'int s = "//";'])
+                                  'int s = "\\"//";', "char c = 'a';", 'asm("a\n  b");'])
 def test_compact_refuses_what_it_cannot_strip(text, monkeypatch):
     monkeypatch.setattr(kernels, "text", lambda name: text)
     with pytest.raises(ValueError, match="kernels.compact takes no"):
         kernels.compact.__wrapped__("odd")
+
+
+def test_compact_keeps_strings(monkeypatch):
+    """CUDA's inline PTX is string literals: kept whole, `//` inside them too."""
+    monkeypatch.setattr(kernels, "text", lambda name: 'asm("mma // x"); // "a comment"\n')
+    assert kernels.compact.__wrapped__("odd") == 'asm("mma // x");\n'
 
 
 def test_metal_contraction_is_off():

@@ -309,16 +309,16 @@ def test_launches_carry_their_bodys_params():
 def test_grouped_qmm_tilings_are_checked():
     from mlx_moe_plan.kernels import launch
 
-    for bad in (dict(lanes=24), dict(threads=96, lanes=32), dict(columns=16),
-                dict(words=0)):
+    for bad in (dict(threads=48), dict(threads=96), dict(tiles=0), dict(steps=0),
+                dict(row_tiles=0)):
         with pytest.raises(ValueError, match="grouped_qmm tiling"):
             with launch.grouped_qmm_tiling(**bad):
                 pass
     default = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
-    with launch.grouped_qmm_tiling(words=1, max_groups=2) as tiling:
-        assert tiling.words == 1
+    with launch.grouped_qmm_tiling(steps=1, max_groups=2) as tiling:
+        assert tiling.steps == 1
         changed = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
-    assert dict(changed.template)["WORDS"] == 1 and changed.groups == 2
+    assert dict(changed.template)["STEPS"] == 1 and changed.groups == 2
     assert launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16") == default
 
 

@@ -65,6 +65,7 @@ BODIES = ("plan", "gather", "combine", "grouped_qmm")
 DIALECT_NAMES = (
     "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
     "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT", "MUL_RN", "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16",
+    "UNROLL", "MMA_16x8x16", "PAIR_SUB",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
 
@@ -88,15 +89,19 @@ def compact(name: str) -> str:
     working; a compiler's line numbers are those of `body(name, backend)`.
 
     Only `//` comments are stripped, which is exact for texts without block
-    comments, line continuations and quotes: any of those raises ValueError.
+    comments, line continuations, character literals and escapes in string
+    literals (CUDA's inline PTX is strings): any of those raises ValueError.
     """
     source = text(name)
     if "/*" in source or re.search(r"\\[ \t]*$", source, flags=re.M):
         raise ValueError(f"{name}.h: kernels.compact takes no /* */ comments and no "
                          "backslash line continuations")
-    code = re.sub(r"//[^\n]*", "", source)
-    if '"' in code or "'" in code:
-        raise ValueError(f"{name}.h: kernels.compact takes no string or character literals")
+    # A string literal or a comment, whichever starts first: strings are kept.
+    code = re.sub(r'"[^"\n]*"|//[^\n]*',
+                  lambda match: match[0] if match[0].startswith('"') else "", source)
+    if "'" in code or "\\" in code or any(line.count('"') % 2 for line in code.splitlines()):
+        raise ValueError(f"{name}.h: kernels.compact takes no character literals, escapes "
+                         "or strings across lines")
     return "".join(line.strip() + "\n" for line in code.splitlines() if line.strip())
 
 

@@ -12,36 +12,42 @@
 // of an item a group would be mostly groups of empty experts when decoding,
 // and a GPU starts groups at a limited rate (on the H200, 12,384 groups of
 // which 768 had rows took about 45 us).
-// Meant for few rows an expert (decoding), and meant to be bound by reading
-// the weights: an item reads its expert's words once for ROWS rows at a time,
-// so the weights come from memory once while the expert has at most ROWS rows
-// (again, mostly from cache, for each further ROWS). A team of LANES threads
-// computes COLUMNS output columns. Each lane reads WORDS consecutive words of
-// each column's packed row, the team LANES * WORDS words of it (coalesced: the
-// first load of a step brings the lines the others read, so a lane has WORDS *
-// COLUMNS * 4 bytes in flight). It loads a word's values of each row once for
-// all its columns (one 16-byte load for a 4-bit word's eight 16-bit values)
-// and applies the word's scale and bias to the dot product of its fields and a
-// row's values rather than to every field. Each thread keeps a partial sum per
-// column and row; the team adds its lanes' partials in lane order through
-// shared memory, so every run gives the same bits. Weights dequantize as scale
-// * q + bias, q the BITS-bit fields of a uint32 word from its low bits up, as
-// MLX's affine quantization packs them; the sums are a GEMM's, within float32
-// rounding of the exact ones, not the bits of any other implementation.
-// Inputs: rows InT [capacity, in_dims]; weight uint32 [E, out_dims,
-//   in_dims / VALUES]; scales, biases InT [E, out_dims, in_dims /
-//   QUANT_GROUP]; expert_offsets int32 [E + 1]; params int32, the fields of
-//   launch.py's GroupedQmmParams in order (read below; column_blocks: blocks
-//   of THREADS / LANES * COLUMNS columns that cover out_dims).
+// The products are a warp's matrix multiply-add, MMA_16x8x16 (the dialect's
+// name for PTX's mma.m16n8k16: 16 output columns by 8 rows by 16 input values,
+// 16-bit pairs in, float sums; CUDA runs the instruction, the other preludes
+// compute the same sums lane by lane). A warp computes TILES tiles of 16
+// columns over 8 * ROW_TILES rows a pass, so an expert's weights are read once
+// for all of its rows up to that count. What the multiply-add takes exactly:
+// the fields q of a packed word, made 16-bit floats by the bits (the pair
+// MAGIC + q minus MAGIC, both exact), against the rows' own 16-bit values,
+// with float sums. A quantization group's scale and bias then apply to its
+// sums, in float: sum_v (scale * q_v + bias) * x_v = scale * sum_v q_v * x_v
+// + bias * sum_v x_v, the last a multiply-add with ones (shared by the
+// warp's tiles). So the results are a float GEMM's of the exact dequantized
+// weights, not the bits of any other implementation; the order of a
+// multiply-add's sums is the hardware's, the same on every run.
+// The input index of a fragment's slot is free, as long as the weights and
+// the rows agree on it: lane (row r = lane / 4, slot k = lane % 4) of a warp
+// holds the same input indices in A (its columns r and r + 8) and in B (its
+// row r). A lane reads LANE_WORDS consecutive words of each of its columns a
+// quantization group, the group's 4 * LANE_WORDS words across the four lanes
+// of a fragment row (so every multiply-add's 16 inputs share one scale), and
+// takes a word's fields as pairs (v, v + VALUES / 2): its low bits up, as
+// MLX's affine quantization packs them, a shift and a mask apart.
+// Inputs: rows InT [capacity, in_dims], float16 or bfloat16; weight uint32
+//   [E, out_dims, in_dims / VALUES]; scales, biases InT [E, out_dims,
+//   in_dims / QUANT_GROUP]; expert_offsets int32 [E + 1]; params int32, the
+//   fields of launch.py's GroupedQmmParams in order (read below;
+//   column_blocks: blocks of THREADS / 32 * 16 * TILES columns that cover
+//   out_dims).
 // Outputs: out OutT [capacity, out_dims].
-// Template constants: InT, OutT, IN_KIND (0 float32, 1 float16, 2 bfloat16),
-//   BITS (4 or 8), VALUES (32 / BITS, values a word packs), QUANT_GROUP
-//   (values sharing a scale and bias, a multiple of VALUES), VECTOR_ROWS (a
-//   word's values of a row are 16 bytes: 4 bits, 16-bit InT), THREADS (the
-//   group size), MAX_EXPERTS (a multiple of THREADS, at least E), LANES
-//   (threads a team, at least COLUMNS * ROWS), COLUMNS (columns a team),
-//   ROWS (rows a pass), WORDS (consecutive words of each column a lane loads
-//   before using any).
+// Template constants: InT, OutT, IN_KIND (1 float16, 2 bfloat16), BITS (4 or
+//   8), VALUES (32 / BITS, values a word packs), QUANT_GROUP (values sharing
+//   a scale and bias, 32, 64 or 128), LANE_WORDS (QUANT_GROUP / (4 *
+//   VALUES)), THREADS (the group size, a multiple of 32), MAX_EXPERTS (a
+//   multiple of THREADS, at least E), TILES (16-column tiles a warp),
+//   ROW_TILES (8-row tiles a pass), STEPS (quantization groups whose words a
+//   lane loads before it uses any).
 const int num_experts = params[0];
 const int in_dims = params[1];
 const int out_dims = params[2];
@@ -50,16 +56,21 @@ const int column_blocks = params[4];
 
 const int row_words = in_dims / VALUES;
 const int row_groups = in_dims / QUANT_GROUP;
-const unsigned mask = (1u << BITS) - 1u;
-const int lane = LOCAL_ID % LANES;
-const int team = LOCAL_ID / LANES;
-const bool vectors = VECTOR_ROWS && IS_ALIGNED16(rows);
+const int lane = LOCAL_ID % 32;
+const int warp = LOCAL_ID / 32;
+const int fragment_row = lane / 4;  // PTX's groupID
+const int fragment_slot = lane % 4;  // PTX's threadID_in_group
+const bool vectors = IS_ALIGNED16(rows);
+// 1.0 and the magic number of a field pair in the rows' format: MAGIC + q is
+// exact for q < 256 in float16 (1024 + q), for q < 16 in bfloat16 (128 + q).
+const unsigned ONES = IN_KIND == 1 ? 0x3C003C00u : 0x3F803F80u;
+const unsigned MAGIC = IN_KIND == 1 ? 0x64006400u : 0x43004300u;
+// 8-bit fields in bfloat16 go as two 4-bit halves (below).
+const bool SPLIT_BYTES = BITS == 8 ? IN_KIND == 2 : false;
+const unsigned FIELD_MASK = SPLIT_BYTES ? 0x000F000Fu : (BITS == 4 ? 0x000F000Fu : 0x00FF00FFu);
 SHARED int active_experts[MAX_EXPERTS];
 SHARED int active_scan[THREADS];
-// Each thread's partial sums, one row of THREADS + 1 per (column, row) of the
-// pass: the extra element puts the sums a team's adders read at once in
-// different banks.
-SHARED float partial[COLUMNS * ROWS * (THREADS + 1)];
+SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 
 // The experts with rows, in order: thread t looks at experts
 // [t * MAX_EXPERTS / THREADS, (t + 1) * MAX_EXPERTS / THREADS), a scan of the
@@ -95,15 +106,18 @@ for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
 const int num_active = active_scan[THREADS - 1];
 BARRIER();
 
+// Every branch and loop bound below is the same for the whole group (the
+// emulated MMA_16x8x16 meets a barrier): lanes past a bound load zeros and
+// store nothing instead.
 for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_GROUPS) {
   const int expert = item / column_blocks < num_active ? active_experts[item / column_blocks]
                                                        : num_experts;
-  const int column0 = ((item % column_blocks) * (THREADS / LANES) + team) * COLUMNS;
+  const int column0 = ((item % column_blocks) * (THREADS / 32) + warp) * 16 * TILES;
   const int first = min(max(expert_offsets[expert], 0), capacity);
   if (expert == num_experts) {  // the tail rows: zeros
-    for (int c = 0; c < COLUMNS; ++c) {
+    for (int c = 0; c < 16 * TILES; ++c) {
       if (column0 + c < out_dims) {
-        for (int row = first + lane; row < capacity; row += LANES) {
+        for (int row = first + lane; row < capacity; row += 32) {
           STORE_OUT(out, (i64)row * out_dims + column0 + c, 0.0f);
         }
       }
@@ -111,102 +125,158 @@ for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_G
     continue;
   }
   const int last = min(max(expert_offsets[expert + 1], first), capacity);
-  for (int row0 = first; row0 < last; row0 += ROWS) {
-    const int count = min(ROWS, last - row0);
-    float sums[COLUMNS * ROWS];
-    for (int i = 0; i < COLUMNS * ROWS; ++i) {
+  for (int row0 = first; row0 < last; row0 += 8 * ROW_TILES) {
+    // sums[(t * ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2),
+    // row n * 8 + 2 * fragment_slot + e % 2 of the pass (the accumulator layout).
+    float sums[TILES * ROW_TILES * 4];
+    for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
       sums[i] = 0.0f;
     }
-    for (int word0 = lane * WORDS; word0 < row_words; word0 += LANES * WORDS) {
-      // Every load of the step's weight words first, then their use.
-      unsigned packed[WORDS * COLUMNS];
-      for (int k = 0; k < WORDS; ++k) {
-        for (int c = 0; c < COLUMNS; ++c) {
-          const int word = word0 + k;
-          const bool inside = word < row_words && column0 + c < out_dims;
-          const i64 column_row = (i64)expert * out_dims + column0 + c;
-          packed[k * COLUMNS + c] = inside ? weight[column_row * row_words + word] : 0u;
+    for (int group0 = 0; group0 < row_groups; group0 += STEPS) {
+      // Every load of the steps first, then their use. packed: tile t's
+      // columns fragment_row and + 8 (h = 0, 1), the lane's words of group
+      // group0 + s; halves: row n * 8 + fragment_row's values of those words,
+      // two to a uint32 (zeros past the expert's rows).
+      unsigned packed[STEPS * TILES * 2 * LANE_WORDS];
+      unsigned halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
+      float scale[STEPS * TILES * 2];
+      float bias[STEPS * TILES * 2];
+UNROLL
+      for (int s = 0; s < STEPS; ++s) {
+        const int quant_group = group0 + s;
+        const int word0 = quant_group * (QUANT_GROUP / VALUES) + fragment_slot * LANE_WORDS;
+UNROLL
+        for (int t = 0; t < TILES; ++t) {
+UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const int column = column0 + 16 * t + fragment_row + 8 * h;
+            const bool inside = quant_group < row_groups && column < out_dims;
+            const i64 column_row = (i64)expert * out_dims + column;
+            const int at = (s * TILES + t) * 2 + h;
+            scale[at] = inside ? LOAD_IN(scales, column_row * row_groups + quant_group) : 0.0f;
+            bias[at] = inside ? LOAD_IN(biases, column_row * row_groups + quant_group) : 0.0f;
+UNROLL
+            for (int w = 0; w < LANE_WORDS; ++w) {
+              packed[at * LANE_WORDS + w] =
+                  inside ? weight[column_row * row_words + word0 + w] : 0u;
+            }
+          }
         }
-      }
-      // Unrolled, so that packed[] is indexed by constants and stays in
-      // registers (NVCC left this loop rolled, packed[] in local memory).
-#pragma unroll
-      for (int k = 0; k < WORDS; ++k) {
-        const int word = word0 + k;
-        // The word's values of each row of the pass (zeros past count).
-        float x[ROWS * VALUES];
-        for (int r = 0; r < ROWS; ++r) {
-          const bool present = r < count && word < row_words;
-          const i64 at = (i64)(row0 + r) * in_dims + (i64)word * VALUES;
-          if (vectors) {
-            GLOBAL const uint4* row_vectors = (GLOBAL const uint4*)rows;
-            const uint4 raw = present ? row_vectors[at / 8] : ZERO_VEC16;
-            const unsigned halves[4] = {raw.x, raw.y, raw.z, raw.w};
-            for (int w = 0; w < 4; ++w) {  // little-endian: value 2w is the low half
-              if (IN_KIND == 1) {
-                x[r * VALUES + 2 * w] = HALF_BITS_TO_FLOAT(halves[w] & 0xFFFFu);
-                x[r * VALUES + 2 * w + 1] = HALF_BITS_TO_FLOAT(halves[w] >> 16);
-              } else {
-                x[r * VALUES + 2 * w] = BITS_TO_FLOAT(halves[w] << 16);
-                x[r * VALUES + 2 * w + 1] = BITS_TO_FLOAT(halves[w] & 0xFFFF0000u);
+UNROLL
+        for (int n = 0; n < ROW_TILES; ++n) {
+          const int row = row0 + 8 * n + fragment_row;
+          const bool present = quant_group < row_groups && row < last;
+UNROLL
+          for (int w = 0; w < LANE_WORDS; ++w) {
+            const i64 at = (i64)row * in_dims + (i64)(word0 + w) * VALUES;
+            const int into = ((s * ROW_TILES + n) * LANE_WORDS + w) * (VALUES / 2);
+            if (vectors && VALUES == 8) {
+              const uint4 raw = present ? ((GLOBAL const uint4*)rows)[at / 8] : ZERO_VEC16;
+              halves[into] = raw.x;
+              halves[into + 1] = raw.y;
+              halves[into + 2] = raw.z;
+              halves[into + 3] = raw.w;
+            } else {
+              GLOBAL const unsigned short* bits16 = (GLOBAL const unsigned short*)rows;
+UNROLL
+              for (int j = 0; j < VALUES / 2; ++j) {
+                halves[into + j] = present ? (unsigned)bits16[at + 2 * j]
+                                                 | ((unsigned)bits16[at + 2 * j + 1] << 16)
+                                           : 0u;
               }
             }
-          } else {
-            for (int v = 0; v < VALUES; ++v) {
-              x[r * VALUES + v] = present ? LOAD_IN(rows, at + v) : 0.0f;
-            }
           }
         }
-        // sum_v (scale * q_v + bias) * x_v = scale * sum_v q_v * x_v + bias * sum_v x_v:
-        // the scale and bias once a word and row, sum_v x_v once for all columns.
-        float x_sums[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
-          x_sums[r] = 0.0f;
-          if (r < count) {  // read below only for these
-            for (int v = 0; v < VALUES; ++v) {
-              x_sums[r] += x[r * VALUES + v];
-            }
+      }
+UNROLL
+      for (int s = 0; s < STEPS; ++s) {
+        if (group0 + s < row_groups) {
+          float dots[TILES * ROW_TILES * 4];
+          float value_sums[ROW_TILES * 4];
+UNROLL
+          for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
+            dots[i] = 0.0f;
           }
-        }
-        const int quant_group = word * VALUES / QUANT_GROUP;
-        for (int c = 0; c < COLUMNS; ++c) {
-          const bool inside = word < row_words && column0 + c < out_dims;
-          const i64 at = ((i64)expert * out_dims + column0 + c) * row_groups + quant_group;
-          const float scale = inside ? LOAD_IN(scales, at) : 0.0f;
-          const float bias = inside ? LOAD_IN(biases, at) : 0.0f;
-          // The fields as floats without an integer conversion (a quarter of
-          // the multiply-add rate on NVIDIA GPUs): a field q below 2^23 as the
-          // low mantissa bits of 2^23 is the float 2^23 + q, exactly.
-          float fields[VALUES];
-          for (int v = 0; v < VALUES; ++v) {
-            const unsigned field = (packed[k * COLUMNS + c] >> (v * BITS)) & mask;
-            fields[v] = BITS_TO_FLOAT(0x4B000000u | field) - 8388608.0f;
+UNROLL
+          for (int i = 0; i < ROW_TILES * 4; ++i) {
+            value_sums[i] = 0.0f;
           }
-          for (int r = 0; r < ROWS; ++r) {
-            if (r < count) {  // the same for the whole team: no divergence
-              float dot = 0.0f;
-              for (int v = 0; v < VALUES; ++v) {
-                dot += fields[v] * x[r * VALUES + v];
+          // A word holds VALUES / 2 field pairs, 2 a multiply-add: pairs
+          // (2m, 2m + 1) of word w are multiply-add m of the word.
+UNROLL
+          for (int w = 0; w < LANE_WORDS; ++w) {
+UNROLL
+            for (int m = 0; m < VALUES / 4; ++m) {
+              // B: the row's values at the pairs' inputs, (v, v + VALUES / 2)
+              // for v = 2m and 2m + 1, from the uint32 halves j = v / 2 and
+              // j + VALUES / 4 (low half for even v).
+              unsigned b[ROW_TILES * 2];
+UNROLL
+              for (int n = 0; n < ROW_TILES; ++n) {
+                const int from = ((s * ROW_TILES + n) * LANE_WORDS + w) * (VALUES / 2) + m;
+                const unsigned low = halves[from];
+                const unsigned high = halves[from + VALUES / 4];
+                b[2 * n] = (low & 0xFFFFu) | (high << 16);
+                b[2 * n + 1] = (low >> 16) | (high & 0xFFFF0000u);
+                const unsigned ones[4] = {ONES, ONES, ONES, ONES};
+                MMA_16x8x16(&value_sums[4 * n], ones, &b[2 * n], mma_exchange + warp * 192, lane);
               }
-              sums[c * ROWS + r] += scale * dot + bias * x_sums[r];
+UNROLL
+              for (int t = 0; t < TILES; ++t) {
+                // A: fields v = 2m (a[0], a[1]) and 2m + 1 (a[2], a[3]) of
+                // columns fragment_row (a[0], a[2]) and + 8 (a[1], a[3]).
+                unsigned a[4];
+UNROLL
+                for (int i = 0; i < 4; ++i) {
+                  const unsigned word = packed[((s * TILES + t) * 2 + i % 2) * LANE_WORDS + w];
+                  const int shift = (2 * m + i / 2) * BITS;
+                  const unsigned low_bits = ((word >> shift) & FIELD_MASK) | MAGIC;
+                  a[i] = PAIR_SUB(low_bits, MAGIC);
+                  if (SPLIT_BYTES) {
+                    // q = 16 * high + low: 256 + 16 * high is exact in
+                    // bfloat16 (step 2 above 256), so is the sum q < 256.
+                    const unsigned high_bits = (((word >> (shift + 4)) & 0x000F000Fu) << 3)
+                                               | 0x43804380u;
+                    const unsigned sixteen_high = PAIR_SUB(high_bits, 0x43804380u);
+                    a[i] = PAIR_SUB(a[i], sixteen_high ^ 0x80008000u);
+                  }
+                }
+UNROLL
+                for (int n = 0; n < ROW_TILES; ++n) {
+                  MMA_16x8x16(&dots[(t * ROW_TILES + n) * 4], a, &b[2 * n],
+                              mma_exchange + warp * 192, lane);
+                }
+              }
+            }
+          }
+UNROLL
+          for (int t = 0; t < TILES; ++t) {
+UNROLL
+            for (int n = 0; n < ROW_TILES; ++n) {
+UNROLL
+              for (int e = 0; e < 4; ++e) {
+                const int at = (s * TILES + t) * 2 + e / 2;
+                sums[(t * ROW_TILES + n) * 4 + e] += scale[at] * dots[(t * ROW_TILES + n) * 4 + e]
+                                                     + bias[at] * value_sums[4 * n + e];
+              }
             }
           }
         }
       }
     }
-    for (int i = 0; i < COLUMNS * ROWS; ++i) {
-      partial[i * (THREADS + 1) + LOCAL_ID] = sums[i];
-    }
-    BARRIER();
-    // Lane i of a team adds the team's partials of column i / ROWS, row
-    // i % ROWS, in lane order.
-    if (lane < COLUMNS * ROWS && column0 + lane / ROWS < out_dims && lane % ROWS < count) {
-      float sum = 0.0f;
-      for (int l = 0; l < LANES; ++l) {
-        sum += partial[lane * (THREADS + 1) + team * LANES + l];
+UNROLL
+    for (int t = 0; t < TILES; ++t) {
+UNROLL
+      for (int n = 0; n < ROW_TILES; ++n) {
+UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int column = column0 + 16 * t + fragment_row + 8 * (e / 2);
+          const int row = row0 + 8 * n + 2 * fragment_slot + e % 2;
+          if (column < out_dims && row < last) {
+            STORE_OUT(out, (i64)row * out_dims + column, sums[(t * ROW_TILES + n) * 4 + e]);
+          }
+        }
       }
-      STORE_OUT(out, (i64)(row0 + lane % ROWS) * out_dims + column0 + lane / ROWS, sum);
     }
-    BARRIER(); // before the next pass overwrites the partials
   }
 }

@@ -39,9 +39,11 @@ MAX_ROW_GROUP = 512
 GATHER_ROWS = 4  # rows a gather group copies at a time
 
 # The affine quantizations grouped_qmm.h reads: bits whose values a uint32
-# word holds whole, and the quantization groups MLX makes.
+# word holds whole, and the quantization groups MLX makes; and its rows'
+# dtypes, those of a 16-bit matrix multiply-add.
 GROUPED_QMM_BITS = (4, 8)
 GROUPED_QMM_QUANT_GROUPS = (32, 64, 128)
+GROUPED_QMM_DTYPES = ("float16", "bfloat16")
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ROW_KINDS = ("float32", "float16", "bfloat16")  # the bodies' IN_KIND codes
@@ -92,26 +94,19 @@ class GroupedQmmTiling:
     that name, and the grid's cap. Any tiling gives the same sums up to float
     rounding; `grouped_qmm_tiling` runs another one (the benchmark compares them)."""
 
-    threads: int = 128  # a group's threads: THREADS
-    lanes: int = 32  # a team's threads: LANES
-    columns: int = 4  # a team's output columns: COLUMNS
-    rows: int = 4  # rows a pass: ROWS
-    words: int = 4  # consecutive words of each column a lane loads at once: WORDS
-    # Groups at most, sharing the items: on the H200, 512 ran Qwen3-30B-A3B's
-    # projections at T = 1 to 64 1% to 23% faster than 1024 (RESULTS.md).
-    max_groups: int = 512
+    threads: int = 128  # a group's threads, a multiple of the warp's 32: THREADS
+    tiles: int = 2  # 16-column tiles a warp: TILES
+    row_tiles: int = 1  # 8-row tiles a pass: ROW_TILES
+    steps: int = 2  # quantization groups a lane loads before using any: STEPS
+    max_groups: int = 512  # groups at most, sharing the items
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
-        if min(self.threads, self.lanes, self.columns, self.rows, self.words,
-               self.max_groups) < 1:
+        if min(self.threads, self.tiles, self.row_tiles, self.steps, self.max_groups) < 1:
             raise ValueError(f"grouped_qmm tiling: every field must be at least 1: {self}")
-        if self.threads % self.lanes or MAX_EXPERTS % self.threads:
-            raise ValueError(f"grouped_qmm tiling: lanes must divide threads, and threads "
-                             f"MAX_EXPERTS ({MAX_EXPERTS}): {self}")
-        if self.lanes < self.columns * self.rows:
-            raise ValueError(f"grouped_qmm tiling: a team adds its columns * rows sums "
-                             f"with one lane each, so lanes >= columns * rows: {self}")
+        if self.threads % 32 or MAX_EXPERTS % self.threads:
+            raise ValueError(f"grouped_qmm tiling: threads must be a multiple of 32 that "
+                             f"divides MAX_EXPERTS ({MAX_EXPERTS}): {self}")
 
 
 GROUPED_QMM_TILING = GroupedQmmTiling()
@@ -127,7 +122,7 @@ def grouped_qmm_tiling(**changes):
     launch is fixed when the GEMM is called, not when the graph is evaluated).
 
     Args:
-        **changes: Fields of `GroupedQmmTiling`, say `words=1, columns=8`.
+        **changes: Fields of `GroupedQmmTiling`, say `tiles=1, steps=4`.
     """
     tiling = replace(GROUPED_QMM_TILING, **changes)
     tiling.check()
@@ -287,8 +282,8 @@ def grouped_qmm_launch(
 ) -> Launch:
     """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
     in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
-    `in_dims` (grouped_qmm.h), in the tiling of an enclosing
-    `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`."""
+    `in_dims`, a dtype of GROUPED_QMM_DTYPES (grouped_qmm.h), in the tiling of
+    an enclosing `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`."""
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
                                dtype, _grouped_qmm_tiling.get())
 
@@ -298,17 +293,17 @@ def _grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, tiling: GroupedQmmTiling,
 ) -> Launch:
-    columns = tiling.threads // tiling.lanes * tiling.columns
+    columns = tiling.threads // 32 * 16 * tiling.tiles
     column_blocks = -(-out_dims // columns)
+    values = 32 // bits
     return Launch(
         min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
                          capacity=capacity, column_blocks=column_blocks),
         (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
-         ("VALUES", 32 // bits), ("QUANT_GROUP", quant_group),
-         ("VECTOR_ROWS", bits == 4 and ELEMENT_BYTES[dtype] == 2),
+         ("VALUES", values), ("QUANT_GROUP", quant_group),
+         ("LANE_WORDS", quant_group // (4 * values)),
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
-         ("LANES", tiling.lanes), ("COLUMNS", tiling.columns), ("ROWS", tiling.rows),
-         ("WORDS", tiling.words)),
+         ("TILES", tiling.tiles), ("ROW_TILES", tiling.row_tiles), ("STEPS", tiling.steps)),
         (((capacity, out_dims), dtype),),
     )

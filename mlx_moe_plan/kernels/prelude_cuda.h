@@ -17,3 +17,36 @@ typedef long long i64;
 #define ADD_RN(a, b) __fadd_rn((a), (b))
 #define ZERO_VEC16 make_uint4(0u, 0u, 0u, 0u)
 #define IS_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
+// UNROLL: unroll the loop that follows (its arrays indexed by constants stay
+// in registers).
+#define UNROLL _Pragma("unroll")
+// MMA_16x8x16: a warp's D += A B, PTX's mma.sync.m16n8k16 (A 16 x 16 row
+// major, B 16 x 8 column major, float D), with 16-bit pairs of the rows'
+// format (KIND 1 float16, 2 bfloat16). PAIR_SUB: a - b on two such pairs.
+// Both need sm_80 or later (bfloat16 pairs: fma.rn.bf16x2, a - b = a * 1 + -b).
+template <int KIND>
+__device__ __forceinline__ void mma_16x8x16(float* d, const unsigned* a, const unsigned* b) {
+  if (KIND == 2) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+template <int KIND>
+__device__ __forceinline__ unsigned pair_sub(unsigned a, unsigned b) {
+  unsigned d;
+  if (KIND == 2) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(0x3F803F80u), "r"(b ^ 0x80008000u));
+  } else {
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+#define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b))
+#define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))

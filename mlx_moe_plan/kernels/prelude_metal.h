@@ -26,3 +26,47 @@ typedef long i64;
 // (x.reshape(-1)[1:].reshape(...)) is not, and is the one unsupported input
 // of the Metal vector copy (MLX passes row-contiguous views uncopied).
 #define IS_ALIGNED16(p) true
+// UNROLL: unroll the loop that follows (its arrays indexed by constants stay
+// in registers).
+#define UNROLL _Pragma("unroll")
+// MMA_16x8x16 (PTX's mma.m16n8k16 in prelude_cuda.h), emulated: a lane reads
+// the A and B registers it needs from the lanes that hold them (simd_shuffle,
+// with every lane of the SIMD group taking part) and adds its own four sums.
+// PAIR_SUB: a - b on two 16-bit pairs of the rows' format (KIND 1 float16, 2
+// bfloat16), through floats (the body subtracts only where that is exact).
+template <int KIND>
+inline float pair_value(uint pair, uint high) {
+  const uint bits = high ? pair >> 16 : pair & 0xFFFFu;
+  return KIND == 1 ? float(as_type<half>(ushort(bits))) : as_type<float>(bits << 16);
+}
+template <int KIND>
+inline uint pair_bits(float value) {
+  return KIND == 1 ? uint(as_type<ushort>(half(value))) : as_type<uint>(value) >> 16;
+}
+template <int KIND>
+inline uint pair_sub(uint a, uint b) {
+  return pair_bits<KIND>(pair_value<KIND>(a, 0) - pair_value<KIND>(b, 0))
+         | (pair_bits<KIND>(pair_value<KIND>(a, 1) - pair_value<KIND>(b, 1)) << 16);
+}
+template <int KIND>
+inline void mma_16x8x16(thread float* d, thread const uint* a, thread const uint* b, uint lane) {
+  for (uint slot = 0; slot < 4; ++slot) {
+    // Inputs 2 * slot, + 1, + 8, + 9 of the lane's rows (lane / 4, + 8) and
+    // of its columns (2 * (lane % 4), + 1).
+    const ushort a_lane = ushort(4 * (lane / 4) + slot);
+    const uint a_held[4] = {simd_shuffle(a[0], a_lane), simd_shuffle(a[1], a_lane),
+                            simd_shuffle(a[2], a_lane), simd_shuffle(a[3], a_lane)};
+    const ushort b_lane = ushort(8 * (lane % 4) + slot);
+    const uint b_held[4] = {simd_shuffle(b[0], b_lane), simd_shuffle(b[1], b_lane),
+                            simd_shuffle(b[0], ushort(b_lane + 4)),
+                            simd_shuffle(b[1], ushort(b_lane + 4))};
+    for (uint e = 0; e < 4; ++e) {
+      for (uint k = 0; k < 4; ++k) {  // a register (e / 2) + 2 * (k / 2), half k % 2
+        d[e] += pair_value<KIND>(a_held[e / 2 + 2 * (k / 2)], k % 2)
+                * pair_value<KIND>(b_held[2 * (e % 2) + k / 2], k % 2);
+      }
+    }
+  }
+}
+#define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b), (lane))
+#define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))

@@ -17,6 +17,9 @@ typedef long i64;
 #define ADD_RN(a, b) ((a) + (b))
 #define ZERO_VEC16 ((uint4)(0u))
 #define IS_ALIGNED16(p) ((((ulong)(p)) & 15ul) == 0)
+// UNROLL: nothing here. Unrolled, grouped_qmm.h took PoCL five times as long
+// to compile (8 s against 1.6 s an instantiation), and the tests time nothing.
+#define UNROLL
 
 inline float half_bits_to_float(ushort bits) { return vload_half(0, (__private const half*)&bits); }
 inline float bf16_bits_to_float(ushort bits) { return as_float(((uint)bits) << 16); }
@@ -39,3 +42,52 @@ inline ushort float_to_bf16_bits(float v) {
 #else
 #define STORE_OUT(p, i, v) ((p)[i] = (v))
 #endif
+
+// MMA_16x8x16 (PTX's mma.m16n8k16 in prelude_cuda.h), emulated: the 32 lanes
+// of a warp put their fragments in exchange (6 uints a lane), and each adds
+// its own four sums. It meets barriers: every thread of the group calls it.
+// PAIR_SUB: a - b on two 16-bit pairs of the rows' format, through floats
+// (the body subtracts only where the differences are exact).
+inline float pair_value(uint pair, int high) {
+  const uint bits = high ? pair >> 16 : pair & 0xFFFFu;
+#if IN_DTYPE == 1
+  return half_bits_to_float((ushort)bits);
+#else
+  return bf16_bits_to_float((ushort)bits);
+#endif
+}
+inline uint pair_bits(float value) {  // for values the 16-bit format holds exactly
+#if IN_DTYPE == 1
+  const uint bits = as_uint(value);
+  if ((bits & 0x7FFFFFFFu) == 0) return bits >> 16;  // a signed zero
+  return ((bits >> 16) & 0x8000u) | ((((bits >> 23) & 0xFFu) - 112u) << 10)
+         | ((bits >> 13) & 0x3FFu);  // a normal float16: exponent bias 15, not 127
+#else
+  return float_to_bf16_bits(value);
+#endif
+}
+inline uint pair_sub(uint a, uint b) {
+  return pair_bits(pair_value(a, 0) - pair_value(b, 0))
+         | (pair_bits(pair_value(a, 1) - pair_value(b, 1)) << 16);
+}
+inline void mma_16x8x16(float* d, const uint* a, const uint* b, __local uint* exchange,
+                        int lane) {
+  for (int i = 0; i < 4; ++i) exchange[lane * 6 + i] = a[i];
+  exchange[lane * 6 + 4] = b[0];
+  exchange[lane * 6 + 5] = b[1];
+  barrier(CLK_LOCAL_MEM_FENCE);
+  for (int e = 0; e < 4; ++e) {
+    const int row = lane / 4 + 8 * (e / 2);
+    const int column = 2 * (lane % 4) + e % 2;
+    for (int k = 0; k < 16; ++k) {
+      // A[row][k]: lane 4 * (row % 8) + (k % 8) / 2, register row / 8 + 2 * (k / 8);
+      // B[k][column]: lane 4 * column + (k % 8) / 2, register k / 8; half k % 2.
+      const uint a_pair = exchange[(4 * (row % 8) + (k % 8) / 2) * 6 + row / 8 + 2 * (k / 8)];
+      const uint b_pair = exchange[(4 * column + (k % 8) / 2) * 6 + 4 + k / 8];
+      d[e] += pair_value(a_pair, k % 2) * pair_value(b_pair, k % 2);
+    }
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+}
+#define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16((d), (a), (b), (exchange), (lane))
+#define PAIR_SUB(a, b) pair_sub((a), (b))
