@@ -78,13 +78,18 @@ MLX_LM_SORTS_FROM_ENTRIES = 64
 TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 # The formulation whose GEMMs are this package's kernel (kernels/grouped_qmm.h):
-# sorted single rows, each expert's quantized weights read once for a few of
+# sorted single rows, each expert's quantized weights read once for up to 8 of
 # its rows at a time, the row counts read on the device (no host sync, and an
 # expert without rows costs nothing). For affine-quantized projections (4 or 8
-# bits) on a GPU; elsewhere a layer given GROUPED runs sorted rows (1). Only
-# on request: on the H200 its first version lost to mlx-lm's call and to
-# 16-row tiles at every decode size (RESULTS.md), so the rule never picks it.
+# bits) of 16-bit rows on a GPU; elsewhere a layer given GROUPED runs sorted
+# rows (1). On MLX's CUDA backend the rule picks it for such layers from
+# GROUPED_FROM_ENTRIES routed entries until experts average
+# GROUPED_BELOW_ROWS_PER_EXPERT rows (H200, Qwen3-30B-A3B's layer, host time
+# included: 1.42x mlx-lm's call at T = 8, 2.25x at 32 where 16-row tiles gave
+# 1.62x; RESULTS.md).
 GROUPED = -1
+GROUPED_FROM_ENTRIES = 16
+GROUPED_BELOW_ROWS_PER_EXPERT = 16
 # An expert-parallel layer (shard_experts) routes about 1/N of
 # its entries to its own experts, but a plan's static capacity is all T * K.
 # From this many entries it reads the plan's num_rows (one host sync) and runs
@@ -93,10 +98,13 @@ GROUPED = -1
 EXPERT_PARALLEL_SYNC_FROM_ENTRIES = 1024
 
 
-def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
+def default_tile_m(num_entries: int, num_experts: int, stream=None, *,
+                   grouped: bool = False) -> int:
     """The GEMM formulation the layer uses unless told: the measured rule.
 
-    On MLX's CUDA backend, tiles once experts average
+    On MLX's CUDA backend, for a layer the grouped kernel can compute, `GROUPED`
+    from `GROUPED_FROM_ENTRIES` routed entries until experts average
+    `GROUPED_BELOW_ROWS_PER_EXPERT`. Otherwise there, tiles once experts average
     `TILED_FROM_ROWS_PER_EXPERT` routed entries (16 rows, or 64 once they
     average `LARGE_TILES_FROM_ROWS_PER_EXPERT`), mlx-lm's own call (`MLX_LM`)
     below. Elsewhere (the CPU, whose `gather_qmm` pays for every padding row
@@ -109,12 +117,17 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None) -> int:
         num_experts (int): Number of experts E.
         stream (Stream or Device, optional): Where the layer runs. Default:
           the default device's stream.
+        grouped (bool): Whether the layer's projections and rows are ones
+          kernels/grouped_qmm.h computes (`SwitchGLU` knows). Default: no.
 
     Returns:
-        int: `MLX_LM` (0), 1, 16 or 64.
+        int: `MLX_LM` (0), `GROUPED` (-1), 1, 16 or 64.
     """
     stream = _backend.resolve_stream(stream)
     if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda":
+        if (grouped and GROUPED_FROM_ENTRIES <= num_entries
+                < GROUPED_BELOW_ROWS_PER_EXPERT * num_experts):
+            return GROUPED
         if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
             return MLX_LM
         return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
@@ -220,17 +233,19 @@ class SwitchGLU(nn.Module):
     def num_experts(self) -> int:
         return self.gate_proj.num_experts
 
-    def _can_group(self) -> bool:
-        """Whether the grouped kernel can compute this layer here."""
+    def _can_group(self, dtype: mx.Dtype) -> bool:
+        """Whether the grouped kernel can compute this layer here, for rows of `dtype`."""
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         return (_backend.resolve_stream(None).device.type == mx.gpu
-                and all(_kernel_computes(p) for p in projections))
+                and dtype in (getattr(mx, name) for name in launch.GROUPED_QMM_DTYPES)
+                and all(_kernel_computes(p) and p.scales.dtype == dtype for p in projections))
 
-    def _formulation(self, indices: mx.array) -> int:
+    def _formulation(self, x: mx.array, indices: mx.array) -> int:
         tile_m = self.tile_m
         if tile_m is None:
-            tile_m = default_tile_m(indices.size, self.num_experts)
-        elif tile_m == GROUPED and not self._can_group():
+            tile_m = default_tile_m(indices.size, self.num_experts,
+                                    grouped=self._can_group(x.dtype))
+        elif tile_m == GROUPED and not self._can_group(x.dtype):
             tile_m = 1
         # mlx-lm's call would hand the skipped ids (-1) to gather_qmm unchecked.
         return 1 if tile_m == MLX_LM and self.expert_group is not None else tile_m
@@ -375,7 +390,7 @@ class SwitchGLU(nn.Module):
         return self._forward(x, indices)
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
-        tile_m = self._formulation(indices)
+        tile_m = self._formulation(x, indices)
         if tile_m == MLX_LM:
             return self._mlx_lm(x, indices)
         plan = self._plan(indices, tile_m)
@@ -414,7 +429,7 @@ class SwitchGLU(nn.Module):
 
     def _weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array,
                       in_rows_dtype: bool) -> mx.array:
-        tile_m = self._formulation(indices)
+        tile_m = self._formulation(x, indices)
         if tile_m == MLX_LM:
             y = self._mlx_lm(x, indices)
             weighted = (y * scores[..., None]).sum(-2)

@@ -175,7 +175,7 @@ for tile_m in (None, 1, 8):
                 (lambda v: ((layer(v, indices) * scores[..., None]).sum(-2) * dy[:, 0]).sum())
             return unfused, fused
 
-        plan = ours._plan(indices, ours._formulation(indices))
+        plan = ours._plan(indices, ours._formulation(x, indices))
         used = ours._used_rows(plan)
         # From 1024 entries a rank runs its GEMMs over its own rows (about
         # half, rounded up a little); below, over all of them.

@@ -415,6 +415,7 @@ def test_default_formulation_is_the_measured_rule(monkeypatch):
     cpu = {(8, 8): 0, (63, 512): 0, (64, 512): 1, (4096, 512): 1, (1 << 20, 8): 1}
     for (entries, experts), tile_m in cpu.items():
         assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu) == tile_m
+        assert moe_nn.default_tile_m(entries, experts, stream=mx.cpu, grouped=True) == tile_m
     # CUDA: mlx-lm's call until experts average 2 rows, tiles from there
     # (64-row ones from 64).
     cuda = {(15, 8): 0, (16, 8): 16, (63, 512): 0, (64, 512): 0, (1023, 512): 0,
@@ -428,6 +429,12 @@ def test_default_formulation_is_the_measured_rule(monkeypatch):
     monkeypatch.setattr(moe_nn._backend, "gpu_backend", lambda: "cuda")
     for (entries, experts), tile_m in cuda.items():
         assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)
+    # A layer the grouped kernel computes: GROUPED from 16 entries until experts
+    # average 16 rows, the rule above elsewhere.
+    grouped = {(15, 128): 0, (16, 128): -1, (256, 128): -1, (2047, 128): -1,
+               (2048, 128): 16, (8192, 128): 64, (127, 8): -1, (128, 8): 16}
+    for (entries, experts), tile_m in grouped.items():
+        assert moe_nn.default_tile_m(entries, experts, grouped=True) == tile_m, (entries, experts)
 
 
 def compiled_forwards(model) -> int:
