@@ -84,11 +84,13 @@ LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 # bits) of 16-bit rows on a GPU; elsewhere a layer given GROUPED runs sorted
 # rows (1). On MLX's CUDA backend the rule picks it for such layers from
 # GROUPED_FROM_ENTRIES routed entries until experts average
-# GROUPED_BELOW_ROWS_PER_EXPERT rows (H200, Qwen3-30B-A3B's layer, host time
-# included: 1.42x mlx-lm's call at T = 8, 2.25x at 32 where 16-row tiles gave
-# 1.62x; RESULTS.md).
+# GROUPED_BELOW_ROWS_PER_EXPERT rows (H200, host time included: Qwen3-30B-A3B's
+# layer 1.46x mlx-lm's call at T = 8 and 2.55x at 32, where 16-row tiles gave
+# 1.01x and 1.73x; RESULTS.md). Below 64 entries mlx-lm's call, which does
+# not sort there: the grouped kernel tied with it on Qwen3-30B-A3B's layer at
+# T = 1 to 4, and the whole model at batch 4 was slower in one process of two.
 GROUPED = -1
-GROUPED_FROM_ENTRIES = 16
+GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
 GROUPED_BELOW_ROWS_PER_EXPERT = 16
 # An expert-parallel layer (shard_experts) routes about 1/N of
 # its entries to its own experts, but a plan's static capacity is all T * K.
