@@ -10,8 +10,9 @@ Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of three
 formulations: sorted single rows (`tile_m=1`: one expert index a row), tiles
 (`tile_m` rows a tile, one expert a tile by the plan's construction, rows seen
 as `[max_tiles, tile_m, D]` with `rhs_indices=tile_experts`), or no plan at all
-(`tile_m=MLX_LM`: mlx-lm's own call, which decoding runs); or, on request
-(`tile_m=GROUPED`), this package's grouped kernel over sorted rows. The default,
+(`tile_m=MLX_LM`: mlx-lm's own call); or, for affine-quantized layers of
+16-bit rows on a GPU (`tile_m=GROUPED`, which decoding batches run on CUDA),
+this package's grouped kernel over sorted rows. The default,
 `default_tile_m`, is the rule measured per backend (benchmarks/RESULTS.md);
 `tile_m` overrides it per layer. Small batches run compiled
 (`COMPILE_MAX_TOKENS`): decoding is bound by the host's graph building. Needs
