@@ -67,6 +67,7 @@ const unsigned ONES = IN_KIND == 1 ? 0x3C003C00u : 0x3F803F80u;
 const unsigned MAGIC = IN_KIND == 1 ? 0x64006400u : 0x43004300u;
 // 8-bit fields in bfloat16 go as two 4-bit halves (below).
 const bool SPLIT_BYTES = BITS == 8 ? IN_KIND == 2 : false;
+const unsigned ones[4] = {ONES, ONES, ONES, ONES};  // A of the sums of x
 const unsigned FIELD_MASK = SPLIT_BYTES ? 0x000F000Fu : (BITS == 4 ? 0x000F000Fu : 0x00FF00FFu);
 SHARED int active_experts[MAX_EXPERTS];
 SHARED int active_scan[THREADS];
@@ -218,7 +219,6 @@ UNROLL
                 const unsigned high = halves[from + VALUES / 4];
                 b[2 * n] = (low & 0xFFFFu) | (high << 16);
                 b[2 * n + 1] = (low >> 16) | (high & 0xFFFF0000u);
-                const unsigned ones[4] = {ONES, ONES, ONES, ONES};
                 MMA_16x8x16(&value_sums[4 * n], ones, &b[2 * n], mma_exchange + warp * 192, lane);
               }
 UNROLL
@@ -250,32 +250,19 @@ UNROLL
             }
           }
 UNROLL
-          for (int t = 0; t < TILES; ++t) {
-UNROLL
-            for (int n = 0; n < ROW_TILES; ++n) {
-UNROLL
-              for (int e = 0; e < 4; ++e) {
-                const int at = (s * TILES + t) * 2 + e / 2;
-                sums[(t * ROW_TILES + n) * 4 + e] += scale[at] * dots[(t * ROW_TILES + n) * 4 + e]
-                                                     + bias[at] * value_sums[4 * n + e];
-              }
-            }
+          for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // tile i / (4 * ROW_TILES)
+            const int at = (s * TILES + i / (4 * ROW_TILES)) * 2 + i % 4 / 2;
+            sums[i] += scale[at] * dots[i] + bias[at] * value_sums[i % (4 * ROW_TILES)];
           }
         }
       }
     }
 UNROLL
-    for (int t = 0; t < TILES; ++t) {
-UNROLL
-      for (int n = 0; n < ROW_TILES; ++n) {
-UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int column = column0 + 16 * t + fragment_row + 8 * (e / 2);
-          const int row = row0 + 8 * n + 2 * fragment_slot + e % 2;
-          if (column < out_dims && row < last) {
-            STORE_OUT(out, (i64)row * out_dims + column, sums[(t * ROW_TILES + n) * 4 + e]);
-          }
-        }
+    for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // the layout of sums, above
+      const int column = column0 + 16 * (i / (4 * ROW_TILES)) + fragment_row + 8 * (i % 4 / 2);
+      const int row = row0 + 8 * (i / 4 % ROW_TILES) + 2 * fragment_slot + i % 2;
+      if (column < out_dims && row < last) {
+        STORE_OUT(out, (i64)row * out_dims + column, sums[i]);
       }
     }
   }
