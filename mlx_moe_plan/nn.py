@@ -93,6 +93,7 @@ LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 GROUPED = -1
 GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
 GROUPED_BELOW_ROWS_PER_EXPERT = 16
+_GROUPED_DTYPES = tuple(getattr(mx, name) for name in launch.GROUPED_QMM_DTYPES)
 # An expert-parallel layer (shard_experts) routes about 1/N of
 # its entries to its own experts, but a plan's static capacity is all T * K.
 # From this many entries it reads the plan's num_rows (one host sync) and runs
@@ -240,7 +241,7 @@ class SwitchGLU(nn.Module):
         """Whether the grouped kernel can compute this layer here, for rows of `dtype`."""
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         return (_backend.resolve_stream(None).device.type == mx.gpu
-                and dtype in (getattr(mx, name) for name in launch.GROUPED_QMM_DTYPES)
+                and dtype in _GROUPED_DTYPES
                 and all(_kernel_computes(p) and p.scales.dtype == dtype for p in projections))
 
     def _formulation(self, x: mx.array, indices: mx.array) -> int:
@@ -317,7 +318,7 @@ class SwitchGLU(nn.Module):
         the rows' dtype is not the scales' (the kernel reads one dtype) or not
         16-bit (the kernel's multiply-add takes 16-bit values)."""
         if (rows.dtype != projection.scales.dtype
-                or rows.dtype not in (getattr(mx, name) for name in launch.GROUPED_QMM_DTYPES)):
+                or rows.dtype not in _GROUPED_DTYPES):
             out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan.row_experts,
                              sorted_indices=True)
             return out.reshape(rows.shape[0], out.shape[-1])

@@ -72,6 +72,7 @@ const unsigned FIELD_MASK = SPLIT_BYTES ? 0x000F000Fu : (BITS == 4 ? 0x000F000Fu
 SHARED int active_experts[MAX_EXPERTS];
 SHARED int active_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
+const int warp_exchange = warp * 32 * 6;  // where this warp's part of it starts
 
 // The experts with rows, in order: thread t looks at experts
 // [t * MAX_EXPERTS / THREADS, (t + 1) * MAX_EXPERTS / THREADS), a scan of the
@@ -219,7 +220,7 @@ UNROLL
                 const unsigned high = halves[from + VALUES / 4];
                 b[2 * n] = (low & 0xFFFFu) | (high << 16);
                 b[2 * n + 1] = (low >> 16) | (high & 0xFFFF0000u);
-                MMA_16x8x16(&value_sums[4 * n], ones, &b[2 * n], mma_exchange + warp * 192, lane);
+                MMA_16x8x16(&value_sums[4 * n], ones, &b[2 * n], mma_exchange + warp_exchange, lane);
               }
 UNROLL
               for (int t = 0; t < TILES; ++t) {
@@ -244,7 +245,7 @@ UNROLL
 UNROLL
                 for (int n = 0; n < ROW_TILES; ++n) {
                   MMA_16x8x16(&dots[(t * ROW_TILES + n) * 4], a, &b[2 * n],
-                              mma_exchange + warp * 192, lane);
+                              mma_exchange + warp_exchange, lane);
                 }
               }
             }
