@@ -109,8 +109,8 @@ const int num_active = active_scan[THREADS - 1];
 BARRIER();
 
 // Every branch and loop bound below is the same for the whole group (the
-// emulated MMA_16x8x16 meets a barrier): lanes past a bound load zeros and
-// store nothing instead.
+// emulated MMA_16x8x16 meets a barrier): lanes past a bound load the last
+// column, row or group inside it and store nothing instead.
 for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_GROUPS) {
   const int expert = item / column_blocks < num_active ? active_experts[item / column_blocks]
                                                        : num_experts;
@@ -127,7 +127,31 @@ for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_G
     continue;
   }
   const int last = min(max(expert_offsets[expert + 1], first), capacity);
+  // The expert's matrices, and the lane's columns in them: tile t's columns
+  // fragment_row and + 8 (h = 0, 1), clamped into the matrix. A column past
+  // out_dims reads the last one, whose sums are never stored, so the loads
+  // need no condition.
+  GLOBAL const unsigned* column_words[TILES * 2];  // column i: tile i / 2, h = i % 2
+  GLOBAL const InT* column_scales[TILES * 2];
+  GLOBAL const InT* column_biases[TILES * 2];
+UNROLL
+  for (int i = 0; i < TILES * 2; ++i) {
+    const i64 column_row = (i64)expert * out_dims
+                           + min(column0 + 16 * (i / 2) + fragment_row + 8 * (i % 2), out_dims - 1);
+    column_words[i] = weight + column_row * row_words;
+    column_scales[i] = scales + column_row * row_groups;
+    column_biases[i] = biases + column_row * row_groups;
+  }
   for (int row0 = first; row0 < last; row0 += 8 * ROW_TILES) {
+    // The lane's rows of the pass (n * 8 + fragment_row), clamped likewise: a
+    // row past the expert's reads its last row, which only the sums of the
+    // absent row's own column of a multiply-add see, never stored.
+    GLOBAL const unsigned short* row_values[ROW_TILES];
+UNROLL
+    for (int n = 0; n < ROW_TILES; ++n) {
+      row_values[n] = (GLOBAL const unsigned short*)rows
+                      + (i64)min(row0 + 8 * n + fragment_row, last - 1) * in_dims;
+    }
     // sums[(t * ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2),
     // row n * 8 + 2 * fragment_slot + e % 2 of the pass (the accumulator layout).
     float sums[TILES * ROW_TILES * 4];
@@ -135,56 +159,45 @@ for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_G
       sums[i] = 0.0f;
     }
     for (int group0 = 0; group0 < row_groups; group0 += STEPS) {
-      // Every load of the steps first, then their use. packed: tile t's
-      // columns fragment_row and + 8 (h = 0, 1), the lane's words of group
-      // group0 + s; halves: row n * 8 + fragment_row's values of those words,
-      // two to a uint32 (zeros past the expert's rows).
+      // Every load of the steps first, then their use. packed: the lane's
+      // words of group group0 + s in its columns; halves: its rows' values of
+      // those words, two to a uint32. A group past the row reads the last
+      // one, and is not used below.
       unsigned packed[STEPS * TILES * 2 * LANE_WORDS];
       unsigned halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
       float scale[STEPS * TILES * 2];
       float bias[STEPS * TILES * 2];
 UNROLL
       for (int s = 0; s < STEPS; ++s) {
-        const int quant_group = group0 + s;
+        const int quant_group = STEPS == 1 ? group0 : min(group0 + s, row_groups - 1);
         const int word0 = quant_group * (QUANT_GROUP / VALUES) + fragment_slot * LANE_WORDS;
 UNROLL
-        for (int t = 0; t < TILES; ++t) {
+        for (int i = 0; i < TILES * 2; ++i) {
+          const int at = s * TILES * 2 + i;
+          scale[at] = LOAD_IN(column_scales[i], quant_group);
+          bias[at] = LOAD_IN(column_biases[i], quant_group);
 UNROLL
-          for (int h = 0; h < 2; ++h) {
-            const int column = column0 + 16 * t + fragment_row + 8 * h;
-            const bool inside = quant_group < row_groups && column < out_dims;
-            const i64 column_row = (i64)expert * out_dims + column;
-            const int at = (s * TILES + t) * 2 + h;
-            scale[at] = inside ? LOAD_IN(scales, column_row * row_groups + quant_group) : 0.0f;
-            bias[at] = inside ? LOAD_IN(biases, column_row * row_groups + quant_group) : 0.0f;
-UNROLL
-            for (int w = 0; w < LANE_WORDS; ++w) {
-              packed[at * LANE_WORDS + w] =
-                  inside ? weight[column_row * row_words + word0 + w] : 0u;
-            }
+          for (int w = 0; w < LANE_WORDS; ++w) {
+            packed[at * LANE_WORDS + w] = column_words[i][word0 + w];
           }
         }
 UNROLL
         for (int n = 0; n < ROW_TILES; ++n) {
-          const int row = row0 + 8 * n + fragment_row;
-          const bool present = quant_group < row_groups && row < last;
 UNROLL
           for (int w = 0; w < LANE_WORDS; ++w) {
-            const i64 at = (i64)row * in_dims + (i64)(word0 + w) * VALUES;
+            const int value0 = (word0 + w) * VALUES;
             const int into = ((s * ROW_TILES + n) * LANE_WORDS + w) * (VALUES / 2);
             if (vectors && VALUES == 8) {
-              const uint4 raw = present ? ((GLOBAL const uint4*)rows)[at / 8] : ZERO_VEC16;
+              const uint4 raw = ((GLOBAL const uint4*)row_values[n])[value0 / 8];
               halves[into] = raw.x;
               halves[into + 1] = raw.y;
               halves[into + 2] = raw.z;
               halves[into + 3] = raw.w;
             } else {
-              GLOBAL const unsigned short* bits16 = (GLOBAL const unsigned short*)rows;
 UNROLL
               for (int j = 0; j < VALUES / 2; ++j) {
-                halves[into + j] = present ? (unsigned)bits16[at + 2 * j]
-                                                 | ((unsigned)bits16[at + 2 * j + 1] << 16)
-                                           : 0u;
+                halves[into + j] = (unsigned)row_values[n][value0 + 2 * j]
+                                   | ((unsigned)row_values[n][value0 + 2 * j + 1] << 16);
               }
             }
           }
@@ -231,7 +244,7 @@ UNROLL
                 for (int i = 0; i < 4; ++i) {
                   const unsigned word = packed[((s * TILES + t) * 2 + i % 2) * LANE_WORDS + w];
                   const int shift = (2 * m + i / 2) * BITS;
-                  const unsigned low_bits = ((word >> shift) & FIELD_MASK) | MAGIC;
+                  const unsigned low_bits = AND_OR(word >> shift, FIELD_MASK, MAGIC);
                   a[i] = PAIR_SUB(low_bits, MAGIC);
                   if (SPLIT_BYTES) {
                     // q = 16 * high + low: 256 + 16 * high is exact in
@@ -253,7 +266,8 @@ UNROLL
 UNROLL
           for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // tile i / (4 * ROW_TILES)
             const int at = (s * TILES + i / (4 * ROW_TILES)) * 2 + i % 4 / 2;
-            sums[i] += scale[at] * dots[i] + bias[at] * value_sums[i % (4 * ROW_TILES)];
+            sums[i] += scale[at] * dots[i];
+            sums[i] += bias[at] * value_sums[i % (4 * ROW_TILES)];
           }
         }
       }

@@ -50,3 +50,11 @@ __device__ __forceinline__ unsigned pair_sub(unsigned a, unsigned b) {
 }
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b))
 #define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))
+// AND_OR: (a & mask) | bits, one lop3 (for two immediates the compiler makes
+// two instructions: an and, then an or; the fields of a word take one each).
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+#define AND_OR(a, mask, bits) and_or((a), (mask), (bits))

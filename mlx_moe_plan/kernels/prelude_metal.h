@@ -70,3 +70,5 @@ inline void mma_16x8x16(thread float* d, thread const uint* a, thread const uint
 }
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b), (lane))
 #define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))
+// AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
+#define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))

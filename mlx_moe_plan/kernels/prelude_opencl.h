@@ -91,3 +91,5 @@ inline void mma_16x8x16(float* d, const uint* a, const uint* b, __local uint* ex
 }
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16((d), (a), (b), (exchange), (lane))
 #define PAIR_SUB(a, b) pair_sub((a), (b))
+// AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
+#define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
