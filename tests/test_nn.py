@@ -509,8 +509,13 @@ def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name, tile_m):
     # In bfloat16 the patched model's float32 sums differ from mlx-lm's
     # bfloat16 ones in the last bits: against a float32 run of the same
     # 4-bit weights, its logits must be as close as mlx-lm's, within noise.
+    # That noise is large over a few sequences: with the grouped GEMMs computed
+    # exactly (float64, on the CPU), the ratio of the two errors ranged from
+    # 0.77 to 1.35 over eight pairs of sequences (gpt_oss, mixtral), and from
+    # 0.95 to 1.04 over batches of 16, default or grouped; the grouped kernel
+    # on CUDA gave 1.33 for gpt_oss's first pair.
     model = make_model(name, quantized=True)
-    tokens = mx.array(np.random.default_rng(15).integers(0, 96, (2, 40)))
+    tokens = mx.array(np.random.default_rng(15).integers(0, 96, (16, 40)))
     exact = model(tokens).astype(mx.float32)
     model.set_dtype(mx.bfloat16)
     patched = copy.deepcopy(model)
