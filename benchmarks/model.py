@@ -20,9 +20,10 @@ and server run it:
   step n+1 while step n runs (`mx.async_eval`): host time then hides behind
   GPU time where the GPU is the longer.
 
-The sides alternate (prefill: each side in turn, `--rounds` times; decode: at
-each batch size, each side's steps in turn, `--decode-rounds` times) so drift
-hits both, and the figures are medians. `--processes N` runs the whole
+The sides alternate so that drift hits both, and the figures are medians:
+prefill, each side in turn, `--rounds` times; decode, at each batch size
+`--decode-rounds` times from the same context, the two sides' one-eval steps
+interleaved one by one, then generate's loop a turn a side. `--processes N` runs the whole
 benchmark in N processes and reports the median of their figures and the
 lowest ratio; `--warm-process` runs a short untimed one first, in which a
 fresh CUDA machine compiles MLX's kernels. The logits of both sides are
@@ -202,9 +203,9 @@ class Sides:
         self.models = {"mlx-lm": model, "patched": patched}
         self.failure: str | None = None
 
-    def turns(self, rounds: int):
-        """(side, model) for each turn of `rounds` rounds."""
-        for r in range(rounds):
+    def turns(self, rounds: int, start: int = 0):
+        """(side, model) for each turn of `rounds` rounds, numbered from `start`."""
+        for r in range(start, start + rounds):
             for side in ("mlx-lm", "patched") if r % 2 == 0 else ("patched", "mlx-lm"):
                 if side == "mlx-lm" and self.failure:
                     continue
@@ -282,25 +283,60 @@ def restore(cache, saved: list[dict]) -> None:
         c.__dict__.update({k: _fresh(v) for k, v in state.items()})
 
 
+def decode_step(model, cache, y: mx.array) -> tuple[mx.array, mx.array, float, float]:
+    """One step, one eval: the next token, the logits, and the build and wall seconds."""
+    start = time.perf_counter()
+    logits = model(y, cache=cache)[:, -1, :]
+    next_y = mx.argmax(logits, axis=-1)[:, None]
+    built = time.perf_counter()
+    mx.eval(next_y, logits)  # the logits are computed for the token anyway
+    return next_y, logits, built - start, time.perf_counter() - start
+
+
 def decode_steps(model, cache, first: mx.array, steps: int, warmup: int):
-    """One eval a step: (build s, wall s) of each timed step, and the first
-    step's logits."""
-    y = first
-    builds, walls = [], []
-    first_logits = None
+    """One side's steps, one eval a step: (build s, wall s) of each timed step,
+    and the first step's logits."""
+    y, builds, walls, first_logits = first, [], [], None
     for i in range(warmup + steps):
-        start = time.perf_counter()
-        logits = model(y, cache=cache)[:, -1, :]
-        y = mx.argmax(logits, axis=-1)[:, None]
-        built = time.perf_counter()
-        mx.eval(y, logits)  # the logits are computed for the token anyway
-        done = time.perf_counter()
-        if i == 0:
-            first_logits = logits
+        y, logits, build_s, wall_s = decode_step(model, cache, y)
+        first_logits = logits if i == 0 else first_logits
         if i >= warmup:
-            builds.append(built - start)
-            walls.append(done - start)
+            builds.append(build_s)
+            walls.append(wall_s)
     return builds, walls, first_logits
+
+
+def decode_interleaved(sides: "Sides", caches: dict, first: mx.array, steps: int,
+                       warmup: int, start: int, what: str) -> dict:
+    """One eval a step, the sides' steps interleaved: step i of one side, then
+    step i of the other, the first side alternating from step to step (from
+    `start`), each side decoding its own cache. Drift slower than a step then
+    hits both sides alike: with whole turns of steps a side, single processes
+    of identical kernels scattered from 0.77x to 1.35x (RESULTS.md).
+
+    Returns:
+        dict: side -> (build s of each timed step, wall s of each, the first
+        step's logits), for the sides that ran.
+    """
+    ys = {side: first for side in caches}
+    builds = {side: [] for side in caches}
+    walls = {side: [] for side in caches}
+    first_logits = {}
+    for i in range(warmup + steps):
+        for side, model in sides.turns(1, start=start + i):
+            if side not in ys:
+                continue
+            stepped = sides.attempt(side, what,
+                                    lambda: decode_step(model, caches[side], ys[side]))
+            if stepped is None:  # mlx-lm's graph failed to launch: the side is dropped
+                del ys[side]
+                continue
+            ys[side], logits, build_s, wall_s = stepped
+            first_logits.setdefault(side, logits)
+            if i >= warmup:
+                builds[side].append(build_s)
+                walls[side].append(wall_s)
+    return {side: (builds[side], walls[side], first_logits[side]) for side in ys}
 
 
 def decode_pipelined(model, cache, first: mx.array, steps: int) -> float:
@@ -338,30 +374,35 @@ def fill_context(patched, batch: int, context: int, vocab: int):
 
 def measure_decode(model, patched, batch: int, context: int, steps: int, warmup: int,
                    rounds: int, vocab: int, pipelined: bool) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
     cache, first = fill_context(patched, batch, context, vocab)
     saved = snapshot(cache)
+    caches = {"mlx-lm": cache, "patched": make_prompt_cache(patched)}
     samples = {side: {"build": [], "wall": [], "pipelined": []} for side in ("mlx-lm", "patched")}
     logits = {}
     sides = Sides(model, patched)
-
-    def run(m):
-        restore(cache, saved)
-        steps_taken = decode_steps(m, cache, first, steps, warmup)
+    what = f"decode batch {batch}"
+    # Each round: both sides from the same context, their one-eval steps
+    # interleaved; then generate's pipelined loop, a turn a side (its steps
+    # overlap one another and cannot be interleaved with the other side's).
+    for r in range(rounds):
+        running = {side: caches[side] for side, _ in sides.turns(1)}
+        for side_cache in running.values():
+            restore(side_cache, saved)
+        stepped = decode_interleaved(sides, running, first, steps, warmup, r, what)
+        for side, (builds, walls, first_logits) in stepped.items():
+            logits.setdefault(side, first_logits)
+            samples[side]["build"] += builds
+            samples[side]["wall"] += walls
         if not pipelined:
-            return steps_taken, None
-        restore(cache, saved)
-        return steps_taken, decode_pipelined(m, cache, first, steps)
-
-    for side, m in sides.turns(rounds):
-        result = sides.attempt(side, f"decode batch {batch}", lambda: run(m))
-        if result is None:
             continue
-        (builds, walls, first_logits), pipelined_s = result
-        logits.setdefault(side, first_logits)
-        samples[side]["build"] += builds
-        samples[side]["wall"] += walls
-        if pipelined_s is not None:
-            samples[side]["pipelined"].append(pipelined_s)
+        for side, m in sides.turns(1, start=r):
+            restore(caches[side], saved)
+            pipelined_s = sides.attempt(
+                side, what, lambda: decode_pipelined(m, caches[side], first, steps))
+            if pipelined_s is not None:
+                samples[side]["pipelined"].append(pipelined_s)
     row = {"batch": batch, "context": context, "steps": steps * rounds,
            "mlx-lm_error": sides.failure}
     for side, sample in samples.items():
@@ -487,7 +528,7 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--rounds", type=int, default=2, help="prefill turns of each side")
     parser.add_argument("--decode-rounds", type=int, default=4,
-                        help="decode turns of each side at each batch size")
+                        help="decode rounds at each batch size, each from the same context")
     parser.add_argument("--no-pipelined", action="store_true",
                         help="skip generate's pipelined loop")
     parser.add_argument("--dtype", help="activations and unquantized weights (default "

@@ -57,6 +57,47 @@ def test_restored_cache_decodes_the_same_step():
     np.testing.assert_array_equal(np.array(model(token, cache=cache)), np.array(first))
 
 
+class RecordingModel:
+    """A model of one-token logits that logs each call's side and cache, and can
+    fail as MLX's CUDA backend fails to launch a graph."""
+
+    def __init__(self, side, log, fail_from=None):
+        self.side, self.log, self.fail_from = side, log, fail_from
+
+    def __call__(self, y, cache=None):
+        calls = sum(side == self.side for side, _ in self.log)
+        self.log.append((self.side, cache))
+        if self.fail_from is not None and calls >= self.fail_from:
+            raise RuntimeError("cuGraphAddKernelNode: invalid argument")
+        return mx.full((y.shape[0], 1, 5), float(calls))
+
+
+def test_decode_steps_interleave_the_sides():
+    # Step by step, the first side alternating from step to step and from the
+    # round's start, each side on its own cache; warm-up steps untimed.
+    log = []
+    sides = bench.Sides(RecordingModel("mlx-lm", log), RecordingModel("patched", log))
+    caches = {"mlx-lm": "cache-a", "patched": "cache-b"}
+    out = bench.decode_interleaved(sides, caches, mx.zeros((2, 1), mx.int32), steps=2,
+                                   warmup=1, start=1, what="decode")
+    assert [side for side, _ in log] == ["patched", "mlx-lm", "mlx-lm", "patched",
+                                         "patched", "mlx-lm"]
+    assert all(cache == caches[side] for side, cache in log)
+    for side in caches:
+        builds, walls, first_logits = out[side]
+        assert len(builds) == len(walls) == 2
+        assert all(wall >= build > 0 for build, wall in zip(builds, walls))
+        assert float(first_logits.max()) == 0  # the first call's
+    # mlx-lm failing at its second step: dropped, with why; the patched side goes on.
+    log.clear()
+    sides = bench.Sides(RecordingModel("mlx-lm", log, fail_from=1), RecordingModel("patched", log))
+    out = bench.decode_interleaved(sides, caches, mx.zeros((2, 1), mx.int32), steps=3,
+                                   warmup=1, start=0, what="decode")
+    assert list(out) == ["patched"] and len(out["patched"][0]) == 3
+    assert "invalid argument" in sides.failure
+    assert [side for side, _ in log].count("mlx-lm") == 2
+
+
 def test_layer_shapes_are_the_models():
     assert LAYER_SHAPES["qwen3-30b-a3b"] == layer_shape(MODELS["qwen3-30b-a3b"])
     assert (LAYER_SHAPES["mixtral"].experts, LAYER_SHAPES["mixtral"].top_k) == (8, 2)
