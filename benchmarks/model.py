@@ -23,9 +23,9 @@ and server run it:
 The sides alternate so that drift hits both, and the figures are medians:
 prefill, each side in turn, `--rounds` times; decode, at each batch size
 `--decode-rounds` times from the same context, the two sides' one-eval steps
-interleaved one by one, then generate's loop a turn a side. `--processes N` runs the whole
-benchmark in N processes and reports the median of their figures and the
-lowest ratio; `--warm-process` runs a short untimed one first, in which a
+interleaved one by one, then generate's loop a turn a side. `--processes N`
+runs the whole benchmark in N processes and reports the median of their
+figures and the lowest ratio; `--warm-process` runs a short untimed one first, in which a
 fresh CUDA machine compiles MLX's kernels. The logits of both sides are
 compared (relative L2 difference, float32). Progress goes to
 stderr; the table to stdout; `--json` writes every figure.
