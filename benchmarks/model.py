@@ -336,7 +336,8 @@ def decode_interleaved(sides: "Sides", caches: dict, first: mx.array, steps: int
             if i >= warmup:
                 builds[side].append(build_s)
                 walls[side].append(wall_s)
-    return {side: (builds[side], walls[side], first_logits[side]) for side in ys}
+    return {side: (builds[side], walls[side], first_logits[side])
+            for side in ys if side in first_logits}
 
 
 def decode_pipelined(model, cache, first: mx.array, steps: int) -> float:

@@ -109,7 +109,7 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "20", "--batches", "1,20",
                        "--context", "8", "--steps", "2", "--warmup", "1", "--rounds", "1",
-                       "--decode-rounds", "1",
+                       "--decode-rounds", "2",
                        "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     (entry,) = result["models"]

@@ -353,8 +353,8 @@ def _check_grouped_qmm(rng, counts, out_dims, in_dims, bits, group_size, name, t
 def test_grouped_qmm_matches_reference(counts, out_dims, in_groups, bits, group_size, name,
                                        tail, seed):
     """Experts without rows, with one, with more than a pass of 8 rows;
-    columns past a group's last; one to three quantization groups a row (more
-    than a load's STEPS); tail rows."""
+    columns past a group's last; one to three quantization groups a row (one
+    load's STEPS, 1, or more); tail rows."""
     _check_grouped_qmm(np.random.default_rng(seed), counts, out_dims, in_groups * group_size,
                        bits, group_size, name, tail)
 
@@ -379,7 +379,8 @@ def test_grouped_qmm_wide_rows(bits):
 # The tilings `python -m benchmarks.grouped_qmm --tilings` may compare: each one
 # must give the reference's sums before it is worth timing.
 TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=2),
-           dict(threads=256, tiles=1), dict(threads=32), dict(max_groups=1)]
+           dict(threads=256, tiles=1), dict(threads=32), dict(max_groups=1),
+           dict(steps=3)]  # groups of a row not a multiple of STEPS: the last run clamped
 
 
 @pytest.mark.parametrize("changes", TILINGS,
