@@ -17,6 +17,7 @@ reference.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import cache
 
 import numpy as np
@@ -49,6 +50,24 @@ _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "f
               "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT"}
 
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
+
+# OpenCL buffers always start 16-byte aligned, so IS_ALIGNED16 holds for every
+# argument here; a GPU gets unaligned ones from MLX views (an array sliced past
+# its first element), and the bodies take their element paths for them.
+# Within `unaligned_buffers()` the programs take every pointer as unaligned.
+_UNALIGNED = "#undef IS_ALIGNED16\n#define IS_ALIGNED16(p) false"
+_unaligned = False
+
+
+@contextmanager
+def unaligned_buffers():
+    """Run the bodies as if no buffer were 16-byte aligned, within the block."""
+    global _unaligned
+    _unaligned = True
+    try:
+        yield
+    finally:
+        _unaligned = False
 
 
 class Unavailable(RuntimeError):
@@ -85,8 +104,9 @@ def dtype_name(array: np.ndarray) -> str:
     raise TypeError(f"not a row dtype: {array.dtype}")
 
 
-def source(name: str, template: tuple) -> str:
-    """The OpenCL C program of body `name` with `template`'s constants."""
+def source(name: str, template: tuple, unaligned: bool = False) -> str:
+    """The OpenCL C program of body `name` with `template`'s constants (and
+    every pointer taken as unaligned if `unaligned`)."""
     defines = []
     for key, value in template:
         if key in _DTYPE_CODES:
@@ -99,6 +119,7 @@ def source(name: str, template: tuple) -> str:
     return "\n".join([
         *defines,
         kernels.prelude("opencl"),
+        *([_UNALIGNED] if unaligned else []),
         f"__kernel void moe_{name}({', '.join(arguments)}) {{",
         kernels.body(name, "opencl"),
         "}",
@@ -106,10 +127,11 @@ def source(name: str, template: tuple) -> str:
 
 
 @cache
-def kernel(name: str, template: tuple) -> cl.Kernel:
+def kernel(name: str, template: tuple, unaligned: bool = False) -> cl.Kernel:
     """The built kernel, one per body and set of defines."""
     context, _ = _opencl()
-    program = cl.Program(context, source(name, template)).build(options=_BUILD_OPTIONS)
+    program = cl.Program(context, source(name, template, unaligned)).build(
+        options=_BUILD_OPTIONS)
     return cl.Kernel(program, f"moe_{name}")
 
 
@@ -143,7 +165,8 @@ def run(name: str, arrays: list[np.ndarray], kernel_launch: launch.Launch) -> li
     inputs = [*arrays, np.array(kernel_launch.params, np.int32)]
     buffers = [_buffer(context, queue, array) for array in [*inputs, *outputs]]
     size = kernel_launch.group_size
-    kernel(name, kernel_launch.template)(queue, (kernel_launch.groups * size,), (size,), *buffers)
+    kernel(name, kernel_launch.template, _unaligned)(
+        queue, (kernel_launch.groups * size,), (size,), *buffers)
     for array, buffer in zip(outputs, buffers[len(inputs):]):
         cl.enqueue_copy(queue, array, buffer)
     queue.finish()

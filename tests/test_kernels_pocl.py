@@ -267,6 +267,20 @@ def test_buffers_take_the_vector_path():
     assert ocl.device().mem_base_addr_align >= 128  # bits
 
 
+@pytest.mark.parametrize("hidden", [8, 136])
+@pytest.mark.parametrize("name", NAMES)
+def test_unaligned_buffers_take_the_element_paths(name, hidden):
+    """Widths whose rows would be copied as vectors, with every buffer taken as
+    unaligned (as MLX views sliced past their first element reach a GPU): gather
+    and combine fall back to elements, bit for bit the same."""
+    rng = np.random.default_rng(hidden)
+    index = _index(rng, (30, 3), 20, 0.2)
+    weights = rng.standard_normal(index.shape).astype(np.float32)
+    with ocl.unaligned_buffers():
+        _check_gather(_gather_values(rng, (20, hidden), name), index[:, 0], name)
+        _check_combine(_combine_values(rng, (20, hidden), name), index, weights, name)
+
+
 # --- combine ---------------------------------------------------------------------
 
 
@@ -367,6 +381,15 @@ def test_grouped_qmm_more_items_than_groups(active):
     counts = np.zeros(MAX_EXPERTS, np.int64)
     counts[rng.choice(MAX_EXPERTS, active, replace=False)] = rng.integers(1, 4, active)
     _check_grouped_qmm(rng, counts, 72, 32, 8, 32, "float16", 2)
+
+
+@pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)
+def test_grouped_qmm_unaligned_rows(name):
+    """Rows taken as unaligned (an MLX view on a GPU) are read value by value."""
+    rng = np.random.default_rng(23)
+    with ocl.unaligned_buffers():
+        _check_grouped_qmm(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, name, 3)
+        _check_grouped_qmm(rng, [1, 3, 17], 9, 128, 8, 32, name, 0)
 
 
 @pytest.mark.parametrize("bits", launch.GROUPED_QMM_BITS)
