@@ -315,10 +315,9 @@ class SwitchGLU(nn.Module):
     def _grouped_projection(self, projection: nn.Module, rows: mx.array, plan) -> mx.array:
         """`projection` of `rows` `[capacity, D]` by the grouped kernel, each row
         against its expert (the plan's spans); through MLX's `gather_qmm` where
-        the rows' dtype is not the scales' (the kernel reads one dtype) or not
-        16-bit (the kernel's multiply-add takes 16-bit values)."""
-        if (rows.dtype != projection.scales.dtype
-                or rows.dtype not in _GROUPED_DTYPES):
+        the rows' dtype is not the scales' (the kernel reads one dtype; the
+        scales' is 16-bit, `_can_group`)."""
+        if rows.dtype != projection.scales.dtype:
             out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan.row_experts,
                              sorted_indices=True)
             return out.reshape(rows.shape[0], out.shape[-1])
