@@ -25,9 +25,9 @@ prefill, each side in turn, `--rounds` times; decode, at each batch size
 `--decode-rounds` times from the same context, the two sides' one-eval steps
 interleaved one by one, then generate's loop a turn a side. `--processes N`
 runs the whole benchmark in N processes and reports the median of their
-figures and the lowest ratio; `--warm-process` runs a short untimed one first, in which a
-fresh CUDA machine compiles MLX's kernels. The logits of both sides are
-compared (relative L2 difference, float32). Progress goes to
+figures and the lowest ratio; `--warm-process` runs a short untimed one
+first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
+both sides are compared (relative L2 difference, float32). Progress goes to
 stderr; the table to stdout; `--json` writes every figure.
 """
 
@@ -299,7 +299,8 @@ def decode_steps(model, cache, first: mx.array, steps: int, warmup: int):
     y, builds, walls, first_logits = first, [], [], None
     for i in range(warmup + steps):
         y, logits, build_s, wall_s = decode_step(model, cache, y)
-        first_logits = logits if i == 0 else first_logits
+        if i == 0:
+            first_logits = logits
         if i >= warmup:
             builds.append(build_s)
             walls.append(wall_s)
