@@ -76,6 +76,12 @@ def tree_map_random(params, rng=np.random.default_rng(5)):
                     if mx.issubdtype(p.dtype, mx.floating) else p, params)
 
 
+def relative_error(got, exact) -> float:
+    """The relative L2 distance of `got` from `exact` (arrays or NumPy)."""
+    got, exact = np.asarray(got, np.float64), np.asarray(exact, np.float64)
+    return float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+
+
 def count_switch_glu(model, cls) -> int:
     return sum(isinstance(m, cls) for _, m in model.named_modules())
 
@@ -110,8 +116,18 @@ def test_patched_logits_match(name, quantized, patch):
         tokens = mx.array(rng.integers(0, 96, (2, length)))
         want, got = model(tokens), patched(tokens)
         assert np.all(np.isfinite(np.array(want)))
-        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5,
-                                   err_msg=f"{name} T={length}")
+        if mx.default_device().type == mx.cpu:
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} T={length}")
+            continue
+        # On the H200, MLX's float32 GEMMs round differently from one kernel
+        # to another (4e-4 relative between formulations at T=40, each as far
+        # from the CPU's float32 logits): each side is compared with those,
+        # and the patched model must be as close as mlx-lm's.
+        with mx.stream(mx.cpu):
+            exact = np.array(model(tokens))
+        theirs, ours = relative_error(want, exact), relative_error(got, exact)
+        assert ours <= 1.5 * theirs + 1e-5, (f"{name} T={length}", ours, theirs)
 
 
 @pytest.mark.parametrize("variant", ["float", "4bit", "4bit-bfloat16"])
@@ -525,10 +541,7 @@ def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name, tile_m):
     patched = copy.deepcopy(model)
     patch_model(patched, tile_m=tile_m)
 
-    def error(m):
-        got = m(tokens).astype(mx.float32)
-        return float(mx.linalg.norm(got - exact) / mx.linalg.norm(exact))
-
-    theirs, ours = error(model), error(patched)
+    theirs = relative_error(model(tokens).astype(mx.float32), exact)
+    ours = relative_error(patched(tokens).astype(mx.float32), exact)
     assert 0 < theirs < 0.1, theirs
     assert ours <= 1.25 * theirs, (ours, theirs)
