@@ -196,19 +196,25 @@ class GpuBackend:
         bits: int,
         group_size: int,
         stream: mx.Stream,
+        row_tokens: mx.array | None = None,
+        up: tuple[mx.array, mx.array, mx.array] | None = None,
     ) -> mx.array:
         """The expert GEMM over a plan's sorted rows (kernels/grouped_qmm.h).
 
         Not part of `_backend.Backend`: a GPU kernel the layer uses where it
         can (`nn.SwitchGLU`'s GROUPED formulation), with no CPU counterpart.
         `out[r] = rows[r] @ dequantize(weight[e]).T` for the rows of expert
-        e's span, zeros on the tail rows. Differentiable with respect to
-        `rows` (through MLX's `gather_qmm`, `row_experts` naming each row's
-        expert); quantized weights get no gradient, as in MLX.
+        e's span, zeros on the tail rows. With `row_tokens`, `rows` are the
+        tokens and row r is `rows[row_tokens[r]]`; with `up`, the result is
+        `silu(out) * up_out`, `up_out` the same GEMM with `up`'s matrices
+        (mlx-lm's SwiGLU of a gate and an up projection). Differentiable with
+        respect to `rows` (through MLX's `gather_qmm`, `row_experts` naming
+        each row's expert); quantized weights get no gradient, as in MLX.
 
         Args:
-            rows (array): `[capacity, D]`, float16 or bfloat16
-                (`launch.GROUPED_QMM_DTYPES`), the dtype of `scales` and `biases`.
+            rows (array): `[capacity, D]`, or `[T, D]` with `row_tokens`,
+                float16 or bfloat16 (`launch.GROUPED_QMM_DTYPES`), the dtype of
+                `scales` and `biases`.
             weight (array): uint32 `[E, N, D * bits / 32]`, MLX's affine packing.
             scales (array): `[E, N, D / group_size]`.
             biases (array): `[E, N, D / group_size]`.
@@ -217,6 +223,9 @@ class GpuBackend:
             bits (int): 4 or 8 (`launch.GROUPED_QMM_BITS`).
             group_size (int): One of `launch.GROUPED_QMM_QUANT_GROUPS`.
             stream (Stream): Where to run.
+            row_tokens (array, optional): int32 `[capacity]`, the plan's.
+            up (tuple, optional): weight, scales and biases of the up
+                projection, shaped as `weight`, `scales` and `biases`.
 
         Returns:
             array: `[capacity, N]` in the rows' dtype.
@@ -224,8 +233,10 @@ class GpuBackend:
         if _name(rows.dtype) not in launch.GROUPED_QMM_DTYPES:
             raise ValueError(f"rows: grouped_qmm takes {' or '.join(launch.GROUPED_QMM_DTYPES)} "
                              f"rows, got {rows.dtype}")
-        function = _grouped_qmm_function(self.backend, bits, group_size, stream)
-        return function(rows, weight, scales, biases, expert_offsets, row_experts)
+        function = _grouped_qmm_function(self.backend, bits, group_size, row_tokens is not None,
+                                         up is not None, stream)
+        extra = ([] if row_tokens is None else [row_tokens]) + ([] if up is None else list(up))
+        return function(rows, weight, scales, biases, expert_offsets, row_experts, *extra)
 
 
 def _device_rows(src, stream):
@@ -306,40 +317,70 @@ def _combine_function(backend, dtype, has_weights, stream):
     return combine
 
 
-def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, bits, group_size,
-                 stream):
-    capacity, in_dims = rows.shape
+def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up, bits,
+                 group_size, stream):
+    num_rows, in_dims = rows.shape
+    capacity = num_rows if row_tokens is None else row_tokens.shape[0]
     num_experts, out_dims, _ = weight.shape
-    if capacity == 0 or out_dims == 0:
+    if capacity == 0 or out_dims == 0 or num_rows == 0:  # no rows: all tail, zeros
         return mx.zeros((capacity, out_dims), rows.dtype)
-    qmm_launch = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits,
-                                           group_size, _name(rows.dtype))
-    (out,) = _run(backend, "grouped_qmm", [rows, weight, scales, biases, expert_offsets],
+    qmm_launch = launch.grouped_qmm_launch(
+        num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
+        num_rows=None if row_tokens is None else num_rows, gated=up is not None)
+    # The body's arguments are fixed: an absent input is another it never reads.
+    (out,) = _run(backend, "grouped_qmm",
+                  [rows, expert_offsets if row_tokens is None else row_tokens, weight, scales,
+                   biases, *((weight, scales, biases) if up is None else up), expert_offsets],
                   qmm_launch, stream)
     return out
 
 
 @_cache_by_stream
-def _grouped_qmm_function(backend, bits, group_size, stream):
+def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, stream):
     @mx.custom_function
-    def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts):
-        return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, bits,
-                            group_size, stream)
+    def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts, *extra):
+        row_tokens = extra[0] if token_rows else None
+        up = tuple(extra[token_rows:]) if gated else None
+        return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens,
+                            up, bits, group_size, stream)
+
+    def rows_projection(rows, row_experts, weight, scales, biases):
+        # rows[r] @ dequantize(weight[e]).T by MLX's GEMM, each row [1, D]
+        # against its expert (reshaped, not expand_dims: see
+        # nn.SwitchGLU._expert_rows_used).
+        out = mx.gather_qmm(rows.reshape(-1, 1, rows.shape[-1]), weight, scales, biases,
+                            rhs_indices=row_experts, transpose=True, group_size=group_size,
+                            bits=bits, sorted_indices=True, stream=stream)
+        return out.reshape(rows.shape[0], out.shape[-1])
 
     @grouped_qmm.vjp
     def grouped_qmm_vjp(primals, cotangent, output):
-        rows, weight, scales, biases, expert_offsets, row_experts = primals
-        # d rows[r] = cotangent[r] @ dequantize(weight[e]): MLX's own GEMM,
-        # each row [1, N] against its expert (reshaped, not expand_dims: see
-        # nn.SwitchGLU._expert_rows_used). Tail rows carry the last expert and
-        # a zero cotangent (nothing reads their zeros).
-        grad = mx.gather_qmm(cotangent.reshape(-1, 1, cotangent.shape[-1]), weight, scales,
-                             biases, rhs_indices=row_experts, transpose=False,
-                             group_size=group_size, bits=bits, sorted_indices=True,
-                             stream=stream)
-        return (grad.reshape(rows.shape), mx.zeros_like(weight), mx.zeros_like(scales),
-                mx.zeros_like(biases), mx.zeros_like(expert_offsets),
-                mx.zeros_like(row_experts))
+        rows, weight, scales, biases, expert_offsets, row_experts, *extra = primals
+        zeros = [mx.zeros_like(primal) for primal in primals[1:]]
+        if not token_rows and not gated:
+            # d rows[r] = cotangent[r] @ dequantize(weight[e]): MLX's own
+            # GEMM. Tail rows carry the last expert and a zero cotangent
+            # (nothing reads their zeros).
+            grad = mx.gather_qmm(cotangent.reshape(-1, 1, cotangent.shape[-1]), weight, scales,
+                                 biases, rhs_indices=row_experts, transpose=False,
+                                 group_size=group_size, bits=bits, sorted_indices=True,
+                                 stream=stream)
+            return (grad.reshape(rows.shape), *zeros)
+
+        # The fused forms: the gradient of what they fuse, in MLX's ops.
+        def unfused(rows):
+            if token_rows:
+                tokens = extra[0]
+                rows = mx.take(rows, mx.maximum(tokens, 0), axis=0, stream=stream)
+                rows = mx.where((tokens >= 0)[:, None], rows, 0, stream=stream)
+            out = rows_projection(rows, row_experts, weight, scales, biases)
+            if gated:
+                up = rows_projection(rows, row_experts, *extra[token_rows:])
+                out = out * mx.sigmoid(out, stream=stream) * up  # silu(gate) * up
+            return out
+
+        _, (grad,) = mx.vjp(unfused, [rows], [cotangent])
+        return (grad, *zeros)
 
     return grouped_qmm
 

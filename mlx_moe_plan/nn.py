@@ -312,6 +312,17 @@ class SwitchGLU(nn.Module):
             x_gate = _row_strided(x_gate)
         return self.down_proj(self.activation(x_up, x_gate), experts, sorted_indices=True)
 
+    def _gates_in_kernel(self) -> bool:
+        """Whether the grouped kernel computes the activation of the gate and up
+        projections too: mlx-lm's own SwiGLU, projections without a bias, of
+        one quantization (the kernel's rows from the tokens, its sums of both
+        projections in one launch)."""
+        gate, up = self.gate_proj, self.up_proj
+        return (type(self.activation) is _mlx_lm_switch.SwiGLU
+                and "bias" not in gate and "bias" not in up
+                and (gate.bits, gate.group_size, gate.weight.shape)
+                == (up.bits, up.group_size, up.weight.shape))
+
     def _grouped_projection(self, projection: nn.Module, rows: mx.array, plan) -> mx.array:
         """`projection` of `rows` `[capacity, D]` by the grouped kernel, each row
         against its expert (the plan's spans); through MLX's `gather_qmm` where
@@ -330,19 +341,33 @@ class SwitchGLU(nn.Module):
             out = out + projection["bias"][plan.row_experts]
         return out
 
-    def _grouped_mlp(self, rows: mx.array, plan) -> mx.array:
-        """The expert MLP of the plan's rows `[capacity, D]` by the grouped
-        kernel: over the rows each expert has, which it reads on the device,
-        so an expert-parallel layer needs no sync either."""
-        x_up = self._grouped_projection(self.up_proj, rows, plan)
-        x_gate = self._grouped_projection(self.gate_proj, rows, plan)
-        return self._grouped_projection(self.down_proj, self.activation(x_up, x_gate), plan)
+    def _grouped_mlp(self, x: mx.array, plan) -> mx.array:
+        """The expert MLP of the plan's rows of tokens `x` `[..., D]` by the
+        grouped kernel: over the rows each expert has, which it reads on the
+        device, so an expert-parallel layer needs no sync either."""
+        if self._gates_in_kernel():
+            # One launch reads the tokens through the plan and gives
+            # silu(gate) * up: no gathered rows, no separate activation.
+            gate, up = self.gate_proj, self.up_proj
+            stream = _backend.resolve_stream(None)
+            hidden = _backend.implementation(stream).grouped_qmm(
+                x.reshape(-1, x.shape[-1]), gate.weight, gate.scales, gate.biases,
+                plan.expert_offsets, plan.row_experts, bits=gate.bits,
+                group_size=gate.group_size, stream=stream, row_tokens=plan.row_tokens,
+                up=(up.weight, up.scales, up.biases))
+        else:
+            rows = moe_gather(x, plan)
+            x_up = self._grouped_projection(self.up_proj, rows, plan)
+            x_gate = self._grouped_projection(self.gate_proj, rows, plan)
+            hidden = self.activation(x_up, x_gate)
+        return self._grouped_projection(self.down_proj, hidden, plan)
 
     def _expert_rows(self, x: mx.array, plan, tile_m: int) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
-        rows = moe_gather(self._sharded_input(x), plan)
+        x = self._sharded_input(x)
         if tile_m == GROUPED:
-            return self._grouped_mlp(rows, plan)
+            return self._grouped_mlp(x, plan)
+        rows = moe_gather(x, plan)
         used = self._used_rows(plan)
         if used < plan.capacity:
             # Rows past num_rows are padding nobody reads: zeros stand for

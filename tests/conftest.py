@@ -395,24 +395,49 @@ def grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tai
     return offsets, weight, scales, biases, rows, row_experts
 
 
-def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group_size, name):
+def token_rows(tokens: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:
+    """The rows a plan's `row_tokens` make of `tokens`, zeros where -1 (the
+    rows grouped_qmm reads with TOKEN_ROWS)."""
+    rows = tokens[np.maximum(row_tokens, 0)]
+    rows[row_tokens < 0] = 0
+    return rows
+
+
+def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group_size, name, *,
+                      up=None):
     """`actual` within the rounding of a float32 sum and of `name` of the
-    float64 reference, and zeros on the tail rows."""
-    expected = ref.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size, name)
-    values = ref.to_float32(np.asarray(actual), name).astype(np.float64)
-    assert np.isfinite(values).all(), "an unwritten (poisoned) or overflowed element"
-    # The sum of the terms' magnitudes bounds a float32 sum's error; the
-    # kernel sums scale * q * x and bias * x apart, so the terms are those:
-    # the reference's GEMM of the absolute rows, scales and biases (exact in
-    # every dtype).
+    float64 reference, and zeros on the tail rows. With `up`, the (weight,
+    scales, biases) of a second projection, `actual` is silu(gate) * up of
+    the two projections' float sums."""
     def absolute(values):
         return ref.from_float32(np.abs(ref.to_float32(values, name)), name)
 
-    magnitude = ref.grouped_qmm(absolute(rows), weight, absolute(scales), absolute(biases),
-                                offsets, bits, group_size, name)
+    def gemm(weight, scales, biases):
+        """The reference's sums, and the bound on a float32 sum's error: the
+        sum of the terms' magnitudes (the kernel sums scale * q * x and bias *
+        x apart, so the terms are those: the reference's GEMM of the absolute
+        rows, scales and biases, exact in every dtype)."""
+        sums = ref.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size, name)
+        magnitude = ref.grouped_qmm(absolute(rows), weight, absolute(scales), absolute(biases),
+                                    offsets, bits, group_size, name)
+        return sums, (rows.shape[1] + 8) * 2.0**-24 * magnitude
+
+    expected, sum_error = gemm(weight, scales, biases)
+    if up is not None:
+        gate, gate_error = expected, sum_error
+        up_sums, up_error = gemm(*up)
+        silu = gate / (1 + np.exp(-gate))
+        expected = silu * up_sums
+        # silu's slope is within [-0.1, 1.1]; its float evaluation (exp, a
+        # division, two products) a few ulps of float32.
+        sum_error = (1.1 * np.abs(up_sums) * gate_error + np.abs(silu) * up_error
+                     + gate_error * up_error + 2.0**-20 * np.abs(gate * up_sums))
+    values = ref.to_float32(np.asarray(actual), name).astype(np.float64)
+    assert np.isfinite(values).all(), "an unwritten (poisoned) or overflowed element"
     unit = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
-    in_dims = rows.shape[1]
-    tolerance = unit * np.abs(expected) + (in_dims + 8) * 2.0**-24 * magnitude + 1e-30
+    # Rounding below the normal range is absolute: half the least subnormal.
+    least = {"float32": 2.0**-150, "float16": 2.0**-25, "bfloat16": 2.0**-134}[name]
+    tolerance = unit * np.abs(expected) + sum_error + least
     worst = np.max(np.abs(values - expected) - tolerance, initial=-1.0)
     assert worst <= 0, f"max excess over tolerance {worst}"
     assert (values[offsets[-1]:] == 0).all(), "tail rows must be zeros"

@@ -47,7 +47,8 @@ _DTYPE_CODES = {"InT": "IN_DTYPE", "OutT": "OUT_DTYPE"}
 
 # Argument types by name; every other argument is int32.
 _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "float",
-              "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT"}
+              "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT",
+              "up_weight": "uint", "up_scales": "InT", "up_biases": "InT"}
 
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
@@ -240,18 +241,27 @@ def combine(src: np.ndarray, index: np.ndarray, weights, out_dtype: str) -> np.n
 
 
 def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray,
-                expert_offsets: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+                expert_offsets: np.ndarray, bits: int, group_size: int, *,
+                row_tokens: np.ndarray | None = None, up: tuple | None = None) -> np.ndarray:
     """The expert GEMM over sorted rows as `_gpu._grouped_qmm` runs it.
 
     `rows` [capacity, in] float32, float16 or uint16 (bfloat16 bits), the
     scales and biases of the same dtype; `weight` uint32 [E, out, in * bits /
-    32]; `expert_offsets` int32 [E + 1]. Returns [capacity, out] in the rows' dtype.
+    32]; `expert_offsets` int32 [E + 1]. With `row_tokens` int32 [capacity],
+    `rows` are tokens [T, in] and row r is `rows[row_tokens[r]]`; with `up`,
+    (weight, scales, biases) of a second projection, silu(gate) * up.
+    Returns [capacity, out] in the rows' dtype.
     """
-    capacity, in_dims = rows.shape
+    num_rows, in_dims = rows.shape
     num_experts, out_dims, _ = weight.shape
-    qmm_launch = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits,
-                                           group_size, dtype_name(rows))
-    arrays = [rows, np.asarray(weight, np.uint32), scales, biases,
-              np.asarray(expert_offsets, np.int32)]
+    capacity = num_rows if row_tokens is None else len(row_tokens)
+    qmm_launch = launch.grouped_qmm_launch(
+        num_experts, in_dims, out_dims, capacity, bits, group_size, dtype_name(rows),
+        num_rows=None if row_tokens is None else num_rows, gated=up is not None)
+    offsets = np.asarray(expert_offsets, np.int32)
+    up_weight, up_scales, up_biases = (weight, scales, biases) if up is None else up
+    arrays = [rows, offsets if row_tokens is None else np.asarray(row_tokens, np.int32),
+              np.asarray(weight, np.uint32), scales, biases, np.asarray(up_weight, np.uint32),
+              up_scales, up_biases, offsets]
     (out,) = run("grouped_qmm", arrays, qmm_launch)
     return out

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import (INT32_MAX, INT32_MIN, assert_bitwise, assert_gemm_close, experts_strategy,
-                      grouped_qmm_case, make_ids)
+                      grouped_qmm_case, make_ids, quantized_experts, token_rows)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -397,6 +397,69 @@ def test_grouped_qmm_wide_rows(bits):
     """A row of many quantization groups, loaded STEPS at a time."""
     _check_grouped_qmm(np.random.default_rng(bits), [2, 0, 9], 17, 2048, bits, 64,
                        "bfloat16", 3)
+
+
+def _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, num_tokens,
+                 by_token, gated, token_range=None):
+    """grouped_qmm reading the rows from the tokens (`by_token`: TOKEN_ROWS),
+    computing silu(gate) * up (`gated`: GATED), or both. Tokens drawn from
+    `token_range` (default: the tokens) are clamped into them, as a broken
+    plan's would be."""
+    case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
+    offsets, weight, scales, biases, _, _ = case
+    entries = int(offsets[-1])
+    low, high = token_range or (0, num_tokens - 1)
+    # float16's products silu(gate) * up of 8-bit sums overflow with unit
+    # tokens; bfloat16's reach silu's far tails (exp(-gate) overflowing).
+    scale = 0.01 if name == "float16" else 1.0
+    values = scale * rng.standard_normal((num_tokens, in_dims))
+    tokens = ref.from_float32(values.astype(np.float32), name)
+    row_tokens = np.concatenate([rng.integers(low, high + 1, entries),
+                                 np.full(tail, -1)]).astype(np.int32)
+    clamped = row_tokens.copy()
+    clamped[:entries] = np.clip(row_tokens[:entries], 0, num_tokens - 1)
+    rows = token_rows(tokens, clamped)
+    up = quantized_experts(rng, len(counts), out_dims, in_dims, bits, group_size, name) \
+        if gated else None
+    if rows.shape[0] == 0:
+        return
+    out = ocl.grouped_qmm(tokens if by_token else rows, weight, scales, biases, offsets, bits,
+                          group_size, row_tokens=row_tokens if by_token else None, up=up)
+    assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name, up=up)
+
+
+@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1,
+                       max_size=5),
+       out_dims=st.one_of(st.sampled_from([1, 7, 8, 9, 17]), st.integers(1, 40)),
+       in_groups=st.integers(1, 3), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
+       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
+       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
+       num_tokens=st.integers(1, 6), fusion=st.sampled_from(["tokens", "gated", "both"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_grouped_qmm_fused_matches_reference(counts, out_dims, in_groups, bits, group_size,
+                                             name, tail, num_tokens, fusion, seed):
+    """The layer's fusions: rows read from the tokens through the plan's
+    row_tokens, and SwiGLU of a gate and an up projection, apart and together."""
+    _check_fused(np.random.default_rng(seed), counts, out_dims, in_groups * group_size, bits,
+                 group_size, name, tail, num_tokens, fusion != "gated", fusion != "tokens")
+
+
+def test_grouped_qmm_token_rows_stay_inside():
+    """Tokens of a broken plan, negative or past the last, read the nearest
+    token inside, never outside the array."""
+    rng = np.random.default_rng(29)
+    _check_fused(rng, [3, 0, 12, 1], 24, 128, 4, 64, "bfloat16", 2, 4, True, True,
+                 token_range=(-50, 60))
+
+
+@pytest.mark.parametrize("changes", [dict(tiles=1), dict(row_tiles=2, steps=2),
+                                     dict(threads=32, max_groups=1)],
+                         ids=["tiles=1", "row_tiles=2,steps=2", "threads=32,max_groups=1"])
+def test_grouped_qmm_fused_tilings(changes):
+    rng = np.random.default_rng(31)
+    with launch.grouped_qmm_tiling(**changes):
+        _check_fused(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, "bfloat16", 3, 7, True, True)
+        _check_fused(rng, [1, 3, 17], 9, 128, 8, 32, "float16", 0, 5, True, True)
 
 
 # The tilings `python -m benchmarks.grouped_qmm --tilings` may compare: each one

@@ -96,12 +96,16 @@ def _record() -> list[Launch]:
         for experts, out_dims, in_dims, bits, group_size in [
                 (1, 1, 32, 8, 32), (128, 768, 2048, 4, 64), (8, 40, 256, 8, 128)]:
             words = in_dims * bits // 32
-            gpu.grouped_qmm(mx.zeros((5, in_dims), src_dtype),
-                            mx.zeros((experts, out_dims, words), mx.uint32),
-                            mx.zeros((experts, out_dims, in_dims // group_size), src_dtype),
-                            mx.zeros((experts, out_dims, in_dims // group_size), src_dtype),
-                            mx.zeros((experts + 1,), mx.int32), mx.zeros((5,), mx.int32),
+            matrices = (mx.zeros((experts, out_dims, words), mx.uint32),
+                        mx.zeros((experts, out_dims, in_dims // group_size), src_dtype),
+                        mx.zeros((experts, out_dims, in_dims // group_size), src_dtype))
+            plan_arrays = (mx.zeros((experts + 1,), mx.int32), mx.zeros((5,), mx.int32))
+            gpu.grouped_qmm(mx.zeros((5, in_dims), src_dtype), *matrices, *plan_arrays,
                             bits=bits, group_size=group_size, stream=None)
+            # The layer's fused form: rows from 3 tokens, silu(gate) * up.
+            gpu.grouped_qmm(mx.zeros((3, in_dims), src_dtype), *matrices, *plan_arrays,
+                            bits=bits, group_size=group_size, stream=None,
+                            row_tokens=mx.zeros((5,), mx.int32), up=matrices)
     unique = {}
     for launch in launches:
         unique.setdefault(launch.id, launch)
@@ -128,6 +132,10 @@ def test_every_kernel_and_configuration_is_covered():
     for flag in (False, True):
         assert any(n == "gather" and any(k.endswith("VECTORS") and v is flag for k, v in t)
                    for n, t in templates)
+    # grouped_qmm's fusions, both ways
+    for flag in ("GATED", "TOKEN_ROWS"):
+        for value in (False, True):
+            assert any(n == "grouped_qmm" and (flag, value) in t for n, t in templates)
 
 
 # --- text helpers ---------------------------------------------------------------------

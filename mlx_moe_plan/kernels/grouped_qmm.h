@@ -34,25 +34,34 @@
 // of a fragment row (so every multiply-add's 16 inputs share one scale), and
 // takes a word's fields as pairs (v, v + VALUES / 2): its low bits up, as
 // MLX's affine quantization packs them, a shift and a mask apart.
-// Inputs: rows InT [capacity, in_dims], float16 or bfloat16; weight uint32
+// Two fusions (template constants), which the layer's gate and up projections
+// use: TOKEN_ROWS reads row r from rows[row_tokens[r]], the tokens themselves,
+// so no gathered copy of them is made; GATED computes two projections of the
+// same rows, weight's (the gate) and up_weight's, in the same warp for the
+// same columns, and stores silu(gate) * up from the float sums (SwiGLU).
+// Inputs: rows InT [num_rows, in_dims], float16 or bfloat16; row_tokens int32
+//   [capacity], the plan's (read with TOKEN_ROWS only); weight uint32
 //   [E, out_dims, in_dims / VALUES]; scales, biases InT [E, out_dims,
-//   in_dims / QUANT_GROUP]; expert_offsets int32 [E + 1]; params int32, the
-//   fields of launch.py's GroupedQmmParams in order (read below;
-//   column_blocks: blocks of THREADS / 32 * 16 * TILES columns that cover
-//   out_dims).
+//   in_dims / QUANT_GROUP]; up_weight, up_scales, up_biases likewise (read
+//   when GATED only); expert_offsets int32 [E + 1]; params int32, the fields of
+//   launch.py's GroupedQmmParams in order (read below; column_blocks: blocks of
+//   THREADS / 32 * 16 * COLUMN_TILES columns that cover out_dims; num_rows:
+//   capacity without TOKEN_ROWS).
 // Outputs: out OutT [capacity, out_dims].
 // Template constants: InT, OutT, IN_KIND (1 float16, 2 bfloat16), BITS (4 or
 //   8), VALUES (32 / BITS, values a word packs), QUANT_GROUP (values sharing
 //   a scale and bias, 32, 64 or 128), LANE_WORDS (QUANT_GROUP / (4 *
 //   VALUES)), THREADS (the group size, a multiple of 32), MAX_EXPERTS (a
-//   multiple of THREADS, at least E), TILES (16-column tiles a warp),
-//   ROW_TILES (8-row tiles a pass), STEPS (quantization groups whose words a
-//   lane loads before it uses any).
+//   multiple of THREADS, at least E), TILES (16-column tiles a warp; when
+//   GATED, an even count, the first half the gate's and the second up's of the
+//   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
+//   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above).
 const int num_experts = params[0];
 const int in_dims = params[1];
 const int out_dims = params[2];
 const int capacity = params[3];
 const int column_blocks = params[4];
+const int num_rows = params[5];
 
 const int row_words = in_dims / VALUES;
 const int row_groups = in_dims / QUANT_GROUP;
@@ -61,6 +70,9 @@ const int warp = LOCAL_ID / 32;
 const int fragment_row = lane / 4;  // PTX's groupID
 const int fragment_slot = lane % 4;  // PTX's threadID_in_group
 const bool vectors = IS_ALIGNED16(rows);
+// Tiles of distinct columns a warp: when GATED, tile t and t + COLUMN_TILES
+// are the gate's and up's of the same 16 columns.
+const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 // 1.0 and the magic number of a field pair in the rows' format: MAGIC + q is
 // exact for q < 256 in float16 (1024 + q), for q < 16 in bfloat16 (128 + q).
 const unsigned ONES = IN_KIND == 1 ? 0x3C003C00u : 0x3F803F80u;
@@ -114,10 +126,10 @@ BARRIER();
 for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_GROUPS) {
   const int expert = item / column_blocks < num_active ? active_experts[item / column_blocks]
                                                        : num_experts;
-  const int column0 = ((item % column_blocks) * (THREADS / 32) + warp) * 16 * TILES;
+  const int column0 = ((item % column_blocks) * (THREADS / 32) + warp) * 16 * COLUMN_TILES;
   const int first = min(max(expert_offsets[expert], 0), capacity);
   if (expert == num_experts) {  // the tail rows: zeros
-    for (int c = 0; c < 16 * TILES; ++c) {
+    for (int c = 0; c < 16 * COLUMN_TILES; ++c) {
       if (column0 + c < out_dims) {
         for (int row = first + lane; row < capacity; row += 32) {
           STORE_OUT(out, (i64)row * out_dims + column0 + c, 0.0f);
@@ -130,27 +142,31 @@ for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_G
   // The expert's matrices, and the lane's columns in them: tile t's columns
   // fragment_row and + 8 (h = 0, 1), clamped into the matrix. A column past
   // out_dims reads the last one, whose sums are never stored, so the loads
-  // need no condition.
+  // need no condition. When GATED, tiles from COLUMN_TILES on read up's.
   GLOBAL const unsigned* column_words[TILES * 2];  // column i: tile i / 2, h = i % 2
   GLOBAL const InT* column_scales[TILES * 2];
   GLOBAL const InT* column_biases[TILES * 2];
 UNROLL
   for (int i = 0; i < TILES * 2; ++i) {
+    const int column_tile = (i / 2) % COLUMN_TILES;
+    const bool up_tile = GATED ? i / 2 >= COLUMN_TILES : false;
     const i64 column_row = (i64)expert * out_dims
-                           + min(column0 + 16 * (i / 2) + fragment_row + 8 * (i % 2), out_dims - 1);
-    column_words[i] = weight + column_row * row_words;
-    column_scales[i] = scales + column_row * row_groups;
-    column_biases[i] = biases + column_row * row_groups;
+                           + min(column0 + 16 * column_tile + fragment_row + 8 * (i % 2), out_dims - 1);
+    column_words[i] = (up_tile ? up_weight : weight) + column_row * row_words;
+    column_scales[i] = (up_tile ? up_scales : scales) + column_row * row_groups;
+    column_biases[i] = (up_tile ? up_biases : biases) + column_row * row_groups;
   }
   for (int row0 = first; row0 < last; row0 += 8 * ROW_TILES) {
     // The lane's rows of the pass (n * 8 + fragment_row), clamped likewise: a
     // row past the expert's reads its last row, which only the sums of the
-    // absent row's own column of a multiply-add see, never stored.
+    // absent row's own column of a multiply-add see, never stored. With
+    // TOKEN_ROWS, the row's token, clamped into rows (a broken plan's too).
     GLOBAL const unsigned short* row_values[ROW_TILES];
 UNROLL
     for (int n = 0; n < ROW_TILES; ++n) {
-      row_values[n] = (GLOBAL const unsigned short*)rows
-                      + (i64)min(row0 + 8 * n + fragment_row, last - 1) * in_dims;
+      const int row = min(row0 + 8 * n + fragment_row, last - 1);
+      const int source = TOKEN_ROWS ? min(max(row_tokens[row], 0), num_rows - 1) : row;
+      row_values[n] = (GLOBAL const unsigned short*)rows + (i64)source * in_dims;
     }
     // sums[(t * ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2),
     // row n * 8 + 2 * fragment_slot + e % 2 of the pass (the accumulator layout).
@@ -273,11 +289,15 @@ UNROLL
       }
     }
 UNROLL
-    for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // the layout of sums, above
+    for (int i = 0; i < COLUMN_TILES * ROW_TILES * 4; ++i) {  // the layout of sums, above
       const int column = column0 + 16 * (i / (4 * ROW_TILES)) + fragment_row + 8 * (i % 4 / 2);
       const int row = row0 + 8 * (i / 4 % ROW_TILES) + 2 * fragment_slot + i % 2;
+      float value = sums[i];
+      if (GATED) {  // silu(gate) * up, rounded once
+        value = value / (1.0f + exp(-value)) * sums[i + COLUMN_TILES * ROW_TILES * 4];
+      }
       if (column < out_dims && row < last) {
-        STORE_OUT(out, (i64)row * out_dims + column, sums[i]);
+        STORE_OUT(out, (i64)row * out_dims + column, value);
       }
     }
   }

@@ -55,8 +55,8 @@ INPUTS_OUTPUTS = {
     "plan": (("ids", "weights", "params"), ("plan_data", "row_weights")),
     "gather": (("src", "index", "params"), ("out",)),
     "combine": (("src", "index", "weights", "params"), ("out",)),
-    "grouped_qmm": (("rows", "weight", "scales", "biases", "expert_offsets", "params"),
-                    ("out",)),
+    "grouped_qmm": (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
+                     "up_scales", "up_biases", "expert_offsets", "params"), ("out",)),
 }
 
 
@@ -95,7 +95,7 @@ class GroupedQmmTiling:
     rounding; `grouped_qmm_tiling` runs another one (the benchmark compares them)."""
 
     threads: int = 128  # a group's threads, a multiple of the warp's 32: THREADS
-    tiles: int = 2  # 16-column tiles a warp: TILES
+    tiles: int = 2  # 16-column tiles a warp: TILES (gated: each projection's, TILES twice it)
     row_tiles: int = 1  # 8-row tiles a pass: ROW_TILES
     # quantization groups a lane loads before using any: STEPS (on the H200, 1
     # ran Qwen3-30B-A3B's projections at T = 8 to 64 5% to 13% faster than 2)
@@ -141,6 +141,7 @@ class GroupedQmmParams(NamedTuple):
     out_dims: int
     capacity: int
     column_blocks: int  # blocks of a group's columns that cover out_dims
+    num_rows: int  # rows of the rows array: tokens with token_rows, else capacity
 
 
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
@@ -280,20 +281,25 @@ def combine_launch(
 
 def grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
-    quant_group: int, dtype: str,
+    quant_group: int, dtype: str, *, num_rows: int | None = None, gated: bool = False,
 ) -> Launch:
     """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
     in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
     `in_dims`, a dtype of GROUPED_QMM_DTYPES (grouped_qmm.h), in the tiling of
-    an enclosing `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`."""
+    an enclosing `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`.
+
+    `num_rows`: the rows are `num_rows >= 1` tokens, row r read from token
+    `row_tokens[r]` (TOKEN_ROWS); None: the plan's `capacity` rows themselves.
+    `gated`: silu(gate) * up of two projections (GATED), each with the
+    tiling's tiles."""
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
-                               dtype, _grouped_qmm_tiling.get())
+                               dtype, num_rows, gated, _grouped_qmm_tiling.get())
 
 
 @lru_cache(maxsize=256)
 def _grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
-    quant_group: int, dtype: str, tiling: GroupedQmmTiling,
+    quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
 ) -> Launch:
     columns = tiling.threads // 32 * 16 * tiling.tiles
     column_blocks = -(-out_dims // columns)
@@ -301,11 +307,13 @@ def _grouped_qmm_launch(
     return Launch(
         min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
-                         capacity=capacity, column_blocks=column_blocks),
+                         capacity=capacity, column_blocks=column_blocks,
+                         num_rows=capacity if num_rows is None else num_rows),
         (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
          ("VALUES", values), ("QUANT_GROUP", quant_group),
          ("LANE_WORDS", quant_group // (4 * values)),
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
-         ("TILES", tiling.tiles), ("ROW_TILES", tiling.row_tiles), ("STEPS", tiling.steps)),
+         ("TILES", tiling.tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
+         ("STEPS", tiling.steps), ("GATED", gated), ("TOKEN_ROWS", num_rows is not None)),
         (((capacity, out_dims), dtype),),
     )
