@@ -43,9 +43,10 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     GPU glue: `_gpu.GpuBackend.grouped_qmm`, `_gpu._grouped_qmm_function`,
               `_gpu._grouped_qmm`
     C++:      none (the CPU runs sorted rows through MLX's `gather_qmm`)
-    gradient: d rows through MLX's `gather_qmm`, in `_gpu._grouped_qmm_function`
+    gradient: d rows through MLX's `gather_qmm` (the fused gate and up form:
+              through MLX's ops it fuses), in `_gpu._grouped_qmm_function`
     tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
-              (grouped_qmm, within float tolerance), `tests/test_nn.py`
+              (grouped_qmm, fused too, within float tolerance), `tests/test_nn.py`
 
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL
 rules; `tests/test_structure.py` checks its `params` reads against `launch.py`
