@@ -14,7 +14,11 @@ reads its weights from memory (`weight_sets_for`). Times are eval medians of
 graphs of `--calls` calls (`benchmarks.timing`), each side twice, in turns;
 "floor" is the time to read the touched experts' packed weights, scales and
 biases once at `--bandwidth` GB/s. `--tilings` times the kernel in other
-tilings too (`launch.GroupedQmmTiling`'s fields). GPU only.
+tilings too (`launch.GroupedQmmTiling`'s fields). A third line, "gate+up", times
+the layer's first half as it runs: the fused launch (rows read from the tokens,
+silu(gate) * up stored) and the unfused kernels (gathered rows, two launches,
+MLX's activation), against MLX's (gathered rows, two `gather_qmm`, the
+activation). GPU only.
 """
 
 from __future__ import annotations
@@ -119,7 +123,65 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                 "ours_us": statistics.median(samples[tiling_name(changes)]),
                 "gather_qmm_us": statistics.median(samples["gather_qmm"]),
                 "floor_us": touched / (bandwidth * 1e3)})
+    rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth))
     return rows_out
+
+
+def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int,
+                    bandwidth: float) -> list[dict]:
+    """The layer's gate, up and activation from the tokens: the fused launch and
+    the unfused kernels, against MLX's `gather_qmm` (rows "fused", "unfused")."""
+    from mlx_moe_plan import _backend, _gpu, moe_gather
+
+    stream = mx.default_stream(mx.gpu)
+    gpu = _gpu.for_backend(_backend.gpu_backend())
+    out_dims, in_dims = shape.intermediate, shape.hidden
+    touched = 2 * active * out_dims * (in_dims // 2 + in_dims // 64 * 2 * 2)
+    pairs = []
+    for _ in range(weight_sets_for(touched, calls)):
+        pair = [mx.quantize((mx.random.normal((shape.experts, out_dims, in_dims)) * 0.02)
+                            .astype(mx.bfloat16), 64, 4) for _ in range(2)]
+        mx.eval(pair)
+        pairs.append(pair)
+    x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
+    mx.eval(x)
+
+    def fused(i):
+        gate, up = pairs[i % len(pairs)]
+        return gpu.grouped_qmm(x, *gate, plan.expert_offsets, plan.row_experts, bits=4,
+                               group_size=64, stream=stream, row_tokens=plan.row_tokens, up=up)
+
+    def unfused(i):
+        rows = moe_gather(x, plan)
+        gate, up = (gpu.grouped_qmm(rows, *matrices, plan.expert_offsets, plan.row_experts,
+                                    bits=4, group_size=64, stream=stream)
+                    for matrices in pairs[i % len(pairs)])
+        return gate * mx.sigmoid(gate) * up
+
+    def theirs(i):
+        rows = moe_gather(x, plan).reshape(-1, 1, in_dims)
+        gate, up = (mx.gather_qmm(rows, *matrices, rhs_indices=plan.row_experts,
+                                  transpose=True, group_size=64, bits=4, sorted_indices=True)
+                    for matrices in pairs[i % len(pairs)])
+        return (gate * mx.sigmoid(gate) * up).reshape(plan.capacity, out_dims)
+
+    want = theirs(0).astype(mx.float32)
+    scale = float(mx.abs(want).max())
+    sides = {"gather_qmm": theirs, "fused": fused, "unfused": unfused}
+    for side in ("fused", "unfused"):
+        error = float(mx.abs(sides[side](0).astype(mx.float32) - want).max())
+        if not error <= 2e-2 * scale:  # bfloat16 rounding, not a wrong row
+            raise SystemExit(f"{name} T={tokens} gate+up {side}: differs from gather_qmm by "
+                             f"{error} (max |y| {scale})")
+    samples = {side: [] for side in sides}
+    for _ in range(2):  # each side twice, in turns
+        for side, call in sides.items():
+            samples[side].append(time_calls(call, calls).median_s * 1e6)
+    return [{"shape": name, "tokens": tokens, "projection": "gate+up", "out": out_dims,
+             "in": in_dims, "experts": shape.experts, "active_experts": active, "tiling": side,
+             "ours_us": statistics.median(samples[side]),
+             "gather_qmm_us": statistics.median(samples["gather_qmm"]),
+             "floor_us": touched / (bandwidth * 1e3)} for side in ("fused", "unfused")]
 
 
 def main(argv=None) -> int:
@@ -138,12 +200,12 @@ def main(argv=None) -> int:
     tilings = parse_tilings(args.tilings)
     if mx.default_device().type != mx.gpu:
         raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
-    print(f"{'shape':15s} {'T':>4s} {'proj':5s} {'tiling':18s} {'experts':>7s} "
+    print(f"{'shape':15s} {'T':>4s} {'proj':7s} {'tiling':18s} {'experts':>7s} "
           f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s}")
     for name in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             for row in measure(name, tokens, args.calls, args.bandwidth, tilings):
-                print(f"{name:15s} {tokens:4d} {row['projection']:5s} {row['tiling']:18s} "
+                print(f"{name:15s} {tokens:4d} {row['projection']:7s} {row['tiling']:18s} "
                       f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
                       f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "
                       f"{row['gather_qmm_us'] / row['ours_us']:8.2f}x "

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -192,3 +193,41 @@ def test_grouped_qmm_weight_sets_outgrow_the_cache():
         sets = weight_sets_for(touched, 48)
         assert 2 <= sets <= 48
         assert sets * touched >= 2 * CACHE_BYTES or sets == 48
+
+
+def test_grouped_qmm_gate_up_lines(monkeypatch):
+    """The gate+up lines' plumbing on the CPU, the kernel stood in for by MLX's
+    ops of the same meaning (the GPU suite times the kernel itself): both
+    forms checked against MLX's, a line each, the floor of two projections."""
+    from benchmarks import grouped_qmm as bench_qmm
+    from mlx_moe_plan import _backend, _gpu, moe_plan
+
+    class StandIn:
+        def grouped_qmm(self, rows, weight, scales, biases, expert_offsets, row_experts, *,
+                        bits, group_size, stream, row_tokens=None, up=None):
+            if row_tokens is not None:
+                rows = mx.where((row_tokens >= 0)[:, None], rows[mx.maximum(row_tokens, 0)], 0)
+            def project(weight, scales, biases):
+                out = mx.gather_qmm(rows.reshape(-1, 1, rows.shape[-1]), weight, scales,
+                                    biases, rhs_indices=row_experts, transpose=True,
+                                    group_size=group_size, bits=bits, sorted_indices=True)
+                return out.reshape(rows.shape[0], -1)
+            out = project(weight, scales, biases)
+            return out if up is None else out * mx.sigmoid(out) * project(*up)
+
+    cpu_stream = mx.default_stream(mx.cpu)
+    monkeypatch.setattr(mx, "default_stream", lambda device: cpu_stream)
+    monkeypatch.setattr(_backend, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(_gpu, "for_backend", lambda backend: StandIn())
+    shape = dataclasses.replace(LAYER_SHAPES["qwen3-30b-a3b"], hidden=128, intermediate=64,
+                                experts=16)
+    routed = np.stack([np.random.default_rng(t).choice(16, shape.top_k, replace=False)
+                       for t in range(3)]).astype(np.int32)
+    plan = moe_plan(mx.array(routed), 16, tile_m=1)
+    active = len(np.unique(routed))
+    lines = bench_qmm.measure_gate_up(shape, "small", 3, plan, active, 4, 4800.0)
+    assert [line["tiling"] for line in lines] == ["fused", "unfused"]
+    for line in lines:
+        assert line["projection"] == "gate+up" and line["active_experts"] == active
+        assert line["ours_us"] > 0 and line["gather_qmm_us"] > 0
+        assert line["floor_us"] == pytest.approx(2 * active * 64 * (64 + 8) / 4.8e6)
