@@ -14,11 +14,11 @@ reads its weights from memory (`weight_sets_for`). Times are eval medians of
 graphs of `--calls` calls (`benchmarks.timing`), each side twice, in turns;
 "floor" is the time to read the touched experts' packed weights, scales and
 biases once at `--bandwidth` GB/s. `--tilings` times the kernel in other
-tilings too (`launch.GroupedQmmTiling`'s fields). A third line, "gate+up", times
-the layer's first half as it runs: the fused launch (rows read from the tokens,
-silu(gate) * up stored) and the unfused kernels (gathered rows, two launches,
-MLX's activation), against MLX's (gathered rows, two `gather_qmm`, the
-activation). GPU only.
+tilings too (`launch.GroupedQmmTiling`'s fields). The "gate+up" lines time the
+layer's first half as it runs: the fused launch in each tiling (rows read from
+the tokens, silu(gate) * up stored; its `tiles` are each projection's) and the
+unfused kernels (gathered rows, two launches, MLX's activation), against MLX's
+(gathered rows, two `gather_qmm`, the activation). GPU only.
 """
 
 from __future__ import annotations
@@ -123,15 +123,18 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                 "ours_us": statistics.median(samples[tiling_name(changes)]),
                 "gather_qmm_us": statistics.median(samples["gather_qmm"]),
                 "floor_us": touched / (bandwidth * 1e3)})
-    rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth))
+    rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
+                                    tilings))
     return rows_out
 
 
 def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int,
-                    bandwidth: float) -> list[dict]:
-    """The layer's gate, up and activation from the tokens: the fused launch and
-    the unfused kernels, against MLX's `gather_qmm` (rows "fused", "unfused")."""
+                    bandwidth: float, tilings: list[dict[str, int]]) -> list[dict]:
+    """The layer's gate, up and activation from the tokens: the fused launch in
+    each tiling (lines "fused" for the default, "fused,tiles=1" ...) and the
+    unfused kernels ("unfused", default tiling), against MLX's `gather_qmm`."""
     from mlx_moe_plan import _backend, _gpu, moe_gather
+    from mlx_moe_plan.kernels import launch
 
     stream = mx.default_stream(mx.gpu)
     gpu = _gpu.for_backend(_backend.gpu_backend())
@@ -146,10 +149,12 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
     x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
     mx.eval(x)
 
-    def fused(i):
+    def fused(i, changes=None):
         gate, up = pairs[i % len(pairs)]
-        return gpu.grouped_qmm(x, *gate, plan.expert_offsets, plan.row_experts, bits=4,
-                               group_size=64, stream=stream, row_tokens=plan.row_tokens, up=up)
+        with launch.grouped_qmm_tiling(**(changes or {})):
+            return gpu.grouped_qmm(x, *gate, plan.expert_offsets, plan.row_experts, bits=4,
+                                   group_size=64, stream=stream, row_tokens=plan.row_tokens,
+                                   up=up)
 
     def unfused(i):
         rows = moe_gather(x, plan)
@@ -167,8 +172,11 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
 
     want = theirs(0).astype(mx.float32)
     scale = float(mx.abs(want).max())
-    sides = {"gather_qmm": theirs, "fused": fused, "unfused": unfused}
-    for side in ("fused", "unfused"):
+    sides = {"gather_qmm": theirs, "unfused": unfused}
+    for changes in tilings:
+        side = "fused" if not changes else f"fused,{tiling_name(changes)}"
+        sides[side] = lambda i, changes=changes: fused(i, changes)
+    for side in list(sides)[1:]:
         error = float(mx.abs(sides[side](0).astype(mx.float32) - want).max())
         if not error <= 2e-2 * scale:  # bfloat16 rounding, not a wrong row
             raise SystemExit(f"{name} T={tokens} gate+up {side}: differs from gather_qmm by "
@@ -181,7 +189,7 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
              "in": in_dims, "experts": shape.experts, "active_experts": active, "tiling": side,
              "ours_us": statistics.median(samples[side]),
              "gather_qmm_us": statistics.median(samples["gather_qmm"]),
-             "floor_us": touched / (bandwidth * 1e3)} for side in ("fused", "unfused")]
+             "floor_us": touched / (bandwidth * 1e3)} for side in list(sides)[1:]]
 
 
 def main(argv=None) -> int:

@@ -225,8 +225,9 @@ def test_grouped_qmm_gate_up_lines(monkeypatch):
                        for t in range(3)]).astype(np.int32)
     plan = moe_plan(mx.array(routed), 16, tile_m=1)
     active = len(np.unique(routed))
-    lines = bench_qmm.measure_gate_up(shape, "small", 3, plan, active, 4, 4800.0)
-    assert [line["tiling"] for line in lines] == ["fused", "unfused"]
+    lines = bench_qmm.measure_gate_up(shape, "small", 3, plan, active, 4, 4800.0,
+                                      [{}, {"tiles": 1}])
+    assert [line["tiling"] for line in lines] == ["unfused", "fused", "fused,tiles=1"]
     for line in lines:
         assert line["projection"] == "gate+up" and line["active_experts"] == active
         assert line["ours_us"] > 0 and line["gather_qmm_us"] > 0
