@@ -37,3 +37,12 @@ def check_rows(rows, capacity: int) -> mx.array:
             f"rows: expected shape [capacity={capacity}, H], got {rows.shape}"
         )
     return rows
+
+
+def check_tokens(x: mx.array, token_shape: tuple[int, ...]) -> mx.array:
+    """Activations `[..., H]` whose leading shape is a plan's tokens'."""
+    if x.ndim < 1 or x.shape[:-1] != token_shape:
+        raise ValueError(
+            f"x: expected shape {token_shape + ('H',)} to match the plan's tokens, got {x.shape}"
+        )
+    return x

@@ -223,9 +223,11 @@ class GpuBackend:
             bits (int): 4 or 8 (`launch.GROUPED_QMM_BITS`).
             group_size (int): One of `launch.GROUPED_QMM_QUANT_GROUPS`.
             stream (Stream): Where to run.
-            row_tokens (array, optional): int32 `[capacity]`, the plan's.
+            row_tokens (array, optional): int32 `[capacity]`, the plan's, of
+                single rows (`tile_m=1`: no padding in the spans). A token
+                outside `[0, T)` reads the nearest one inside.
             up (tuple, optional): weight, scales and biases of the up
-                projection, shaped as `weight`, `scales` and `biases`.
+                projection, shaped and typed as `weight`, `scales` and `biases`.
 
         Returns:
             array: `[capacity, N]` in the rows' dtype.
@@ -233,6 +235,15 @@ class GpuBackend:
         if _name(rows.dtype) not in launch.GROUPED_QMM_DTYPES:
             raise ValueError(f"rows: grouped_qmm takes {' or '.join(launch.GROUPED_QMM_DTYPES)} "
                              f"rows, got {rows.dtype}")
+        if row_tokens is not None and (row_tokens.dtype != mx.int32 or row_tokens.ndim != 1):
+            raise ValueError(f"row_tokens: expected int32 [capacity], got {row_tokens.dtype} "
+                             f"{row_tokens.shape}")
+        if up is not None:
+            for name, mine, theirs in zip(("weight", "scales", "biases"), up,
+                                          (weight, scales, biases)):
+                if (mine.dtype, mine.shape) != (theirs.dtype, theirs.shape):
+                    raise ValueError(f"up: its {name} must be {theirs.dtype} {theirs.shape} "
+                                     f"as the gate's, got {mine.dtype} {mine.shape}")
         function = _grouped_qmm_function(self.backend, bits, group_size, row_tokens is not None,
                                          up is not None, stream)
         extra = ([] if row_tokens is None else [row_tokens]) + ([] if up is None else list(up))
@@ -367,12 +378,14 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, stream):
                                  stream=stream)
             return (grad.reshape(rows.shape), *zeros)
 
-        # The fused forms: the gradient of what they fuse, in MLX's ops.
+        # The fused forms: the gradient of what they fuse, in MLX's ops, with
+        # the kernel's tokens: clamped into the tokens, the tail rows zeros.
         def unfused(rows):
             if token_rows:
-                tokens = extra[0]
-                rows = mx.take(rows, mx.maximum(tokens, 0), axis=0, stream=stream)
-                rows = mx.where((tokens >= 0)[:, None], rows, 0, stream=stream)
+                tokens = mx.clip(extra[0], 0, rows.shape[0] - 1, stream=stream)
+                in_spans = mx.arange(tokens.shape[0], stream=stream) < expert_offsets[-1]
+                rows = mx.take(rows, tokens, axis=0, stream=stream)
+                rows = mx.where(in_spans[:, None], rows, 0, stream=stream)
             out = rows_projection(rows, row_experts, weight, scales, biases)
             if gated:
                 up = rows_projection(rows, row_experts, *extra[token_rows:])

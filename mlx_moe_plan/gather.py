@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 
 from . import _backend
-from ._checks import check_array, check_row_dtype, check_rows
+from ._checks import check_array, check_row_dtype, check_rows, check_tokens
 from .plan import MoEPlan, check_plan
 
 
@@ -39,10 +39,7 @@ def moe_gather(
     dtype = x.dtype if dtype is None else dtype
     check_row_dtype("dtype", dtype)
     token_shape = plan.indices_shape[:-1]
-    if x.ndim < 1 or x.shape[:-1] != token_shape:
-        raise ValueError(
-            f"x: expected shape {token_shape + ('H',)} to match the plan's tokens, got {x.shape}"
-        )
+    check_tokens(x, token_shape)
     stream = _backend.resolve_stream(stream)
     num_tokens = math.prod(token_shape)
     tokens = x.reshape(num_tokens, x.shape[-1], stream=stream)

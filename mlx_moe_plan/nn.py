@@ -46,6 +46,7 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
     ) from error
 
 from . import _backend, _compiled, expert_parallel, fused_blocks
+from ._checks import check_tokens
 from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
@@ -349,6 +350,7 @@ class SwitchGLU(nn.Module):
             # One launch reads the tokens through the plan and gives
             # silu(gate) * up: no gathered rows, no separate activation.
             gate, up = self.gate_proj, self.up_proj
+            check_tokens(x, plan.indices_shape[:-1])  # as moe_gather checks them
             stream = _backend.resolve_stream(None)
             hidden = _backend.implementation(stream).grouped_qmm(
                 x.reshape(-1, x.shape[-1]), gate.weight, gate.scales, gate.biases,

@@ -257,3 +257,25 @@ def test_plan_tile_m_beyond_int32(device):
         assert re.search(_names("tile_m"), str(error)), str(error)
     else:
         assert plan.capacity == 0 and plan.num_rows.item() == 0
+
+
+def test_grouped_qmm_rejects_a_mismatched_up_or_row_tokens():
+    """The fused grouped GEMM's extra arguments are checked before any kernel
+    runs (an `up` of fewer experts or columns would read past its arrays)."""
+    from mlx_moe_plan import _gpu
+
+    gpu = _gpu.GpuBackend("cuda")
+    weight = mx.zeros((4, 16, 8), mx.uint32)
+    scales = biases = mx.zeros((4, 16, 2), mx.bfloat16)
+    plan_arrays = (mx.zeros((5,), mx.int32), mx.zeros((6,), mx.int32))
+    rows = mx.zeros((3, 64), mx.bfloat16)
+    kwargs = dict(bits=4, group_size=32, stream=mx.default_stream(mx.cpu))
+    with pytest.raises(ValueError, match="up: its weight"):
+        gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs,
+                        up=(mx.zeros((2, 16, 8), mx.uint32), scales, biases))
+    with pytest.raises(ValueError, match="up: its scales"):
+        gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs,
+                        up=(weight, scales.astype(mx.float16), biases))
+    with pytest.raises(ValueError, match="row_tokens"):
+        gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs,
+                        row_tokens=mx.zeros((6,), mx.uint32))

@@ -166,3 +166,69 @@ def test_gradients_agree_with_every_kind_of_entry(weighted, device):
                                                   dtype=mx.float32, stream=stream), [rows],
                        d_out)[0]
     _agree(got, want, "combine: d rows", device)
+
+
+@pytest.mark.parametrize("token_rows,gated", [(False, False), (True, False), (False, True),
+                                              (True, True)])
+def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated):
+    """The grouped GEMM's input gradient in each of its forms, its kernel stood
+    in for by MLX's ops of the same meaning (tests/test_grouped_qmm.py runs the
+    kernel on a GPU): the gradient of those ops, tokens clamped into the
+    tokens, tail rows zeros, whatever a broken plan's tokens say."""
+    from mlx_moe_plan import _gpu
+
+    rng = np.random.default_rng(7)
+    counts, tail, num_tokens, in_dims, out_dims = [3, 0, 4, 2], 3, 4, 64, 16
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    row_experts = np.concatenate([np.repeat(np.arange(4), counts), np.full(tail, 3)])
+    row_tokens = np.concatenate([rng.integers(-2, num_tokens + 2, offsets[-1]),
+                                 np.full(tail, -1)]).astype(np.int32)
+
+    def quantized():
+        return mx.quantize(mx.array(rng.standard_normal((4, out_dims, in_dims)) * 0.1,
+                                    mx.float32), 32, 4)
+
+    gate, up = quantized(), quantized()
+    offsets_mx, experts_mx, tokens_mx = (mx.array(offsets), mx.array(row_experts),
+                                         mx.array(row_tokens))
+    capacity = len(row_experts)
+
+    def meaning(rows, row_tokens, gate, up):
+        """What the kernel computes, in MLX's ops."""
+        if row_tokens is not None:
+            tokens = np.clip(row_tokens, 0, rows.shape[0] - 1)
+            rows = mx.where(mx.array(np.arange(capacity) < offsets[-1])[:, None],
+                            rows[mx.array(tokens)], 0)
+
+        def project(weight, scales, biases):
+            out = mx.gather_qmm(rows.reshape(-1, 1, in_dims), weight, scales, biases,
+                                rhs_indices=experts_mx, group_size=32, bits=4,
+                                sorted_indices=True)
+            return out.reshape(capacity, out_dims)
+
+        out = project(*gate)
+        return out if up is None else out * mx.sigmoid(out) * project(*up)
+
+    def stand_in(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up, bits,
+                 group_size, stream):
+        return meaning(rows, None if row_tokens is None else np.array(row_tokens),
+                       (weight, scales, biases), up)
+
+    monkeypatch.setattr(_gpu, "_grouped_qmm", stand_in)
+    function = _gpu._grouped_qmm_function("cuda", 4, 32, token_rows, gated,
+                                          mx.default_stream(mx.cpu))
+    rows = mx.array(rng.standard_normal((num_tokens if token_rows else capacity, in_dims)),
+                    mx.float32)
+    cotangent = mx.array(rng.standard_normal((capacity, out_dims)), mx.float32)
+    extra = ([tokens_mx] if token_rows else []) + (list(up) if gated else [])
+
+    def loss(rows):
+        return (function(rows, *gate, offsets_mx, experts_mx, *extra) * cotangent).sum()
+
+    def want_loss(rows):
+        out = meaning(rows, row_tokens if token_rows else None, gate, up if gated else None)
+        return (out * cotangent).sum()
+
+    got, want = mx.grad(loss)(rows), mx.grad(want_loss)(rows)
+    assert float(mx.abs(want).max()) > 0
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -102,10 +102,13 @@ def _record() -> list[Launch]:
             plan_arrays = (mx.zeros((experts + 1,), mx.int32), mx.zeros((5,), mx.int32))
             gpu.grouped_qmm(mx.zeros((5, in_dims), src_dtype), *matrices, *plan_arrays,
                             bits=bits, group_size=group_size, stream=None)
-            # The layer's fused form: rows from 3 tokens, silu(gate) * up.
-            gpu.grouped_qmm(mx.zeros((3, in_dims), src_dtype), *matrices, *plan_arrays,
-                            bits=bits, group_size=group_size, stream=None,
-                            row_tokens=mx.zeros((5,), mx.int32), up=matrices)
+            # The layer's fused form (rows from 3 tokens, silu(gate) * up),
+            # and each fusion alone.
+            for row_tokens, up in [(mx.zeros((5,), mx.int32), matrices),
+                                   (mx.zeros((5,), mx.int32), None), (None, matrices)]:
+                rows = mx.zeros((5 if row_tokens is None else 3, in_dims), src_dtype)
+                gpu.grouped_qmm(rows, *matrices, *plan_arrays, bits=bits, group_size=group_size,
+                                stream=None, row_tokens=row_tokens, up=up)
     unique = {}
     for launch in launches:
         unique.setdefault(launch.id, launch)
@@ -132,10 +135,11 @@ def test_every_kernel_and_configuration_is_covered():
     for flag in (False, True):
         assert any(n == "gather" and any(k.endswith("VECTORS") and v is flag for k, v in t)
                    for n, t in templates)
-    # grouped_qmm's fusions, both ways
-    for flag in ("GATED", "TOKEN_ROWS"):
-        for value in (False, True):
-            assert any(n == "grouped_qmm" and (flag, value) in t for n, t in templates)
+    # grouped_qmm's fusions, each alone and together
+    for gated in (False, True):
+        for token_rows in (False, True):
+            assert any(n == "grouped_qmm" and ("GATED", gated) in t
+                       and ("TOKEN_ROWS", token_rows) in t for n, t in templates)
 
 
 # --- text helpers ---------------------------------------------------------------------
