@@ -190,24 +190,29 @@ def warmup_prompt(prompt: mx.array) -> mx.array:
 
 
 class Sides:
-    """mlx-lm's model and the patched one, taking turns.
+    """mlx-lm's model and the patched one, and optionally a control (an
+    unpatched copy of mlx-lm's), taking turns.
 
-    Each round runs both, the first alternating from round to round, so that
-    drift hits both sides. MLX's CUDA backend can fail to launch mlx-lm's
+    Each round runs every side, the first rotating from round to round, so
+    that drift hits all of them. MLX's CUDA backend can fail to launch mlx-lm's
     graphs (`cuGraphAddKernelNode ... invalid argument`, sorted `gather_qmm`
-    over many rows): mlx-lm's side is then dropped and `failure` says why; a
+    over many rows): mlx-lm's sides are then dropped and `failure` says why; a
     failure of the patched side is raised.
     """
 
-    def __init__(self, model, patched):
+    def __init__(self, model, patched, control=None):
         self.models = {"mlx-lm": model, "patched": patched}
+        if control is not None:
+            self.models["control"] = control
         self.failure: str | None = None
 
     def turns(self, rounds: int, start: int = 0):
         """(side, model) for each turn of `rounds` rounds, numbered from `start`."""
+        names = list(self.models)
         for r in range(start, start + rounds):
-            for side in ("mlx-lm", "patched") if r % 2 == 0 else ("patched", "mlx-lm"):
-                if side == "mlx-lm" and self.failure:
+            shift = r % len(names)
+            for side in names[shift:] + names[:shift]:
+                if side != "patched" and self.failure:
                     continue
                 yield side, self.models[side]
 
@@ -375,15 +380,19 @@ def fill_context(patched, batch: int, context: int, vocab: int):
 
 
 def measure_decode(model, patched, batch: int, context: int, steps: int, warmup: int,
-                   rounds: int, vocab: int, pipelined: bool) -> dict:
+                   rounds: int, vocab: int, pipelined: bool, control=None) -> dict:
+    """One batch size's decode. With `control`, an unpatched copy of `model`
+    decodes too, interleaved with both: its ratio to mlx-lm's ("control") is
+    what two identical models give in the same run, the run's noise."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache, first = fill_context(patched, batch, context, vocab)
     saved = snapshot(cache)
-    caches = {"mlx-lm": cache, "patched": make_prompt_cache(patched)}
-    samples = {side: {"build": [], "wall": [], "pipelined": []} for side in ("mlx-lm", "patched")}
+    sides = Sides(model, patched, control)
+    caches = {"mlx-lm": cache, **{side: make_prompt_cache(m) for side, m in sides.models.items()
+                                  if side != "mlx-lm"}}
+    samples = {side: {"build": [], "wall": [], "pipelined": []} for side in sides.models}
     logits = {}
-    sides = Sides(model, patched)
     what = f"decode batch {batch}"
     # Each round: both sides from the same context, their one-eval steps
     # interleaved; then generate's pipelined loop, a turn a side (its steps
@@ -416,6 +425,11 @@ def measure_decode(model, patched, batch: int, context: int, steps: int, warmup:
     row["speedup"] = theirs / ours if theirs else None
     theirs_p, ours_p = row["mlx-lm_pipelined_ms"], row["patched_pipelined_ms"]
     row["pipelined_speedup"] = theirs_p / ours_p if theirs_p and ours_p else None
+    if control is not None:
+        control_wall, control_p = row["control_wall_ms"], row["control_pipelined_ms"]
+        row["control_speedup"] = theirs / control_wall if theirs and control_wall else None
+        row["control_pipelined_speedup"] = theirs_p / control_p \
+            if theirs_p and control_p else None
     row["logits_rel_diff"] = relative_difference(logits["patched"], logits["mlx-lm"]) \
         if "mlx-lm" in logits else None
     progress(f"  decode batch {batch}: mlx-lm {_ms(theirs)} ms/step, patched {_ms(ours)} "
@@ -444,16 +458,21 @@ def format_tables(result: dict) -> str:
             lines.append(f"  prefill {p['tokens']} tokens (chunks of {PREFILL_STEP}): mlx-lm "
                          f"{_ms(p['mlx-lm_ms'])} ms, patched {_ms(p['patched_ms'])} ms, "
                          f"{_ratio(p['speedup'])}; logits rel. diff {_fmt(p['logits_rel_diff'])}")
+        control = any("control_speedup" in d for d in entry["decode"])
         lines.append(f"  {'batch':>5s} {'mlx-lm ms':>10s} {'build':>7s} {'patched ms':>11s} "
                      f"{'build':>7s} {'tok/s':>8s} {'speedup':>8s} {'pipelined':>10s} "
-                     f"{'logits':>8s}")
+                     f"{'logits':>8s}" + (f" {'control':>8s}" if control else ""))
         for d in entry["decode"]:
             lines.append(
                 f"  {d['batch']:5d} {_ms(d['mlx-lm_wall_ms']):>10s} "
                 f"{_ms(d['mlx-lm_build_ms']):>7s} {_ms(d['patched_wall_ms']):>11s} "
                 f"{_ms(d['patched_build_ms']):>7s} {d['patched_tokens_per_s']:8.0f} "
                 f"{_ratio(d['speedup']):>8s} {_ratio(d['pipelined_speedup']):>10s} "
-                f"{_fmt(d['logits_rel_diff']):>8s}")
+                f"{_fmt(d['logits_rel_diff']):>8s}"
+                + (f" {_ratio(d.get('control_speedup')):>8s}" if control else ""))
+        if control:
+            lines.append("  control: mlx-lm's speed over an unpatched copy of its model, "
+                         "decoded with the two (the run's noise)")
     return "\n".join(lines)
 
 
@@ -502,13 +521,14 @@ def run(args) -> dict:
         if tokens:
             progress(f"{name}: prefill of {tokens} tokens")
             entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
+        control = shared_copy(model) if args.control else None
         for batch in (args.batches or batches):
             progress(f"{name}: decode at batch {batch}")
             entry["decode"].append(measure_decode(
                 model, patched, batch, args.context or context, args.steps, args.warmup,
-                args.decode_rounds, vocab, not args.no_pipelined))
+                args.decode_rounds, vocab, not args.no_pipelined, control))
         result["models"].append(entry)
-        del model, patched
+        del model, patched, control
         mx.clear_cache()
     return result
 
@@ -533,6 +553,10 @@ def parse_args(argv):
                         help="decode rounds at each batch size, each from the same context")
     parser.add_argument("--no-pipelined", action="store_true",
                         help="skip generate's pipelined loop")
+    parser.add_argument("--control", action="store_true",
+                        help="decode an unpatched copy of mlx-lm's model too, interleaved "
+                             "with both sides: the ratio two identical models give, the "
+                             "run's noise")
     parser.add_argument("--dtype", help="activations and unquantized weights (default "
                         "bfloat16 on a GPU, float32 on a CPU)")
     parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
@@ -614,6 +638,9 @@ def _lowest_ratios(result: dict) -> str:
         parts = [f"prefill {_ratio(p.get('speedup_min'))}"] if p else []
         parts += [f"b{d['batch']} {_ratio(d.get('speedup_min'))}" for d in entry["decode"]]
         lines.append(f"  {entry['name']}: " + ", ".join(parts))
+        if any("control_speedup_min" in d for d in entry["decode"]):
+            lines.append(f"  {entry['name']}, control: " + ", ".join(
+                f"b{d['batch']} {_ratio(d.get('control_speedup_min'))}" for d in entry["decode"]))
     return "\n".join(lines)
 
 

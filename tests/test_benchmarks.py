@@ -97,6 +97,16 @@ def test_decode_steps_interleave_the_sides():
     assert list(out) == ["patched"] and len(out["patched"][0]) == 3
     assert "invalid argument" in sides.failure
     assert [side for side, _ in log].count("mlx-lm") == 2
+    # A control side: three rotating, each first in turn.
+    log.clear()
+    sides = bench.Sides(RecordingModel("mlx-lm", log), RecordingModel("patched", log),
+                        RecordingModel("control", log))
+    caches = {"mlx-lm": "cache-a", "patched": "cache-b", "control": "cache-c"}
+    out = bench.decode_interleaved(sides, caches, mx.zeros((2, 1), mx.int32), steps=2,
+                                   warmup=0, start=0, what="decode")
+    assert [side for side, _ in log] == ["mlx-lm", "patched", "control",
+                                         "patched", "control", "mlx-lm"]
+    assert sorted(out) == ["control", "mlx-lm", "patched"]
 
 
 def test_layer_shapes_are_the_models():
@@ -124,6 +134,20 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
         assert row["patched_wall_ms"] >= row["patched_build_ms"] > 0
         assert row["mlx-lm_wall_ms"] >= row["mlx-lm_build_ms"] > 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_model_benchmark_control(tmp_path, capsys):
+    # --control: an unpatched copy of mlx-lm's model decodes with both sides,
+    # its own figures and its ratio to mlx-lm's in the row and the table.
+    out = tmp_path / "model.json"
+    assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
+                       "--steps", "2", "--warmup", "1", "--decode-rounds", "2", "--control",
+                       "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["models"][0]["decode"]
+    assert row["control_wall_ms"] >= row["control_build_ms"] > 0
+    assert row["control_speedup"] == pytest.approx(row["mlx-lm_wall_ms"] / row["control_wall_ms"])
+    assert row["control_pipelined_speedup"] > 0
+    assert "control: mlx-lm's speed over an unpatched copy" in capsys.readouterr().out
 
 
 def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypatch, capsys):
