@@ -64,6 +64,38 @@ def weight_sets_for(touched_bytes: float, calls: int) -> int:
     return min(calls, max(2, math.ceil(2 * CACHE_BYTES / touched_bytes)))
 
 
+def column_bytes(in_dims: int) -> int:
+    """A column's bytes: 4 bits a weight, a bfloat16 scale and bias every 64."""
+    return in_dims // 2 + in_dims // 64 * 2 * 2
+
+
+def quantized_experts(experts: int, out_dims: int, in_dims: int) -> tuple:
+    """One projection's random experts, 4-bit (group 64) of bfloat16, evaluated."""
+    weight = (mx.random.normal((experts, out_dims, in_dims)) * 0.02).astype(mx.bfloat16)
+    matrices = mx.quantize(weight, 64, 4)
+    mx.eval(matrices)
+    return matrices
+
+
+def checked_medians(sides: dict, calls: int, what: str) -> dict[str, float]:
+    """Each side's output checked against the first side's (MLX's), then every
+    side timed twice, in turns: side -> median us of a call."""
+    reference, *others = sides
+    want = sides[reference](0).astype(mx.float32)
+    scale = float(mx.abs(want).max())
+    for side in others:
+        got = sides[side](0).astype(mx.float32).reshape(want.shape)
+        error = float(mx.abs(got - want).max())
+        if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
+            raise SystemExit(f"{what} {side}: differs from {reference} by {error} "
+                             f"(max |y| {scale})")
+    samples = {side: [] for side in sides}
+    for _ in range(2):  # each side twice, in turns
+        for side, call in sides.items():
+            samples[side].append(time_calls(call, calls).median_s * 1e6)
+    return {side: statistics.median(values) for side, values in samples.items()}
+
+
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
             tilings: list[dict[str, int]]) -> list[dict]:
     from mlx_moe_plan import _backend, _gpu, moe_plan
@@ -79,14 +111,9 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
     active = int((np.bincount(routed.reshape(-1), minlength=shape.experts) > 0).sum())
     rows_out = []
     for projection, (out_dims, in_dims) in projections(shape).items():
-        # 4 bits a weight, a bfloat16 scale and bias every 64: a column's bytes.
-        column_bytes = in_dims // 2 + in_dims // 64 * 2 * 2
-        touched = active * out_dims * column_bytes
-        weight_sets = []
-        for _ in range(weight_sets_for(touched, calls)):
-            weight = (mx.random.normal((shape.experts, out_dims, in_dims)) * 0.02)
-            weight_sets.append(mx.quantize(weight.astype(mx.bfloat16), 64, 4))
-            mx.eval(weight_sets[-1])
+        touched = active * out_dims * column_bytes(in_dims)
+        weight_sets = [quantized_experts(shape.experts, out_dims, in_dims)
+                       for _ in range(weight_sets_for(touched, calls))]
         rows = (mx.random.normal((plan.capacity, in_dims)) * 0.5).astype(mx.bfloat16)
         mx.eval(rows, plan.outputs)
 
@@ -102,27 +129,15 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                                  rhs_indices=plan.row_experts, transpose=True, group_size=64,
                                  bits=4, sorted_indices=True)
 
-        want = theirs(0).reshape(plan.capacity, out_dims).astype(mx.float32)
-        scale = float(mx.abs(want).max())
         sides = {"gather_qmm": theirs}
         for changes in tilings:
-            error = float(mx.abs(ours(0, changes).astype(mx.float32) - want).max())
-            if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
-                raise SystemExit(f"{name} T={tokens} {projection} {tiling_name(changes)}: the "
-                                 f"kernel differs from gather_qmm by {error} (max |y| {scale})")
             sides[tiling_name(changes)] = lambda i, changes=changes: ours(i, changes)
-        samples = {side: [] for side in sides}
-        for _ in range(2):  # each side twice, in turns
-            for side, call in sides.items():
-                samples[side].append(time_calls(call, calls).median_s * 1e6)
-        for changes in tilings:
-            rows_out.append({
-                "shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
-                "in": in_dims, "experts": shape.experts, "active_experts": active,
-                "tiling": tiling_name(changes),
-                "ours_us": statistics.median(samples[tiling_name(changes)]),
-                "gather_qmm_us": statistics.median(samples["gather_qmm"]),
-                "floor_us": touched / (bandwidth * 1e3)})
+        medians = checked_medians(sides, calls, f"{name} T={tokens} {projection}")
+        rows_out += [{"shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
+                      "in": in_dims, "experts": shape.experts, "active_experts": active,
+                      "tiling": side, "ours_us": medians[side],
+                      "gather_qmm_us": medians["gather_qmm"],
+                      "floor_us": touched / (bandwidth * 1e3)} for side in list(sides)[1:]]
     rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
                                     tilings))
     return rows_out
@@ -139,13 +154,9 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
     stream = mx.default_stream(mx.gpu)
     gpu = _gpu.for_backend(_backend.gpu_backend())
     out_dims, in_dims = shape.intermediate, shape.hidden
-    touched = 2 * active * out_dims * (in_dims // 2 + in_dims // 64 * 2 * 2)
-    pairs = []
-    for _ in range(weight_sets_for(touched, calls)):
-        pair = [mx.quantize((mx.random.normal((shape.experts, out_dims, in_dims)) * 0.02)
-                            .astype(mx.bfloat16), 64, 4) for _ in range(2)]
-        mx.eval(pair)
-        pairs.append(pair)
+    touched = 2 * active * out_dims * column_bytes(in_dims)
+    pairs = [[quantized_experts(shape.experts, out_dims, in_dims) for _ in range(2)]
+             for _ in range(weight_sets_for(touched, calls))]
     x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
     mx.eval(x)
 
@@ -170,25 +181,14 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
                     for matrices in pairs[i % len(pairs)])
         return (gate * mx.sigmoid(gate) * up).reshape(plan.capacity, out_dims)
 
-    want = theirs(0).astype(mx.float32)
-    scale = float(mx.abs(want).max())
     sides = {"gather_qmm": theirs, "unfused": unfused}
     for changes in tilings:
         side = "fused" if not changes else f"fused,{tiling_name(changes)}"
         sides[side] = lambda i, changes=changes: fused(i, changes)
-    for side in list(sides)[1:]:
-        error = float(mx.abs(sides[side](0).astype(mx.float32) - want).max())
-        if not error <= 2e-2 * scale:  # bfloat16 rounding, not a wrong row
-            raise SystemExit(f"{name} T={tokens} gate+up {side}: differs from gather_qmm by "
-                             f"{error} (max |y| {scale})")
-    samples = {side: [] for side in sides}
-    for _ in range(2):  # each side twice, in turns
-        for side, call in sides.items():
-            samples[side].append(time_calls(call, calls).median_s * 1e6)
+    medians = checked_medians(sides, calls, f"{name} T={tokens} gate+up")
     return [{"shape": name, "tokens": tokens, "projection": "gate+up", "out": out_dims,
              "in": in_dims, "experts": shape.experts, "active_experts": active, "tiling": side,
-             "ours_us": statistics.median(samples[side]),
-             "gather_qmm_us": statistics.median(samples["gather_qmm"]),
+             "ours_us": medians[side], "gather_qmm_us": medians["gather_qmm"],
              "floor_us": touched / (bandwidth * 1e3)} for side in list(sides)[1:]]
 
 
