@@ -160,6 +160,17 @@ def _kernel_computes(projection: nn.Module) -> bool:
             and projection.group_size in launch.GROUPED_QMM_QUANT_GROUPS)
 
 
+def _grouped_kernel(projection: nn.Module, rows: mx.array, plan, **fused) -> mx.array:
+    """The grouped kernel (`GpuBackend.grouped_qmm`) of `rows` against
+    `projection`'s quantized matrices over the plan's spans; `fused`, its
+    `row_tokens` and `up` arguments."""
+    stream = _backend.resolve_stream(None)
+    return _backend.implementation(stream).grouped_qmm(
+        rows, projection.weight, projection.scales, projection.biases, plan.expert_offsets,
+        plan.row_experts, bits=projection.bits, group_size=projection.group_size,
+        stream=stream, **fused)
+
+
 def _row_strided(rows: mx.array) -> mx.array:
     """`rows` `[n, 1, H]` as a reshape of `[n, H]`: strides `(H, H, 1)`."""
     return rows.reshape(-1, rows.shape[-1]).reshape(rows.shape)
@@ -333,11 +344,7 @@ class SwitchGLU(nn.Module):
             out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan.row_experts,
                              sorted_indices=True)
             return out.reshape(rows.shape[0], out.shape[-1])
-        stream = _backend.resolve_stream(None)
-        out = _backend.implementation(stream).grouped_qmm(
-            rows, projection.weight, projection.scales, projection.biases, plan.expert_offsets,
-            plan.row_experts, bits=projection.bits, group_size=projection.group_size,
-            stream=stream)
+        out = _grouped_kernel(projection, rows, plan)
         if "bias" in projection:
             out = out + projection["bias"][plan.row_experts]
         return out
@@ -349,14 +356,11 @@ class SwitchGLU(nn.Module):
         if self._gates_in_kernel():
             # One launch reads the tokens through the plan and gives
             # silu(gate) * up: no gathered rows, no separate activation.
-            gate, up = self.gate_proj, self.up_proj
             check_tokens(x, plan.indices_shape[:-1])  # as moe_gather checks them
-            stream = _backend.resolve_stream(None)
-            hidden = _backend.implementation(stream).grouped_qmm(
-                x.reshape(-1, x.shape[-1]), gate.weight, gate.scales, gate.biases,
-                plan.expert_offsets, plan.row_experts, bits=gate.bits,
-                group_size=gate.group_size, stream=stream, row_tokens=plan.row_tokens,
-                up=(up.weight, up.scales, up.biases))
+            up = self.up_proj
+            hidden = _grouped_kernel(self.gate_proj, x.reshape(-1, x.shape[-1]), plan,
+                                     row_tokens=plan.row_tokens,
+                                     up=(up.weight, up.scales, up.biases))
         else:
             rows = moe_gather(x, plan)
             x_up = self._grouped_projection(self.up_proj, rows, plan)
