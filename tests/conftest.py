@@ -403,6 +403,29 @@ def token_rows(tokens: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:
     return rows
 
 
+def grouped_qmm_by_mlx_ops(rows, weight, scales, biases, expert_offsets, row_experts, *,
+                           bits, group_size, row_tokens=None, up=None) -> mx.array:
+    """What grouped_qmm computes (`GpuBackend.grouped_qmm`'s arguments), in
+    MLX's ops: with `row_tokens`, each row the token it names clamped into the
+    tokens and the tail rows past `expert_offsets[-1]` zeros; with `up`,
+    silu(gate) * up. A stand-in for the kernel where no GPU runs it, and MLX's
+    unfused ops for the fused form's gradient."""
+    if row_tokens is not None:
+        tokens = mx.clip(row_tokens, 0, rows.shape[0] - 1)
+        in_spans = mx.arange(row_tokens.shape[0]) < expert_offsets[-1]
+        rows = mx.where(in_spans[:, None], rows[tokens], 0)
+
+    def project(weight, scales, biases):
+        # [rows, 1, D] by reshape: see nn.SwitchGLU._expert_rows_used.
+        out = mx.gather_qmm(rows.reshape(-1, 1, rows.shape[-1]), weight, scales, biases,
+                            rhs_indices=row_experts, transpose=True, group_size=group_size,
+                            bits=bits, sorted_indices=True)
+        return out.reshape(rows.shape[0], out.shape[-1])
+
+    out = project(weight, scales, biases)
+    return out if up is None else out * mx.sigmoid(out) * project(*up)
+
+
 def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group_size, name, *,
                       up=None):
     """`actual` within the rounding of a float32 sum and of `name` of the

@@ -24,6 +24,7 @@ from benchmarks.workloads import LAYER_SHAPES, MODELS, layer_shape, with_layers 
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
 
 import two_ranks  # noqa: E402  (beside this file, on sys.path as pytest imports it)
+from conftest import grouped_qmm_by_mlx_ops  # noqa: E402
 
 
 def small_model(name="small-qwen3-moe", layers=2):
@@ -219,25 +220,17 @@ def test_grouped_qmm_weight_sets_outgrow_the_cache():
         assert sets * touched >= 2 * CACHE_BYTES or sets == 48
 
 
-def test_grouped_qmm_gate_up_lines(monkeypatch):
-    """The gate+up lines' plumbing on the CPU, the kernel stood in for by MLX's
-    ops of the same meaning (the GPU suite times the kernel itself): both
-    forms checked against MLX's, a line each, the floor of two projections."""
+def test_grouped_qmm_benchmark_lines(monkeypatch):
+    """The benchmark's plumbing on the CPU, the kernel stood in for by MLX's
+    ops of the same meaning (the GPU suite times the kernel itself): each
+    projection in each tiling, and gate+up fused (each tiling) and unfused,
+    all checked against MLX's, a line each, with their floors."""
     from benchmarks import grouped_qmm as bench_qmm
-    from mlx_moe_plan import _backend, _gpu, moe_plan
+    from mlx_moe_plan import _backend, _gpu
 
     class StandIn:
-        def grouped_qmm(self, rows, weight, scales, biases, expert_offsets, row_experts, *,
-                        bits, group_size, stream, row_tokens=None, up=None):
-            if row_tokens is not None:
-                rows = mx.where((row_tokens >= 0)[:, None], rows[mx.maximum(row_tokens, 0)], 0)
-            def project(weight, scales, biases):
-                out = mx.gather_qmm(rows.reshape(-1, 1, rows.shape[-1]), weight, scales,
-                                    biases, rhs_indices=row_experts, transpose=True,
-                                    group_size=group_size, bits=bits, sorted_indices=True)
-                return out.reshape(rows.shape[0], -1)
-            out = project(weight, scales, biases)
-            return out if up is None else out * mx.sigmoid(out) * project(*up)
+        def grouped_qmm(self, *arrays, stream, **options):
+            return grouped_qmm_by_mlx_ops(*arrays, **options)
 
     cpu_stream = mx.default_stream(mx.cpu)
     monkeypatch.setattr(mx, "default_stream", lambda device: cpu_stream)
@@ -245,14 +238,16 @@ def test_grouped_qmm_gate_up_lines(monkeypatch):
     monkeypatch.setattr(_gpu, "for_backend", lambda backend: StandIn())
     shape = dataclasses.replace(LAYER_SHAPES["qwen3-30b-a3b"], hidden=128, intermediate=64,
                                 experts=16)
-    routed = np.stack([np.random.default_rng(t).choice(16, shape.top_k, replace=False)
-                       for t in range(3)]).astype(np.int32)
-    plan = moe_plan(mx.array(routed), 16, tile_m=1)
-    active = len(np.unique(routed))
-    lines = bench_qmm.measure_gate_up(shape, "small", 3, plan, active, 4, 4800.0,
-                                      [{}, {"tiles": 1}])
-    assert [line["tiling"] for line in lines] == ["unfused", "fused", "fused,tiles=1"]
+    monkeypatch.setitem(bench_qmm.LAYER_SHAPES, "small", shape)
+    lines = bench_qmm.measure("small", 3, 4, 4800.0, [{}, {"tiles": 1}])
+    assert [(line["projection"], line["tiling"]) for line in lines] == [
+        ("gate", "default"), ("gate", "tiles=1"), ("down", "default"), ("down", "tiles=1"),
+        ("gate+up", "unfused"), ("gate+up", "fused"), ("gate+up", "fused,tiles=1")]
+    active = lines[0]["active_experts"]
+    assert 0 < active <= 3 * shape.top_k
     for line in lines:
-        assert line["projection"] == "gate+up" and line["active_experts"] == active
         assert line["ours_us"] > 0 and line["gather_qmm_us"] > 0
-        assert line["floor_us"] == pytest.approx(2 * active * 64 * (64 + 8) / 4.8e6)
+        projections = 2 if line["projection"] == "gate+up" else 1
+        in_dims = 64 if line["projection"] == "down" else 128
+        assert line["floor_us"] == pytest.approx(
+            projections * active * line["out"] * bench_qmm.column_bytes(in_dims) / 4.8e6)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import FLOAT_DTYPES, FLOAT_NAMES, Routing, as_float32, assert_bitwise, routings
-from conftest import to_numpy
+from conftest import grouped_qmm_by_mlx_ops, to_numpy
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -193,26 +193,11 @@ def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated):
                                          mx.array(row_tokens))
     capacity = len(row_experts)
 
-    def meaning(rows, row_tokens, gate, up):
-        """What the kernel computes, in MLX's ops."""
-        if row_tokens is not None:
-            tokens = np.clip(row_tokens, 0, rows.shape[0] - 1)
-            rows = mx.where(mx.array(np.arange(capacity) < offsets[-1])[:, None],
-                            rows[mx.array(tokens)], 0)
-
-        def project(weight, scales, biases):
-            out = mx.gather_qmm(rows.reshape(-1, 1, in_dims), weight, scales, biases,
-                                rhs_indices=experts_mx, group_size=32, bits=4,
-                                sorted_indices=True)
-            return out.reshape(capacity, out_dims)
-
-        out = project(*gate)
-        return out if up is None else out * mx.sigmoid(out) * project(*up)
-
     def stand_in(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up, bits,
                  group_size, stream):
-        return meaning(rows, None if row_tokens is None else np.array(row_tokens),
-                       (weight, scales, biases), up)
+        return grouped_qmm_by_mlx_ops(rows, weight, scales, biases, expert_offsets,
+                                      experts_mx, bits=bits, group_size=group_size,
+                                      row_tokens=row_tokens, up=up)
 
     monkeypatch.setattr(_gpu, "_grouped_qmm", stand_in)
     function = _gpu._grouped_qmm_function("cuda", 4, 32, token_rows, gated,
@@ -226,7 +211,9 @@ def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated):
         return (function(rows, *gate, offsets_mx, experts_mx, *extra) * cotangent).sum()
 
     def want_loss(rows):
-        out = meaning(rows, row_tokens if token_rows else None, gate, up if gated else None)
+        out = grouped_qmm_by_mlx_ops(rows, *gate, offsets_mx, experts_mx, bits=4, group_size=32,
+                                     row_tokens=tokens_mx if token_rows else None,
+                                     up=up if gated else None)
         return (out * cotangent).sum()
 
     got, want = mx.grad(loss)(rows), mx.grad(want_loss)(rows)

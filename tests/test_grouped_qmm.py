@@ -9,8 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import (_NO_GPU, FLOAT_DTYPES, assert_gemm_close, grouped_qmm_case,
-                      quantized_experts, token_rows)
+from conftest import (_NO_GPU, FLOAT_DTYPES, assert_gemm_close, grouped_qmm_by_mlx_ops,
+                      grouped_qmm_case, quantized_experts, token_rows)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -152,16 +152,11 @@ def test_fused_gate_up_from_tokens(tokens):
     grad = mx.grad(lambda x: (forward(x).astype(mx.float32) * cotangent).sum())(x)
     # The same gradient from MLX's own ops: gathered rows, gather_qmm, silu.
     def unfused(x):
-        # [rows, 1, D] by reshape: see nn.SwitchGLU._expert_rows_used.
-        rows = mx.where(mx.array(row_tokens >= 0)[:, None],
-                        x[mx.array(np.maximum(row_tokens, 0))], 0).reshape(-1, 1, 2048)
-        experts = mx.array(row_experts)
-        gate = mx.gather_qmm(rows, mx.array(weight), _as_mlx(scales, "bfloat16"),
-                             _as_mlx(biases, "bfloat16"), rhs_indices=experts, bits=4,
-                             group_size=64, sorted_indices=True).reshape(-1, 768)
-        up_out = mx.gather_qmm(rows, *up_mx, rhs_indices=experts, bits=4, group_size=64,
-                               sorted_indices=True).reshape(-1, 768)
-        return ((gate * mx.sigmoid(gate) * up_out).astype(mx.float32) * cotangent).sum()
+        out = grouped_qmm_by_mlx_ops(
+            x, mx.array(weight), _as_mlx(scales, "bfloat16"), _as_mlx(biases, "bfloat16"),
+            mx.array(offsets), mx.array(row_experts), bits=4, group_size=64,
+            row_tokens=mx.array(row_tokens), up=up_mx)
+        return (out.astype(mx.float32) * cotangent).sum()
 
     got = np.array(grad.astype(mx.float32))
     want = np.array(mx.grad(unfused)(x).astype(mx.float32))
