@@ -22,8 +22,9 @@ and server run it:
 
 The sides alternate so that drift hits both, and the figures are medians:
 prefill, each side in turn, `--rounds` times; decode, at each batch size
-`--decode-rounds` times from the same context, the two sides' one-eval steps
-interleaved one by one, then generate's loop a turn a side. `--processes N`
+`--decode-rounds` times from the same context, the sides' one-eval steps
+interleaved one by one (with `--control`, a third side: an unpatched copy of
+mlx-lm's model), then generate's loop a turn a side. `--processes N`
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
@@ -314,11 +315,11 @@ def decode_steps(model, cache, first: mx.array, steps: int, warmup: int):
 
 def decode_interleaved(sides: "Sides", caches: dict, first: mx.array, steps: int,
                        warmup: int, start: int, what: str) -> dict:
-    """One eval a step, the sides' steps interleaved: step i of one side, then
-    step i of the other, the first side alternating from step to step (from
-    `start`), each side decoding its own cache. Drift slower than a step then
-    hits both sides alike: with whole turns of steps a side, single processes
-    of identical kernels scattered from 0.77x to 1.35x (RESULTS.md).
+    """One eval a step, the sides' steps interleaved: step i of each side in
+    turn, the first side rotating from step to step (from `start`), each side
+    decoding its own cache. Drift slower than a step then hits every side
+    alike: with whole turns of steps a side, single processes of identical
+    kernels scattered from 0.77x to 1.35x (RESULTS.md).
 
     Returns:
         dict: side -> (build s of each timed step, wall s of each, the first
@@ -394,9 +395,9 @@ def measure_decode(model, patched, batch: int, context: int, steps: int, warmup:
     samples = {side: {"build": [], "wall": [], "pipelined": []} for side in sides.models}
     logits = {}
     what = f"decode batch {batch}"
-    # Each round: both sides from the same context, their one-eval steps
+    # Each round: every side from the same context, their one-eval steps
     # interleaved; then generate's pipelined loop, a turn a side (its steps
-    # overlap one another and cannot be interleaved with the other side's).
+    # overlap one another and cannot be interleaved with another side's).
     for r in range(rounds):
         running = {side: caches[side] for side, _ in sides.turns(1)}
         for side_cache in running.values():
