@@ -16,7 +16,7 @@ graphs of `--calls` calls (`benchmarks.timing`), each side twice, in turns;
 biases once at `--bandwidth` GB/s. `--tilings` times the kernel in other
 tilings too (`launch.GroupedQmmTiling`'s fields). The "gate+up" lines time the
 layer's first half as it runs: the fused launch in each tiling (rows read from
-the tokens, silu(gate) * up stored; its `tiles` are each projection's) and the
+the tokens, silu(gate) * up stored; `gated_tiles` are each projection's) and the
 unfused kernels (gathered rows, two launches, MLX's activation), against MLX's
 (gathered rows, two `gather_qmm`, the activation). GPU only.
 """

@@ -452,9 +452,10 @@ def test_grouped_qmm_token_rows_stay_inside():
                  token_range=(-50, 60))
 
 
-@pytest.mark.parametrize("changes", [dict(tiles=1), dict(row_tiles=2, steps=2),
+@pytest.mark.parametrize("changes", [dict(gated_tiles=1), dict(gated_tiles=3, row_tiles=2, steps=2),
                                      dict(threads=32, max_groups=1)],
-                         ids=["tiles=1", "row_tiles=2,steps=2", "threads=32,max_groups=1"])
+                         ids=["gated_tiles=1", "gated_tiles=3,row_tiles=2,steps=2",
+                              "threads=32,max_groups=1"])
 def test_grouped_qmm_fused_tilings(changes):
     rng = np.random.default_rng(31)
     with launch.grouped_qmm_tiling(**changes):

@@ -309,8 +309,8 @@ def test_launches_carry_their_bodys_params():
 def test_grouped_qmm_tilings_are_checked():
     from mlx_moe_plan.kernels import launch
 
-    for bad in (dict(threads=48), dict(threads=96), dict(tiles=0), dict(steps=0),
-                dict(row_tiles=0)):
+    for bad in (dict(threads=48), dict(threads=96), dict(tiles=0), dict(gated_tiles=0),
+                dict(steps=0), dict(row_tiles=0)):
         with pytest.raises(ValueError, match="grouped_qmm tiling"):
             with launch.grouped_qmm_tiling(**bad):
                 pass

@@ -95,7 +95,8 @@ class GroupedQmmTiling:
     rounding; `grouped_qmm_tiling` runs another one (the benchmark compares them)."""
 
     threads: int = 128  # a group's threads, a multiple of the warp's 32: THREADS
-    tiles: int = 2  # 16-column tiles a warp: TILES (gated: each projection's, TILES twice it)
+    tiles: int = 2  # 16-column tiles a warp: TILES
+    gated_tiles: int = 2  # gated (gate and up in one warp): each projection's, TILES twice it
     row_tiles: int = 1  # 8-row tiles a pass: ROW_TILES
     # quantization groups a lane loads before using any: STEPS (on the H200, 1
     # ran Qwen3-30B-A3B's projections at T = 8 to 64 5% to 13% faster than 2)
@@ -104,7 +105,8 @@ class GroupedQmmTiling:
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
-        if min(self.threads, self.tiles, self.row_tiles, self.steps, self.max_groups) < 1:
+        if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles, self.steps,
+               self.max_groups) < 1:
             raise ValueError(f"grouped_qmm tiling: every field must be at least 1: {self}")
         if self.threads % 32 or MAX_EXPERTS % self.threads:
             raise ValueError(f"grouped_qmm tiling: threads must be a multiple of 32 that "
@@ -291,7 +293,7 @@ def grouped_qmm_launch(
     `num_rows`: the rows are `num_rows >= 1` tokens, row r read from token
     `row_tokens[r]` (TOKEN_ROWS); None: the plan's `capacity` rows themselves.
     `gated`: silu(gate) * up of two projections (GATED), each with the
-    tiling's tiles."""
+    tiling's gated_tiles."""
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
                                dtype, num_rows, gated, _grouped_qmm_tiling.get())
 
@@ -301,7 +303,8 @@ def _grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
 ) -> Launch:
-    columns = tiling.threads // 32 * 16 * tiling.tiles
+    column_tiles = tiling.gated_tiles if gated else tiling.tiles  # a warp's distinct columns
+    columns = tiling.threads // 32 * 16 * column_tiles
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
     return Launch(
@@ -313,7 +316,7 @@ def _grouped_qmm_launch(
          ("VALUES", values), ("QUANT_GROUP", quant_group),
          ("LANE_WORDS", quant_group // (4 * values)),
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
-         ("TILES", tiling.tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
+         ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
          ("STEPS", tiling.steps), ("GATED", gated), ("TOKEN_ROWS", num_rows is not None)),
         (((capacity, out_dims), dtype),),
     )
