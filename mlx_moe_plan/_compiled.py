@@ -51,14 +51,50 @@ def compiles(max_tokens: int, x: mx.array) -> bool:
     return 0 < math.prod(x.shape[:-1]) <= max_tokens and not tracing()
 
 
-def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):
-    """`forward(*arrays)`, run as `mx.compile(forward, inputs=module)`.
+class _CompiledForward:
+    """One compiled forward of a module, holding no reference to the module.
 
-    The module's arrays are the compiled function's implicit inputs, so new
-    weights (a load, `nn.quantize`, training) are read at every call. `key`
-    names what else the trace reads (the forward, the layer's `tile_m`,
-    Python arguments); the module and the default stream are added to it.
-    MLX keeps one trace per key for each shape and dtype of the inputs.
+    The module keeps its compiled forwards (`_CompiledForwards`). Were they to
+    hold the module in turn, as `mx.compile(forward, inputs=module)` does
+    through both arguments, a module and its weights would be a reference
+    cycle, freed only when Python's cyclic collector runs: a dropped patched
+    model would keep its gigabytes until then. So the module and the call's
+    forward stay only for the length of a call: the compiled function's
+    implicit inputs are a dict that holds the module while it runs (MLX reads
+    that dict's arrays at every call, and swaps its tracers in while it
+    traces), and the trace calls the forward of the call that traces it.
+    """
+
+    def __init__(self):
+        self._inputs: dict = {}
+        self._forward: Callable | None = None
+        self._compiled = mx.compile(self._traced, inputs=self._inputs)
+
+    def _traced(self, *arrays):
+        _trace_state.active = True
+        try:
+            return self._forward(*arrays)
+        finally:
+            _trace_state.active = False
+
+    def __call__(self, module: nn.Module, forward: Callable, *arrays: mx.array):
+        self._inputs["module"] = module
+        self._forward = forward
+        try:
+            return self._compiled(*arrays)
+        finally:
+            self._inputs.clear()
+            self._forward = None
+
+
+def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):
+    """`forward(*arrays)`, compiled with the module's arrays as implicit inputs.
+
+    The module's arrays are read at every call, so new weights (a load,
+    `nn.quantize`, training) are used at once. `key` names what else the
+    trace reads (the forward, the layer's `tile_m`, Python arguments); the
+    module and the default stream are added to it. MLX keeps one trace per
+    key for each shape and dtype of the inputs.
     """
     forwards = module.__dict__.get("_compiled_forwards")
     if forwards is None:
@@ -68,12 +104,5 @@ def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: 
     cache_key = (id(module), *key, str(mx.default_stream(mx.default_device())))
     compiled = forwards.get(cache_key)
     if compiled is None:
-        def traced(*arrays):
-            _trace_state.active = True
-            try:
-                return forward(*arrays)
-            finally:
-                _trace_state.active = False
-
-        compiled = forwards[cache_key] = mx.compile(traced, inputs=module)
-    return compiled(*arrays)
+        compiled = forwards[cache_key] = _CompiledForward()
+    return compiled(module, forward, *arrays)

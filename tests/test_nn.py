@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import dataclasses
 import importlib
 import types
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -504,6 +506,24 @@ def test_compiled_forwards_read_new_weights():
     assert not np.allclose(np.array(twin(tokens)), np.array(patched(tokens)))
     np.testing.assert_allclose(np.array(patched(tokens)), np.array(model(tokens)), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_dropped_model_is_freed_at_once(fuse):
+    # Compiled forwards must not tie a module into a reference cycle: a model
+    # dropped after decoding frees its weights when its last reference goes,
+    # not when Python's cyclic collector next runs.
+    model = make_model("qwen3_moe", quantized=True)
+    patch_model(model, fuse=fuse)
+    mx.eval(model(mx.array([[5, 7]])))
+    assert compiled_forwards(model) > 0
+    layers = [weakref.ref(m) for _, m in model.named_modules() if isinstance(m, SwitchGLU)]
+    gc.disable()
+    try:
+        del model
+        assert layers and all(layer() is None for layer in layers)
+    finally:
+        gc.enable()
 
 
 def test_compiled_forwards_follow_tile_m():
