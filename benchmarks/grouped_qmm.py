@@ -146,7 +146,7 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
 def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int,
                     bandwidth: float, tilings: list[dict[str, int]]) -> list[dict]:
     """The layer's gate, up and activation from the tokens: the fused launch in
-    each tiling (lines "fused" for the default, "fused,tiles=1" ...) and the
+    each tiling (lines "fused" for the default, "fused,gated_tiles=1" ...) and the
     unfused kernels ("unfused", default tiling), against MLX's `gather_qmm`."""
     from mlx_moe_plan import _backend, _gpu, moe_gather
     from mlx_moe_plan.kernels import launch
