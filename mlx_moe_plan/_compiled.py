@@ -62,12 +62,14 @@ class _CompiledForward:
     forward stay only for the length of a call: the compiled function's
     implicit inputs are a dict that holds the module while it runs (MLX reads
     that dict's arrays at every call, and swaps its tracers in while it
-    traces), and the trace calls the forward of the call that traces it.
+    traces), and the trace calls the forward of the call that traces it. A
+    lock keeps two threads' calls from sharing that state.
     """
 
     def __init__(self):
         self._inputs: dict = {}
         self._forward: Callable | None = None
+        self._lock = threading.RLock()
         self._compiled = mx.compile(self._traced, inputs=self._inputs)
 
     def _traced(self, *arrays):
@@ -78,13 +80,14 @@ class _CompiledForward:
             _trace_state.active = False
 
     def __call__(self, module: nn.Module, forward: Callable, *arrays: mx.array):
-        self._inputs["module"] = module
-        self._forward = forward
-        try:
-            return self._compiled(*arrays)
-        finally:
-            self._inputs.clear()
-            self._forward = None
+        with self._lock:
+            self._inputs["module"] = module
+            self._forward = forward
+            try:
+                return self._compiled(*arrays)
+            finally:
+                self._inputs.clear()
+                self._forward = None
 
 
 def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):
