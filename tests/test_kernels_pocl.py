@@ -452,7 +452,8 @@ def test_grouped_qmm_token_rows_stay_inside():
                  token_range=(-50, 60))
 
 
-@pytest.mark.parametrize("changes", [dict(gated_tiles=1), dict(gated_tiles=3, row_tiles=2, steps=2),
+@pytest.mark.parametrize("changes", [dict(gated_tiles=1),
+                                     dict(gated_tiles=3, row_tiles=2, steps=2),
                                      dict(threads=32, max_groups=1)],
                          ids=["gated_tiles=1", "gated_tiles=3,row_tiles=2,steps=2",
                               "threads=32,max_groups=1"])

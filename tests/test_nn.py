@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import copy
-import gc
 import dataclasses
+import gc
 import importlib
 import types
 import weakref
