@@ -96,6 +96,17 @@ def checked_medians(sides: dict, calls: int, what: str) -> dict[str, float]:
     return {side: statistics.median(values) for side, values in samples.items()}
 
 
+def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,
+                active: int, medians: dict[str, float], floor_us: float) -> list[dict]:
+    """One line a side of `checked_medians` but its first (MLX's), which each
+    line carries as `gather_qmm_us`."""
+    reference, *ours = medians
+    return [{"shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
+             "in": in_dims, "experts": shape.experts, "active_experts": active, "tiling": side,
+             "ours_us": medians[side], "gather_qmm_us": medians[reference], "floor_us": floor_us}
+            for side in ours]
+
+
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
             tilings: list[dict[str, int]]) -> list[dict]:
     from mlx_moe_plan import _backend, _gpu, moe_plan
@@ -133,11 +144,8 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
         for changes in tilings:
             sides[tiling_name(changes)] = lambda i, changes=changes: ours(i, changes)
         medians = checked_medians(sides, calls, f"{name} T={tokens} {projection}")
-        rows_out += [{"shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
-                      "in": in_dims, "experts": shape.experts, "active_experts": active,
-                      "tiling": side, "ours_us": medians[side],
-                      "gather_qmm_us": medians["gather_qmm"],
-                      "floor_us": touched / (bandwidth * 1e3)} for side in list(sides)[1:]]
+        rows_out += result_rows(name, tokens, projection, out_dims, in_dims, shape, active,
+                                medians, touched / (bandwidth * 1e3))
     rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
                                     tilings))
     return rows_out
@@ -186,10 +194,8 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
         side = "fused" if not changes else f"fused,{tiling_name(changes)}"
         sides[side] = lambda i, changes=changes: fused(i, changes)
     medians = checked_medians(sides, calls, f"{name} T={tokens} gate+up")
-    return [{"shape": name, "tokens": tokens, "projection": "gate+up", "out": out_dims,
-             "in": in_dims, "experts": shape.experts, "active_experts": active, "tiling": side,
-             "ours_us": medians[side], "gather_qmm_us": medians["gather_qmm"],
-             "floor_us": touched / (bandwidth * 1e3)} for side in list(sides)[1:]]
+    return result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
+                       touched / (bandwidth * 1e3))
 
 
 def main(argv=None) -> int:
