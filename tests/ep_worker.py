@@ -44,8 +44,15 @@ def check(label: str, condition_or_callable) -> None:
         print(f"rank {rank} FAIL {label}\n{traceback.format_exc()}", flush=True)
 
 
+# On the CPU the ranks' float32 sums differ from one process's in their last
+# bits only. MLX's CUDA float32 GEMMs round differently from kernel to kernel
+# (about 5e-4 relative between two of them on the H200, benchmarks/RESULTS.md),
+# and a rank's GEMMs have other shapes than one process's.
+TOLERANCE = 1e-5 if mx.default_device().type == mx.cpu else 2e-3
+
+
 def close(got: mx.array, want: mx.array, label: str) -> None:
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5,
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=TOLERANCE, atol=TOLERANCE,
                                err_msg=label)
 
 

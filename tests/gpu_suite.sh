@@ -39,7 +39,10 @@
 #               sorted rows, and the weight-read floor, every shape, T = 1 to 64,
 #               in several tilings (launch.GroupedQmmTiling).
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend)
-#               benchmarks.expert_parallel under `mlx.launch -n 2 --backend
+#               the expert-parallel tests over NCCL, one GPU a rank
+#               (MLX_MOE_PLAN_TEST_BACKEND=nccl; a fresh machine's first run
+#               compiles MLX's kernels for every test model, about 4 minutes),
+#               then benchmarks.expert_parallel under `mlx.launch -n 2 --backend
 #               nccl`: one GPU, mlx-lm's tensor parallelism (patched and not)
 #               and expert parallelism (attention replicated, and cut by mlx-lm's
 #               shard()), Qwen3-30B-A3B and DeepSeek-V3 (fewer layers), one
@@ -156,6 +159,8 @@ if wanted expert-parallel; then
     logged "$results/$name.log" mlx.launch -n 2 --backend nccl -- \
       python3 -m benchmarks.expert_parallel "$@" --json "$results/$name.json" < <(sleep 3600)
   }
+  logged "$results/expert-parallel-tests.log" env MLX_MOE_PLAN_TEST_BACKEND=nccl \
+    python3 -m pytest -q tests/test_expert_parallel.py tests/test_lm.py -k "expert_parallel or two_ranks"
   for model in qwen3-30b-a3b deepseek-v3; do
     two_gpus "expert-parallel-$model" --models "$model"
   done

@@ -3,6 +3,8 @@
 # the tests of expert parallelism (tests/test_expert_parallel.py runs
 # tests/ep_worker.py so; tests/test_lm.py runs `python -m mlx_moe_plan.lm
 # --expert-parallel`). A launch costs seconds: the tests keep to few.
+# MLX_MOE_PLAN_TEST_BACKEND=nccl runs them over NCCL instead, one GPU a rank
+# (tests/gpu_suite.sh's expert-parallel step, on a machine of two GPUs).
 
 from __future__ import annotations
 
@@ -32,12 +34,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# The launcher's backend: ring (the loopback, any MLX) unless the environment
+# names another (nccl: MLX's CUDA build, one GPU a rank).
+BACKEND = os.environ.get("MLX_MOE_PLAN_TEST_BACKEND", "ring")
+
+
 def ring_runs() -> str | None:
-    """Why the ring backend cannot run here, or None if it can."""
+    """Why the tests' backend (BACKEND) cannot run here, or None if it can."""
     if mlx_launch() is None:
         return "mlx.launch is not installed"
-    if not mx.distributed.is_available(backend="ring"):
-        return "this MLX has no ring backend"
+    if not mx.distributed.is_available(backend=BACKEND):
+        return f"this MLX has no {BACKEND} backend"
     return None
 
 
@@ -48,7 +55,8 @@ needs_ring = pytest.mark.skipif(ring_runs() is not None, reason=str(ring_runs())
 def launch(argv: list[str], *, timeout_s: float, cwd: Path | None = None,
            env: dict[str, str] | None = None, stdin: str | None = None,
            merge_stderr: bool = False) -> subprocess.CompletedProcess:
-    """`argv` run as ranks 0 and 1 of a ring on the loopback, to completion.
+    """`argv` run as ranks 0 and 1 of a ring on the loopback (or of BACKEND's
+    group on this machine), to completion.
 
     The launcher forwards both ranks' output, and `stdin` to both. It runs
     in its own process group, so that a hung run is killed whole, launcher
@@ -59,8 +67,9 @@ def launch(argv: list[str], *, timeout_s: float, cwd: Path | None = None,
         in stdout with `merge_stderr`). MLX 0.32.4's launcher exits 0 even
         where a rank failed (it warns on stderr): check what the ranks print.
     """
-    command = [mlx_launch(), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring",
-               "--starting-port", str(free_port()), "--", *map(str, argv)]
+    ring = ["--hosts", "127.0.0.1", "--starting-port", str(free_port())]
+    command = [mlx_launch(), "-n", "2", "--backend", BACKEND,
+               *(ring if BACKEND == "ring" else []), "--", *map(str, argv)]
     # The launcher's stdin is a pipe held open until it exits: it polls its
     # stdin, and one at its end (closed, or /dev/null) is always readable,
     # which keeps it spinning on a core the ranks need.
