@@ -83,6 +83,8 @@ def build_side(side: str, config: dict, args, group) -> tuple[object, str | None
     options = {"compile_max_tokens": 0} if args.no_compile else {}  # as benchmarks.model's
     if args.sync_from_entries is not None:
         options["sync_from_entries"] = args.sync_from_entries
+    if args.expert_tile_m is not None and side in EXPERT_SIDES:
+        options["tile_m"] = args.expert_tile_m
     whole.set_our_layers(model, **options)
     mx.eval(model.parameters())
     mx.clear_cache()
@@ -274,6 +276,11 @@ def parse_args(argv):
                         help="expert-parallel layers sync to run their GEMMs over their own "
                              "rows from N routed entries (default: the layer's, "
                              "EXPERT_PARALLEL_SYNC_FROM_ENTRIES; a huge N: never)")
+    parser.add_argument("--expert-tile-m", type=int, metavar="M",
+                        help="the expert sides' layers in one GEMM formulation at every size "
+                             "(SwitchGLU.tile_m: -1 the grouped kernel, which reads each "
+                             "expert's rows on the device and needs no sync; 1 sorted rows; "
+                             "16 or 64 tiles); default: the layer's rule")
     parser.add_argument("--dtype")
     parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
     parser.add_argument("--group-size", type=int, default=64)
