@@ -160,15 +160,41 @@ def _kernel_computes(projection: nn.Module) -> bool:
             and projection.group_size in launch.GROUPED_QMM_QUANT_GROUPS)
 
 
-def _grouped_kernel(projection: nn.Module, rows: mx.array, plan, **fused) -> mx.array:
+class _PlanRows:
+    """A plan's rows from `first_row` on, as the grouped kernel takes them:
+    each expert's span cut to those rows, and their experts and tokens. The
+    cut is lazy (the spans are read on the device), so a layer can hand the
+    rows past a static count to the kernel without learning how many there
+    are: none, or a few, it computes what is there."""
+
+    def __init__(self, plan, first_row: int = 0):
+        self.plan = plan
+        self.first_row = first_row
+        if first_row == 0:
+            self.expert_offsets = plan.expert_offsets
+            self.row_experts, self.row_tokens = plan.row_experts, plan.row_tokens
+        else:
+            # Spans before first_row become empty, the one across it starts there.
+            self.expert_offsets = mx.maximum(plan.expert_offsets - first_row, 0)
+            self.row_experts = plan.row_experts[first_row:]
+            self.row_tokens = plan.row_tokens[first_row:]
+
+    @property
+    def count(self) -> int:
+        """The rows, `capacity - first_row` (used and tail)."""
+        return self.plan.capacity - self.first_row
+
+
+def _grouped_kernel(projection: nn.Module, rows: mx.array, plan_rows: _PlanRows,
+                    **fused) -> mx.array:
     """The grouped kernel (`GpuBackend.grouped_qmm`) of `rows` against
-    `projection`'s quantized matrices over the plan's spans; `fused`, its
+    `projection`'s quantized matrices over `plan_rows`' spans; `fused`, its
     `row_tokens` and `up` arguments."""
     stream = _backend.resolve_stream(None)
     return _backend.implementation(stream).grouped_qmm(
-        rows, projection.weight, projection.scales, projection.biases, plan.expert_offsets,
-        plan.row_experts, bits=projection.bits, group_size=projection.group_size,
-        stream=stream, **fused)
+        rows, projection.weight, projection.scales, projection.biases,
+        plan_rows.expert_offsets, plan_rows.row_experts, bits=projection.bits,
+        group_size=projection.group_size, stream=stream, **fused)
 
 
 def _row_strided(rows: mx.array) -> mx.array:
@@ -214,6 +240,12 @@ class SwitchGLU(nn.Module):
     # GEMMs over its own rows (EXPERT_PARALLEL_SYNC_FROM_ENTRIES); per layer,
     # so that a benchmark can weigh the sync against the whole capacity.
     sync_from_entries = EXPERT_PARALLEL_SYNC_FROM_ENTRIES
+    # Instead of that sync, where the grouped kernel computes the layer: the
+    # share of the plan's capacity its GEMMs cover statically, the rows past
+    # it left to the grouped kernel, which reads their count on the device
+    # (e.g. 1.25 / N: none unless the rank's experts draw over 1.25 times
+    # their share). None: the sync. See "Expert parallelism" in DESIGN.md.
+    static_share: float | None = None
 
     def __init__(
         self,
@@ -288,6 +320,18 @@ class SwitchGLU(nn.Module):
         return y if self.expert_group is None else \
             mx.distributed.all_sum(y, group=self.expert_group)
 
+    def _static_rows(self, plan, dtype: mx.Dtype) -> int | None:
+        """The rows an expert-parallel layer's GEMMs cover without a sync,
+        the grouped kernel taking the rest (`static_share` of the capacity,
+        in whole tiles), from `sync_from_entries` entries where the kernel
+        computes the layer; None: elsewhere."""
+        if self.expert_group is None or self.static_share is None or \
+                math.prod(plan.indices_shape) < self.sync_from_entries or \
+                not self._can_group(dtype):
+            return None
+        tiles = math.ceil(self.static_share * plan.max_tiles)
+        return min(max(tiles, 1), plan.max_tiles) * plan.tile_m
+
     def _used_rows(self, plan) -> int:
         """The rows an expert-parallel layer runs its GEMMs over: all of the
         capacity, or from `sync_from_entries` entries (and not
@@ -335,45 +379,58 @@ class SwitchGLU(nn.Module):
                 and (gate.bits, gate.group_size, gate.weight.shape)
                 == (up.bits, up.group_size, up.weight.shape))
 
-    def _grouped_projection(self, projection: nn.Module, rows: mx.array, plan) -> mx.array:
-        """`projection` of `rows` `[capacity, D]` by the grouped kernel, each row
-        against its expert (the plan's spans); through MLX's `gather_qmm` where
-        the rows' dtype is not the scales' (the kernel reads one dtype; the
-        scales' is 16-bit, `_can_group`)."""
+    def _grouped_projection(self, projection: nn.Module, rows: mx.array,
+                            plan_rows: _PlanRows) -> mx.array:
+        """`projection` of `rows` `[plan_rows.count, D]` by the grouped kernel,
+        each row against its expert (`plan_rows`' spans); through MLX's
+        `gather_qmm` where the rows' dtype is not the scales' (the kernel
+        reads one dtype; the scales' is 16-bit, `_can_group`)."""
         if rows.dtype != projection.scales.dtype:
-            out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan.row_experts,
+            out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan_rows.row_experts,
                              sorted_indices=True)
             return out.reshape(rows.shape[0], out.shape[-1])
-        out = _grouped_kernel(projection, rows, plan)
+        out = _grouped_kernel(projection, rows, plan_rows)
         if "bias" in projection:
-            out = out + projection["bias"][plan.row_experts]
+            out = out + projection["bias"][plan_rows.row_experts]
         return out
 
-    def _grouped_mlp(self, x: mx.array, plan) -> mx.array:
-        """The expert MLP of the plan's rows of tokens `x` `[..., D]` by the
+    def _grouped_mlp(self, x: mx.array, plan_rows: _PlanRows,
+                     rows: mx.array | None = None) -> mx.array:
+        """The expert MLP of `plan_rows` of tokens `x` `[..., D]` by the
         grouped kernel: over the rows each expert has, which it reads on the
-        device, so an expert-parallel layer needs no sync either."""
+        device, so an expert-parallel layer needs no sync either. `rows`:
+        those rows gathered already (given where `plan_rows` starts past the
+        first row). `[plan_rows.count, D]`."""
+        plan = plan_rows.plan
         if self._gates_in_kernel():
             # One launch reads the tokens through the plan and gives
             # silu(gate) * up: no gathered rows, no separate activation.
             check_tokens(x, plan.indices_shape[:-1])  # as moe_gather checks them
             up = self.up_proj
-            hidden = _grouped_kernel(self.gate_proj, x.reshape(-1, x.shape[-1]), plan,
-                                     row_tokens=plan.row_tokens,
+            hidden = _grouped_kernel(self.gate_proj, x.reshape(-1, x.shape[-1]), plan_rows,
+                                     row_tokens=plan_rows.row_tokens,
                                      up=(up.weight, up.scales, up.biases))
         else:
-            rows = moe_gather(x, plan)
-            x_up = self._grouped_projection(self.up_proj, rows, plan)
-            x_gate = self._grouped_projection(self.gate_proj, rows, plan)
+            if rows is None:
+                rows = moe_gather(x, plan)
+            x_up = self._grouped_projection(self.up_proj, rows, plan_rows)
+            x_gate = self._grouped_projection(self.gate_proj, rows, plan_rows)
             hidden = self.activation(x_up, x_gate)
-        return self._grouped_projection(self.down_proj, hidden, plan)
+        return self._grouped_projection(self.down_proj, hidden, plan_rows)
 
     def _expert_rows(self, x: mx.array, plan, tile_m: int) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
         x = self._sharded_input(x)
         if tile_m == GROUPED:
-            return self._grouped_mlp(x, plan)
+            return self._grouped_mlp(x, _PlanRows(plan))
         rows = moe_gather(x, plan)
+        static = self._static_rows(plan, x.dtype)
+        if static is not None:
+            out = self._expert_rows_used(rows[:static], plan, static)
+            if static == plan.capacity:
+                return out
+            rest = self._grouped_mlp(x, _PlanRows(plan, static), rows[static:])
+            return mx.concatenate([out, rest])
         used = self._used_rows(plan)
         if used < plan.capacity:
             # Rows past num_rows are padding nobody reads: zeros stand for

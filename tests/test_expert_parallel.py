@@ -58,3 +58,70 @@ def test_group_of_one_is_a_no_op():
 
 def test_model_without_moe_layers_is_a_no_op():
     assert shard_experts(nn.Sequential(nn.Linear(8, 8), nn.ReLU())) == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("gates_in_kernel", [True, False], ids=["fused", "unfused"])
+def test_static_share_computes_every_row(monkeypatch, gates_in_kernel, share, compiled):
+    # With static_share, an expert-parallel layer's tile GEMMs cover that
+    # share of its plan's capacity and the grouped kernel the rows past it,
+    # reading their spans on the device: no sync, compiled or not. Here a
+    # group of one process, and a stand-in for the grouped kernel, as no GPU
+    # runs it: its semantics in MLX's ops (conftest.grouped_qmm_by_mlx_ops),
+    # each row's expert taken from the spans as the kernel takes it, zeros
+    # past them. The share 0.3 leaves 9 of the 16 used tiles to it, 0.0 all
+    # but one.
+    import mlx_lm.models.switch_layers as switch_layers
+    import numpy as np
+    from conftest import grouped_qmm_by_mlx_ops
+    from test_nn import tree_map_random
+
+    from mlx_moe_plan import nn as moe_nn
+
+    rest_rows = []
+
+    def grouped_by_mlx_ops(projection, rows, plan_rows, **fused):
+        rest_rows.append(plan_rows.count)
+        offsets = plan_rows.expert_offsets
+        row = mx.arange(plan_rows.count)
+        span_experts = (row[:, None] >= offsets[None, 1:]).sum(-1)
+        out = grouped_qmm_by_mlx_ops(
+            rows, projection.weight, projection.scales, projection.biases, offsets,
+            mx.minimum(span_experts, offsets.size - 2), bits=projection.bits,
+            group_size=projection.group_size, **fused)
+        return mx.where((row < offsets[-1])[:, None], out, 0)
+
+    used_rows = SwitchGLU._used_rows
+
+    def no_sync(self, plan):
+        assert self.expert_group is None, "the layer read its used rows back (a sync)"
+        return used_rows(self, plan)
+
+    monkeypatch.setattr(moe_nn, "_grouped_kernel", grouped_by_mlx_ops)
+    monkeypatch.setattr(SwitchGLU, "_can_group", lambda self, dtype: True)
+    monkeypatch.setattr(SwitchGLU, "_used_rows", no_sync)
+    mx.random.seed(8)
+    theirs = switch_layers.SwitchGLU(64, 96, 16, bias=not gates_in_kernel)
+    theirs.update(tree_map_random(theirs.parameters()))
+    nn.quantize(theirs, group_size=32, bits=4)
+    whole = SwitchGLU.from_mlx_lm(theirs, tile_m=16)
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=16)
+    assert ours._gates_in_kernel() == gates_in_kernel
+    ours.expert_group = mx.distributed.init()  # one process: the all_sum is the identity
+    ours.sync_from_entries = 1
+    ours.static_share = share
+    ours.compile_max_tokens = 10**6 if compiled else 0
+    x = mx.random.normal((40, 64))
+    indices = mx.argpartition(-mx.random.normal((40, 16)), 2, axis=-1)[..., :3]
+    scores = mx.softmax(mx.random.normal((40, 3)), axis=-1)
+    for got, want in ((ours(x, indices), whole(x, indices)),
+                      (ours.weighted_sum(x, indices, scores),
+                       whole.weighted_sum(x, indices, scores))):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    plan_capacity = 368  # 120 entries + 16 experts * 15 padding rows, whole tiles
+    static_rows = {0.0: 16, 0.3: 112, 1.0: plan_capacity}[share]
+    # Each call hands the rest to the kernel once a projection (gate and up
+    # fused in one launch); the share 1.0 leaves it nothing.
+    launches = 2 if gates_in_kernel else 3
+    assert rest_rows == ([] if share == 1.0 else [plan_capacity - static_rows] * 2 * launches)

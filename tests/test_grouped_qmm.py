@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import (_NO_GPU, FLOAT_DTYPES, assert_gemm_close, grouped_qmm_by_mlx_ops,
@@ -14,7 +15,9 @@ from conftest import (_NO_GPU, FLOAT_DTYPES, assert_gemm_close, grouped_qmm_by_m
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_moe_plan import MAX_EXPERTS, _backend, _gpu
+from mlx.utils import tree_map
+
+from mlx_moe_plan import MAX_EXPERTS, _backend, _gpu, moe_plan
 from mlx_moe_plan import reference as ref
 from mlx_moe_plan.kernels import launch
 
@@ -161,4 +164,35 @@ def test_fused_gate_up_from_tokens(tokens):
     got = np.array(grad.astype(mx.float32))
     want = np.array(mx.grad(unfused)(x).astype(mx.float32))
     assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3])
+def test_expert_parallel_rows_past_the_static_share(share):
+    # An expert-parallel layer with static_share hands the rows past that share
+    # of its plan's capacity to this kernel, its spans cut on the device
+    # (nn._PlanRows): a group of one process here, 16-row tiles before the cut,
+    # against the same layer's tiles over the whole capacity (bfloat16: the
+    # kernel's float sums and MLX's GEMM round apart in the last bits).
+    from mlx_lm.models import switch_layers
+
+    from mlx_moe_plan.nn import SwitchGLU
+
+    mx.random.seed(9)
+    theirs = switch_layers.SwitchGLU(256, 128, 16)
+    theirs.update(tree_map(lambda w: mx.random.normal(w.shape) * 0.05, theirs.parameters()))
+    nn.quantize(theirs, group_size=64, bits=4)
+    theirs.set_dtype(mx.bfloat16)
+    whole = SwitchGLU.from_mlx_lm(theirs, tile_m=16)
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=16)
+    ours.expert_group = mx.distributed.init()
+    ours.sync_from_entries = 1
+    ours.static_share = share
+    assert ours._static_rows(moe_plan(mx.zeros((40, 3), mx.int32), 16, tile_m=16),
+                             mx.bfloat16) is not None
+    x = mx.random.normal((40, 256)).astype(mx.bfloat16)
+    indices = mx.argpartition(-mx.random.normal((40, 16)), 2, axis=-1)[..., :3]
+    scores = mx.softmax(mx.random.normal((40, 3)), axis=-1)
+    got = np.array(ours.weighted_sum(x, indices, scores).astype(mx.float32))
+    want = np.array(whole.weighted_sum(x, indices, scores).astype(mx.float32))
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
