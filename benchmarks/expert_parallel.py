@@ -85,6 +85,8 @@ def build_side(side: str, config: dict, args, group) -> tuple[object, str | None
         options["sync_from_entries"] = args.sync_from_entries
     if args.expert_tile_m is not None and side in EXPERT_SIDES:
         options["tile_m"] = args.expert_tile_m
+    if args.static_share is not None:
+        options["static_share"] = args.static_share
     whole.set_our_layers(model, **options)
     mx.eval(model.parameters())
     mx.clear_cache()
@@ -276,6 +278,10 @@ def parse_args(argv):
                         help="expert-parallel layers sync to run their GEMMs over their own "
                              "rows from N routed entries (default: the layer's, "
                              "EXPERT_PARALLEL_SYNC_FROM_ENTRIES; a huge N: never)")
+    parser.add_argument("--static-share", type=float, metavar="S",
+                        help="expert-parallel layers run their GEMMs over this share of "
+                             "their plan's capacity and the grouped kernel over the rest, "
+                             "instead of the sync (SwitchGLU.static_share; e.g. 1.25 / N)")
     parser.add_argument("--expert-tile-m", type=int, metavar="M",
                         help="the expert sides' layers in one GEMM formulation at every size "
                              "(SwitchGLU.tile_m: -1 the grouped kernel, which reads each "

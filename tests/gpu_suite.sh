@@ -47,7 +47,9 @@
 #               and expert parallelism (attention replicated, and cut by mlx-lm's
 #               shard()), Qwen3-30B-A3B and DeepSeek-V3 (fewer layers), one
 #               launch a model, then Qwen3-30B-A3B's expert parallelism without
-#               its per-layer sync (mlx.launch must be on the PATH).
+#               its per-layer sync: over the whole capacity, and over a static
+#               share of it with the grouped kernel past it (mlx.launch must be
+#               on the PATH).
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -168,5 +170,9 @@ if wanted expert-parallel; then
   # rows): which costs more, the sync or the rows it saves.
   two_gpus expert-parallel-no-sync --models qwen3-30b-a3b \
     --sides one,expert,expert+tensor --sync-from-entries 1000000000
+  # Neither: the GEMMs over 5/8 of the capacity, the grouped kernel over the
+  # rows past it (none unless a rank's experts draw 1.25 times their share).
+  two_gpus expert-parallel-static-share --models qwen3-30b-a3b \
+    --sides one,tensor+patch,expert,expert+tensor --static-share 0.625
 fi
 exit $status
