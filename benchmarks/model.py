@@ -18,7 +18,10 @@ and server run it:
   greedy next token), evaluate it, and take the wall time of both; the build
   time is reported beside it. `pipelined` is generate's own loop, which builds
   step n+1 while step n runs (`mx.async_eval`): host time then hides behind
-  GPU time where the GPU is the longer.
+  GPU time where the GPU is the longer. Its steps overlap, so each side runs
+  it in a turn of its own, and its ratios scatter more than the interleaved
+  one-eval ones (on the H200, up to 10% between two identical models:
+  `--control` shows a run's spread).
 
 The sides alternate so that drift hits both, and the figures are medians:
 prefill, each side in turn, `--rounds` times; decode, at each batch size
