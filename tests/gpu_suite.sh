@@ -38,18 +38,20 @@
 #   grouped-qmm the grouped GEMM kernel against MLX's gather_qmm on the same
 #               sorted rows, and the weight-read floor, every shape, T = 1 to 64,
 #               in several tilings (launch.GroupedQmmTiling).
-#   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend)
-#               the expert-parallel tests over NCCL, one GPU a rank
+#   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
+#               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
+#   ep-tests    the expert-parallel tests over NCCL, one GPU a rank
 #               (MLX_MOE_PLAN_TEST_BACKEND=nccl; a fresh machine's first run
-#               compiles MLX's kernels for every test model, about 4 minutes),
-#               then benchmarks.expert_parallel under `mlx.launch -n 2 --backend
+#               compiles MLX's kernels for every test model, about 4 minutes);
+#   ep-models   benchmarks.expert_parallel under `mlx.launch -n 2 --backend
 #               nccl`: one GPU, mlx-lm's tensor parallelism (patched and not)
 #               and expert parallelism (attention replicated, and cut by mlx-lm's
 #               shard()), Qwen3-30B-A3B and DeepSeek-V3 (fewer layers), one
-#               launch a model, then Qwen3-30B-A3B's expert parallelism without
-#               its per-layer sync: over the whole capacity, and over a static
-#               share of it with the grouped kernel past it (mlx.launch must be
-#               on the PATH).
+#               launch a model (about 5 minutes each);
+#   ep-variants Qwen3-30B-A3B's expert parallelism without its per-layer sync:
+#               over the whole capacity, and over a static share of it with the
+#               grouped kernel past it; then its sharded decode without CUDA
+#               graphs (MLX_USE_CUDA_GRAPHS=0), against the same with them.
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -68,6 +70,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
+steps=${steps//expert-parallel/ep-tests,ep-models,ep-variants}
 steps=${steps//bench/model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
@@ -153,19 +156,23 @@ if wanted grouped-qmm; then
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
     --tilings "default;tiles=1;steps=1;steps=4;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024"
 fi
-if wanted expert-parallel; then
-  two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
-    local name=$1
-    shift
-    # The launcher polls its stdin: give it one that stays open, not a closed one.
-    logged "$results/$name.log" mlx.launch -n 2 --backend nccl -- \
-      python3 -m benchmarks.expert_parallel "$@" --json "$results/$name.json" < <(sleep 3600)
-  }
+two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
+  local name=$1
+  shift
+  # The launcher polls its stdin: give it one that stays open, not a closed one.
+  logged "$results/$name.log" mlx.launch -n 2 --backend nccl -- \
+    python3 -m benchmarks.expert_parallel "$@" --json "$results/$name.json" < <(sleep 3600)
+}
+if wanted ep-tests; then
   logged "$results/expert-parallel-tests.log" env MLX_MOE_PLAN_TEST_BACKEND=nccl \
     python3 -m pytest -q tests/test_expert_parallel.py tests/test_lm.py -k "expert_parallel or two_ranks"
+fi
+if wanted ep-models; then
   for model in qwen3-30b-a3b deepseek-v3; do
     two_gpus "expert-parallel-$model" --models "$model"
   done
+fi
+if wanted ep-variants; then
   # Expert parallelism without its per-layer sync (every rank's GEMMs over all
   # rows): which costs more, the sync or the rows it saves.
   two_gpus expert-parallel-no-sync --models qwen3-30b-a3b \
@@ -174,5 +181,12 @@ if wanted expert-parallel; then
   # rows past it (none unless a rank's experts draw 1.25 times their share).
   two_gpus expert-parallel-static-share --models qwen3-30b-a3b \
     --sides one,tensor+patch,expert,expert+tensor --static-share 0.625
+  # Every sharded side decodes a batch of 1 slower than one GPU: whether MLX's
+  # CUDA graphs, which take NCCL's calls in, are why (the launcher hands the
+  # environment on to the ranks).
+  decode_sides=(--models qwen3-30b-a3b --sides one,tensor,tensor+patch,expert --prompts 2048
+                --block-tokens 1,32 --batches 1,32 --rounds 1)
+  two_gpus expert-parallel-graphs "${decode_sides[@]}"
+  MLX_USE_CUDA_GRAPHS=0 two_gpus expert-parallel-no-graphs "${decode_sides[@]}"
 fi
 exit $status
