@@ -11,12 +11,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 pytest.importorskip("mlx_lm", reason="shard_experts shards mlx-lm models")
+from conftest import grouped_qmm_by_mlx_ops  # noqa: E402
+from mlx_lm.models import switch_layers  # noqa: E402
+
+from mlx_moe_plan import nn as moe_nn  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, shard_experts  # noqa: E402
 
 import two_ranks  # noqa: E402  (beside this file, on sys.path as pytest imports it)
+from test_nn import tree_map_random  # noqa: E402
 
 WORKER = Path(__file__).with_name("ep_worker.py")
 # The run takes about 12 s on a 2-core CPU; past this it is hung, not slow.
@@ -70,15 +76,8 @@ def test_static_share_computes_every_row(monkeypatch, gates_in_kernel, share, co
     # group of one process, and a stand-in for the grouped kernel, as no GPU
     # runs it: its semantics in MLX's ops (conftest.grouped_qmm_by_mlx_ops),
     # each row's expert taken from the spans as the kernel takes it, zeros
-    # past them. The share 0.3 leaves 9 of the 16 used tiles to it, 0.0 all
-    # but one.
-    import mlx_lm.models.switch_layers as switch_layers
-    import numpy as np
-    from conftest import grouped_qmm_by_mlx_ops
-    from test_nn import tree_map_random
-
-    from mlx_moe_plan import nn as moe_nn
-
+    # past them. Of the 16 tiles the 120 entries use, the share 0.3 leaves
+    # 9 to it, 0.0 all but one.
     rest_rows = []
 
     def grouped_by_mlx_ops(projection, rows, plan_rows, **fused):
