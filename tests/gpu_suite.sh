@@ -19,7 +19,9 @@
 #   decode      decode only, Qwen3-30B-A3B at batch 1 to 16 (below tiles: mlx-lm's
 #               call, compiled), three processes, then batch 4 and 8 uncompiled
 #               and in sorted rows, two each: which of compiling and the
-#               formulation moves generate's pipelined loop;
+#               formulation moves generate's pipelined loop (the first two
+#               beside an unpatched copy of mlx-lm's model, --control: the
+#               spread two identical models give);
 #   lm          mlx-lm's own `benchmark` command on a Qwen3-30B-A3B model
 #               directory of random weights (benchmarks.model_dir, 17 GB in
 #               $TMPDIR), unpatched (--no-patch) and patched, prompts of 2048;
@@ -94,9 +96,10 @@ if wanted model; then
 fi
 if wanted decode; then
   logged "$results/decode.log" python3 -m benchmarks.model --models qwen3-30b-a3b \
-    --prompt 0 --batches 1,4,8,16 --processes 3 --warm-process --json "$results/decode.json"
+    --prompt 0 --batches 1,4,8,16 --processes 3 --warm-process --control \
+    --json "$results/decode.json"
   logged "$results/decode-no-compile.log" python3 -m benchmarks.model \
-    --models qwen3-30b-a3b --prompt 0 --batches 4,8 --no-compile --processes 2 \
+    --models qwen3-30b-a3b --prompt 0 --batches 4,8 --no-compile --processes 2 --control \
     --json "$results/decode-no-compile.json"
   logged "$results/decode-rows.log" python3 -m benchmarks.model --models qwen3-30b-a3b \
     --prompt 0 --batches 4,8 --tile-m 1 --processes 2 --json "$results/decode-rows.json"
