@@ -17,11 +17,19 @@ reference.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from functools import cache
 
-import numpy as np
-import pyopencl as cl
+# pyopencl's wheel brings its own PoCL (3.0, on LLVM 14), which cannot build a
+# kernel for a CPU that LLVM 14 does not know ("unknown target CPU 'generic'",
+# on AMD's Zen 5): let its ICD loader see the system's OpenCL platforms too
+# (Debian's pocl-opencl-icd, which .ci/run installs), before it first looks.
+if "OCL_ICD_VENDORS" not in os.environ and os.path.isdir("/etc/OpenCL/vendors"):
+    os.environ["OCL_ICD_VENDORS"] = "/etc/OpenCL/vendors"
+
+import numpy as np  # noqa: E402
+import pyopencl as cl  # noqa: E402
 
 from mlx_moe_plan import kernels
 from mlx_moe_plan import reference as ref
@@ -75,20 +83,39 @@ class Unavailable(RuntimeError):
     """No OpenCL platform of PoCL with a device is present."""
 
 
+class CannotBuild(RuntimeError):
+    """PoCL is present, and none of its devices builds a kernel: a failure of
+    the setup, not a reason to skip the kernel bodies' tests."""
+
+
 @cache
 def _opencl() -> tuple[cl.Context, cl.CommandQueue]:
+    """The first PoCL device that builds a kernel, its context and queue."""
     try:
         platforms = cl.get_platforms()
     except cl.Error as error:  # no ICD loader entry at all
         platforms, why = [], str(error)
     else:
         why = f"OpenCL platforms: {[platform.name for platform in platforms]}"
+    failures = []
     for platform in platforms:
-        if "portable computing language" in platform.name.lower():
-            devices = platform.get_devices()
-            if devices:
-                context = cl.Context(devices[:1])
-                return context, cl.CommandQueue(context)
+        if "portable computing language" not in platform.name.lower():
+            continue
+        for one in platform.get_devices():
+            context = cl.Context([one])
+            try:
+                cl.Program(context, "__kernel void probe(__global int* a) { a[0] = 1; }").build()
+            except cl.Error as error:
+                log = str(error).strip().splitlines()
+                said = [line for line in log if "error:" in line] or log[-1:]
+                failures.append(f"{platform.version.strip()}: {said[0].strip()}")
+                continue
+            return context, cl.CommandQueue(context)
+    if failures:
+        raise CannotBuild(f"no PoCL device builds a kernel here ({'; '.join(failures)}). "
+                          "pyopencl's PoCL 3.0 (LLVM 14) does not know CPUs newer than "
+                          "LLVM 14, such as AMD's Zen 5: install the system's PoCL "
+                          "(Debian and Ubuntu: apt-get install pocl-opencl-icd)")
     raise Unavailable(f"no PoCL device ({why}); install the test extra, which brings "
                       "pyopencl and pocl-binary-distribution")
 
