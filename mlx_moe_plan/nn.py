@@ -325,11 +325,15 @@ class SwitchGLU(nn.Module):
         the grouped kernel taking the rest (`static_share` of the capacity,
         in whole tiles), from `sync_from_entries` entries where the kernel
         computes the layer; None: elsewhere."""
-        if self.expert_group is None or self.static_share is None or \
+        share = self.static_share
+        if share is not None and not 0 <= share <= 1:
+            raise ValueError(f"static_share: expected a share of the capacity in [0, 1] or "
+                             f"None, got {share}")
+        if self.expert_group is None or share is None or \
                 math.prod(plan.indices_shape) < self.sync_from_entries or \
                 not self._can_group(dtype):
             return None
-        tiles = math.ceil(self.static_share * plan.max_tiles)
+        tiles = math.ceil(share * plan.max_tiles)
         return min(max(tiles, 1), plan.max_tiles) * plan.tile_m
 
     def _used_rows(self, plan) -> int:

@@ -124,3 +124,14 @@ def test_static_share_computes_every_row(monkeypatch, gates_in_kernel, share, co
     # fused in one launch); the share 1.0 leaves it nothing.
     launches = 2 if gates_in_kernel else 3
     assert rest_rows == ([] if share == 1.0 else [plan_capacity - static_rows] * 2 * launches)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5])
+def test_static_share_out_of_range_is_refused(share):
+    layer = SwitchGLU(16, 24, 4, tile_m=16)
+    layer.expert_group = mx.distributed.init()
+    layer.static_share = share
+    x = mx.random.normal((4, 16))
+    indices = mx.zeros((4, 2), mx.int32)
+    with pytest.raises(ValueError, match="static_share"):
+        layer(x, indices)
