@@ -30,6 +30,7 @@ code is the code their fused forward was written against.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -162,27 +163,37 @@ def _kernel_computes(projection: nn.Module) -> bool:
 
 class _PlanRows:
     """A plan's rows from `first_row` on, as the grouped kernel takes them:
-    each expert's span cut to those rows, and their experts and tokens. The
-    cut is lazy (the spans are read on the device), so a layer can hand the
-    rows past a static count to the kernel without learning how many there
-    are: none, or a few, it computes what is there."""
+    each expert's span cut to those rows, and their experts and tokens (each
+    made when first read). The cut is lazy (the spans are read on the
+    device), so a layer can hand the rows past a static count to the kernel
+    without learning how many there are: none, or a few, it computes what is
+    there."""
 
     def __init__(self, plan, first_row: int = 0):
         self.plan = plan
         self.first_row = first_row
-        if first_row == 0:
-            self.expert_offsets = plan.expert_offsets
-            self.row_experts, self.row_tokens = plan.row_experts, plan.row_tokens
-        else:
-            # Spans before first_row become empty, the one across it starts there.
-            self.expert_offsets = mx.maximum(plan.expert_offsets - first_row, 0)
-            self.row_experts = plan.row_experts[first_row:]
-            self.row_tokens = plan.row_tokens[first_row:]
 
     @property
     def count(self) -> int:
         """The rows, `capacity - first_row` (used and tail)."""
         return self.plan.capacity - self.first_row
+
+    @functools.cached_property
+    def expert_offsets(self) -> mx.array:
+        if self.first_row == 0:
+            return self.plan.expert_offsets
+        # Spans before first_row become empty, the one across it starts there.
+        return mx.maximum(self.plan.expert_offsets - self.first_row, 0)
+
+    @functools.cached_property
+    def row_experts(self) -> mx.array:
+        experts = self.plan.row_experts
+        return experts if self.first_row == 0 else experts[self.first_row:]
+
+    @functools.cached_property
+    def row_tokens(self) -> mx.array:
+        tokens = self.plan.row_tokens
+        return tokens if self.first_row == 0 else tokens[self.first_row:]
 
 
 def _grouped_kernel(projection: nn.Module, rows: mx.array, plan_rows: _PlanRows,
