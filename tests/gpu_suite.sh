@@ -53,7 +53,8 @@
 #   ep-variants Qwen3-30B-A3B's expert parallelism without its per-layer sync:
 #               over the whole capacity, and over a static share of it with the
 #               grouped kernel past it; then its sharded decode without CUDA
-#               graphs (MLX_USE_CUDA_GRAPHS=0), against the same with them.
+#               graphs (MLX_USE_CUDA_GRAPHS=0) and without NCCL's graph mixing
+#               (NCCL_GRAPH_MIXING_SUPPORT=0), against the same with both.
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -185,11 +186,13 @@ if wanted ep-variants; then
   two_gpus expert-parallel-static-share --models qwen3-30b-a3b \
     --sides one,tensor+patch,expert,expert+tensor --static-share 0.625
   # Every sharded side decodes a batch of 1 slower than one GPU: whether MLX's
-  # CUDA graphs, which take NCCL's calls in, are why (the launcher hands the
-  # environment on to the ranks).
+  # CUDA graphs, which take NCCL's calls in as captured child graphs, are why,
+  # or NCCL's event nodes in them (graph mixing); the launcher hands the
+  # environment on to the ranks.
   decode_sides=(--models qwen3-30b-a3b --sides one,tensor,tensor+patch,expert --prompts 2048
                 --block-tokens 1,32 --batches 1,32 --rounds 1)
   two_gpus expert-parallel-graphs "${decode_sides[@]}"
   MLX_USE_CUDA_GRAPHS=0 two_gpus expert-parallel-no-graphs "${decode_sides[@]}"
+  NCCL_GRAPH_MIXING_SUPPORT=0 two_gpus expert-parallel-no-graph-mixing "${decode_sides[@]}"
 fi
 exit $status
