@@ -39,7 +39,9 @@
 #               the next). All three write JSON.
 #   grouped-qmm the grouped GEMM kernel against MLX's gather_qmm on the same
 #               sorted rows, and the weight-read floor, every shape, T = 1 to 64,
-#               in several tilings (launch.GroupedQmmTiling).
+#               in several tilings (launch.GroupedQmmTiling): among them more
+#               groups and loads ahead (steps), for DeepSeek-V3's long rows
+#               (112 quantization groups an item), where T = 8 loses.
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
 #               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
 #   ep-tests    the expert-parallel tests over NCCL, one GPU a rank
@@ -158,7 +160,7 @@ fi
 if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
-    --tilings "default;tiles=1;steps=1;steps=4;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024"
+    --tilings "default;tiles=1;steps=2;steps=4;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;steps=2,max_groups=1024;gated_tiles=1"
 fi
 two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
   local name=$1
