@@ -331,6 +331,12 @@ class SwitchGLU(nn.Module):
         return y if self.expert_group is None else \
             mx.distributed.all_sum(y, group=self.expert_group)
 
+    def _sheds_rows(self, plan) -> bool:
+        """Whether this call runs its GEMMs over fewer rows than the plan's
+        capacity: an expert-parallel layer from `sync_from_entries` entries."""
+        return (self.expert_group is not None
+                and math.prod(plan.indices_shape) >= self.sync_from_entries)
+
     def _static_rows(self, plan, dtype: mx.Dtype) -> int | None:
         """The rows an expert-parallel layer's GEMMs cover without a sync,
         the grouped kernel taking the rest (`static_share` of the capacity,
@@ -340,9 +346,7 @@ class SwitchGLU(nn.Module):
         if share is not None and not 0 <= share <= 1:
             raise ValueError(f"static_share: expected a share of the capacity in [0, 1] or "
                              f"None, got {share}")
-        if self.expert_group is None or share is None or \
-                math.prod(plan.indices_shape) < self.sync_from_entries or \
-                not self._can_group(dtype):
+        if share is None or not self._sheds_rows(plan) or not self._can_group(dtype):
             return None
         tiles = math.ceil(share * plan.max_tiles)
         return min(max(tiles, 1), plan.max_tiles) * plan.tile_m
@@ -353,9 +357,7 @@ class SwitchGLU(nn.Module):
         while traced: no sync there) the used rows rounded up to a multiple
         of an eighth of the next power of two, which reads the plan's
         `num_rows` (a host sync)."""
-        if self.expert_group is None or \
-                math.prod(plan.indices_shape) < self.sync_from_entries or \
-                _compiled.tracing():
+        if not self._sheds_rows(plan) or _compiled.tracing():
             return plan.capacity
         used = max(int(plan.num_rows.item()), 1)
         # Up to the next multiple of an eighth of the next power of two: at
