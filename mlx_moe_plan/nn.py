@@ -255,7 +255,7 @@ class SwitchGLU(nn.Module):
     # share of the plan's capacity its GEMMs cover statically, the rows past
     # it left to the grouped kernel, which reads their count on the device
     # (e.g. 1.25 / N: none unless the rank's experts draw over 1.25 times
-    # their share). None: the sync. See "Expert parallelism" in DESIGN.md.
+    # their share). None: the sync. See docs/DESIGN.md, "Expert parallelism".
     static_share: float | None = None
 
     def __init__(

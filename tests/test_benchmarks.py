@@ -172,7 +172,7 @@ def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypa
     assert "lowest ratio of 2 processes" in capsys.readouterr().out
 
 
-@two_ranks.needs_ring
+@two_ranks.needs_two_ranks
 def test_expert_parallel_benchmark_end_to_end(tmp_path):
     # benchmarks.expert_parallel as two ranks on the loopback, every side, one
     # short run: each side's figures are there, a rank holds half the experts'

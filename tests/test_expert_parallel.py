@@ -30,7 +30,7 @@ WORKER = Path(__file__).with_name("ep_worker.py")
 LAUNCH_TIMEOUT_S = 120 if two_ranks.BACKEND == "ring" else 400
 
 
-@two_ranks.needs_ring
+@two_ranks.needs_two_ranks
 def test_two_ranks_match_one_process():
     # Expert-parallel logits of Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss and
     # Qwen3-Next, float and 4-bit, at 1, 10, 80 and 600 tokens (compiled,

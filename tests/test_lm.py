@@ -424,7 +424,7 @@ def launch_ours(*args: str, stdin: str | None = None) -> subprocess.CompletedPro
                             timeout_s=LAUNCH_TIMEOUT_S, env=offline_env())
 
 
-@two_ranks.needs_ring
+@two_ranks.needs_two_ranks
 def test_expert_parallel_generate_matches_one_process(models):
     # generate loads with `load` on every rank: the hook loads lazily, patches
     # and shards. Only rank 0 prints its text and the report line.
@@ -443,7 +443,7 @@ def test_expert_parallel_generate_matches_one_process(models):
     assert text == generated_text(reference.stdout)
 
 
-@two_ranks.needs_ring
+@two_ranks.needs_two_ranks
 def test_expert_parallel_chat_matches_one_process(models):
     # chat loads with mlx-lm's sharded_load in a group, which would cut the
     # experts by tensor parallelism: ours loads with `load` instead. Both

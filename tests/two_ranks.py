@@ -39,7 +39,7 @@ def free_port() -> int:
 BACKEND = os.environ.get("MLX_MOE_PLAN_TEST_BACKEND", "ring")
 
 
-def ring_runs() -> str | None:
+def why_not_two_ranks() -> str | None:
     """Why the tests' backend (BACKEND) cannot run here, or None if it can."""
     if mlx_launch() is None:
         return "mlx.launch is not installed"
@@ -49,7 +49,8 @@ def ring_runs() -> str | None:
 
 
 # The mark of a test that launches two ranks: skipped, with why, where they cannot run.
-needs_ring = pytest.mark.skipif(ring_runs() is not None, reason=str(ring_runs()))
+needs_two_ranks = pytest.mark.skipif(why_not_two_ranks() is not None,
+                                     reason=str(why_not_two_ranks()))
 
 
 def launch(argv: list[str], *, timeout_s: float, cwd: Path | None = None,
@@ -67,9 +68,10 @@ def launch(argv: list[str], *, timeout_s: float, cwd: Path | None = None,
         in stdout with `merge_stderr`). MLX 0.32.4's launcher exits 0 even
         where a rank failed (it warns on stderr): check what the ranks print.
     """
-    ring = ["--hosts", "127.0.0.1", "--starting-port", str(free_port())]
-    command = [mlx_launch(), "-n", "2", "--backend", BACKEND,
-               *(ring if BACKEND == "ring" else []), "--", *map(str, argv)]
+    command = [mlx_launch(), "-n", "2", "--backend", BACKEND]
+    if BACKEND == "ring":
+        command += ["--hosts", "127.0.0.1", "--starting-port", str(free_port())]
+    command += ["--", *map(str, argv)]
     # The launcher's stdin is a pipe held open until it exits: it polls its
     # stdin, and one at its end (closed, or /dev/null) is always readable,
     # which keeps it spinning on a core the ranks need.
