@@ -444,6 +444,18 @@ def test_grouped_qmm_fused_matches_reference(counts, out_dims, in_groups, bits, 
                  group_size, name, tail, num_tokens, fusion != "gated", fusion != "tokens")
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["tokens", "gated"])
+def test_grouped_qmm_fused_wide_rows(gated):
+    """Rows of more than 32 quantization groups, where the default tiling
+    loads 4 groups ahead (launch.grouped_qmm_steps), 33 of them: the last
+    run of loads clamped into the row."""
+    in_dims = 33 * 64
+    steps = launch.grouped_qmm_steps(in_dims // 64, gated)
+    assert steps == 4 and launch.GROUPED_QMM_TILING.steps is None
+    _check_fused(np.random.default_rng(37), [2, 0, 5], 17, in_dims, 4, 64, "bfloat16", 2, 3,
+                 True, gated)
+
+
 def test_grouped_qmm_token_rows_stay_inside():
     """Tokens of a broken plan, negative or past the last, read the nearest
     token inside, never outside the array."""

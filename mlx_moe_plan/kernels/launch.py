@@ -98,15 +98,15 @@ class GroupedQmmTiling:
     tiles: int = 2  # 16-column tiles a warp: TILES
     gated_tiles: int = 2  # gated (gate and up in one warp): each projection's, TILES twice it
     row_tiles: int = 1  # 8-row tiles a pass: ROW_TILES
-    # quantization groups a lane loads before using any: STEPS (on the H200, 1
-    # ran Qwen3-30B-A3B's projections at T = 8 to 64 5% to 13% faster than 2)
-    steps: int = 1
+    # quantization groups a lane loads before using any: STEPS; None: by the
+    # row's length and the fusion (grouped_qmm_steps)
+    steps: int | None = None
     max_groups: int = 512  # groups at most, sharing the items
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
-        if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles, self.steps,
-               self.max_groups) < 1:
+        if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles,
+               1 if self.steps is None else self.steps, self.max_groups) < 1:
             raise ValueError(f"grouped_qmm tiling: every field must be at least 1: {self}")
         if self.threads % 32 or MAX_EXPERTS % self.threads:
             raise ValueError(f"grouped_qmm tiling: threads must be a multiple of 32 that "
@@ -114,6 +114,27 @@ class GroupedQmmTiling:
 
 
 GROUPED_QMM_TILING = GroupedQmmTiling()
+
+
+def grouped_qmm_steps(row_groups: int, gated: bool) -> int:
+    """The quantization groups a lane loads ahead (STEPS) where the tiling
+    leaves it to the row: its `row_groups` groups, and whether gate and up
+    are fused (`gated`).
+
+    A warp's loads of one group wait on memory before its multiply-adds, and
+    long rows make long chains of such waits: loading several groups first
+    keeps more bytes in flight. On the H200 (4-bit, group 64, T = 8 to 64;
+    benchmarks/RESULTS.md) the fused gate and up ran DeepSeek-V3's rows of 112
+    groups 1.9x to 2.2x faster with 4 steps, Mixtral's of 64 1.7x, and
+    Qwen3-30B-A3B's and Qwen3-Next's of 32 3% to 6% faster with 2. One
+    projection gained from 64 groups a row (Mixtral's gate 10% with 4, its
+    down of 224 groups 20%), and lost 2% to 6% with more than 1 step at 32 or
+    fewer (Qwen3-30B-A3B's gate and down), the extra registers costing more
+    than the loads win.
+    """
+    if gated:
+        return 2 if row_groups <= 32 else 4
+    return 1 if row_groups <= 32 else 4
 _grouped_qmm_tiling: ContextVar[GroupedQmmTiling] = ContextVar("grouped_qmm_tiling",
                                                                default=GROUPED_QMM_TILING)
 
@@ -317,6 +338,7 @@ def _grouped_qmm_launch(
          ("LANE_WORDS", quant_group // (4 * values)),
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
          ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
-         ("STEPS", tiling.steps), ("GATED", gated), ("TOKEN_ROWS", num_rows is not None)),
+         ("STEPS", tiling.steps or grouped_qmm_steps(in_dims // quant_group, gated)),
+         ("GATED", gated), ("TOKEN_ROWS", num_rows is not None)),
         (((capacity, out_dims), dtype),),
     )
