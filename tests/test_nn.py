@@ -135,24 +135,53 @@ def test_patched_logits_match(name, quantized, patch):
         assert ours <= 1.5 * theirs + 1e-5, (f"{name} T={length}", ours, theirs)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("variant", ["float", "4bit", "4bit-bfloat16"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_decoding_is_bitwise_mlx_lm(name, variant):
+def test_decoding_is_bitwise_mlx_lm(name, variant, batch):
     # One token at a time routes fewer than 64 entries: the default is then
     # mlx-lm's own formulation on every backend, fused blocks included, so a
     # patched model decodes exactly as the unpatched one does. In bfloat16
     # the planned formulations' float32 sum would differ in the last bits.
+    # A batch's step too, whose tokens a fused block takes as rows [B, D].
     model = make_model(name, quantized=variant != "float")
     if variant.endswith("bfloat16"):
         model.set_dtype(mx.bfloat16)
     patched = copy.deepcopy(model)
     patch_model(patched)
-    tokens = mx.array(np.random.default_rng(12).integers(0, 96, (1, 1)))
+    tokens = mx.array(np.random.default_rng(12).integers(0, 96, (batch, 1)))
     got, want = patched(tokens), model(tokens)
     assert got.dtype == want.dtype
     # float32 holds every bfloat16 exactly (NumPy has no bfloat16).
     np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
                                   np.array(want.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fused_blocks_project_rows(name, monkeypatch):
+    # A decoding step hands a block [B, 1, D]. MLX's CUDA quantized_matmul
+    # runs that as B one-row GEMMs, each reading the weights (RESULTS.md), so
+    # a fused block's own projections (router, shared experts) take the
+    # tokens as rows [B, D]: one GEMM.
+    patched = make_model(name, quantized=True)
+    patch_model(patched)
+    block_weights = {id(w) for _, m in patched.named_modules() if isinstance(m, FusedMoEBlock)
+                     for _, w in tree_flatten(m.parameters())}
+    seen = []
+    quantized_matmul = mx.quantized_matmul
+
+    def recording(x, w, *args, **kwargs):
+        if id(w) in block_weights:
+            seen.append(x.shape)
+        return quantized_matmul(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", recording)
+    for _, m in patched.named_modules():
+        if isinstance(m, SwitchGLU):
+            m.compile_max_tokens = 0  # a trace records its shapes once, not every call
+    mx.eval(patched(mx.array(np.random.default_rng(4).integers(0, 96, (3, 1)))))
+    assert seen, f"{name}: no quantized projection of a fused block ran"
+    assert all(len(shape) == 2 and shape[0] == 3 for shape in seen), seen
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
