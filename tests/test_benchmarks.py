@@ -251,3 +251,33 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
         in_dims = 64 if line["projection"] == "down" else 128
         assert line["floor_us"] == pytest.approx(
             projections * active * line["out"] * bench_qmm.column_bytes(in_dims) / 4.8e6)
+
+
+def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
+    from benchmarks import step_kernels
+
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches",
+                              "1,3", "--context", "8", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[0] for line in lines] == [
+        "small-qwen3-moe 1 layers, patched, batch 1", "small-qwen3-moe 1 layers, patched, batch 3"]
+    # Nsight Compute's CSV: log lines, the table; kernels before the first
+    # marker are another step's and not counted; units as the tool gives them.
+    header = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"')
+    rows = [("0", "void mlx::copy_s<float>(const float *)", "ns", "999"),
+            ("1", "mlx::custom_kernel_step_marker_b8(const float *, float *)", "ns", "1,000"),
+            ("2", "void mlx::qmv_kernel<64>(const T1 *)", "ns", "2,500"),
+            ("3", "void mlx::qmv_kernel<64>(const T1 *)", "us", "1.5"),
+            ("4", "mlx::custom_kernel_moe_plan_512(const int *)", "ns", "700"),
+            ("5", "mlx::custom_kernel_step_marker_b32(const float *, float *)", "ns", "900"),
+            ("6", "void mlx::rope<float>(const T *)", "ns", "40")]
+    csv_path = tmp_path / "steps.csv"
+    csv_path.write_text("==PROF== Connected to process 1\n" + header + "\n" + "\n".join(
+        f'"{i}","{name}","gpu__time_duration.sum","{unit}","{value}"'
+        for i, name, unit, value in rows) + "\n")
+    assert step_kernels.summarize(str(csv_path), top=5).splitlines() == [
+        "batch 8: 3 kernels, 4.7 us",
+        "        4.0 us     2x  mlx::qmv_kernel",
+        "        0.7 us     1x  mlx::custom_kernel_moe_plan_512",
+        "batch 32: 1 kernels, 0.0 us",
+        "        0.0 us     1x  mlx::rope"]

@@ -1,0 +1,138 @@
+"""Where a decoding step's GPU time goes: its kernels, each one's time, by name.
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \\
+        --csv --log-file patched.csv python -m benchmarks.step_kernels --side patched
+    python -m benchmarks.step_kernels --summarize patched.csv
+
+One side of `benchmarks.model`'s comparison (mlx-lm's model, or the patched
+one on the same weights), a real configuration with random weights (bfloat16,
+4-bit, group 64) and `--layers` decoder layers, decodes at each batch size
+from a context of `--context` tokens: the median build and wall time of 20
+steps (after 3 untimed), as a step of generation takes them. Then, on a CUDA
+GPU, one more step runs between `cuProfilerStart` and `cuProfilerStop`, after
+a marker kernel named for its batch (`step_marker_b32`): a profiler whose
+collection starts off (Nsight Compute's `--profile-from-start off`) records
+that step's kernels and nothing else, and `--summarize` splits its CSV at the
+markers and sums each step's kernels by name. Nsight Compute runs the kernels
+one at a time with cold caches: the sums are larger than the same kernels
+take in a step, and are for comparing kernels, not for the step's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import ctypes
+import re
+import statistics
+import sys
+
+import mlx.core as mx
+
+from .model import decode_step, fill_context, random_model, shared_copy
+from .workloads import MODELS, with_layers
+
+TIMED_STEPS = 20
+UNTIMED_STEPS = 3
+MARKER = "step_marker_b"
+UNIT_SECONDS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
+                "msecond": 1e-3}
+
+
+def time_steps(model, cache, y: mx.array) -> tuple[float, float, mx.array]:
+    """Median build and wall seconds of TIMED_STEPS steps, and the next token."""
+    builds, walls = [], []
+    for i in range(UNTIMED_STEPS + TIMED_STEPS):
+        y, _, build_s, wall_s = decode_step(model, cache, y)
+        if i >= UNTIMED_STEPS:
+            builds.append(build_s)
+            walls.append(wall_s)
+    return statistics.median(builds), statistics.median(walls), y
+
+
+def profiled_step(model, cache, y: mx.array, batch: int) -> None:
+    """One step between cuProfilerStart and cuProfilerStop, after a marker kernel."""
+    marker = mx.fast.cuda_kernel(name=f"{MARKER}{batch}", input_names=["a"],
+                                 output_names=["out"], source="out[0] = a[0];")
+    mx.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    try:
+        mx.eval(marker(inputs=[mx.ones((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                       output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
+        decode_step(model, cache, y)
+        mx.synchronize()
+    finally:
+        cuda.cuProfilerStop()
+
+
+def summarize(path: str, top: int) -> str:
+    """Nsight Compute's CSV (gpu__time_duration.sum) as each marked step's
+    kernels by total time: microseconds, launches, name."""
+    header, steps = None, []
+    with open(path, newline="") as lines:
+        for row in csv.reader(lines):
+            if header is None:  # the log's lines before the table
+                if "Kernel Name" in row and "Metric Value" in row:
+                    header = row
+                continue
+            fields = dict(zip(header, row))
+            if fields.get("Metric Name") != "gpu__time_duration.sum":
+                continue
+            name = fields["Kernel Name"]
+            if MARKER in name:
+                batch = re.match(r"\d+", name.split(MARKER)[1]).group()
+                steps.append((batch, collections.Counter(), collections.Counter()))
+            elif steps:
+                short = name.split("(")[0].split("<")[0].removeprefix("void ")
+                seconds = float(fields["Metric Value"].replace(",", "")) \
+                    * UNIT_SECONDS[fields["Metric Unit"]]
+                steps[-1][1][short] += seconds * 1e6
+                steps[-1][2][short] += 1
+    out = []
+    for batch, micros, launches in steps:
+        out.append(f"batch {batch}: {sum(launches.values())} kernels, "
+                   f"{sum(micros.values()):.1f} us")
+        for name, us in micros.most_common(top):
+            out.append(f"  {us:9.1f} us {launches[name]:5d}x  {name}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_kernels",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--summarize", metavar="CSV", help="summarize Nsight Compute's CSV")
+    parser.add_argument("--top", type=int, default=14, help="kernels a step in the summary")
+    parser.add_argument("--side", choices=("mlx-lm", "patched"), default="patched")
+    parser.add_argument("--models", default="qwen3-30b-a3b", help=f"one of {', '.join(MODELS)}")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
+    parser.add_argument("--batches", default="1,4,32", help="comma list of batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="tokens in the cache")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize, args.top))
+        return 0
+    config = with_layers(MODELS[args.models], args.layers)
+    model, _ = random_model(config, dtype=getattr(mx, args.dtype), bits=4, group_size=64)
+    patched = shared_copy(model)
+    from mlx_moe_plan.nn import patch_model
+
+    patch_model(patched)
+    side = patched if args.side == "patched" else model
+    cuda = mx.default_device().type == mx.gpu and mx.cuda.is_available()
+    for batch in (int(b) for b in args.batches.split(",")):
+        cache, y = fill_context(patched, batch, args.context, config["vocab_size"])
+        build_s, wall_s, y = time_steps(side, cache, y)
+        print(f"{args.models} {args.layers} layers, {args.side}, batch {batch}: "
+              f"wall {wall_s * 1e3:.3f} ms, build {build_s * 1e3:.3f} ms", flush=True)
+        if cuda:
+            profiled_step(side, cache, y, batch)
+    if not cuda:
+        print("no CUDA device: no step was profiled", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
