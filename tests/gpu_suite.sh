@@ -3,8 +3,8 @@
 # on Linux; Metal on a Mac), from the project root:
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
-# bench = model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large,
-# grouped-qmm):
+# bench = model,decode,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,
+# layer-large,grouped-qmm):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
@@ -25,6 +25,9 @@
 #   lm          mlx-lm's own `benchmark` command on a Qwen3-30B-A3B model
 #               directory of random weights (benchmarks.model_dir, 17 GB in
 #               $TMPDIR), unpatched (--no-patch) and patched, prompts of 2048;
+#   kernels     a decoding step's kernels under Nsight Compute (ncu on the
+#               PATH), mlx-lm's and the patched model's, Qwen3-30B-A3B's eight
+#               layers at batch 1, 4 and 32 (benchmarks.step_kernels);
 #   dispatch    the host cost of a graph node;
 #   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
 #   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
@@ -39,9 +42,9 @@
 #               the next). All three write JSON.
 #   grouped-qmm the grouped GEMM kernel against MLX's gather_qmm on the same
 #               sorted rows, and the weight-read floor, every shape, T = 1 to 64,
-#               in several tilings (launch.GroupedQmmTiling): among them more
-#               groups and loads ahead (steps), for DeepSeek-V3's long rows
-#               (112 quantization groups an item), where T = 8 loses.
+#               in several tilings (launch.GroupedQmmTiling): the default loads
+#               1, 2 or 4 quantization groups ahead by the row's length
+#               (launch.grouped_qmm_steps), each of them fixed beside it.
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
 #               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
 #   ep-tests    the expert-parallel tests over NCCL, one GPU a rank
@@ -76,7 +79,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
 steps=${steps//expert-parallel/ep-tests,ep-models,ep-variants}
-steps=${steps//bench/model,decode,lm,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm}
+steps=${steps//bench/model,decode,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -116,6 +119,15 @@ if wanted lm; then
       logged "$results/lm-benchmark-$turn${patch:-patched}.log" \
         python3 -m mlx_moe_plan.lm $patch benchmark --model "$model_dir" -p 2048 -g 128 -n 3
     done
+  done
+fi
+if wanted kernels && command -v ncu >/dev/null; then
+  for side in mlx-lm patched; do
+    logged "$results/kernels-$side.log" ncu --profile-from-start off --clock-control none \
+      --metrics gpu__time_duration.sum --csv --log-file "$results/kernels-$side.csv" \
+      python3 -m benchmarks.step_kernels --side "$side" --layers 8 --batches 1,4,32
+    logged "$results/kernels-$side-summary.log" python3 -m benchmarks.step_kernels \
+      --summarize "$results/kernels-$side.csv"
   done
 fi
 if wanted dispatch; then
@@ -160,7 +172,7 @@ fi
 if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
-    --tilings "default;tiles=1;steps=2;steps=4;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;steps=2,max_groups=1024;gated_tiles=1"
+    --tilings "default;steps=1;steps=2;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
 fi
 two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
   local name=$1
