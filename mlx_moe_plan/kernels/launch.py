@@ -125,16 +125,17 @@ def grouped_qmm_steps(row_groups: int, gated: bool) -> int:
     long rows make long chains of such waits: loading several groups first
     keeps more bytes in flight. On the H200 (4-bit, group 64, T = 8 to 64;
     benchmarks/RESULTS.md) the fused gate and up ran DeepSeek-V3's rows of 112
-    groups 1.9x to 2.2x faster with 4 steps, Mixtral's of 64 1.7x, and
-    Qwen3-30B-A3B's and Qwen3-Next's of 32 3% to 6% faster with 2. One
-    projection gained from 64 groups a row (Mixtral's gate 10% with 4, its
-    down of 224 groups 20%), and lost 2% to 6% with more than 1 step at 32 or
-    fewer (Qwen3-30B-A3B's gate and down), the extra registers costing more
-    than the loads win.
+    groups 2.0x to 2.2x faster with 4 steps, Mixtral's of 64 1.7x, and
+    Qwen3-30B-A3B's and Qwen3-Next's of 32 2% to 6% faster with 2. One
+    projection a launch gained from 64 groups a row (Mixtral's gate 10% with
+    4, its down of 224 groups 18% to 20%), and at 32 groups or fewer lost up
+    to 5% with 2 steps from T = 32 (Qwen3-30B-A3B's gate and down).
     """
     if gated:
         return 2 if row_groups <= 32 else 4
     return 1 if row_groups <= 32 else 4
+
+
 _grouped_qmm_tiling: ContextVar[GroupedQmmTiling] = ContextVar("grouped_qmm_tiling",
                                                                default=GROUPED_QMM_TILING)
 
