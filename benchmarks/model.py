@@ -26,8 +26,10 @@ and server run it:
 The sides alternate so that drift hits both, and the figures are medians:
 prefill, each side in turn, `--rounds` times; decode, at each batch size
 `--decode-rounds` times from the same context, the sides' one-eval steps
-interleaved one by one (with `--control`, a third side: an unpatched copy of
-mlx-lm's model), then generate's loop a turn a side. `--processes N`
+interleaved one by one (with `--control`, another side: an unpatched copy of
+mlx-lm's model; with `--variant-tile-m M`, another: the model patched with
+`tile_m=M`, a formulation weighed against the rule's in the same run), then
+generate's loop a turn a side. `--processes N`
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
@@ -132,10 +134,20 @@ def set_our_layers(model: nn.Module, **attributes) -> None:
                 setattr(layer, name, value)
 
 
-def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
-    """(name, mlx-lm's model, the patched one, description) for one benchmark."""
+def patched_copy(model: nn.Module, tile_m: int | None, no_compile: bool):
+    """A copy of `model` sharing its weights, patched with `tile_m` (never
+    compiled with `no_compile`), and how many layers were patched."""
     from mlx_moe_plan.nn import patch_model
 
+    patched = shared_copy(model)
+    replaced = patch_model(patched, tile_m=tile_m)
+    if no_compile:
+        set_our_layers(patched, compile_max_tokens=0)
+    return patched, replaced
+
+
+def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
+    """(name, mlx-lm's model, the patched one, description) for one benchmark."""
     if args.model:
         from mlx_lm.utils import load_model
 
@@ -153,10 +165,7 @@ def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
                                 group_size=args.group_size)
         describe = {"config": config, "dtype": args.dtype, "bits": args.bits,
                     "group_size": args.group_size}
-    patched = shared_copy(model)
-    replaced = patch_model(patched, tile_m=args.tile_m)
-    if args.no_compile:
-        set_our_layers(patched, compile_max_tokens=0)
+    patched, replaced = patched_copy(model, args.tile_m, args.no_compile)
     describe["patched_layers"] = replaced
     describe["weights_gb"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     progress(f"patched {replaced} MoE layers; weights {describe['weights_gb']:.1f} GB")
@@ -195,19 +204,24 @@ def warmup_prompt(prompt: mx.array) -> mx.array:
 
 class Sides:
     """mlx-lm's model and the patched one, and optionally a control (an
-    unpatched copy of mlx-lm's), taking turns.
+    unpatched copy of mlx-lm's) and a variant (the model patched with another
+    `tile_m`), taking turns.
 
     Each round runs every side, the first rotating from round to round, so
     that drift hits all of them. MLX's CUDA backend can fail to launch mlx-lm's
     graphs (`cuGraphAddKernelNode ... invalid argument`, sorted `gather_qmm`
-    over many rows): mlx-lm's sides are then dropped and `failure` says why; a
-    failure of the patched side is raised.
+    over many rows): mlx-lm's sides (its model and the control) are then
+    dropped and `failure` says why; a failure of a patched side is raised.
     """
 
-    def __init__(self, model, patched, control=None):
+    PATCHED = ("patched", "variant")
+
+    def __init__(self, model, patched, control=None, variant=None):
         self.models = {"mlx-lm": model, "patched": patched}
         if control is not None:
             self.models["control"] = control
+        if variant is not None:
+            self.models["variant"] = variant
         self.failure: str | None = None
 
     def turns(self, rounds: int, start: int = 0):
@@ -216,16 +230,16 @@ class Sides:
         for r in range(start, start + rounds):
             shift = r % len(names)
             for side in names[shift:] + names[:shift]:
-                if side != "patched" and self.failure:
+                if side not in self.PATCHED and self.failure:
                     continue
                 yield side, self.models[side]
 
     def attempt(self, side: str, what: str, run):
-        """`run()`, or None if it is mlx-lm's side and MLX failed to launch it."""
+        """`run()`, or None if it is one of mlx-lm's sides and MLX failed to launch it."""
         try:
             return run()
         except RuntimeError as error:
-            if side == "patched":
+            if side in self.PATCHED:
                 raise
             self.failure = f"{type(error).__name__}: {error}"
             progress(f"  {what}, mlx-lm: {self.failure}")
@@ -384,15 +398,18 @@ def fill_context(patched, batch: int, context: int, vocab: int):
 
 
 def measure_decode(model, patched, batch: int, context: int, steps: int, warmup: int,
-                   rounds: int, vocab: int, pipelined: bool, control=None) -> dict:
+                   rounds: int, vocab: int, pipelined: bool, control=None,
+                   variant=None) -> dict:
     """One batch size's decode. With `control`, an unpatched copy of `model`
     decodes too, interleaved with both: its ratio to mlx-lm's ("control") is
-    what two identical models give in the same run, the run's noise."""
+    what two identical models give in the same run, the run's noise. With
+    `variant`, a copy patched another way decodes with them: mlx-lm's speed
+    over it is "variant"."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache, first = fill_context(patched, batch, context, vocab)
     saved = snapshot(cache)
-    sides = Sides(model, patched, control)
+    sides = Sides(model, patched, control, variant)
     caches = {"mlx-lm": cache, **{side: make_prompt_cache(m) for side, m in sides.models.items()
                                   if side != "mlx-lm"}}
     samples = {side: {"build": [], "wall": [], "pipelined": []} for side in sides.models}
@@ -429,13 +446,17 @@ def measure_decode(model, patched, batch: int, context: int, steps: int, warmup:
     row["speedup"] = theirs / ours if theirs else None
     theirs_p, ours_p = row["mlx-lm_pipelined_ms"], row["patched_pipelined_ms"]
     row["pipelined_speedup"] = theirs_p / ours_p if theirs_p and ours_p else None
-    if control is not None:
-        control_wall, control_p = row["control_wall_ms"], row["control_pipelined_ms"]
-        row["control_speedup"] = theirs / control_wall if theirs and control_wall else None
-        row["control_pipelined_speedup"] = theirs_p / control_p \
-            if theirs_p and control_p else None
+    for extra in ("control", "variant"):
+        if extra not in sides.models:
+            continue
+        extra_wall, extra_p = row[f"{extra}_wall_ms"], row[f"{extra}_pipelined_ms"]
+        row[f"{extra}_speedup"] = theirs / extra_wall if theirs and extra_wall else None
+        row[f"{extra}_pipelined_speedup"] = theirs_p / extra_p if theirs_p and extra_p else None
     row["logits_rel_diff"] = relative_difference(logits["patched"], logits["mlx-lm"]) \
         if "mlx-lm" in logits else None
+    if variant is not None:
+        row["variant_logits_rel_diff"] = relative_difference(
+            logits["variant"], logits["mlx-lm"]) if "mlx-lm" in logits else None
     progress(f"  decode batch {batch}: mlx-lm {_ms(theirs)} ms/step, patched {_ms(ours)} "
              f"(build {_ms(row['mlx-lm_build_ms'])} / {_ms(row['patched_build_ms'])})")
     return row
@@ -462,10 +483,11 @@ def format_tables(result: dict) -> str:
             lines.append(f"  prefill {p['tokens']} tokens (chunks of {PREFILL_STEP}): mlx-lm "
                          f"{_ms(p['mlx-lm_ms'])} ms, patched {_ms(p['patched_ms'])} ms, "
                          f"{_ratio(p['speedup'])}; logits rel. diff {_fmt(p['logits_rel_diff'])}")
-        control = any("control_speedup" in d for d in entry["decode"])
+        extras = [extra for extra in ("control", "variant")
+                  if any(f"{extra}_speedup" in d for d in entry["decode"])]
         lines.append(f"  {'batch':>5s} {'mlx-lm ms':>10s} {'build':>7s} {'patched ms':>11s} "
                      f"{'build':>7s} {'tok/s':>8s} {'speedup':>8s} {'pipelined':>10s} "
-                     f"{'logits':>8s}" + (f" {'control':>8s}" if control else ""))
+                     f"{'logits':>8s}" + "".join(f" {extra:>8s}" for extra in extras))
         for d in entry["decode"]:
             lines.append(
                 f"  {d['batch']:5d} {_ms(d['mlx-lm_wall_ms']):>10s} "
@@ -473,10 +495,13 @@ def format_tables(result: dict) -> str:
                 f"{_ms(d['patched_build_ms']):>7s} {d['patched_tokens_per_s']:8.0f} "
                 f"{_ratio(d['speedup']):>8s} {_ratio(d['pipelined_speedup']):>10s} "
                 f"{_fmt(d['logits_rel_diff']):>8s}"
-                + (f" {_ratio(d.get('control_speedup')):>8s}" if control else ""))
-        if control:
+                + "".join(f" {_ratio(d.get(f'{extra}_speedup')):>8s}" for extra in extras))
+        if "control" in extras:
             lines.append("  control: mlx-lm's speed over an unpatched copy of its model, "
                          "decoded with the two (the run's noise)")
+        if "variant" in extras:
+            lines.append(f"  variant: mlx-lm's speed over the model patched with tile_m="
+                         f"{entry['describe'].get('variant_tile_m')}, decoded with the others")
     return "\n".join(lines)
 
 
@@ -526,13 +551,17 @@ def run(args) -> dict:
             progress(f"{name}: prefill of {tokens} tokens")
             entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
         control = shared_copy(model) if args.control else None
+        variant = None
+        if args.variant_tile_m is not None:
+            variant, _ = patched_copy(model, args.variant_tile_m, args.no_compile)
+            describe["variant_tile_m"] = args.variant_tile_m
         for batch in (args.batches or batches):
             progress(f"{name}: decode at batch {batch}")
             entry["decode"].append(measure_decode(
                 model, patched, batch, args.context or context, args.steps, args.warmup,
-                args.decode_rounds, vocab, not args.no_pipelined, control))
+                args.decode_rounds, vocab, not args.no_pipelined, control, variant))
         result["models"].append(entry)
-        del model, patched, control
+        del model, patched, control, variant
         mx.clear_cache()
     return result
 
@@ -566,6 +595,9 @@ def parse_args(argv):
     parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--tile-m", type=int, help="the patched layers' formulation")
+    parser.add_argument("--variant-tile-m", type=int, metavar="M",
+                        help="decode the model patched with tile_m=M too, interleaved with "
+                             "the others (a formulation against the rule in one run)")
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,
@@ -642,9 +674,11 @@ def _lowest_ratios(result: dict) -> str:
         parts = [f"prefill {_ratio(p.get('speedup_min'))}"] if p else []
         parts += [f"b{d['batch']} {_ratio(d.get('speedup_min'))}" for d in entry["decode"]]
         lines.append(f"  {entry['name']}: " + ", ".join(parts))
-        if any("control_speedup_min" in d for d in entry["decode"]):
-            lines.append(f"  {entry['name']}, control: " + ", ".join(
-                f"b{d['batch']} {_ratio(d.get('control_speedup_min'))}" for d in entry["decode"]))
+        for extra in ("control", "variant"):
+            if any(f"{extra}_speedup_min" in d for d in entry["decode"]):
+                lines.append(f"  {entry['name']}, {extra}: " + ", ".join(
+                    f"b{d['batch']} {_ratio(d.get(f'{extra}_speedup_min'))}"
+                    for d in entry["decode"]))
     return "\n".join(lines)
 
 

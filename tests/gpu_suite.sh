@@ -17,7 +17,8 @@
 #               kernels, about 2.5 minutes, into MLX's disk cache, where the
 #               timed ones find them);
 #   decode      decode only, Qwen3-30B-A3B at batch 1 to 16 (below tiles: mlx-lm's
-#               call, compiled), three processes, then batch 4 and 8 uncompiled
+#               call, compiled), three processes, beside the grouped kernel at
+#               every batch (--variant-tile-m -1), then batch 4 and 8 uncompiled
 #               and in sorted rows, two each: which of compiling and the
 #               formulation moves generate's pipelined loop (the first two
 #               beside an unpatched copy of mlx-lm's model, --control: the
@@ -102,8 +103,8 @@ if wanted model; then
 fi
 if wanted decode; then
   logged "$results/decode.log" python3 -m benchmarks.model --models qwen3-30b-a3b \
-    --prompt 0 --batches 1,4,8,16 --processes 3 --warm-process --control \
-    --json "$results/decode.json"
+    --prompt 0 --batches 1,2,4,8,16 --processes 3 --warm-process --control \
+    --variant-tile-m -1 --json "$results/decode.json"
   logged "$results/decode-no-compile.log" python3 -m benchmarks.model \
     --models qwen3-30b-a3b --prompt 0 --batches 4,8 --no-compile --processes 2 --control \
     --json "$results/decode-no-compile.json"

@@ -281,3 +281,24 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
         "        0.7 us     1x  mlx::custom_kernel_moe_plan_512",
         "batch 32: 1 kernels, 0.0 us",
         "        0.0 us     1x  mlx::rope"]
+
+
+def test_model_benchmark_variant(tmp_path, capsys):
+    # --variant-tile-m: the model patched another way decodes with the sides,
+    # interleaved; its figures, its ratio and its logits in the row and table.
+    out = tmp_path / "model.json"
+    assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1,20", "--context", "8",
+                       "--steps", "2", "--warmup", "1", "--decode-rounds", "2",
+                       "--variant-tile-m", "16", "--control", "--json", str(out)]) == 0
+    entry = json.loads(out.read_text())["models"][0]
+    assert entry["describe"]["variant_tile_m"] == 16
+    for row in entry["decode"]:
+        assert row["variant_wall_ms"] >= row["variant_build_ms"] > 0
+        assert row["variant_speedup"] == pytest.approx(row["mlx-lm_wall_ms"]
+                                                       / row["variant_wall_ms"])
+        assert row["control_speedup"] > 0
+        # float32 on the CPU: 16-row tiles compute each row as sorted rows do
+        assert row["variant_logits_rel_diff"] < 1e-6
+    printed = capsys.readouterr().out
+    assert "variant: mlx-lm's speed over the model patched with tile_m=16" in printed
+    assert "control: mlx-lm's speed over an unpatched copy" in printed
