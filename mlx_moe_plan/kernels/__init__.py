@@ -49,7 +49,8 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
               (grouped_qmm, fused too, within float tolerance), `tests/test_nn.py`
 
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL
-rules; `tests/test_structure.py` checks its `params` reads against `launch.py`
+rules; `tests/test_cuda_source.py` compiles its CUDA source with nvcc (where
+installed); `tests/test_structure.py` checks its `params` reads against `launch.py`
 (and plan.h's output layout against `launch.plan_layout`).
 """
 

@@ -1,0 +1,75 @@
+# The CUDA text of every kernel launch _gpu.py makes, compiled by nvcc for the
+# H200's sm_90 where nvcc is installed, without a GPU: a CUDA error in a body
+# or the prelude shows on every commit, not first on a lent GPU.
+#
+# The launches are test_metal_source's, recorded from the GPU backend itself.
+# The source is built as MLX 0.32.4's `mx.fast.cuda_kernel` builds it
+# (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`): the header (the
+# prelude), then in namespace mlx::core::cu a `__global__ void` of the
+# inputs (`const T* name`) and outputs (`T* name`), whose body opens with the
+# template arguments (`constexpr int NAME = value;`, `using NAME = type;`).
+# MLX's own header, mlx/backend/cuda/device/utils.cuh, is not here: the
+# CUDA headers it brings that the prelude relies on are included instead.
+# MLX compiles with NVRTC at run time; nvcc's front end is the same compiler.
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+from test_metal_source import LAUNCHES
+
+from mlx_moe_plan import kernels
+from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+              mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint16: "uint16_t"}
+HEADER = ("#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
+          "#include <cooperative_groups.h>\n")
+
+
+def _template_line(name: str, value) -> str:
+    if isinstance(value, bool):
+        return f"  constexpr bool {name} = {str(value).lower()};"
+    if isinstance(value, int):
+        return f"  constexpr int {name} = {value};"
+    return f"  using {name} = {CUDA_TYPES[value]};"
+
+
+def cuda_function(launch, function_name: str) -> str:
+    """One launch's `__global__` function, as MLX's cuda_kernel writes it."""
+    inputs, outputs = INPUTS_OUTPUTS[launch.name]
+    arguments = [f"    const {CUDA_TYPES[dtype]}* {name}"
+                 for name, (dtype, _) in zip(inputs, launch.inputs)]
+    arguments += [f"    {CUDA_TYPES[dtype]}* {name}"
+                  for name, dtype in zip(outputs, launch.output_dtypes)]
+    return "\n".join([f"__global__ void {function_name}(", ",\n".join(arguments) + ") {",
+                      *(_template_line(name, value) for name, value in launch.template),
+                      kernels.body(launch.name, "cuda"), "}"])
+
+
+@pytest.mark.parametrize("name", INPUTS_OUTPUTS)
+def test_nvcc_compiles_every_launch(name, tmp_path):
+    # One file a body: each recorded launch of it (its template arguments and
+    # input dtypes) as a function of its own.
+    launches = [launch for launch in LAUNCHES if launch.name == name]
+    assert launches, f"no launch of {name} was recorded"
+    functions = [cuda_function(launch, f"custom_kernel_moe_{name}_{i}")
+                 for i, launch in enumerate(launches)]
+    source = tmp_path / f"{name}.cu"
+    source.write_text(HEADER + kernels.prelude("cuda") + "namespace mlx::core::cu {\n"
+                      "namespace cg = cooperative_groups;\n" + "\n".join(functions)
+                      + "\n}  // namespace mlx::core::cu\n")
+    # Every warning but #177, declared but never referenced: the prologue
+    # declares every thread index, and grouped_qmm.h the exchange buffer that
+    # only the OpenCL prelude's emulated multiply-add uses.
+    result = subprocess.run(
+        [NVCC, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-c", str(source),
+         "-o", str(tmp_path / "out.o")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
