@@ -60,7 +60,8 @@
 #               over the whole capacity, and over a static share of it with the
 #               grouped kernel past it; then its sharded decode without CUDA
 #               graphs (MLX_USE_CUDA_GRAPHS=0) and without NCCL's graph mixing
-#               (NCCL_GRAPH_MIXING_SUPPORT=0), against the same with both.
+#               (NCCL_GRAPH_MIXING_SUPPORT=0), against the same with both, and
+#               with the patched layers uncompiled (--no-compile).
 # Logs go to the results directory; the exit status is 1 if any step failed.
 set -uo pipefail
 results=${1:-gpu-results}
@@ -209,5 +210,9 @@ if wanted ep-variants; then
   two_gpus expert-parallel-graphs "${decode_sides[@]}"
   MLX_USE_CUDA_GRAPHS=0 two_gpus expert-parallel-no-graphs "${decode_sides[@]}"
   NCCL_GRAPH_MIXING_SUPPORT=0 two_gpus expert-parallel-no-graph-mixing "${decode_sides[@]}"
+  # The patched sides (tensor+patch, expert) decode slower than mlx-lm's tensor
+  # parallelism with the same kernels, and one GPU patched does not: whether
+  # compiling the layers and blocks is why.
+  two_gpus expert-parallel-no-compile "${decode_sides[@]}" --no-compile
 fi
 exit $status
