@@ -24,7 +24,7 @@ For each side: the first MoE block alone on T tokens (wall time of building and
 evaluating it, median of several calls), a whole-model prefill in mlx-lm's
 chunks of 2048 (`benchmarks.model.prefill`), and decoding one step at a time
 from a context in the KV cache, wall time with graph building
-(`benchmarks.model.decode_steps`); the bytes of the experts a rank holds, and
+(`benchmarks.model.decode_steps`), the building's own time beside it; the bytes of the experts a rank holds, and
 its peak memory. The last prefill logits are compared with `one`'s. Rank 0
 prints the table and writes `--json`; progress goes to stderr.
 """
@@ -123,7 +123,7 @@ def measure_side(model, config: dict, args) -> dict:
 
     dtype = getattr(mx, args.dtype)
     row: dict = {"expert_bytes": expert_bytes(model), "block_ms": {}, "prefill_ms": {},
-                 "decode_ms": {}, "errors": {}, "logits": None}
+                 "decode_ms": {}, "decode_build_ms": {}, "errors": {}, "logits": None}
 
     def attempt(table: str, key: int, measure) -> None:
         try:
@@ -156,7 +156,10 @@ def measure_side(model, config: dict, args) -> dict:
     def time_decode(batch) -> float:
         mx.random.seed(2)  # the same context and first tokens on every side
         cache, first = whole.fill_context(model, batch, args.context, vocab)
-        _, walls, _ = whole.decode_steps(model, cache, first, args.steps, args.warmup)
+        builds, walls, _ = whole.decode_steps(model, cache, first, args.steps, args.warmup)
+        # The host's part of a step beside its wall time: a sharded side slower
+        # than another with the same kernels is slower in one or the other.
+        row["decode_build_ms"][batch] = statistics.median(builds) * 1e3
         return statistics.median(walls) * 1e3
 
     for batch in args.batches:
@@ -215,8 +218,9 @@ def format_tables(result: dict) -> str:
                      for t in first["block_ms"]]
             rows += [(f"prefill {t}", lambda r, t=t: r["prefill_ms"][t], True)
                      for t in first["prefill_ms"]]
-            rows += [(f"decode b{b}", lambda r, b=b: r["decode_ms"][b], True)
-                     for b in first["decode_ms"]]
+            for b in first["decode_ms"]:
+                rows += [(f"decode b{b}", lambda r, b=b: r["decode_ms"][b], True),
+                         (f"  its build", lambda r, b=b: r["decode_build_ms"].get(b), False)]
         pairs = [(e, s) for e in EXPERT_SIDES if e in sides
                  for s in sides if s not in EXPERT_SIDES]
         width = max((len(f"{e} vs {s}") for e, s in pairs), default=0) + 2

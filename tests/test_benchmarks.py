@@ -193,7 +193,8 @@ def test_expert_parallel_benchmark_end_to_end(tmp_path):
     for side, row in sides.items():
         assert "error" not in row and not row["errors"], (side, row)
         assert set(row["block_ms"]) == {"1", "8"} and set(row["prefill_ms"]) == {"20"}
-        assert set(row["decode_ms"]) == {"1", "3"}
+        assert set(row["decode_ms"]) == set(row["decode_build_ms"]) == {"1", "3"}
+        assert all(0 < row["decode_build_ms"][b] <= row["decode_ms"][b] for b in ("1", "3"))
         timings = [*row["block_ms"].values(), *row["prefill_ms"].values(),
                    *row["decode_ms"].values()]
         assert all(t > 0 for t in timings), (side, row)
