@@ -30,7 +30,7 @@ import sys
 
 import mlx.core as mx
 
-from .model import decode_step, fill_context, random_model, shared_copy
+from .model import decode_step, decode_steps, fill_context, random_model, shared_copy
 from .workloads import MODELS, with_layers
 
 TIMED_STEPS = 20
@@ -38,17 +38,6 @@ UNTIMED_STEPS = 3
 MARKER = "step_marker_b"
 UNIT_SECONDS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
                 "msecond": 1e-3}
-
-
-def time_steps(model, cache, y: mx.array) -> tuple[float, float, mx.array]:
-    """Median build and wall seconds of TIMED_STEPS steps, and the next token."""
-    builds, walls = [], []
-    for i in range(UNTIMED_STEPS + TIMED_STEPS):
-        y, _, build_s, wall_s = decode_step(model, cache, y)
-        if i >= UNTIMED_STEPS:
-            builds.append(build_s)
-            walls.append(wall_s)
-    return statistics.median(builds), statistics.median(walls), y
 
 
 def profiled_step(model, cache, y: mx.array, batch: int) -> None:
@@ -124,10 +113,11 @@ def main(argv=None) -> int:
     cuda = mx.default_device().type == mx.gpu and mx.cuda.is_available()
     for batch in (int(b) for b in args.batches.split(",")):
         cache, y = fill_context(patched, batch, args.context, config["vocab_size"])
-        build_s, wall_s, y = time_steps(side, cache, y)
+        builds, walls, _ = decode_steps(side, cache, y, TIMED_STEPS, UNTIMED_STEPS)
         print(f"{args.models} {args.layers} layers, {args.side}, batch {batch}: "
-              f"wall {wall_s * 1e3:.3f} ms, build {build_s * 1e3:.3f} ms", flush=True)
-        if cuda:
+              f"wall {statistics.median(walls) * 1e3:.3f} ms, "
+              f"build {statistics.median(builds) * 1e3:.3f} ms", flush=True)
+        if cuda:  # one step more, from the cache as the timed ones left it
             profiled_step(side, cache, y, batch)
     if not cuda:
         print("no CUDA device: no step was profiled", file=sys.stderr)
