@@ -24,9 +24,10 @@ For each side: the first MoE block alone on T tokens (wall time of building and
 evaluating it, median of several calls), a whole-model prefill in mlx-lm's
 chunks of 2048 (`benchmarks.model.prefill`), and decoding one step at a time
 from a context in the KV cache, wall time with graph building
-(`benchmarks.model.decode_steps`), the building's own time beside it; the bytes of the experts a rank holds, and
-its peak memory. The last prefill logits are compared with `one`'s. Rank 0
-prints the table and writes `--json`; progress goes to stderr.
+(`benchmarks.model.decode_steps`), the building's own time beside it; the
+bytes of the experts a rank holds, and its peak memory. The last prefill
+logits are compared with `one`'s. Rank 0 prints the table and writes
+`--json`; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def format_tables(result: dict) -> str:
                      for t in first["prefill_ms"]]
             for b in first["decode_ms"]:
                 rows += [(f"decode b{b}", lambda r, b=b: r["decode_ms"][b], True),
-                         (f"  its build", lambda r, b=b: r["decode_build_ms"].get(b), False)]
+                         ("  its build", lambda r, b=b: r["decode_build_ms"].get(b), False)]
         pairs = [(e, s) for e in EXPERT_SIDES if e in sides
                  for s in sides if s not in EXPERT_SIDES]
         width = max((len(f"{e} vs {s}") for e, s in pairs), default=0) + 2
