@@ -215,6 +215,7 @@ class Sides:
     """
 
     PATCHED = ("patched", "variant")
+    EXTRA = ("control", "variant")  # the optional sides, each compared with mlx-lm's
 
     def __init__(self, model, patched, control=None, variant=None):
         self.models = {"mlx-lm": model, "patched": patched}
@@ -446,7 +447,7 @@ def measure_decode(model, patched, batch: int, context: int, steps: int, warmup:
     row["speedup"] = theirs / ours if theirs else None
     theirs_p, ours_p = row["mlx-lm_pipelined_ms"], row["patched_pipelined_ms"]
     row["pipelined_speedup"] = theirs_p / ours_p if theirs_p and ours_p else None
-    for extra in ("control", "variant"):
+    for extra in Sides.EXTRA:
         if extra not in sides.models:
             continue
         extra_wall, extra_p = row[f"{extra}_wall_ms"], row[f"{extra}_pipelined_ms"]
@@ -483,7 +484,7 @@ def format_tables(result: dict) -> str:
             lines.append(f"  prefill {p['tokens']} tokens (chunks of {PREFILL_STEP}): mlx-lm "
                          f"{_ms(p['mlx-lm_ms'])} ms, patched {_ms(p['patched_ms'])} ms, "
                          f"{_ratio(p['speedup'])}; logits rel. diff {_fmt(p['logits_rel_diff'])}")
-        extras = [extra for extra in ("control", "variant")
+        extras = [extra for extra in Sides.EXTRA
                   if any(f"{extra}_speedup" in d for d in entry["decode"])]
         lines.append(f"  {'batch':>5s} {'mlx-lm ms':>10s} {'build':>7s} {'patched ms':>11s} "
                      f"{'build':>7s} {'tok/s':>8s} {'speedup':>8s} {'pipelined':>10s} "
@@ -674,7 +675,7 @@ def _lowest_ratios(result: dict) -> str:
         parts = [f"prefill {_ratio(p.get('speedup_min'))}"] if p else []
         parts += [f"b{d['batch']} {_ratio(d.get('speedup_min'))}" for d in entry["decode"]]
         lines.append(f"  {entry['name']}: " + ", ".join(parts))
-        for extra in ("control", "variant"):
+        for extra in Sides.EXTRA:
             if any(f"{extra}_speedup_min" in d for d in entry["decode"]):
                 lines.append(f"  {entry['name']}, {extra}: " + ", ".join(
                     f"b{d['batch']} {_ratio(d.get(f'{extra}_speedup_min'))}"
