@@ -135,10 +135,21 @@ def test_patched_logits_match(name, quantized, patch):
         assert ours <= 1.5 * theirs + 1e-5, (f"{name} T={length}", ours, theirs)
 
 
+# Blocks whose compiled forward a GPU may round differently from mlx-lm's
+# ops. MLX's compiled GPU kernels can contract a multiply and an add into one
+# fused multiply-add, rounded once (NVRTC does: on the H200, MLX 0.32.4,
+# compiled `c + mx.sigmoid(a) * b` differed from the same ops run one by one
+# by up to 2.4e-7 in float32, while `mx.sigmoid(a) * b` alone agreed).
+# Qwen3-Next's block ends in `y + mx.sigmoid(gate) * shared_y`. Rounding that
+# sum once instead of twice moves this test's logits by up to 3.1e-7
+# (float32) and 3.1e-2 (bfloat16), relative, as computed on the CPU.
+FUSED_MULTIPLY_ADD_BLOCKS = {"qwen3_next"}
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("variant", ["float", "4bit", "4bit-bfloat16"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_decoding_is_bitwise_mlx_lm(name, variant, batch):
+def test_decoding_is_bitwise_mlx_lm(name, variant, batch, monkeypatch):
     # One token at a time routes fewer than 64 entries: the default is then
     # mlx-lm's own formulation on every backend, fused blocks included, so a
     # patched model decodes exactly as the unpatched one does. In bfloat16
@@ -150,11 +161,21 @@ def test_decoding_is_bitwise_mlx_lm(name, variant, batch):
     patched = copy.deepcopy(model)
     patch_model(patched)
     tokens = mx.array(np.random.default_rng(12).integers(0, 96, (batch, 1)))
-    got, want = patched(tokens), model(tokens)
-    assert got.dtype == want.dtype
-    # float32 holds every bfloat16 exactly (NumPy has no bfloat16).
-    np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
-                                  np.array(want.astype(mx.float32)))
+    want = model(tokens)
+    contracted = name in FUSED_MULTIPLY_ADD_BLOCKS and mx.default_device().type == mx.gpu
+    with monkeypatch.context() as m:
+        if contracted:  # the formulation, bit for bit: uncompiled
+            m.setattr(SwitchGLU, "compile_max_tokens", 0)
+        got = patched(tokens)
+        assert got.dtype == want.dtype
+        # float32 holds every bfloat16 exactly (NumPy has no bfloat16).
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)),
+                                      np.array(want.astype(mx.float32)))
+    if contracted:  # compiled: within the one rounding it may save
+        bound = 1e-1 if variant.endswith("bfloat16") else 1e-5
+        got = patched(tokens)
+        error = relative_error(got.astype(mx.float32), want.astype(mx.float32))
+        assert error <= bound, (name, variant, batch, error)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
