@@ -3,8 +3,8 @@
 # on Linux; Metal on a Mac), from the project root:
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
-# bench = model,decode,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,
-# layer-large,grouped-qmm):
+# bench = model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,
+# layer-small,layer-large,grouped-qmm):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
@@ -18,11 +18,13 @@
 #               timed ones find them);
 #   decode      decode only, Qwen3-30B-A3B at batch 1 to 16 (below tiles: mlx-lm's
 #               call, compiled), three processes, beside the grouped kernel at
-#               every batch (--variant-tile-m -1), then batch 4 and 8 uncompiled
-#               and in sorted rows, two each: which of compiling and the
-#               formulation moves generate's pipelined loop (the first two
-#               beside an unpatched copy of mlx-lm's model, --control: the
-#               spread two identical models give);
+#               every batch (--variant-tile-m -1) and an unpatched copy of
+#               mlx-lm's model (--control: the spread two identical models
+#               give): whether the grouped kernel should start below 64 routed
+#               entries (about 6 minutes on a fresh machine);
+#   decode-forms batch 4 and 8 uncompiled and in sorted rows, two processes
+#               each: which of compiling and the formulation moves generate's
+#               pipelined loop (the first beside the control);
 #   lm          mlx-lm's own `benchmark` command on a Qwen3-30B-A3B model
 #               directory of random weights (benchmarks.model_dir, 17 GB in
 #               $TMPDIR), unpatched (--no-patch) and patched, prompts of 2048;
@@ -81,7 +83,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
 steps=${steps//expert-parallel/ep-tests,ep-models,ep-variants}
-steps=${steps//bench/model,decode,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm}
+steps=${steps//bench/model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -106,6 +108,8 @@ if wanted decode; then
   logged "$results/decode.log" python3 -m benchmarks.model --models qwen3-30b-a3b \
     --prompt 0 --batches 1,2,4,8,16 --processes 3 --warm-process --control \
     --variant-tile-m -1 --json "$results/decode.json"
+fi
+if wanted decode-forms; then
   logged "$results/decode-no-compile.log" python3 -m benchmarks.model \
     --models qwen3-30b-a3b --prompt 0 --batches 4,8 --no-compile --processes 2 --control \
     --json "$results/decode-no-compile.json"
