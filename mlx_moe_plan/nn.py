@@ -35,6 +35,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.nn.layers.distributed import sum_gradients
 from mlx.utils import tree_unflatten
 
@@ -62,9 +63,10 @@ FusedMoEBlock = fused_blocks.FusedMoEBlock
 # The tile_m of mlx-lm's own formulation: its SwitchGLU call, op for op (no
 # plan): each token against its K experts as routed below 64 routed entries,
 # rows sorted by its two argsorts from there (`do_sort = indices.size >= 64`
-# in mlx-lm 0.32.2's switch_layers). Its kernels are mlx-lm's, so compiled
-# (decoding) it costs mlx-lm's GPU time and less host time, and a patched
-# model gives the unpatched logits bit for bit wherever the rule runs it.
+# in mlx-lm 0.32.2's switch_layers). Its GEMM kernels are mlx-lm's, without
+# the index kernels MLX adds to mlx-lm's call (_MLX_LM_CALL_DIGESTS, below),
+# so compiled (decoding) it costs less GPU and host time than mlx-lm's, and a
+# patched model gives the unpatched logits bit for bit wherever the rule runs it.
 MLX_LM = 0
 MLX_LM_SORTS_FROM_ENTRIES = 64
 # On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
@@ -96,6 +98,61 @@ GROUPED = -1
 GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
 GROUPED_BELOW_ROWS_PER_EXPERT = 16
 _GROUPED_DTYPES = tuple(getattr(mx, name) for name in launch.GROUPED_QMM_DTYPES)
+# mlx-lm's call hands MLX's gather_qmm (and gather_mm) no lhs_indices, and MLX
+# makes them at every call: an arange over the rows, which the up and gate
+# projections broadcast against the expert ids, and which MLX's CUDA backend
+# then copies to a contiguous array before the GEMM (GatherQMM::eval_gpu,
+# MLX 0.32.4); sliced ids (argpartition's, from 2 tokens) are copied by each
+# of the three GEMMs too. Five to eight kernels a layer around three GEMMs:
+# on the H200 a small kernel costs about 4.4 us of a step, and one of these
+# GEMMs at T = 1 about 14 us (benchmarks.dispatch, benchmarks.grouped_qmm).
+# Below mlx-lm's sort threshold the MLX_LM formulation runs mlx-lm's call with
+# those indices given, constants made once a shape, and the ids made
+# contiguous once: the same GEMMs on the same rows, the same bits. It mirrors
+# this code of mlx-lm's (0.32.2; SHA-256 prefixes of each __call__'s source)
+# and runs mlx-lm's own call where that code differs.
+_MLX_LM_CALL_DIGESTS = {"SwitchGLU": "a2f36b7d7e9640a8", "SwitchLinear": "1c91ef16afb139a8",
+                        "QuantizedSwitchLinear": "797f197172695142"}
+
+
+@functools.cache
+def _mlx_lm_call_is_mirrored() -> bool:
+    """Whether mlx-lm's SwitchGLU and projection calls are the code mirrored."""
+    return all(fused_blocks.source_digest(getattr(_mlx_lm_switch, name).__call__) == digest
+               for name, digest in _MLX_LM_CALL_DIGESTS.items())
+
+
+@functools.lru_cache(maxsize=64)
+def _gemm_rows(lead: tuple[int, ...], k: int, per_entry: bool) -> mx.array:
+    """The lhs indices MLX makes for mlx-lm's unsorted call, as a constant
+    uint32 `[*lead, k]`: each entry's token (the up and gate projections'
+    rows `[*lead, 1, 1, D]`), or each entry itself (`per_entry`: the down
+    projection's `[*lead, k, 1, I]`). Made from host memory, so a trace
+    holds them as constants, not as kernels to run."""
+    tokens = math.prod(lead)
+    rows = np.arange(tokens * k, dtype=np.uint32) if per_entry \
+        else np.repeat(np.arange(tokens, dtype=np.uint32), k)
+    return mx.array(rows.reshape(*lead, k))
+
+
+def _switch_projection(projection: nn.Module, x: mx.array, indices: mx.array,
+                       rows: mx.array) -> mx.array:
+    """`projection(x, indices)`, mlx-lm's SwitchLinear or QuantizedSwitchLinear
+    call, unsorted, with the GEMM's lhs indices `rows` given."""
+    if isinstance(projection, _mlx_lm_switch.QuantizedSwitchLinear):
+        x = mx.gather_qmm(x, projection["weight"], projection["scales"],
+                          projection.get("biases"), lhs_indices=rows, rhs_indices=indices,
+                          transpose=True, group_size=projection.group_size,
+                          bits=projection.bits, mode=projection.mode,
+                          global_scale=projection.global_scale, sorted_indices=False)
+    else:
+        x = mx.gather_mm(x, projection["weight"].swapaxes(-1, -2), lhs_indices=rows,
+                         rhs_indices=indices, sorted_indices=False)
+    if "bias" in projection:
+        x = x + mx.expand_dims(projection["bias"][indices], -2)
+    return x
+
+
 # An expert-parallel layer (shard_experts) routes about 1/N of
 # its entries to its own experts, but a plan's static capacity is all T * K.
 # From this many entries it reads the plan's num_rows (one host sync) and runs
@@ -367,8 +424,25 @@ class SwitchGLU(nn.Module):
         return min(-(-used // step) * step, plan.capacity)
 
     def _mlx_lm(self, x: mx.array, indices: mx.array) -> mx.array:
-        """mlx-lm's own `SwitchGLU` call on these projections: `[..., K, D]`."""
-        return _mlx_lm_switch.SwitchGLU.__call__(self, x, indices)
+        """mlx-lm's own `SwitchGLU` call on these projections: `[..., K, D]`.
+
+        Below mlx-lm's sort threshold, its code with the GEMMs' lhs indices
+        given (`_MLX_LM_CALL_DIGESTS`); else mlx-lm's call itself."""
+        projections = (self.up_proj, self.gate_proj, self.down_proj)
+        if (indices.size >= MLX_LM_SORTS_FROM_ENTRIES or x.shape[:-1] != indices.shape[:-1]
+                or not all(type(p) in (_mlx_lm_switch.SwitchLinear,
+                                       _mlx_lm_switch.QuantizedSwitchLinear) for p in projections)
+                or not _mlx_lm_call_is_mirrored()):
+            return _mlx_lm_switch.SwitchGLU.__call__(self, x, indices)
+        lead, k = indices.shape[:-1], indices.shape[-1]
+        token_rows, entry_rows = _gemm_rows(lead, k, False), _gemm_rows(lead, k, True)
+        x = mx.expand_dims(x, (-2, -3))
+        # One copy of sliced ids (argpartition's) at most, not one a GEMM.
+        indices = mx.contiguous(mx.stop_gradient(indices).astype(mx.uint32))
+        x_up = _switch_projection(self.up_proj, x, indices, token_rows)
+        x_gate = _switch_projection(self.gate_proj, x, indices, token_rows)
+        x = _switch_projection(self.down_proj, self.activation(x_up, x_gate), indices, entry_rows)
+        return x.squeeze(-2)
 
     def _mlp(self, rows: mx.array, experts: mx.array) -> mx.array:
         """The expert MLP of `rows` `[n, m, D]`, expert `experts[i]` for `rows[i]`."""

@@ -9,6 +9,8 @@ import copy
 import dataclasses
 import gc
 import importlib
+import io
+import re
 import types
 import weakref
 
@@ -289,6 +291,73 @@ def test_mlx_lm_weighted_sum_is_mlx_lm_bitwise(tile_m):
         assert cast.dtype == mx.bfloat16
         np.testing.assert_array_equal(np.array(cast.astype(mx.float32)),
                                       np.array(want.astype(y.dtype).astype(mx.float32)))
+
+
+def graph_ops(*outputs: mx.array) -> list[str]:
+    """The primitives of the graph that computes `outputs` (MLX's DOT export)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return re.findall(r'label ="([A-Za-z]+)', dot.getvalue())
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_mlx_lm_formulation_gives_its_gemms_their_rows(quantized, compiled):
+    # Below its sort threshold the MLX_LM formulation is mlx-lm's call with
+    # the GEMMs' lhs indices given as constants: no arange a projection (nor,
+    # on CUDA, that arange's copy), the same bits, biases (gpt-oss's) too.
+    mx.random.seed(8)
+    theirs = switch_layers.SwitchGLU(64, 32, 8, bias=True)
+    theirs.update(tree_map_random(theirs.parameters()))
+    if quantized:
+        nn.quantize(theirs, group_size=32, bits=4)
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=moe_nn.MLX_LM)
+    if not compiled:
+        ours.compile_max_tokens = 0
+    for shape in [(1, 1), (3, 1), (2, 5)]:  # 2, 6 and 20 entries
+        x = mx.random.normal((*shape, 64))
+        indices = mx.argpartition(-mx.random.normal((*shape, 8)), 1, axis=-1)[..., :2]
+        got, want = ours(x, indices), theirs(x, indices)
+        assert "Arange" in graph_ops(want) and "Arange" not in graph_ops(got), shape
+        np.testing.assert_array_equal(np.array(got), np.array(want), err_msg=str(shape))
+
+
+def test_mlx_lm_formulation_is_mlx_lms_call_where_not_mirrored(monkeypatch):
+    # From mlx-lm's sort threshold (64 entries), and wherever mlx-lm's code
+    # is not the code mirrored, the formulation is mlx-lm's call itself.
+    mx.random.seed(9)
+    theirs = switch_layers.SwitchGLU(64, 32, 8, bias=True)
+    theirs.update(tree_map_random(theirs.parameters()))
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=moe_nn.MLX_LM)
+    ours.compile_max_tokens = 0
+
+    def check(tokens: int) -> None:
+        x = mx.random.normal((tokens, 64))
+        indices = mx.argpartition(-mx.random.normal((tokens, 8)), 1, axis=-1)[..., :2]
+        got, want = ours(x, indices), theirs(x, indices)
+        assert graph_ops(got).count("Arange") == graph_ops(want).count("Arange") > 0
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+
+    check(32)  # 64 entries: mlx-lm sorts
+    monkeypatch.setitem(moe_nn._MLX_LM_CALL_DIGESTS, "SwitchLinear", "0" * 16)
+    moe_nn._mlx_lm_call_is_mirrored.cache_clear()
+    try:
+        check(3)
+    finally:
+        monkeypatch.undo()
+        moe_nn._mlx_lm_call_is_mirrored.cache_clear()
+
+
+@pytest.mark.parametrize("name", moe_nn._MLX_LM_CALL_DIGESTS)
+def test_mlx_lm_call_is_the_code_mirrored(name):
+    # When mlx-lm's switch_layers code changes, the MLX_LM formulation
+    # silently runs mlx-lm's call (its extra kernels). Say which, and the
+    # new digest, so that nn.SwitchGLU._mlx_lm can be checked and updated.
+    digest = fused_blocks.source_digest(getattr(switch_layers, name).__call__)
+    assert digest == moe_nn._MLX_LM_CALL_DIGESTS[name], (
+        f"mlx_lm's {name}.__call__ changed (source digest {digest!r}): compare "
+        "SwitchGLU._mlx_lm and _switch_projection in mlx_moe_plan/nn.py with it, then "
+        "update _MLX_LM_CALL_DIGESTS")
 
 
 @pytest.mark.parametrize("tile_m", [None, 0, 1, 8])
