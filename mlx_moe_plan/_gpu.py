@@ -11,6 +11,7 @@ in C++.
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from typing import Callable
 
@@ -184,6 +185,15 @@ class GpuBackend:
             return _combine_function(self.backend, dtype, False, stream)(src, index, inverse)
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
 
+    def argsort_slice(self, values: mx.array, start: int, count: int, *,
+                      stream: mx.Stream) -> mx.array:
+        """`mx.argsort(values)[..., start:start + count]`, uint32, in one launch
+        (kernels/argsort_slice.h): positions of each row's stable ascending sort,
+        NaN last, as MLX's GPU `argpartition` orders a row. For float rows of at
+        most `launch.ARGSORT_SLICE_MAX_ROW` values, `0 <= start`, `1 <= count`,
+        `start + count <= values.shape[-1]`; no gradient (indices)."""
+        return _argsort_slice(self.backend, mx.stop_gradient(values), start, count, stream)
+
     def grouped_qmm(
         self,
         rows: mx.array,
@@ -248,6 +258,20 @@ class GpuBackend:
                                          up is not None, stream)
         extra = ([] if row_tokens is None else [row_tokens]) + ([] if up is None else list(up))
         return function(rows, weight, scales, biases, expert_offsets, row_experts, *extra)
+
+
+def _argsort_slice(backend, values, start, count, stream):
+    *rows_shape, row_size = values.shape
+    num_rows = math.prod(rows_shape)
+    if num_rows == 0:
+        return mx.zeros((*rows_shape, count), mx.uint32)
+    slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
+                                               _name(values.dtype))
+    flat = values.reshape(-1)
+    if flat.size < 8:  # a `device` buffer on Metal (argsort_slice.h); never read
+        flat = mx.concatenate([flat, mx.zeros((8 - flat.size,), flat.dtype)], stream=stream)
+    (indices,) = _run(backend, "argsort_slice", [flat], slice_launch, stream)
+    return indices.reshape(*rows_shape, count)
 
 
 def _device_rows(src, stream):

@@ -4,7 +4,8 @@ Each entry of `FUSED_BLOCKS` names an mlx-lm block class and holds a forward
 that is that block's `__call__` line for line, except that the experts'
 weighted sum, `(switch_mlp(x, inds) * scores[..., None]).sum(-2)`, is one
 `SwitchGLU.weighted_sum` (one `moe_combine` in place of unsort, multiply and
-sum). The forward mirrors mlx-lm's code, so it is used only while that code
+sum), and that its top k is `routing.top_k` or `routing.bottom_k` (the same
+indices as its `argpartition`, in one launch on a GPU). The forward mirrors mlx-lm's code, so it is used only while that code
 reads as it did when the forward was written: each entry keeps a digest of
 the block's `__call__` source (mlx-lm 0.32.2), and a block whose source
 differs keeps its own call (patched experts, unfused sum, still correct).
@@ -27,6 +28,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import routing
 from ._compiled import compiled_call, compiles
 
 
@@ -34,7 +36,7 @@ def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
     """Qwen3-MoE's and Qwen3-Next's routing: top-k of the softmax, renormalized."""
     gates = mx.softmax(block.gate(x), axis=-1, precise=True)
     k = block.top_k
-    inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
+    inds = routing.top_k(gates, k)
     scores = mx.take_along_axis(gates, inds, axis=-1)
     if block.norm_topk_prob:
         scores = scores / mx.sum(scores, axis=-1, keepdims=True)
@@ -56,7 +58,7 @@ def _qwen3_next(block: nn.Module, x: mx.array) -> mx.array:
 def _mixtral(block: nn.Module, x: mx.array) -> mx.array:
     gates = block.gate(x)
     k = block.num_experts_per_tok
-    inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
+    inds = routing.bottom_k(-gates, k)
     scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
     return block.switch_mlp.weighted_sum(x, inds, scores)
 
@@ -69,10 +71,16 @@ def _deepseek_v3(block: nn.Module, x: mx.array) -> mx.array:
     return y
 
 
-def _gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
-    from mlx_lm.models.gpt_oss import mlx_topk  # the block's own top-k
+# The digest of mlx_lm.models.gpt_oss.mlx_topk, which _gpt_oss mirrors
+# (tests/test_routing.py says when it changes).
+GPT_OSS_TOP_K_DIGEST = "12f0d87634ca5224"
 
-    expert_logits, indices = mlx_topk(block.router(x), k=block.num_experts_per_tok, axis=-1)
+
+def _gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
+    # The block's own top-k, mlx_lm.models.gpt_oss.mlx_topk, with routing.top_k.
+    logits = block.router(x)
+    indices = routing.top_k(logits, block.num_experts_per_tok)
+    expert_logits = mx.take_along_axis(logits, indices, axis=-1)
     expert_weights = mx.softmax(expert_logits, axis=-1, precise=True)
     return block.experts.weighted_sum(x, indices, expert_weights)
 

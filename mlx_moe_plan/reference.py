@@ -208,6 +208,14 @@ def grouped_qmm(rows, weight, scales, biases, expert_offsets, bits: int, group_s
     return out
 
 
+def argsort_slice(values, start: int, count: int, dtype: str = "float32") -> np.ndarray:
+    """Positions `[start, start + count)` of each row's stable ascending argsort,
+    NaN after every number and the two zeros equal, as MLX's GPU sort orders
+    a row: uint32 `[rows, count]` of `values` `[rows, E]` stored as `dtype`."""
+    keys = to_float32(np.asarray(values), dtype)
+    return np.argsort(keys, axis=-1, kind="stable")[..., start:start + count].astype(np.uint32)
+
+
 # --- comparing an implementation with the reference, bit for bit ---------------
 # The tests assert these; the benchmark checks the same before it times.
 

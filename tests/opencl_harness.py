@@ -56,7 +56,8 @@ _DTYPE_CODES = {"InT": "IN_DTYPE", "OutT": "OUT_DTYPE"}
 # Argument types by name; every other argument is int32.
 _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "float",
               "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT",
-              "up_weight": "uint", "up_scales": "InT", "up_biases": "InT"}
+              "up_weight": "uint", "up_scales": "InT", "up_biases": "InT",
+              "values": "InT", "indices": "uint"}
 
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
@@ -292,3 +293,19 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
               up_scales, up_biases, offsets]
     (out,) = run("grouped_qmm", arrays, qmm_launch)
     return out
+
+
+def argsort_slice(values: np.ndarray, start: int, count: int) -> np.ndarray:
+    """Positions [start, start + count) of each row's stable ascending argsort,
+    as `_gpu.GpuBackend.argsort_slice` runs it; `values` [rows, E] float32,
+    float16 or uint16 (bfloat16 bits). Returns uint32 [rows, count]."""
+    num_rows, row_size = values.shape
+    if num_rows == 0:
+        return np.zeros((0, count), np.uint32)
+    slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
+                                               dtype_name(values))
+    flat = values.reshape(-1)
+    if flat.size < 8:  # as _gpu.py pads it for Metal; never read past the rows
+        flat = np.concatenate([flat, np.zeros(8 - flat.size, flat.dtype)])
+    (indices,) = run("argsort_slice", [flat], slice_launch)
+    return indices

@@ -490,3 +490,46 @@ def test_grouped_qmm_tilings(changes):
     with launch.grouped_qmm_tiling(**changes):
         _check_grouped_qmm(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
         _check_grouped_qmm(rng, [1, 3, 17], 9, 128, 8, 32, "float16", 0)
+
+
+# --- argsort_slice: a router's top k, index for index -------------------------------
+
+
+def _router_values(rng, rows: int, row_size: int, name: str) -> np.ndarray:
+    """Scores with ties (a few distinct values), both zeros, infinities and NaN
+    of either sign among them, stored as `name`."""
+    values = rng.choice([-np.inf, -2.5, -0.0, 0.0, 0.125, 1.0, 3.0, np.inf, np.nan, -np.nan],
+                        (rows, row_size)).astype(np.float32)
+    dense = rng.standard_normal((rows, row_size)).astype(np.float32)
+    values = np.where(rng.random((rows, row_size)) < 0.5, dense, values)
+    return ref.from_float32(values, name)
+
+
+@given(rows=st.integers(1, 5), row_size=st.one_of(st.integers(1, 40), st.sampled_from(
+           [128, 256, 512, launch.ARGSORT_SLICE_MAX_ROW])),
+       name=st.sampled_from(launch.ROW_KINDS), data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_argsort_slice_matches_reference(rows, row_size, name, data, seed):
+    """Every slice of a row's stable sort: a router's top k (the last k), the
+    first k, k = 1 and the whole row; ties, both zeros, infinities and NaN."""
+    start = data.draw(st.integers(0, row_size - 1))
+    count = data.draw(st.integers(1, row_size - start))
+    values = _router_values(np.random.default_rng(seed), rows, row_size, name)
+    np.testing.assert_array_equal(ocl.argsort_slice(values, start, count),
+                                  ref.argsort_slice(values, start, count, name))
+
+
+def test_argsort_slice_rows_beyond_max_groups():
+    """More rows than groups: each group ranks several rows in turn."""
+    rng = np.random.default_rng(41)
+    values = _router_values(rng, launch.MAX_GROUPS + 300, 8, "bfloat16")
+    np.testing.assert_array_equal(ocl.argsort_slice(values, 4, 4),
+                                  ref.argsort_slice(values, 4, 4, "bfloat16"))
+
+
+def test_argsort_slice_reference_is_a_stable_sort():
+    # Ties keep index order, NaN sorts last, -0.0 and 0.0 tie: what MLX's GPU
+    # merge sort gives (its compare puts NaN after every number, and it takes
+    # from the left run on ties).
+    values = np.array([[1.0, np.nan, -0.0, 1.0, 0.0, -np.inf, -np.nan]], np.float32)
+    assert np.signbit(values[0, 6])
+    assert ref.argsort_slice(values, 0, 7).tolist() == [[5, 2, 4, 0, 3, 1, 6]]

@@ -109,6 +109,11 @@ def _record() -> list[Launch]:
                 rows = mx.zeros((5 if row_tokens is None else 3, in_dims), src_dtype)
                 gpu.grouped_qmm(rows, *matrices, *plan_arrays, bits=bits, group_size=group_size,
                                 stream=None, row_tokens=row_tokens, up=up)
+        # argsort_slice: a tiny row (constant), a router's rows, the longest.
+        for dtype in ROW_DTYPES:
+            for rows, row_size, start, count in [(1, 3, 2, 1), (4, 128, 120, 8),
+                                                 (2, MAX_EXPERTS, 0, 10)]:
+                gpu.argsort_slice(mx.zeros((rows, row_size), dtype), start, count, stream=None)
     unique = {}
     for launch in launches:
         unique.setdefault(launch.id, launch)

@@ -298,7 +298,8 @@ def test_launches_carry_their_bodys_params():
     launches = {"plan": launch.plan_launch(1000, 37, 4, 2, True),
                 "gather": launch.gather_launch(10, 8, 20, "float16", "float16"),
                 "combine": launch.combine_launch(20, 8, 10, 2, True, "float16", "float32"),
-                "grouped_qmm": launch.grouped_qmm_launch(4, 64, 24, 9, 4, 32, "bfloat16")}
+                "grouped_qmm": launch.grouped_qmm_launch(4, 64, 24, 9, 4, 32, "bfloat16"),
+                "argsort_slice": launch.argsort_slice_launch(3, 128, 120, 8, "bfloat16")}
     assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
     for name, kernel_launch in launches.items():
         assert type(kernel_launch.params) is launch.PARAMS[name]

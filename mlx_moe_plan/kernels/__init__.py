@@ -48,6 +48,14 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
               (grouped_qmm, fused too, within float tolerance), `tests/test_nn.py`
 
+`argsort_slice.h` -- a router's top k on a GPU (`mlx_moe_plan/routing.py`);
+    not a public op
+    launch:   `launch.argsort_slice_launch`, `launch.ArgsortSliceParams`
+    GPU glue: `_gpu.GpuBackend.argsort_slice`
+    C++:      none (the CPU runs MLX's `argpartition`, as mlx-lm's routers do)
+    gradient: none (indices)
+    tests:    `tests/test_routing.py`, `tests/test_kernels_pocl.py` (argsort_slice)
+
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL
 rules; `tests/test_cuda_source.py` compiles its CUDA source with nvcc (where
 installed); `tests/test_structure.py` checks its `params` reads against `launch.py`
@@ -61,7 +69,7 @@ from functools import cache
 from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
-BODIES = ("plan", "gather", "combine", "grouped_qmm")
+BODIES = ("plan", "gather", "combine", "grouped_qmm", "argsort_slice")
 
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (

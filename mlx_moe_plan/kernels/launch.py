@@ -57,6 +57,7 @@ INPUTS_OUTPUTS = {
     "combine": (("src", "index", "weights", "params"), ("out",)),
     "grouped_qmm": (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
                      "up_scales", "up_biases", "expert_offsets", "params"), ("out",)),
+    "argsort_slice": (("values", "params"), ("indices",)),
 }
 
 
@@ -168,8 +169,15 @@ class GroupedQmmParams(NamedTuple):
     num_rows: int  # rows of the rows array: tokens with token_rows, else capacity
 
 
+class ArgsortSliceParams(NamedTuple):
+    num_rows: int
+    row_size: int
+    start: int  # the first position of each row's sort taken
+    count: int  # positions taken
+
+
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
-          "grouped_qmm": GroupedQmmParams}
+          "grouped_qmm": GroupedQmmParams, "argsort_slice": ArgsortSliceParams}
 
 
 @dataclass(frozen=True)
@@ -178,7 +186,7 @@ class Launch:
 
     groups: int
     group_size: int
-    params: PlanParams | GatherParams | CombineParams | GroupedQmmParams
+    params: PlanParams | GatherParams | CombineParams | GroupedQmmParams | ArgsortSliceParams
     template: tuple[tuple[str, object], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
 
@@ -342,4 +350,25 @@ def _grouped_qmm_launch(
          ("STEPS", tiling.steps or grouped_qmm_steps(in_dims // quant_group, gated)),
          ("GATED", gated), ("TOKEN_ROWS", num_rows is not None)),
         (((capacity, out_dims), dtype),),
+    )
+
+
+# The longest row argsort_slice.h sorts: its keys are in shared memory (4 KB),
+# and each thread compares its elements with the whole row. Routers' rows are
+# their experts (MAX_EXPERTS at most).
+ARGSORT_SLICE_MAX_ROW = MAX_EXPERTS
+
+
+@lru_cache(maxsize=256)
+def argsort_slice_launch(num_rows: int, row_size: int, start: int, count: int,
+                         dtype: str) -> Launch:
+    """For `num_rows >= 1`, `1 <= row_size <= ARGSORT_SLICE_MAX_ROW`, `0 <= start`
+    and `1 <= count` with `start + count <= row_size`, and values padded to 8
+    elements (argsort_slice.h)."""
+    return Launch(
+        min(num_rows, MAX_GROUPS), min(256, _round_up(row_size, 32)),
+        ArgsortSliceParams(num_rows=num_rows, row_size=row_size, start=start, count=count),
+        (("InT", dtype), ("BitsT", "uint16" if ELEMENT_BYTES[dtype] == 2 else "uint32"),
+         ("IN_KIND", ROW_KINDS.index(dtype)), ("MAX_ROW", ARGSORT_SLICE_MAX_ROW)),
+        (((num_rows, count), "uint32"),),
     )

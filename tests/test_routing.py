@@ -1,0 +1,80 @@
+# A router's top k (mlx_moe_plan.routing): on every device the indices of
+# mlx-lm's own expressions, `mx.argpartition(...)` sliced, index for index,
+# on rows with many ties; on a GPU through kernels/argsort_slice.h, whose
+# outputs are poisoned first, and against the NumPy reference too. The PoCL
+# tests run the same body as OpenCL C on any machine.
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FLOAT_DTYPES
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_moe_plan import reference as ref
+from mlx_moe_plan import routing
+from mlx_moe_plan.kernels import launch
+
+
+def _scores(rng, rows: int, experts: int, dtype: mx.Dtype) -> mx.array:
+    # Softmax-like scores rounded to a few values: ties in every row.
+    values = np.round(rng.random((rows, experts)) * 8) / 8
+    return mx.array(values.astype(np.float32)).astype(dtype)
+
+
+@given(rows=st.integers(1, 9), experts=st.sampled_from([1, 2, 8, 32, 128, 256, 512,
+                                                        launch.ARGSORT_SLICE_MAX_ROW]),
+       dtype=st.sampled_from(list(FLOAT_DTYPES)), data=st.data(),
+       seed=st.integers(0, 2**32 - 1))
+def test_top_k_is_argpartitions_slice(device, rows, experts, dtype, data, seed):
+    k = data.draw(st.sampled_from(sorted({1, min(2, experts), min(8, experts), experts})))
+    scores = _scores(np.random.default_rng(seed), rows, experts, FLOAT_DTYPES[dtype])
+    with mx.stream(device):
+        got_top = routing.top_k(scores, k)
+        want_top = mx.argpartition(scores, kth=-k, axis=-1)[..., -k:]
+        got_bottom = routing.bottom_k(-scores, k)
+        want_bottom = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+        mx.eval(got_top, want_top, got_bottom, want_bottom)
+    assert got_top.dtype == want_top.dtype == mx.uint32
+    np.testing.assert_array_equal(np.array(got_top), np.array(want_top))
+    np.testing.assert_array_equal(np.array(got_bottom), np.array(want_bottom))
+    if device.type == mx.gpu:  # the GPU's sort is stable: the reference's order
+        values = np.array(scores.astype(mx.float32))
+        np.testing.assert_array_equal(np.array(got_top),
+                                      ref.argsort_slice(values, experts - k, k))
+
+
+def test_top_k_keeps_leading_axes(device):
+    scores = _scores(np.random.default_rng(3), 6, 16, mx.bfloat16).reshape(2, 3, 16)
+    with mx.stream(device):
+        got = routing.top_k(scores, 4)
+        want = mx.argpartition(scores, kth=-4, axis=-1)[..., -4:]
+        mx.eval(got, want)
+    assert got.shape == (2, 3, 4)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_rows_longer_than_the_kernel_takes_sort_as_mlx(device):
+    # Past ARGSORT_SLICE_MAX_ROW the router's own argpartition runs.
+    experts = launch.ARGSORT_SLICE_MAX_ROW + 1
+    scores = _scores(np.random.default_rng(5), 2, experts, mx.float32)
+    with mx.stream(device):
+        got = routing.top_k(scores, 8)
+        want = mx.argpartition(scores, kth=-8, axis=-1)[..., -8:]
+        mx.eval(got, want)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_gpt_oss_top_k_is_the_code_its_forward_mirrors():
+    # The fused gpt-oss forward takes its top k as mlx_lm's mlx_topk does,
+    # through routing.top_k: say so when mlx_topk's code changes.
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.gpt_oss import mlx_topk
+
+    from mlx_moe_plan import fused_blocks
+
+    assert fused_blocks.source_digest(mlx_topk) == fused_blocks.GPT_OSS_TOP_K_DIGEST, (
+        "mlx_lm.models.gpt_oss.mlx_topk changed: compare fused_blocks._gpt_oss with its new "
+        f"code, then update GPT_OSS_TOP_K_DIGEST to {fused_blocks.source_digest(mlx_topk)!r}")
