@@ -43,11 +43,7 @@ def top_k(scores: mx.array, k: int) -> mx.array:
     Returns:
         array: uint32 `[..., k]`, no gradient.
     """
-    if not _sorts_here(scores, k):
-        return mx.stop_gradient(mx.argpartition(scores, kth=-k, axis=-1)[..., -k:])
-    stream = _backend.resolve_stream(None)
-    return _backend.implementation(stream).argsort_slice(
-        scores, scores.shape[-1] - k, k, stream=stream)
+    return _partition_slice(scores, k, largest=True)
 
 
 def bottom_k(values: mx.array, k: int) -> mx.array:
@@ -61,7 +57,14 @@ def bottom_k(values: mx.array, k: int) -> mx.array:
     Returns:
         array: uint32 `[..., k]`, no gradient.
     """
+    return _partition_slice(values, k, largest=False)
+
+
+def _partition_slice(values: mx.array, k: int, largest: bool) -> mx.array:
+    """The last k (`largest`) or the first k of `values`' argpartition."""
     if not _sorts_here(values, k):
-        return mx.stop_gradient(mx.argpartition(values, kth=k - 1, axis=-1)[..., :k])
+        order = mx.argpartition(values, kth=-k if largest else k - 1, axis=-1)
+        return mx.stop_gradient(order[..., -k:] if largest else order[..., :k])
     stream = _backend.resolve_stream(None)
-    return _backend.implementation(stream).argsort_slice(values, 0, k, stream=stream)
+    start = values.shape[-1] - k if largest else 0
+    return _backend.implementation(stream).argsort_slice(values, start, k, stream=stream)
