@@ -78,3 +78,16 @@ def test_gpt_oss_top_k_is_the_code_its_forward_mirrors():
     assert fused_blocks.source_digest(mlx_topk) == fused_blocks.GPT_OSS_TOP_K_DIGEST, (
         "mlx_lm.models.gpt_oss.mlx_topk changed: compare fused_blocks._gpt_oss with its new "
         f"code, then update GPT_OSS_TOP_K_DIGEST to {fused_blocks.source_digest(mlx_topk)!r}")
+
+
+def test_reference_is_mlx_argsort(device):
+    # The reference's order (NumPy's stable argsort: ties by index, NaN of
+    # either sign last, the two zeros equal) is MLX's own argsort's, on the
+    # CPU and, through the GPU's merge sort, on the GPU.
+    rng = np.random.default_rng(9)
+    values = rng.choice([-np.inf, -2.5, -0.0, 0.0, 1.0, np.inf, np.nan, -np.nan],
+                        (16, 64)).astype(np.float32)
+    with mx.stream(device):
+        order = mx.argsort(mx.array(values), axis=-1)
+        mx.eval(order)
+    np.testing.assert_array_equal(np.array(order), ref.argsort_slice(values, 0, 64))
