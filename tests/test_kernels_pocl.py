@@ -466,9 +466,9 @@ def test_grouped_qmm_token_rows_stay_inside():
 
 @pytest.mark.parametrize("changes", [dict(gated_tiles=1),
                                      dict(gated_tiles=3, row_tiles=2, steps=2),
-                                     dict(threads=32, max_groups=1), dict(prefetch=3)],
+                                     dict(threads=32, max_groups=1)],
                          ids=["gated_tiles=1", "gated_tiles=3,row_tiles=2,steps=2",
-                              "threads=32,max_groups=1", "prefetch=3"])
+                              "threads=32,max_groups=1"])
 def test_grouped_qmm_fused_tilings(changes):
     rng = np.random.default_rng(31)
     with launch.grouped_qmm_tiling(**changes):
@@ -480,8 +480,7 @@ def test_grouped_qmm_fused_tilings(changes):
 # must give the reference's sums before it is worth timing.
 TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=2),
            dict(threads=256, tiles=1), dict(threads=32), dict(max_groups=1),
-           dict(steps=3),  # groups of a row not a multiple of STEPS: the last run clamped
-           dict(prefetch=2)]  # a hint on CUDA only: here, that the body compiles and agrees
+           dict(steps=3)]  # groups of a row not a multiple of STEPS: the last run clamped
 
 
 @pytest.mark.parametrize("changes", TILINGS,

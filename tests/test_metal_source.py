@@ -24,7 +24,7 @@ import pytest
 from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
 
 from mlx_moe_plan import MAX_EXPERTS, _gpu, kernels
-from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS, grouped_qmm_tiling
+from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
 
 ROW_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
@@ -102,9 +102,6 @@ def _record() -> list[Launch]:
             plan_arrays = (mx.zeros((experts + 1,), mx.int32), mx.zeros((5,), mx.int32))
             gpu.grouped_qmm(mx.zeros((5, in_dims), src_dtype), *matrices, *plan_arrays,
                             bits=bits, group_size=group_size, stream=None)
-            with grouped_qmm_tiling(prefetch=2):  # the prefetches' text too
-                gpu.grouped_qmm(mx.zeros((5, in_dims), src_dtype), *matrices, *plan_arrays,
-                                bits=bits, group_size=group_size, stream=None)
             # The layer's fused form (rows from 3 tokens, silu(gate) * up),
             # and each fusion alone.
             for row_tokens, up in [(mx.zeros((5,), mx.int32), matrices),

@@ -55,8 +55,7 @@
 //   multiple of THREADS, at least E), TILES (16-column tiles a warp; when
 //   GATED, an even count, the first half the gate's and the second up's of the
 //   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
-//   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above),
-//   PREFETCH (below; 0: none).
+//   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above).
 const int num_experts = params[0];
 const int in_dims = params[1];
 const int out_dims = params[2];
@@ -176,23 +175,6 @@ UNROLL
       sums[i] = 0.0f;
     }
     for (int group0 = 0; group0 < row_groups; group0 += STEPS) {
-      // The words PREFETCH groups past these steps' asked of the L2 cache
-      // (PREFETCH_L2, a hint: no registers, no wait), so that those loads,
-      // made after the multiply-adds of the steps between, find them there
-      // and not in memory. Only words inside the columns' rows are named.
-      if (PREFETCH > 0) {
-UNROLL
-        for (int s = 0; s < STEPS; ++s) {
-          const int ahead = group0 + PREFETCH + s;
-          if (ahead < row_groups) {
-UNROLL
-            for (int i = 0; i < TILES * 2; ++i) {
-              PREFETCH_L2(column_words[i] + ahead * (QUANT_GROUP / VALUES)
-                          + fragment_slot * LANE_WORDS);
-            }
-          }
-        }
-      }
       // Every load of the steps first, then their use. packed: the lane's
       // words of group group0 + s in its columns; halves: its rows' values of
       // those words, two to a uint32. A group past the row reads the last

@@ -103,18 +103,12 @@ class GroupedQmmTiling:
     # row's length and the fusion (grouped_qmm_steps)
     steps: int | None = None
     max_groups: int = 512  # groups at most, sharing the items
-    # quantization groups ahead whose words a warp asks the L2 cache for
-    # (CUDA's prefetch; a hint, nothing elsewhere): PREFETCH; 0: none
-    prefetch: int = 0
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
         if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles,
                1 if self.steps is None else self.steps, self.max_groups) < 1:
-            raise ValueError(f"grouped_qmm tiling: every field but prefetch must be at "
-                             f"least 1: {self}")
-        if self.prefetch < 0:
-            raise ValueError(f"grouped_qmm tiling: prefetch must be at least 0: {self}")
+            raise ValueError(f"grouped_qmm tiling: every field must be at least 1: {self}")
         if self.threads % 32 or MAX_EXPERTS % self.threads:
             raise ValueError(f"grouped_qmm tiling: threads must be a multiple of 32 that "
                              f"divides MAX_EXPERTS ({MAX_EXPERTS}): {self}")
@@ -354,8 +348,7 @@ def _grouped_qmm_launch(
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
          ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
          ("STEPS", tiling.steps or grouped_qmm_steps(in_dims // quant_group, gated)),
-         ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
-         ("PREFETCH", tiling.prefetch)),
+         ("GATED", gated), ("TOKEN_ROWS", num_rows is not None)),
         (((capacity, out_dims), dtype),),
     )
 

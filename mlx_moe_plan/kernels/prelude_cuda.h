@@ -58,6 +58,3 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned b
   return d;
 }
 #define AND_OR(a, mask, bits) and_or((a), (mask), (bits))
-// PREFETCH_L2: ask the L2 cache for the line holding global address p, a
-// hint that loads nothing into registers and waits on nothing.
-#define PREFETCH_L2(p) asm volatile("prefetch.global.L2 [%0];" : : "l"(p))

@@ -72,5 +72,3 @@ inline void mma_16x8x16(thread float* d, thread const uint* a, thread const uint
 #define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))
 // AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
 #define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
-// PREFETCH_L2: a hint on CUDA (prelude_cuda.h); nothing here.
-#define PREFETCH_L2(p) ((void)(p))

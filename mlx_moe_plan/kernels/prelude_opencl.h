@@ -93,5 +93,3 @@ inline void mma_16x8x16(float* d, const uint* a, const uint* b, __local uint* ex
 #define PAIR_SUB(a, b) pair_sub((a), (b))
 // AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
 #define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
-// PREFETCH_L2: a hint on CUDA (prelude_cuda.h); nothing here.
-#define PREFETCH_L2(p) ((void)(p))
