@@ -267,25 +267,26 @@ def _argsort_slice(backend, values, start, count, stream):
         return mx.zeros((*rows_shape, count), mx.uint32)
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
                                                _name(values.dtype))
-    flat = values.reshape(-1)
-    if flat.size < 8:  # a `device` buffer on Metal (argsort_slice.h); never read
-        flat = mx.concatenate([flat, mx.zeros((8 - flat.size,), flat.dtype)], stream=stream)
-    (indices,) = _run(backend, "argsort_slice", [flat], slice_launch, stream)
+    (indices,) = _run(backend, "argsort_slice", [_device_buffer(values, stream)],
+                      slice_launch, stream)
     return indices.reshape(*rows_shape, count)
 
 
-def _device_rows(src, stream):
-    """`src`, padded with zero rows to 8 elements or more if it has fewer.
+def _device_buffer(array, stream):
+    """`array`, or if it has fewer than 8 elements, flat and padded with zeros to 8.
 
-    gather.h and combine.h cast src to raw types, which Metal allows only for
-    a `device` buffer, and MLX passes arrays of fewer than 8 elements as
-    `constant`. The kernels never read the padding (they bound rows by the
-    unpadded count).
+    The bodies make `device` pointers into some of their inputs (casts to raw
+    types in gather.h, combine.h and argsort_slice.h, a column's pointers in
+    grouped_qmm.h), which Metal allows only into a `device` buffer, and MLX
+    passes arrays of fewer than 8 elements as `constant`
+    (tests/test_metal_source.py::test_inputs_pointed_into_are_device_buffers).
+    The kernels never read the padding: they bound their reads by the sizes in
+    their params, not by the buffer's.
     """
-    if src.size >= 8:
-        return src
-    padding = mx.zeros((-(-8 // src.shape[1]), src.shape[1]), src.dtype)
-    return mx.concatenate([src, padding], stream=stream)
+    if array.size >= 8:
+        return array
+    flat = array.reshape(-1)
+    return mx.concatenate([flat, mx.zeros((8 - flat.size,), array.dtype)], stream=stream)
 
 
 def _gather(backend, src, index, dtype, stream):
@@ -293,7 +294,7 @@ def _gather(backend, src, index, dtype, stream):
     num_rows = index.shape[0]
     if num_rows == 0 or hidden == 0:
         return mx.zeros((num_rows, hidden), dtype)
-    src = _device_rows(src, stream)
+    src = _device_buffer(src, stream)
     gather_launch = launch.gather_launch(num_src, hidden, num_rows, _name(src.dtype),
                                          _name(dtype))
     (out,) = _run(backend, "gather", [src, index], gather_launch, stream)
@@ -309,7 +310,7 @@ def _combine(backend, src, index, weights, dtype, stream):
     combine_launch = launch.combine_launch(
         num_src, hidden, num_out, fan_in, has_weights, _name(src.dtype), _name(dtype))
     weights_in = weights if has_weights else _unused_weights()
-    src = _device_rows(src, stream)
+    src = _device_buffer(src, stream)
     (out,) = _run(backend, "combine", [src, index, weights_in], combine_launch, stream)
     return out
 
@@ -363,10 +364,12 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
         num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
         num_rows=None if row_tokens is None else num_rows, gated=up is not None)
     # The body's arguments are fixed: an absent input is another it never reads.
+    weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
+    up = (weight, scales, biases) if up is None else \
+        tuple(_device_buffer(a, stream) for a in up)
     (out,) = _run(backend, "grouped_qmm",
                   [rows, expert_offsets if row_tokens is None else row_tokens, weight, scales,
-                   biases, *((weight, scales, biases) if up is None else up), expert_offsets],
-                  qmm_launch, stream)
+                   biases, *up, expert_offsets], qmm_launch, stream)
     return out
 
 

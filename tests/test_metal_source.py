@@ -262,6 +262,22 @@ def test_casts_keep_the_buffer_address_space(launch):
         assert spaces == {location}, f"{cast}, but {parameter} is {location}"
 
 
+# The inputs a body makes `device` pointers into (casts to raw types, or a
+# column's pointers made once an item), which Metal allows only into a
+# `device` buffer: _gpu.py pads them to 8 elements, where MLX stops passing
+# `constant` ones.
+POINTED_INTO = {"gather": ("src",), "combine": ("src",), "argsort_slice": ("values",),
+                "grouped_qmm": ("rows", "weight", "scales", "biases", "up_weight", "up_scales",
+                                "up_biases")}
+
+
+@launch_params
+def test_inputs_pointed_into_are_device_buffers(launch):
+    for parameter in POINTED_INTO.get(launch.name, ()):
+        assert launch.location(parameter) == "device", \
+            f"{launch.name}: {parameter} of {launch.inputs} is passed as constant"
+
+
 @pytest.mark.parametrize("name", BODIES)
 def test_threadgroup_arrays_at_kernel_scope(name):
     """Threadgroup variables are allocated by a kernel function (MSL 4.4): each

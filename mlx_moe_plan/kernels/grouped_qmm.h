@@ -48,6 +48,9 @@
 //   THREADS / 32 * 16 * COLUMN_TILES columns that cover out_dims; num_rows:
 //   capacity without TOKEN_ROWS).
 // Outputs: out OutT [capacity, out_dims].
+// The body makes pointers into rows and the matrices, so on Metal they must
+// be `device` buffers: the host pads those of fewer than 8 elements, below
+// which MLX passes `constant`.
 // Template constants: InT, OutT, IN_KIND (1 float16, 2 bfloat16), BITS (4 or
 //   8), VALUES (32 / BITS, values a word packs), QUANT_GROUP (values sharing
 //   a scale and bias, 32, 64 or 128), LANE_WORDS (QUANT_GROUP / (4 *
