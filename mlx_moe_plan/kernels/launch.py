@@ -195,6 +195,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _bits_type(dtype: str) -> str:
+    """The unsigned integer type of a row dtype's width: a body's BitsT, in
+    which it moves or compares the values' bits."""
+    return "uint16" if ELEMENT_BYTES[dtype] == 2 else "uint32"
+
+
 # The fields plan.h writes into its one int32 output, plan_data, in order:
 # every field of the plan but row_weights, its second output. The last three
 # are plan.h's `totals`.
@@ -280,12 +286,11 @@ def gather_launch(
     row_vectors = row_bytes // 16 if vectors else 0
     per_row = row_vectors if vectors else hidden
     group_size = min(MAX_ROW_GROUP if vectors else 256, _round_up(per_row, 32))
-    bits = "uint16" if ELEMENT_BYTES[in_dtype] == 2 else "uint32"
     return Launch(
         min(-(-num_rows // GATHER_ROWS), MAX_GROUPS), group_size,
         GatherParams(num_src=num_src, hidden=hidden, num_rows=num_rows, row_vectors=row_vectors),
-        (("InT", in_dtype), ("OutT", out_dtype), ("SAME_DTYPE", same_dtype), ("BitsT", bits),
-         ("VECTORS", vectors), ("ROWS", GATHER_ROWS)),
+        (("InT", in_dtype), ("OutT", out_dtype), ("SAME_DTYPE", same_dtype),
+         ("BitsT", _bits_type(in_dtype)), ("VECTORS", vectors), ("ROWS", GATHER_ROWS)),
         (((num_rows, hidden), out_dtype),),
     )
 
@@ -368,7 +373,7 @@ def argsort_slice_launch(num_rows: int, row_size: int, start: int, count: int,
     return Launch(
         min(num_rows, MAX_GROUPS), min(256, _round_up(row_size, 32)),
         ArgsortSliceParams(num_rows=num_rows, row_size=row_size, start=start, count=count),
-        (("InT", dtype), ("BitsT", "uint16" if ELEMENT_BYTES[dtype] == 2 else "uint32"),
+        (("InT", dtype), ("BitsT", _bits_type(dtype)),
          ("IN_KIND", ROW_KINDS.index(dtype)), ("MAX_ROW", ARGSORT_SLICE_MAX_ROW)),
         (((num_rows, count), "uint32"),),
     )
