@@ -234,6 +234,15 @@ def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.Referen
     )
 
 
+def _device_buffer(array: np.ndarray) -> np.ndarray:
+    """`array`, or flat and padded with zeros to 8 elements if it has fewer,
+    as `_gpu._device_buffer` hands the inputs a body points into to Metal
+    (the bodies never read the padding)."""
+    if array.size >= 8:
+        return array
+    return np.concatenate([array.reshape(-1), np.zeros(8 - array.size, array.dtype)])
+
+
 def gather(src: np.ndarray, index: np.ndarray, out_dtype: str) -> np.ndarray:
     """`out[r] = src[index[r]]` (zeros where absent) as `_gpu._gather` runs it.
 
@@ -245,9 +254,7 @@ def gather(src: np.ndarray, index: np.ndarray, out_dtype: str) -> np.ndarray:
     if num_rows == 0 or hidden == 0:
         return np.zeros((num_rows, hidden), DTYPES[out_dtype][0])
     gather_launch = launch.gather_launch(num_src, hidden, num_rows, dtype_name(src), out_dtype)
-    if src.size < 8:  # as _gpu.py pads it for Metal; rows past num_src are never read
-        src = np.concatenate([src, np.zeros((-(-8 // hidden), hidden), src.dtype)])
-    (out,) = run("gather", [src, np.asarray(index, np.int32)], gather_launch)
+    (out,) = run("gather", [_device_buffer(src), np.asarray(index, np.int32)], gather_launch)
     return out
 
 
@@ -264,7 +271,8 @@ def combine(src: np.ndarray, index: np.ndarray, weights, out_dtype: str) -> np.n
     combine_launch = launch.combine_launch(
         num_src, hidden, num_out, fan_in, has_weights, dtype_name(src), out_dtype)
     weights_in = np.asarray(weights, np.float32) if has_weights else np.zeros(1, np.float32)
-    (out,) = run("combine", [src, np.asarray(index, np.int32), weights_in], combine_launch)
+    (out,) = run("combine", [_device_buffer(src), np.asarray(index, np.int32), weights_in],
+                 combine_launch)
     return out
 
 
@@ -287,10 +295,12 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
         num_experts, in_dims, out_dims, capacity, bits, group_size, dtype_name(rows),
         num_rows=None if row_tokens is None else num_rows, gated=up is not None)
     offsets = np.asarray(expert_offsets, np.int32)
-    up_weight, up_scales, up_biases = (weight, scales, biases) if up is None else up
+    weight = np.asarray(weight, np.uint32)
+    matrices = [_device_buffer(a) for a in (weight, scales, biases)]
+    up = matrices if up is None else \
+        [_device_buffer(a) for a in (np.asarray(up[0], np.uint32), *up[1:])]
     arrays = [rows, offsets if row_tokens is None else np.asarray(row_tokens, np.int32),
-              np.asarray(weight, np.uint32), scales, biases, np.asarray(up_weight, np.uint32),
-              up_scales, up_biases, offsets]
+              *matrices, *up, offsets]
     (out,) = run("grouped_qmm", arrays, qmm_launch)
     return out
 
@@ -304,8 +314,5 @@ def argsort_slice(values: np.ndarray, start: int, count: int) -> np.ndarray:
         return np.zeros((0, count), np.uint32)
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
                                                dtype_name(values))
-    flat = values.reshape(-1)
-    if flat.size < 8:  # as _gpu.py pads it for Metal; never read past the rows
-        flat = np.concatenate([flat, np.zeros(8 - flat.size, flat.dtype)])
-    (indices,) = run("argsort_slice", [flat], slice_launch)
+    (indices,) = run("argsort_slice", [_device_buffer(values)], slice_launch)
     return indices
