@@ -5,10 +5,11 @@ that is that block's `__call__` line for line, except that the experts'
 weighted sum, `(switch_mlp(x, inds) * scores[..., None]).sum(-2)`, is one
 `SwitchGLU.weighted_sum` (one `moe_combine` in place of unsort, multiply and
 sum), and that its top k is `routing.top_k` or `routing.bottom_k` (the same
-indices as its `argpartition`, in one launch on a GPU). The forward mirrors mlx-lm's code, so it is used only while that code
-reads as it did when the forward was written: each entry keeps a digest of
-the block's `__call__` source (mlx-lm 0.32.2), and a block whose source
-differs keeps its own call (patched experts, unfused sum, still correct).
+indices as its `argpartition`, in one launch on a GPU). The forward mirrors
+mlx-lm's code, so it is used only while that code reads as it did when the
+forward was written: each entry keeps a digest of the block's `__call__`
+source (mlx-lm 0.32.2), and a block whose source differs keeps its own call
+(patched experts, unfused sum, still correct).
 `tests/test_nn.py::test_fused_blocks_match_mlx_lm` names any block whose
 digest no longer matches the installed mlx-lm and prints its new digest.
 
