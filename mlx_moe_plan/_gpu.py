@@ -186,13 +186,15 @@ class GpuBackend:
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
 
     def argsort_slice(self, values: mx.array, start: int, count: int, *,
-                      stream: mx.Stream) -> mx.array:
-        """`mx.argsort(values)[..., start:start + count]`, uint32, in one launch
-        (kernels/argsort_slice.h): positions of each row's stable ascending sort,
-        NaN last, as MLX's GPU `argpartition` orders a row. For float rows of at
-        most `launch.ARGSORT_SLICE_MAX_ROW` values, `0 <= start`, `1 <= count`,
-        `start + count <= values.shape[-1]`; no gradient (indices)."""
-        return _argsort_slice(self.backend, mx.stop_gradient(values), start, count, stream)
+                      stream: mx.Stream) -> tuple[mx.array, mx.array]:
+        """`mx.argsort(values)[..., start:start + count]`, uint32, and the values
+        at those indices, `mx.take_along_axis(values, indices, axis=-1)`, in one
+        launch (kernels/argsort_slice.h): positions of each row's stable
+        ascending sort, NaN last, as MLX's GPU `argpartition` orders a row.
+        For float rows of at most `launch.ARGSORT_SLICE_MAX_ROW` values,
+        `0 <= start`, `1 <= count`, `start + count <= values.shape[-1]`.
+        The values' gradient is `take_along_axis`'s; the indices have none."""
+        return _argsort_slice_function(self.backend, start, count, stream)(values)
 
     def grouped_qmm(
         self,
@@ -267,9 +269,27 @@ def _argsort_slice(backend, values, start, count, stream):
         return mx.zeros((*rows_shape, count), mx.uint32)
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
                                                _name(values.dtype))
-    (indices,) = _run(backend, "argsort_slice", [_device_buffer(values, stream)],
-                      slice_launch, stream)
-    return indices.reshape(*rows_shape, count)
+    indices, slice_values = _run(backend, "argsort_slice", [_device_buffer(values, stream)],
+                                 slice_launch, stream)
+    return indices.reshape(*rows_shape, count), slice_values.reshape(*rows_shape, count)
+
+
+@_cache_by_stream
+def _argsort_slice_function(backend, start, count, stream):
+    @mx.custom_function
+    def argsort_slice(values):
+        return _argsort_slice(backend, values, start, count, stream)
+
+    @argsort_slice.vjp
+    def argsort_slice_vjp(primals, cotangents, outputs):
+        # The gradient of take_along_axis at the same indices, by MLX's own
+        # (one input: MLX hands it over as itself, not in a tuple).
+        values, (indices, _) = primals, outputs
+        _, (grad,) = mx.vjp(lambda v: mx.take_along_axis(v, indices, axis=-1, stream=stream),
+                            [values], [cotangents[1]])
+        return grad
+
+    return argsort_slice
 
 
 def _device_buffer(array, stream):

@@ -4,12 +4,13 @@ Each entry of `FUSED_BLOCKS` names an mlx-lm block class and holds a forward
 that is that block's `__call__` line for line, except that the experts'
 weighted sum, `(switch_mlp(x, inds) * scores[..., None]).sum(-2)`, is one
 `SwitchGLU.weighted_sum` (one `moe_combine` in place of unsort, multiply and
-sum), and that its top k is `routing.top_k` or `routing.bottom_k` (the same
-indices as its `argpartition`, in one launch on a GPU). The forward mirrors
-mlx-lm's code, so it is used only while that code reads as it did when the
-forward was written: each entry keeps a digest of the block's `__call__`
-source (mlx-lm 0.32.2), and a block whose source differs keeps its own call
-(patched experts, unfused sum, still correct).
+sum), and that its top k is `routing.top_k_scores` or `routing.bottom_k` (the
+same indices as its `argpartition`, and the scores its `take_along_axis`
+picks, in one launch on a GPU). The forward mirrors mlx-lm's code, so it is
+used only while that code reads as it did when the forward was written: each
+entry keeps a digest of the block's `__call__` source (mlx-lm 0.32.2), and a
+block whose source differs keeps its own call (patched experts, unfused sum,
+still correct).
 `tests/test_nn.py::test_fused_blocks_match_mlx_lm` names any block whose
 digest no longer matches the installed mlx-lm and prints its new digest.
 
@@ -37,8 +38,7 @@ def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
     """Qwen3-MoE's and Qwen3-Next's routing: top-k of the softmax, renormalized."""
     gates = mx.softmax(block.gate(x), axis=-1, precise=True)
     k = block.top_k
-    inds = routing.top_k(gates, k)
-    scores = mx.take_along_axis(gates, inds, axis=-1)
+    inds, scores = routing.top_k_scores(gates, k)  # and take_along_axis(gates, inds)
     if block.norm_topk_prob:
         scores = scores / mx.sum(scores, axis=-1, keepdims=True)
     return inds, scores
@@ -78,10 +78,9 @@ GPT_OSS_TOP_K_DIGEST = "12f0d87634ca5224"
 
 
 def _gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
-    # The block's own top-k, mlx_lm.models.gpt_oss.mlx_topk, with routing.top_k.
-    logits = block.router(x)
-    indices = routing.top_k(logits, block.num_experts_per_tok)
-    expert_logits = mx.take_along_axis(logits, indices, axis=-1)
+    # The block's own top-k, mlx_lm.models.gpt_oss.mlx_topk (argpartition's
+    # slice and take_along_axis), as routing.top_k_scores.
+    indices, expert_logits = routing.top_k_scores(block.router(x), block.num_experts_per_tok)
     expert_weights = mx.softmax(expert_logits, axis=-1, precise=True)
     return block.experts.weighted_sum(x, indices, expert_weights)
 

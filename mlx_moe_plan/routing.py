@@ -12,7 +12,9 @@ same order, in one launch of its own: each index is its element's rank in
 the row (4.3 us a layer at batch 32; both under Nsight Compute, RESULTS.md).
 Elsewhere (the CPU, whose `argpartition` does not sort) these are mlx-lm's
 own expressions, so a patched model routes as the unpatched one on every
-backend.
+backend. The same launch gives the scores at those indices
+(`top_k_scores`), which the routers would otherwise gather with
+`take_along_axis`, a launch more.
 """
 
 from __future__ import annotations
@@ -43,6 +45,22 @@ def top_k(scores: mx.array, k: int) -> mx.array:
     Returns:
         array: uint32 `[..., k]`, no gradient.
     """
+    return _partition_slice(scores, k, largest=True)[0]
+
+
+def top_k_scores(scores: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """`top_k(scores, k)` and the scores it picks, `mx.take_along_axis(scores,
+    indices, axis=-1)`: on a GPU from the same launch (no gather after it).
+
+    Args:
+        scores (array): Float scores `[..., E]`.
+        k (int): Experts a token, `1 <= k <= E`.
+
+    Returns:
+        tuple(array, array): uint32 indices `[..., k]` (no gradient), and
+        their scores `[..., k]` in `scores`' dtype, bit for bit
+        `take_along_axis`'s, with its gradient.
+    """
     return _partition_slice(scores, k, largest=True)
 
 
@@ -57,14 +75,18 @@ def bottom_k(values: mx.array, k: int) -> mx.array:
     Returns:
         array: uint32 `[..., k]`, no gradient.
     """
-    return _partition_slice(values, k, largest=False)
+    return _partition_slice(values, k, largest=False)[0]
 
 
-def _partition_slice(values: mx.array, k: int, largest: bool) -> mx.array:
-    """The last k (`largest`) or the first k of `values`' argpartition."""
+def _partition_slice(values: mx.array, k: int, largest: bool) -> tuple[mx.array, mx.array]:
+    """The last k (`largest`) or the first k of `values`' argpartition, and
+    the values at them (lazy: where unread, no kernel runs for them on the CPU)."""
     stream = _backend.resolve_stream(None)
     if not _sorts_here(values, k, stream):
         order = mx.argpartition(values, kth=-k if largest else k - 1, axis=-1)
-        return mx.stop_gradient(order[..., -k:] if largest else order[..., :k])
+        indices = mx.stop_gradient(order[..., -k:] if largest else order[..., :k])
+        return indices, mx.take_along_axis(values, indices, axis=-1)
     start = values.shape[-1] - k if largest else 0
-    return _backend.implementation(stream).argsort_slice(values, start, k, stream=stream)
+    indices, picked = _backend.implementation(stream).argsort_slice(values, start, k,
+                                                                    stream=stream)
+    return mx.stop_gradient(indices), picked

@@ -305,14 +305,15 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     return out
 
 
-def argsort_slice(values: np.ndarray, start: int, count: int) -> np.ndarray:
+def argsort_slice(values: np.ndarray, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions [start, start + count) of each row's stable ascending argsort,
-    as `_gpu.GpuBackend.argsort_slice` runs it; `values` [rows, E] float32,
-    float16 or uint16 (bfloat16 bits). Returns uint32 [rows, count]."""
+    and the values there, as `_gpu.GpuBackend.argsort_slice` runs it; `values`
+    [rows, E] float32, float16 or uint16 (bfloat16 bits). Returns uint32
+    [rows, count] and [rows, count] of `values`' dtype."""
     num_rows, row_size = values.shape
     if num_rows == 0:
-        return np.zeros((0, count), np.uint32)
+        return np.zeros((0, count), np.uint32), np.zeros((0, count), values.dtype)
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
                                                dtype_name(values))
-    (indices,) = run("argsort_slice", [_device_buffer(values)], slice_launch)
-    return indices
+    indices, slice_values = run("argsort_slice", [_device_buffer(values)], slice_launch)
+    return indices, slice_values

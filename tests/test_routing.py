@@ -46,6 +46,60 @@ def test_top_k_is_argpartitions_slice(device, rows, experts, dtype, data, seed):
                                       ref.argsort_slice(values, experts - k, k))
 
 
+def test_top_k_scores_are_take_along_axis(device):
+    """The scores beside the indices: take_along_axis's bits, and its gradient."""
+    rng = np.random.default_rng(11)
+    scores = _scores(rng, 5, 32, mx.bfloat16)
+    weights = mx.array(rng.standard_normal((5, 4)).astype(np.float32))
+    with mx.stream(device):
+        indices, picked = routing.top_k_scores(scores, 4)
+        want_indices = mx.argpartition(scores, kth=-4, axis=-1)[..., -4:]
+        want = mx.take_along_axis(scores, want_indices, axis=-1)
+
+        def weighted(s):
+            return (routing.top_k_scores(s, 4)[1].astype(mx.float32) * weights).sum()
+
+        def weighted_by_take(s):
+            return (mx.take_along_axis(s, want_indices, axis=-1).astype(mx.float32)
+                    * weights).sum()
+
+        grad, want_grad = mx.grad(weighted)(scores), mx.grad(weighted_by_take)(scores)
+        mx.eval(indices, picked, want_indices, want, grad, want_grad)
+    np.testing.assert_array_equal(np.array(indices), np.array(want_indices))
+    assert picked.dtype == mx.bfloat16
+    np.testing.assert_array_equal(np.array(picked.view(mx.uint16)), np.array(want.view(mx.uint16)))
+    assert np.abs(np.array(want_grad.astype(mx.float32))).max() > 0
+    np.testing.assert_array_equal(np.array(grad.view(mx.uint16)), np.array(want_grad.view(mx.uint16)))
+
+
+def test_gpu_glue_gradient_is_take_along_axis(monkeypatch):
+    """The GPU path's custom function (_gpu.GpuBackend.argsort_slice), its
+    kernel stood in for by MLX's own ops on the CPU: the gradient reaches the
+    scores as take_along_axis's, and not through the indices."""
+    from mlx_moe_plan import _gpu
+
+    def stand_in(backend, values, start, count, stream):
+        order = mx.argsort(values, axis=-1)[..., start:start + count]
+        return order, mx.take_along_axis(values, order, axis=-1)
+
+    monkeypatch.setattr(_gpu, "_argsort_slice", stand_in)
+    rng = np.random.default_rng(12)
+    scores = mx.array(rng.standard_normal((3, 16)).astype(np.float32))
+    weights = mx.array(rng.standard_normal((3, 4)).astype(np.float32))
+    glue = _gpu.GpuBackend("cuda")
+    with mx.stream(mx.cpu):
+        def weighted(s):
+            return (glue.argsort_slice(s, 12, 4, stream=mx.default_stream(mx.cpu))[1]
+                    * weights).sum()
+
+        grad = mx.grad(weighted)(scores)
+        order = mx.argsort(scores, axis=-1)[..., 12:]
+        want = mx.grad(lambda s: (mx.take_along_axis(s, order, axis=-1) * weights).sum())(scores)
+        mx.eval(grad, want)
+    assert np.count_nonzero(np.array(want)) == 12
+    np.testing.assert_array_equal(np.array(grad), np.array(want))
+
+
 def test_top_k_keeps_leading_axes(device):
     scores = _scores(np.random.default_rng(3), 6, 16, mx.bfloat16).reshape(2, 3, 16)
     with mx.stream(device):

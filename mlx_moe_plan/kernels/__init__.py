@@ -53,7 +53,8 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     launch:   `launch.argsort_slice_launch`, `launch.ArgsortSliceParams`
     GPU glue: `_gpu.GpuBackend.argsort_slice`
     C++:      none (the CPU runs MLX's `argpartition`, as mlx-lm's routers do)
-    gradient: none (indices)
+    gradient: the values beside the indices: `take_along_axis`'s
+              (`_gpu._argsort_slice_function`); the indices: none
     tests:    `tests/test_routing.py`, `tests/test_kernels_pocl.py` (argsort_slice)
 
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL

@@ -16,12 +16,16 @@
 // a positive value's bits with the sign bit set, a negative value's bits
 // inverted (a larger magnitude, a smaller key), both zeros the key of +0 (they
 // compare equal), and every NaN the largest key (NaNs equal one another).
+// Beside each index, its value, as take_along_axis(values, indices) gives it
+// (its bits: a router weights its experts with them, and a second launch
+// would gather them again).
 // The body casts values to raw types, so values must be a `device` buffer on
 // Metal: the host pads it to at least 8 elements, below which MLX passes
 // `constant`.
 // Inputs: values InT [num_rows, row_size]; params int32, the fields of
 //   launch.py's ArgsortSliceParams in order (read below).
-// Outputs: indices uint32 [num_rows, count].
+// Outputs: indices uint32 [num_rows, count]; slice_values InT [num_rows,
+//   count], the value at each index.
 // Template constants: InT, BitsT (an unsigned integer type of InT's width),
 //   IN_KIND (0 float32, 1 float16, 2 bfloat16), MAX_ROW (the longest row).
 const int num_rows = params[0];
@@ -36,6 +40,7 @@ const unsigned ALL_BITS = IN_KIND == 0 ? 0xFFFFFFFFu : 0xFFFFu;
 const unsigned INFINITY_BITS = IN_KIND == 0 ? 0x7F800000u : (IN_KIND == 1 ? 0x7C00u : 0x7F80u);
 SHARED unsigned row_keys[MAX_ROW];
 GLOBAL const BitsT* value_bits = (GLOBAL const BitsT*)values;
+GLOBAL BitsT* slice_value_bits = (GLOBAL BitsT*)slice_values;
 
 for (int row = GROUP_ID; row < num_rows; row += NUM_GROUPS) {
   for (int i = LOCAL_ID; i < row_size; i += GROUP_SIZE) {
@@ -55,6 +60,7 @@ for (int row = GROUP_ID; row < num_rows; row += NUM_GROUPS) {
     }
     if (rank >= start && rank < start + count) {
       indices[(i64)row * count + rank - start] = (unsigned)i;
+      slice_value_bits[(i64)row * count + rank - start] = value_bits[(i64)row * row_size + i];
     }
   }
   BARRIER();  // the next row's keys overwrite these

@@ -57,7 +57,7 @@ INPUTS_OUTPUTS = {
     "combine": (("src", "index", "weights", "params"), ("out",)),
     "grouped_qmm": (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
                      "up_scales", "up_biases", "expert_offsets", "params"), ("out",)),
-    "argsort_slice": (("values", "params"), ("indices",)),
+    "argsort_slice": (("values", "params"), ("indices", "slice_values")),
 }
 
 
@@ -375,5 +375,5 @@ def argsort_slice_launch(num_rows: int, row_size: int, start: int, count: int,
         ArgsortSliceParams(num_rows=num_rows, row_size=row_size, start=start, count=count),
         (("InT", dtype), ("BitsT", _bits_type(dtype)),
          ("IN_KIND", ROW_KINDS.index(dtype)), ("MAX_ROW", ARGSORT_SLICE_MAX_ROW)),
-        (((num_rows, count), "uint32"),),
+        (((num_rows, count), "uint32"), ((num_rows, count), dtype)),
     )
