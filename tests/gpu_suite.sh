@@ -47,7 +47,8 @@
 #               sorted rows, and the weight-read floor, every shape, T = 1 to 64,
 #               in several tilings (launch.GroupedQmmTiling): the default loads
 #               1, 2 or 4 quantization groups ahead by the row's length
-#               (launch.grouped_qmm_steps), each of them fixed beside it.
+#               (launch.grouped_qmm_steps), each of them fixed beside it, and
+#               one load a word and a value (wide_loads=0) beside the wide loads.
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
 #               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
 #   ep-tests    the expert-parallel tests over NCCL, one GPU a rank
@@ -178,7 +179,7 @@ fi
 if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
-    --tilings "default;steps=1;steps=2;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
+    --tilings "default;wide_loads=0;steps=1;steps=2;steps=2,wide_loads=0;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
 fi
 two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
   local name=$1

@@ -73,6 +73,26 @@ def test_decoding_shapes(tokens, in_dims, out_dims):
     _check(rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 
+@pytest.mark.parametrize("steps", [None, 2, 4])
+@pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048)], ids=["gate", "down"])
+def test_wide_loads_change_no_bit(steps, in_dims, out_dims):
+    """A lane's words and its steps' scales read in one load each (the
+    tiling's `wide_loads`) or one by one: the same values, the same sums, the
+    same bits (Qwen3-30B-A3B's projections at batch 32; 768 / 64 = 12 groups a
+    row, which 4 steps do not cover evenly)."""
+    rng = np.random.default_rng(steps or 1)
+    routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(32)])
+    counts = np.bincount(routed.reshape(-1), minlength=128)
+    case = grouped_qmm_case(rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 3)
+    outs = []
+    for wide_loads in (0, 1):
+        with launch.grouped_qmm_tiling(steps=steps, wide_loads=wide_loads):
+            outs.append(ref.to_numpy(_run(*case, 4, 64, "bfloat16")))
+    assert np.array_equal(outs[0], outs[1])
+    offsets, weight, scales, biases, rows, _ = case
+    assert_gemm_close(outs[1], rows, weight, scales, biases, offsets, 4, 64, "bfloat16")
+
+
 @pytest.mark.parametrize("active", [1, 5, 300, MAX_EXPERTS])
 def test_more_items_than_groups(active):
     """Up to MAX_EXPERTS experts, with more (expert, columns) items than the

@@ -385,7 +385,8 @@ def test_grouped_qmm_more_items_than_groups(active):
 
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)
 def test_grouped_qmm_unaligned_rows(name):
-    """Rows taken as unaligned (an MLX view on a GPU) are read value by value."""
+    """Rows, words and scales taken as unaligned (MLX views on a GPU) are read
+    value by value, word by word."""
     rng = np.random.default_rng(23)
     with ocl.unaligned_buffers():
         _check_grouped_qmm(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, name, 3)
@@ -466,9 +467,10 @@ def test_grouped_qmm_token_rows_stay_inside():
 
 @pytest.mark.parametrize("changes", [dict(gated_tiles=1),
                                      dict(gated_tiles=3, row_tiles=2, steps=2),
-                                     dict(threads=32, max_groups=1)],
+                                     dict(threads=32, max_groups=1), dict(wide_loads=0),
+                                     dict(steps=4)],
                          ids=["gated_tiles=1", "gated_tiles=3,row_tiles=2,steps=2",
-                              "threads=32,max_groups=1"])
+                              "threads=32,max_groups=1", "wide_loads=0", "steps=4"])
 def test_grouped_qmm_fused_tilings(changes):
     rng = np.random.default_rng(31)
     with launch.grouped_qmm_tiling(**changes):
@@ -480,7 +482,8 @@ def test_grouped_qmm_fused_tilings(changes):
 # must give the reference's sums before it is worth timing.
 TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=2),
            dict(threads=256, tiles=1), dict(threads=32), dict(max_groups=1),
-           dict(steps=3)]  # groups of a row not a multiple of STEPS: the last run clamped
+           dict(steps=3),  # groups of a row not a multiple of STEPS: the last run clamped
+           dict(wide_loads=0), dict(steps=2), dict(steps=4, wide_loads=0)]
 
 
 @pytest.mark.parametrize("changes", TILINGS,

@@ -58,7 +58,8 @@
 //   multiple of THREADS, at least E), TILES (16-column tiles a warp; when
 //   GATED, an even count, the first half the gate's and the second up's of the
 //   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
-//   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above).
+//   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above),
+//   WIDE_LOADS (below).
 const int num_experts = params[0];
 const int in_dims = params[1];
 const int out_dims = params[2];
@@ -73,6 +74,20 @@ const int warp = LOCAL_ID / 32;
 const int fragment_row = lane / 4;  // PTX's groupID
 const int fragment_slot = lane % 4;  // PTX's threadID_in_group
 const bool vectors = IS_ALIGNED16(rows);
+// WIDE_LOADS: a lane's words of a column and group in one load (LANE_WORDS
+// of them, 8 or 16 bytes, aligned so where the matrices are: a column's row
+// is 16 * LANE_WORDS bytes and a lane starts at a multiple of LANE_WORDS
+// words), and STEPS groups' scales (and biases) of a column in one load
+// where the steps cover the row evenly. A warp's load names 8 columns' rows,
+// 8 cache lines an instruction, and the kernel's time follows its count of
+// such instructions (RESULTS.md, "Prefetching into L2"): fewer, wider ones.
+const bool WIDE_WORDS = WIDE_LOADS ? LANE_WORDS % 2 == 0 : false;
+const bool WIDE_SCALES = WIDE_LOADS ? (STEPS == 2 ? true : STEPS == 4) : false;
+const bool word_vectors = WIDE_WORDS ? IS_ALIGNED16(weight) && IS_ALIGNED16(up_weight) : false;
+const bool scale_vectors = WIDE_SCALES && row_groups % STEPS == 0
+                           ? IS_ALIGNED16(scales) && IS_ALIGNED16(biases)
+                             && IS_ALIGNED16(up_scales) && IS_ALIGNED16(up_biases)
+                           : false;
 // Tiles of distinct columns a warp: when GATED, tile t and t + COLUMN_TILES
 // are the gate's and up's of the same 16 columns.
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
@@ -186,6 +201,33 @@ UNROLL
       unsigned halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
       float scale[STEPS * TILES * 2];
       float bias[STEPS * TILES * 2];
+      if (scale_vectors) {  // the steps' groups group0, ..., all inside the row
+UNROLL
+        for (int i = 0; i < TILES * 2; ++i) {
+          unsigned scale_bits[(STEPS + 1) / 2];  // STEPS 2 or 4 here; no array of 0
+          unsigned bias_bits[(STEPS + 1) / 2];
+          if (STEPS == 2) {
+            scale_bits[0] = ((GLOBAL const unsigned*)(column_scales[i] + group0))[0];
+            bias_bits[0] = ((GLOBAL const unsigned*)(column_biases[i] + group0))[0];
+          } else {
+            const uint2 scale_pairs = ((GLOBAL const uint2*)(column_scales[i] + group0))[0];
+            const uint2 bias_pairs = ((GLOBAL const uint2*)(column_biases[i] + group0))[0];
+            scale_bits[0] = scale_pairs.x;
+            scale_bits[STEPS / 2 - 1] = scale_pairs.y;
+            bias_bits[0] = bias_pairs.x;
+            bias_bits[STEPS / 2 - 1] = bias_pairs.y;
+          }
+UNROLL
+          for (int s = 0; s < STEPS; ++s) {  // group0 + s: half s % 2 of pair s / 2
+            const unsigned scale_half = (scale_bits[s / 2] >> (16 * (s % 2))) & 0xFFFFu;
+            const unsigned bias_half = (bias_bits[s / 2] >> (16 * (s % 2))) & 0xFFFFu;
+            scale[s * TILES * 2 + i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(scale_half)
+                                                    : BITS_TO_FLOAT(scale_half << 16);
+            bias[s * TILES * 2 + i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(bias_half)
+                                                   : BITS_TO_FLOAT(bias_half << 16);
+          }
+        }
+      }
 UNROLL
       for (int s = 0; s < STEPS; ++s) {
         const int quant_group = STEPS == 1 ? group0 : min(group0 + s, row_groups - 1);
@@ -193,11 +235,22 @@ UNROLL
 UNROLL
         for (int i = 0; i < TILES * 2; ++i) {
           const int at = s * TILES * 2 + i;
-          scale[at] = LOAD_IN(column_scales[i], quant_group);
-          bias[at] = LOAD_IN(column_biases[i], quant_group);
+          if (!scale_vectors) {
+            scale[at] = LOAD_IN(column_scales[i], quant_group);
+            bias[at] = LOAD_IN(column_biases[i], quant_group);
+          }
+          if (word_vectors) {
 UNROLL
-          for (int w = 0; w < LANE_WORDS; ++w) {
-            packed[at * LANE_WORDS + w] = column_words[i][word0 + w];
+            for (int w = 0; w < LANE_WORDS; w += 2) {
+              const uint2 pair = ((GLOBAL const uint2*)(column_words[i] + word0 + w))[0];
+              packed[at * LANE_WORDS + w] = pair.x;
+              packed[at * LANE_WORDS + w + 1] = pair.y;
+            }
+          } else {
+UNROLL
+            for (int w = 0; w < LANE_WORDS; ++w) {
+              packed[at * LANE_WORDS + w] = column_words[i][word0 + w];
+            }
           }
         }
 UNROLL

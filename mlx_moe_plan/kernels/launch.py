@@ -103,12 +103,18 @@ class GroupedQmmTiling:
     # row's length and the fusion (grouped_qmm_steps)
     steps: int | None = None
     max_groups: int = 512  # groups at most, sharing the items
+    # a lane's words of a column, and its steps' scales, in one load each
+    # where the matrices allow it (1), or one load a word and a value (0): WIDE_LOADS
+    wide_loads: int = 1
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
         if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles,
                1 if self.steps is None else self.steps, self.max_groups) < 1:
-            raise ValueError(f"grouped_qmm tiling: every field must be at least 1: {self}")
+            raise ValueError(f"grouped_qmm tiling: every field but wide_loads must be at least "
+                             f"1: {self}")
+        if self.wide_loads not in (0, 1):
+            raise ValueError(f"grouped_qmm tiling: wide_loads is 0 or 1: {self}")
         if self.threads % 32 or MAX_EXPERTS % self.threads:
             raise ValueError(f"grouped_qmm tiling: threads must be a multiple of 32 that "
                              f"divides MAX_EXPERTS ({MAX_EXPERTS}): {self}")
@@ -353,7 +359,8 @@ def _grouped_qmm_launch(
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
          ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
          ("STEPS", tiling.steps or grouped_qmm_steps(in_dims // quant_group, gated)),
-         ("GATED", gated), ("TOKEN_ROWS", num_rows is not None)),
+         ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
+         ("WIDE_LOADS", bool(tiling.wide_loads))),
         (((capacity, out_dims), dtype),),
     )
 
