@@ -266,7 +266,8 @@ def _argsort_slice(backend, values, start, count, stream):
     *rows_shape, row_size = values.shape
     num_rows = math.prod(rows_shape)
     if num_rows == 0:
-        return mx.zeros((*rows_shape, count), mx.uint32)
+        return (mx.zeros((*rows_shape, count), mx.uint32),
+                mx.zeros((*rows_shape, count), values.dtype))
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
                                                _name(values.dtype))
     indices, slice_values = _run(backend, "argsort_slice", [_device_buffer(values, stream)],

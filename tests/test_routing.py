@@ -100,6 +100,21 @@ def test_gpu_glue_gradient_is_take_along_axis(monkeypatch):
     np.testing.assert_array_equal(np.array(grad), np.array(want))
 
 
+def test_no_rows_give_indices_and_scores(device):
+    # An empty batch: both outputs, empty, from the GPU glue as from MLX's ops
+    # (the glue returns before any launch, so it runs here on any machine).
+    from mlx_moe_plan import _gpu
+
+    scores = mx.zeros((2, 0, 16), mx.bfloat16)
+    with mx.stream(device):
+        indices, picked = routing.top_k_scores(scores, 4)
+        glue_indices, glue_picked = _gpu._argsort_slice("cuda", scores, 12, 4,
+                                                        mx.default_stream(device))
+    for got_indices, got_picked in [(indices, picked), (glue_indices, glue_picked)]:
+        assert got_indices.shape == got_picked.shape == (2, 0, 4)
+        assert got_indices.dtype == mx.uint32 and got_picked.dtype == mx.bfloat16
+
+
 def test_top_k_keeps_leading_axes(device):
     scores = _scores(np.random.default_rng(3), 6, 16, mx.bfloat16).reshape(2, 3, 16)
     with mx.stream(device):
