@@ -30,7 +30,7 @@ import sys
 
 import mlx.core as mx
 
-from .model import decode_step, decode_steps, fill_context, random_model, shared_copy
+from .model import decode_step, decode_steps, fill_context, patched_copy, random_model
 from .workloads import MODELS, with_layers
 
 TIMED_STEPS = 20
@@ -105,10 +105,7 @@ def main(argv=None) -> int:
         return 0
     config = with_layers(MODELS[args.models], args.layers)
     model, _ = random_model(config, dtype=getattr(mx, args.dtype), bits=4, group_size=64)
-    patched = shared_copy(model)
-    from mlx_moe_plan.nn import patch_model
-
-    patch_model(patched)
+    patched, _ = patched_copy(model, tile_m=None, no_compile=False)
     side = patched if args.side == "patched" else model
     cuda = mx.default_device().type == mx.gpu and mx.cuda.is_available()
     for batch in (int(b) for b in args.batches.split(",")):
