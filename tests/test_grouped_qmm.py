@@ -78,8 +78,10 @@ def test_decoding_shapes(tokens, in_dims, out_dims):
 def test_wide_loads_change_no_bit(steps, in_dims, out_dims):
     """A lane's words and its steps' scales read in one load each (the
     tiling's `wide_loads`) or one by one: the same values, the same sums, the
-    same bits (Qwen3-30B-A3B's projections at batch 32; 768 / 64 = 12 groups a
-    row, which 4 steps do not cover evenly)."""
+    same bits (Qwen3-30B-A3B's projections at batch 32, rows of 32 and 12
+    groups, which 2 and 4 steps cover evenly; a row they do not, where the
+    scales load one by one, is test_kernels_pocl.py's
+    test_grouped_qmm_fused_wide_rows, 33 groups and 4 steps)."""
     rng = np.random.default_rng(steps or 1)
     routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(32)])
     counts = np.bincount(routed.reshape(-1), minlength=128)
