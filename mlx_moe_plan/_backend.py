@@ -24,6 +24,9 @@ class Backend(Protocol):
     same bits on every backend (docs/DESIGN.md).
     """
 
+    plan_id_dtypes: tuple[mx.Dtype, ...]
+    """The id dtypes `plan` reads as they are; `moe_plan` converts others to int32."""
+
     def plan(
         self,
         ids: mx.array,
@@ -37,8 +40,9 @@ class Backend(Protocol):
         """The stable counting sort of the routing entries by expert.
 
         Args:
-            ids (array): int32 expert ids of the indices' shape `[..., K]`:
-              negative skips an entry, `>= num_experts` is invalid.
+            ids (array): Expert ids of the indices' shape `[..., K]`, of a
+              dtype in `plan_id_dtypes`: negative skips an entry,
+              `>= num_experts` is invalid.
             weights (array, optional): Float weights of the same shape (any
               float dtype), carried to the rows as float32; or None.
             num_experts (int): Number of experts `E`.

@@ -45,6 +45,8 @@ class CpuBackend:
     satisfy (tests/test_structure.py); it holds no state.
     """
 
+    plan_id_dtypes = (mx.int32,)  # src/plan.cpp reads int32
+
     def plan(
         self,
         ids: mx.array,

@@ -97,8 +97,14 @@ def _params(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
 
 @cache
 def _unused_weights() -> mx.array:
-    """Stands in for an absent weights input (the kernel never reads it)."""
-    return mx.zeros((1,), mx.float32)
+    """Stands in for an absent weights input (the kernel never reads it).
+
+    Evaluated here: made lazily, inside a compiled forward's first trace, it
+    would be two nodes of the trace (a fill and a broadcast), made again at
+    every call of the compiled forward."""
+    unused = mx.zeros((1,), mx.float32)
+    mx.eval(unused)
+    return unused
 
 
 def _name(dtype: mx.Dtype) -> str:
@@ -114,6 +120,10 @@ class GpuBackend:
     Args:
         backend (str): "metal" or "cuda": which instantiation of the kernels.
     """
+
+    # plan.h reads either as it is: uint32 ids, as routers give them, need no
+    # conversion launched before the plan.
+    plan_id_dtypes = (mx.int32, mx.uint32)
 
     def __init__(self, backend: str):
         self.backend = backend

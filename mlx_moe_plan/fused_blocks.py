@@ -24,6 +24,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -153,8 +154,9 @@ def _token_rows_forward(entry: FusedBlock, block: nn.Module, x: mx.array) -> mx.
     weights B times (H200, MLX 0.32.4: Qwen3-30B-A3B's 8-bit router 22.7 us a
     layer at B = 32 under Nsight Compute, its weights 0.13 MB; RESULTS.md).
     As rows, the same sums are one GEMM: each token's row is its own product
-    either way."""
-    out = entry.forward(block, x.reshape(-1, x.shape[-1]))
+    either way. (Sizes spelled out: a reshape with -1 is a graph node even
+    where the shape does not change.)"""
+    out = entry.forward(block, x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -498,7 +498,10 @@ class SwitchGLU(nn.Module):
             # silu(gate) * up: no gathered rows, no separate activation.
             check_tokens(x, plan.indices_shape[:-1])  # as moe_gather checks them
             up = self.up_proj
-            hidden = _grouped_kernel(self.gate_proj, x.reshape(-1, x.shape[-1]), plan_rows,
+            # Sizes spelled out: MLX makes no node for a reshape to the same
+            # shape (tokens given as rows already), but does for one with -1.
+            tokens = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+            hidden = _grouped_kernel(self.gate_proj, tokens, plan_rows,
                                      row_tokens=plan_rows.row_tokens,
                                      up=(up.weight, up.scales, up.biases))
         else:

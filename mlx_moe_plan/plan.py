@@ -112,14 +112,15 @@ def check_plan(plan) -> None:
         raise TypeError(f"plan: expected a MoEPlan, got {type(plan).__name__}")
 
 
-def _as_int32_ids(indices: mx.array, num_experts: int, stream) -> mx.array:
-    """int32 ids with every out-of-range value kept out of range.
+def _as_plan_ids(indices: mx.array, num_experts: int, backend, stream) -> mx.array:
+    """Ids the backend's plan reads, with every out-of-range value kept out of range.
 
-    Kernels read int32. Narrower types convert exactly; wider ones are first
-    clamped to `[-1, num_experts]`, so that no id wraps into a valid expert
-    (2**32 + 3 must stay invalid, not become expert 3).
+    A dtype of `backend.plan_id_dtypes` is read as it is. Others become int32:
+    narrower types convert exactly; wider ones are first clamped to
+    `[-1, num_experts]`, so that no id wraps into a valid expert (2**32 + 3
+    must stay invalid, not become expert 3).
     """
-    if indices.dtype == mx.int32:
+    if indices.dtype in backend.plan_id_dtypes:
         return indices
     if indices.dtype in (mx.int64, mx.uint32, mx.uint64):
         lowest = 0 if indices.dtype in (mx.uint32, mx.uint64) else -1
@@ -184,8 +185,9 @@ def moe_plan(
         )
 
     stream = _backend.resolve_stream(stream)
-    ids = _as_int32_ids(indices, num_experts, stream)
-    outputs, field_of = _backend.implementation(stream).plan(
+    backend = _backend.implementation(stream)
+    ids = _as_plan_ids(indices, num_experts, backend, stream)
+    outputs, field_of = backend.plan(
         ids, weights, num_experts=num_experts, tile_m=tile_m, top_k=top_k, stream=stream
     )
     plan = MoEPlan(

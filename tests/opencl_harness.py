@@ -53,7 +53,8 @@ DTYPES = {
 ROW_DTYPES = ("float32", "float16", "bfloat16")  # prelude_opencl.h's codes 0, 1, 2
 _DTYPE_CODES = {"InT": "IN_DTYPE", "OutT": "OUT_DTYPE"}
 
-# Argument types by name; every other argument is int32.
+# Argument types by name; every other argument is int32, or uint32 where the
+# array given for it is (`run`: the plan's ids, as routers give them).
 _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "float",
               "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT",
               "up_weight": "uint", "up_scales": "InT", "up_biases": "InT",
@@ -133,9 +134,11 @@ def dtype_name(array: np.ndarray) -> str:
     raise TypeError(f"not a row dtype: {array.dtype}")
 
 
-def source(name: str, template: tuple, unaligned: bool = False) -> str:
+def source(name: str, template: tuple, unaligned: bool = False,
+           unsigned_inputs: tuple[str, ...] = ()) -> str:
     """The OpenCL C program of body `name` with `template`'s constants (and
-    every pointer taken as unaligned if `unaligned`)."""
+    every pointer taken as unaligned if `unaligned`); the inputs named in
+    `unsigned_inputs` are uint32, as MLX types an argument by its array."""
     defines = []
     for key, value in template:
         if key in _DTYPE_CODES:
@@ -143,7 +146,8 @@ def source(name: str, template: tuple, unaligned: bool = False) -> str:
         value = DTYPES[value][1] if isinstance(value, str) else int(value)
         defines.append(f"#define {key} {value}")
     inputs, outputs = launch.INPUTS_OUTPUTS[name]
-    arguments = [f"__global const {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in inputs]
+    arguments = [f"__global const {'uint' if arg in unsigned_inputs else _ARG_TYPES.get(arg, 'int')}"
+                 f"* {arg}" for arg in inputs]
     arguments += [f"__global {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in outputs]
     return "\n".join([
         *defines,
@@ -156,10 +160,11 @@ def source(name: str, template: tuple, unaligned: bool = False) -> str:
 
 
 @cache
-def kernel(name: str, template: tuple, unaligned: bool = False) -> cl.Kernel:
-    """The built kernel, one per body and set of defines."""
+def kernel(name: str, template: tuple, unaligned: bool = False,
+           unsigned_inputs: tuple[str, ...] = ()) -> cl.Kernel:
+    """The built kernel, one per body, set of defines and argument types."""
     context, _ = _opencl()
-    program = cl.Program(context, source(name, template, unaligned)).build(
+    program = cl.Program(context, source(name, template, unaligned, unsigned_inputs)).build(
         options=_BUILD_OPTIONS)
     return cl.Kernel(program, f"moe_{name}")
 
@@ -192,9 +197,11 @@ def run(name: str, arrays: list[np.ndarray], kernel_launch: launch.Launch) -> li
         poisoned.view(np.uint8)[...] = POISON_BYTE
         outputs.append(poisoned)
     inputs = [*arrays, np.array(kernel_launch.params, np.int32)]
+    unsigned_inputs = tuple(arg for arg, array in zip(launch.INPUTS_OUTPUTS[name][0], inputs)
+                            if arg not in _ARG_TYPES and array.dtype == np.uint32)
     buffers = [_buffer(context, queue, array) for array in [*inputs, *outputs]]
     size = kernel_launch.group_size
-    kernel(name, kernel_launch.template, _unaligned)(
+    kernel(name, kernel_launch.template, _unaligned, unsigned_inputs)(
         queue, (kernel_launch.groups * size,), (size,), *buffers)
     for array, buffer in zip(outputs, buffers[len(inputs):]):
         cl.enqueue_copy(queue, array, buffer)
@@ -203,9 +210,10 @@ def run(name: str, arrays: list[np.ndarray], kernel_launch: launch.Launch) -> li
 
 
 def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.ReferencePlan:
-    """The plan kernel as `_gpu.GpuBackend.plan` runs it; int32 `ids` [..., K]."""
+    """The plan kernel as `_gpu.GpuBackend.plan` runs it; int32 or uint32 `ids` [..., K]."""
     ids = np.asarray(ids)
-    assert ids.dtype == np.int32, "the kernels read int32 ids (plan.py converts them)"
+    assert ids.dtype in (np.int32, np.uint32), \
+        "the kernel reads int32 or uint32 ids (plan.py converts the others)"
     flat = ids.reshape(-1)
     num_entries = flat.size
     capacity = ref.capacity_for(num_entries, num_experts, tile_m)

@@ -136,8 +136,10 @@ def plan_cases(draw):
                                  "duplicates"]))
     skip_rate = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
     invalid_rate = min(draw(st.sampled_from([0.0, 0.1, 0.3])), 1.0 - skip_rate)
+    # uint32 as routers give them (no skips; invalid ids up to 2**32 - 1).
+    id_dtype = draw(st.sampled_from(["int32", "uint32"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    ids = make_ids(rng, (tokens, top_k), num_experts, "int32", mode, skip_rate, invalid_rate)
+    ids = make_ids(rng, (tokens, top_k), num_experts, id_dtype, mode, skip_rate, invalid_rate)
     weights = _weights(rng, ids.shape) if draw(st.booleans()) else None
     return ids, num_experts, tile_m, weights
 
@@ -158,6 +160,9 @@ PLAN_EDGES = {
     "one_expert_owns_all": (_tokens_of(np.ones(2000), 1000, 2), 3, 1),
     "all_skipped": (_tokens_of(np.full(600, -1), 600, 1), 5, 4),
     "all_invalid": (_tokens_of(_rng.integers(9, INT32_MAX, 700), 350, 2), 9, 1),
+    # uint32 ids from 2**31 on are invalid, not skipped (negative as int32)
+    "uint32_past_int32": (_rng.choice(np.array([0, 5, 6, 2**31, 2**31 + 5, 2**32 - 1], np.uint32),
+                                      1200).reshape(600, 2), 6, 1),
     "one_expert_e1": (_tokens_of(_rng.integers(-1, 2, 1100), 550, 2), 1, 3),
     "same_expert_k16": (_tokens_of(np.repeat(_rng.integers(0, 4, 100), 16), 100, 16), 4, 16),
     "max_experts_tile128": (_tokens_of(_rng.integers(-1, 1025, 1600), 100, 16), 1024, 128),

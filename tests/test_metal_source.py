@@ -71,12 +71,14 @@ def _record() -> list[Launch]:
 
     gpu = _gpu.GpuBackend("metal")
     with mock.patch.object(_gpu, "_kernel", fake_kernel):
-        # plan: tiny arrays (constant address space) up to the expert limit.
+        # plan: tiny arrays (constant address space) up to the expert limit;
+        # int32 ids, and uint32 ones as routers give them.
         for entries, experts, tile_m, top_k in [(1, 1, 1, 1), (6, 3, 2, 2), (3000, 1024, 128, 2),
                                                 (5000, MAX_EXPERTS, 16, 8)]:
-            ids = mx.zeros((entries,), mx.int32)
-            for weights in (None, mx.zeros((entries,), mx.float32)):
-                gpu.plan(ids, weights, num_experts=experts, tile_m=tile_m, top_k=top_k, stream=None)
+            for ids in (mx.zeros((entries,), mx.int32), mx.zeros((entries,), mx.uint32)):
+                for weights in (None, mx.zeros((entries,), mx.float32)):
+                    gpu.plan(ids, weights, num_experts=experts, tile_m=tile_m, top_k=top_k,
+                             stream=None)
         for src_dtype in ROW_DTYPES:
             for dtype in ROW_DTYPES:
                 # gather: tiny, 16-byte rows, 1024-vector rows, odd rows.

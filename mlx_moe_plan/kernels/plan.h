@@ -49,7 +49,11 @@
 // num_rows) are written here too: MLX kernels write fresh outputs, there is no
 // clearing pass, and every element of every output is written exactly once.
 //
-// Inputs: ids int32 [N]; weights [N], any float dtype (or [1], unread, without
+// Inputs: ids int32 or uint32 [N] (uint32 as routers give them: MLX's
+//   argpartition's, read as they are, no conversion launched before the plan;
+//   each id is widened to 64 bits before it is compared, so an unsigned id of
+//   2**31 or more stays invalid, where as an int it would turn negative and be
+//   skipped); weights [N], any float dtype (or [1], unread, without
 //   HAS_WEIGHTS); params int32, the fields of launch.py's PlanParams in order
 //   (read below).
 // Outputs: plan_data int32, the fields of launch.py's PLAN_DATA_FIELDS in
@@ -100,7 +104,8 @@ for (i64 first = LOCAL_ID; first < num_entries; first += 8 * GROUP_SIZE) {
   int ids_read[8];
   for (int u = 0; u < 8; ++u) {
     const i64 at = first + (i64)u * GROUP_SIZE;
-    ids_read[u] = at < num_entries ? ids[at] : -1;
+    const i64 id = at < num_entries ? (i64)ids[at] : -1;  // 64-bit: see Inputs
+    ids_read[u] = id >= num_experts ? num_experts : (int)id;
   }
   for (int u = 0; u < 8; ++u) {
     const int expert = ids_read[u];
@@ -204,10 +209,8 @@ for (int block = 0; block < blocks_per_group; ++block) {
   {
     int expert = -1; // invalid ids (>= E) are skipped, like negative ones
     if (entry < num_entries) {
-      expert = ids[entry];
-      if (expert >= num_experts) {
-        expert = -1;
-      }
+      const i64 id = ids[entry];  // 64-bit: see Inputs
+      expert = id >= num_experts ? -1 : (int)id;
     }
     entry_experts[LOCAL_ID] = expert;
   }
