@@ -170,6 +170,8 @@ def test_backends_satisfy_the_protocol(backend):
     from mlx_moe_plan._backend import Backend
 
     assert isinstance(backend, Backend)
+    # moe_plan converts every other dtype to int32: each plan must read it.
+    assert mx.int32 in backend.plan_id_dtypes
     for name in ("plan", "gather_rows", "combine_rows"):
         declared = inspect.signature(getattr(Backend, name))
         implemented = inspect.signature(getattr(type(backend), name))
