@@ -146,8 +146,9 @@ def source(name: str, template: tuple, unaligned: bool = False,
         value = DTYPES[value][1] if isinstance(value, str) else int(value)
         defines.append(f"#define {key} {value}")
     inputs, outputs = launch.INPUTS_OUTPUTS[name]
-    arguments = [f"__global const {'uint' if arg in unsigned_inputs else _ARG_TYPES.get(arg, 'int')}"
-                 f"* {arg}" for arg in inputs]
+    input_types = ["uint" if arg in unsigned_inputs else _ARG_TYPES.get(arg, "int")
+                   for arg in inputs]
+    arguments = [f"__global const {kind}* {arg}" for kind, arg in zip(input_types, inputs)]
     arguments += [f"__global {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in outputs]
     return "\n".join([
         *defines,
