@@ -24,7 +24,6 @@ import functools
 import hashlib
 import importlib
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -144,22 +143,6 @@ def entry_for(module: nn.Module) -> FusedBlock | None:
 _FUSED_CLASSES: dict[tuple[type, FusedBlock], type] = {}
 
 
-def _token_rows_forward(entry: FusedBlock, block: nn.Module, x: mx.array) -> mx.array:
-    """`entry.forward(block, x)` on the tokens of `x` `[..., D]` as rows `[T, D]`.
-
-    Decoding hands a block `[B, 1, D]`: one token a sequence. MLX's CUDA
-    `quantized_matmul` takes the axis before the last for a GEMM's rows and
-    the ones before it for a batch of GEMMs, so it would run the router (and
-    a block's shared experts) as B products of one row each, which read the
-    weights B times (H200, MLX 0.32.4: Qwen3-30B-A3B's 8-bit router 22.7 us a
-    layer at B = 32 under Nsight Compute, its weights 0.13 MB; RESULTS.md).
-    As rows, the same sums are one GEMM: each token's row is its own product
-    either way. (Sizes spelled out: a reshape with -1 is a graph node even
-    where the shape does not change.)"""
-    out = entry.forward(block, x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def _fused_class(block_class: type, entry: FusedBlock) -> type:
     if (block_class, entry) not in _FUSED_CLASSES:
         def __call__(self, x: mx.array) -> mx.array:
@@ -168,9 +151,9 @@ def _fused_class(block_class: type, entry: FusedBlock) -> type:
                 return block_class.__call__(self, x)
             experts = self[entry.experts]
             if compiles(experts.compile_max_tokens, x):
-                return compiled_call(self, lambda x: _token_rows_forward(entry, self, x), x,
+                return compiled_call(self, lambda x: entry.forward(self, x), x,
                                      key=("block", experts.tile_m))
-            return _token_rows_forward(entry, self, x)
+            return entry.forward(self, x)
 
         _FUSED_CLASSES[block_class, entry] = type(
             f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),

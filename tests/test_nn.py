@@ -156,7 +156,7 @@ def test_decoding_is_bitwise_mlx_lm(name, variant, batch, monkeypatch):
     # mlx-lm's own formulation on every backend, fused blocks included, so a
     # patched model decodes exactly as the unpatched one does. In bfloat16
     # the planned formulations' float32 sum would differ in the last bits.
-    # A batch's step too, whose tokens a fused block takes as rows [B, D].
+    # A batch's step too.
     model = make_model(name, quantized=variant != "float")
     if variant.endswith("bfloat16"):
         model.set_dtype(mx.bfloat16)
@@ -181,30 +181,38 @@ def test_decoding_is_bitwise_mlx_lm(name, variant, batch, monkeypatch):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_fused_blocks_project_rows(name, monkeypatch):
-    # A decoding step hands a block [B, 1, D]. MLX's CUDA quantized_matmul
-    # runs that as B one-row GEMMs, each reading the weights (RESULTS.md), so
-    # a fused block's own projections (router, shared experts) take the
-    # tokens as rows [B, D]: one GEMM.
-    patched = make_model(name, quantized=True)
+def test_fused_blocks_project_as_mlx_lm(name, monkeypatch):
+    # A decoding step hands a block [B, 1, D], and a fused block hands its own
+    # projections (router, shared experts) that shape, as mlx-lm's block does.
+    # Taken as rows [B, D], MLX's CUDA quantized_matmul ran the router as one
+    # GEMM on one group of threads, slower than B one-row GEMMs from
+    # T = 32 (RESULTS.md, "The router as mlx-lm calls it").
+    model = make_model(name, quantized=True)
+    patched = copy.deepcopy(model)
     patch_model(patched)
-    block_weights = {id(w) for _, m in patched.named_modules() if isinstance(m, FusedMoEBlock)
-                     for _, w in tree_flatten(m.parameters())}
-    seen = []
+    seen = {"mlx-lm": [], "patched": []}
+    block_weights = {}
+    for side, tree in (("mlx-lm", model), ("patched", patched)):
+        blocks = [m for _, m in tree.named_modules()
+                  if fused_blocks.entry_for(m) is not None or isinstance(m, FusedMoEBlock)]
+        block_weights.update({id(w): side for block in blocks
+                              for _, w in tree_flatten(block.parameters())})
     quantized_matmul = mx.quantized_matmul
 
     def recording(x, w, *args, **kwargs):
         if id(w) in block_weights:
-            seen.append(x.shape)
+            seen[block_weights[id(w)]].append(x.shape)
         return quantized_matmul(x, w, *args, **kwargs)
 
     monkeypatch.setattr(mx, "quantized_matmul", recording)
     for _, m in patched.named_modules():
         if isinstance(m, SwitchGLU):
             m.compile_max_tokens = 0  # a trace records its shapes once, not every call
-    mx.eval(patched(mx.array(np.random.default_rng(4).integers(0, 96, (3, 1)))))
-    assert seen, f"{name}: no quantized projection of a fused block ran"
-    assert all(len(shape) == 2 and shape[0] == 3 for shape in seen), seen
+    tokens = mx.array(np.random.default_rng(4).integers(0, 96, (3, 1)))
+    mx.eval(model(tokens), patched(tokens))
+    assert seen["patched"], f"{name}: no quantized projection of a fused block ran"
+    assert all(shape[:2] == (3, 1) for shape in seen["patched"]), seen
+    assert sorted(seen["patched"]) == sorted(seen["mlx-lm"])  # the order may differ
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "4bit"])
