@@ -6,16 +6,25 @@ per shape and then replays it: the graph is built in C++, and its elementwise
 ops are fused. The layer (`nn.SwitchGLU`) and the fused MoE blocks
 (`fused_blocks.py`) call their forwards through `compiled_call` when
 `compiles` says so.
+
+The layers of a model are alike but for their weights, and they share one
+trace: a trace of its own for each of 48 layers made each call's replay about
+three times slower than one trace replayed 48 times (a decoding step on the
+CPU, 27 us against 8.5 for a block alone; RESULTS.md, "One trace for the
+layers alike"), as each step's replay walked 48 tapes the caches no longer
+held.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 # Batches of up to this many tokens run compiled. Each new token count traces
 # anew (once per layer and count, about a millisecond of host time), so
@@ -90,22 +99,74 @@ class _CompiledForward:
                 self._forward = None
 
 
+# Traces by what they depend on: the structure of a module (its classes,
+# their plain attributes, the paths of its arrays) and the call's key. Each
+# holds a small tape and no module, and there are few: one for each kind of
+# layer, shape and stream a process runs.
+_SHARED_FORWARDS: dict[tuple, _CompiledForward] = {}
+_SHARED_LOCK = threading.Lock()
+_PLAIN_TYPES = (bool, int, float, str, type(None), mx.Dtype)
+
+
+def _plain(value):
+    """`value` as hashable plain data; TypeError if it holds anything else."""
+    if isinstance(value, _PLAIN_TYPES):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(_plain(item) for item in value)
+    if isinstance(value, (set, frozenset)):
+        return "set", frozenset(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return "dict", tuple((_plain(k), _plain(v)) for k, v in value.items())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value), _plain(vars(value))
+    raise TypeError(f"not plain data: {type(value).__name__}")
+
+
+def _structure(module: nn.Module) -> tuple | None:
+    """What a trace of `module`'s forward reads besides the values of its
+    arrays: every submodule's class and plain attributes, and the paths of
+    the arrays the compiled function takes, in order. None where an attribute
+    is not plain data (a distributed group, a function, an array held
+    outside the parameters): such a module's traces are its own."""
+    try:
+        parts = tuple((path, type(m), _plain({name: value for name, value in vars(m).items()
+                                              if name != "_compiled_forwards"}))
+                      for path, m in module.named_modules())
+    except TypeError:
+        return None
+    return parts, tuple(path for path, _ in tree_flatten(module))
+
+
+def _forward_for(module: nn.Module, key: tuple) -> _CompiledForward:
+    """The compiled forward that modules structured as `module` share for `key`."""
+    structure = _structure(module)
+    if structure is None:
+        return _CompiledForward()
+    with _SHARED_LOCK:
+        return _SHARED_FORWARDS.setdefault((structure, *key), _CompiledForward())
+
+
 def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):
     """`forward(*arrays)`, compiled with the module's arrays as implicit inputs.
 
     The module's arrays are read at every call, so new weights (a load,
     `nn.quantize`, training) are used at once. `key` names what else the
     trace reads (the forward, the layer's `tile_m`, Python arguments); the
-    module and the default stream are added to it. MLX keeps one trace per
-    key for each shape and dtype of the inputs.
+    default stream is added to it. Modules of the same structure (the layers
+    of a model) share their traces (`_structure`); what a module is when it
+    first calls with a key is what its trace reads, so attributes changed
+    later are not seen unless the key names them. MLX keeps one trace per key
+    for each shape and dtype of the inputs.
     """
     forwards = module.__dict__.get("_compiled_forwards")
     if forwards is None:
         forwards = _CompiledForwards()
         object.__setattr__(module, "_compiled_forwards", forwards)
-    # id(module): a shallow copy shares this dict, but must not its traces.
-    cache_key = (id(module), *key, str(mx.default_stream(mx.default_device())))
-    compiled = forwards.get(cache_key)
+    key = (*key, str(mx.default_stream(mx.default_device())))
+    # id(module): a shallow copy shares this dict, but may differ in structure.
+    slot = (id(module), *key)
+    compiled = forwards.get(slot)
     if compiled is None:
-        compiled = forwards[cache_key] = _CompiledForward()
+        compiled = forwards[slot] = _forward_for(module, key)
     return compiled(module, forward, *arrays)

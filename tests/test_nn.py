@@ -590,6 +590,15 @@ def compiled_forwards(model) -> int:
     return sum(len(m.__dict__.get("_compiled_forwards", ())) for _, m in model.named_modules())
 
 
+def compiled_forward_ids(model) -> set[int]:
+    return {id(f) for _, m in model.named_modules()
+            for f in m.__dict__.get("_compiled_forwards", {}).values()}
+
+
+def distinct_compiled_forwards(model) -> int:
+    return len(compiled_forward_ids(model))
+
+
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_compiled_forwards_equal_uncompiled(name, fuse, monkeypatch):
@@ -607,9 +616,35 @@ def test_compiled_forwards_equal_uncompiled(name, fuse, monkeypatch):
             m.setattr(SwitchGLU, "compile_max_tokens", 0)
             want = patched(tokens)
         np.testing.assert_array_equal(np.array(got), np.array(want), err_msg=f"{name} {shape}")
-    # One compiled forward per fused block (or layer) and shape.
+    # One compiled forward per fused block (or layer), the same for all of them.
     assert compiled_forwards(patched) == count_switch_glu(patched, SwitchGLU)
+    assert distinct_compiled_forwards(patched) == 1
     assert compiled_forwards(model) == 0
+
+
+def test_compiled_forwards_shared_by_layers_alike_only(monkeypatch):
+    # The layers share one trace, each replaying it on its own weights; a
+    # layer whose plain attributes differ (its top k) traces its own, and so
+    # does one holding an attribute that is not plain data.
+    model = make_model("qwen3_moe", quantized=True)
+    patched = copy.deepcopy(model)
+    patch_model(patched)
+    blocks = [m for _, m in patched.named_modules() if isinstance(m, FusedMoEBlock)]
+    assert len(blocks) >= 2
+    blocks[-1].top_k = 1
+    tokens = mx.array(np.random.default_rng(16).integers(0, 96, (3, 1)))
+    got = patched(tokens)
+    with monkeypatch.context() as m:
+        m.setattr(SwitchGLU, "compile_max_tokens", 0)
+        want = patched(tokens)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    assert distinct_compiled_forwards(patched) == 2
+    twin = copy.deepcopy(patched)
+    object.__setattr__(twin.model.layers[0].mlp, "note", object())
+    mx.eval(twin(tokens))
+    ours = set(compiled_forward_ids(patched))
+    assert compiled_forward_ids(twin.model.layers[0].mlp).isdisjoint(ours)
+    assert compiled_forward_ids(twin.model.layers[-1].mlp) <= ours
 
 
 def test_compiled_forwards_read_new_weights():
