@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -219,6 +220,21 @@ def test_grouped_qmm_weight_sets_outgrow_the_cache():
         sets = weight_sets_for(touched, 48)
         assert 2 <= sets <= 48
         assert sets * touched >= 2 * CACHE_BYTES or sets == 48
+
+
+def test_router_gemm_chains_and_checks_each_side(capsys):
+    # On the CPU: MLX's two shapes of the same GEMM, checked against each
+    # other, timed as chains beside the chain's add alone, one line a T.
+    from benchmarks import router_gemm
+
+    assert router_gemm.main(["--routers", "mixtral", "--tokens", "8,9", "--max-calls", "2",
+                             "--tilings", "none"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mixtral")]
+    assert len(lines) == 2 and "T=   9" in lines[1]
+    for line in lines:
+        times = dict(re.findall(r"(\w+) ([0-9.]+)", line.split("T=")[1].split(" ", 1)[1]))
+        assert set(times) == {"none", "rows", "batched"}, line
+        assert all(float(us) > 0 for us in times.values()), line
 
 
 def test_grouped_qmm_benchmark_lines(monkeypatch):
