@@ -8,11 +8,11 @@ ops are fused. The layer (`nn.SwitchGLU`) and the fused MoE blocks
 `compiles` says so.
 
 The layers of a model are alike but for their weights, and they share one
-trace: a trace of its own for each of 48 layers made each call's replay about
-three times slower than one trace replayed 48 times (a decoding step on the
-CPU, 27 us against 8.5 for a block alone; RESULTS.md, "One trace for the
-layers alike"), as each step's replay walked 48 tapes the caches no longer
-held.
+trace. With a trace for each layer, a step's replays walked as many tapes as
+there are layers, out of the CPU's caches: a block replayed in a decoding
+step took three times as long as one replayed alone, and the patched step
+built no faster than mlx-lm's (RESULTS.md, "One trace for the layers
+alike").
 """
 
 from __future__ import annotations
