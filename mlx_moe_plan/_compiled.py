@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 # Batches of up to this many tokens run compiled. Each new token count traces
-# anew (once per layer and count, about a millisecond of host time), so
+# anew (once per kind of layer and count, about a millisecond of host time), so
 # prefill sizes, which are many and spend milliseconds on the GPU, stay
 # uncompiled, and MLX's list of traces per function stays short.
 COMPILE_MAX_TOKENS = 256
@@ -111,7 +111,7 @@ _PLAIN_TYPES = (bool, int, float, str, type(None), mx.Dtype)
 def _plain(value):
     """`value` as hashable plain data; TypeError if it holds anything else."""
     if isinstance(value, _PLAIN_TYPES):
-        return value
+        return type(value), value  # True and 1 are equal, but not the same attribute
     if isinstance(value, (tuple, list)):
         return type(value).__name__, tuple(_plain(item) for item in value)
     if isinstance(value, (set, frozenset)):
