@@ -77,9 +77,9 @@ def quantized_experts(experts: int, out_dims: int, in_dims: int) -> tuple:
     return matrices
 
 
-def checked_medians(sides: dict, calls: int, what: str) -> dict[str, float]:
-    """Each side's output checked against the first side's (MLX's), then every
-    side timed twice, in turns: side -> median us of a call."""
+def check_sides(sides: dict, what: str) -> None:
+    """Each side's output, `sides[side](0)`, against the first side's: within
+    bfloat16's rounding of the outputs, or SystemExit naming the side."""
     reference, *others = sides
     want = sides[reference](0).astype(mx.float32)
     scale = float(mx.abs(want).max())
@@ -89,6 +89,12 @@ def checked_medians(sides: dict, calls: int, what: str) -> dict[str, float]:
         if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
             raise SystemExit(f"{what} {side}: differs from {reference} by {error} "
                              f"(max |y| {scale})")
+
+
+def checked_medians(sides: dict, calls: int, what: str) -> dict[str, float]:
+    """Each side's output checked against the first side's (MLX's), then every
+    side timed twice, in turns: side -> median us of a call."""
+    check_sides(sides, what)
     samples = {side: [] for side in sides}
     for _ in range(2):  # each side twice, in turns
         for side, call in sides.items():

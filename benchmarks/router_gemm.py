@@ -27,14 +27,13 @@ each marker's side.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import statistics
 
 import mlx.core as mx
 
-from .grouped_qmm import CACHE_BYTES, parse_tilings, tiling_name
-from .timing import time_calls
+from .grouped_qmm import CACHE_BYTES, check_sides, parse_tilings, tiling_name
+from .timing import profiled, time_calls
 
 # (out N, in D, bits) of the blocks' own projections; routers in 8 bits as
 # mlx-lm's quantize predicates set them, shared experts in the model's 4.
@@ -106,21 +105,10 @@ def chained(call, x: mx.array):
 
 def profile_marked(name: str, sides: dict, x: mx.array) -> None:
     """Each side's three calls, each evaluated alone, after a marker, profiled."""
-    cuda = ctypes.CDLL("libcuda.so.1")
     for index, (side, call) in enumerate(sides.items()):
         mx.eval([call(i, x) for i in range(3)])  # compiled, warm
-        marker = mx.fast.cuda_kernel(name=f"{MARKER}{name}_{index}", input_names=["a"],
-                                     output_names=["out"], source="out[0] = a[0];")
-        mx.synchronize()
-        cuda.cuProfilerStart()
-        try:
-            mx.eval(marker(inputs=[mx.ones((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                           output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
-            for i in range(3, 6):
-                mx.eval(call(i, x))
-            mx.synchronize()
-        finally:
-            cuda.cuProfilerStop()
+        profiled(f"{MARKER}{name}_{index}",
+                 lambda: [mx.eval(call(i, x)) for i in range(3, 6)])
         print(f"{MARKER}{name}_{index}: {side}", flush=True)
 
 
@@ -134,12 +122,8 @@ def measure(router: str, tokens: int, tilings: list[dict], max_calls: int,
     x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
     mx.eval(weight_sets, x)
     sides = sides_for(out_dims, in_dims, bits, tokens, weight_sets, tilings)
-    want = sides["rows"](0, x).astype(mx.float32)
-    scale = float(mx.abs(want).max())
-    for side, call in sides.items():
-        error = float(mx.abs(call(0, x).astype(mx.float32) - want).max())
-        if not error <= 2e-2 * scale:  # bfloat16 rounding, not a wrong row
-            raise SystemExit(f"{router} T={tokens} {side}: differs from rows by {error}")
+    check_sides({side: lambda i, call=call: call(i, x) for side, call in sides.items()},
+                f"{router} T={tokens}")  # each against "rows"
     if ncu:
         profile_marked(f"{router}_{tokens}", sides, x)
         return {}

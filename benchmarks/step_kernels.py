@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import ctypes
 import re
 import statistics
 import sys
@@ -31,6 +30,7 @@ import sys
 import mlx.core as mx
 
 from .model import decode_step, decode_steps, fill_context, patched_copy, random_model
+from .timing import profiled
 from .workloads import MODELS, with_layers
 
 TIMED_STEPS = 20
@@ -38,22 +38,6 @@ UNTIMED_STEPS = 3
 MARKER = "step_marker_b"
 UNIT_SECONDS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
                 "msecond": 1e-3}
-
-
-def profiled_step(model, cache, y: mx.array, batch: int) -> None:
-    """One step between cuProfilerStart and cuProfilerStop, after a marker kernel."""
-    marker = mx.fast.cuda_kernel(name=f"{MARKER}{batch}", input_names=["a"],
-                                 output_names=["out"], source="out[0] = a[0];")
-    mx.synchronize()
-    cuda = ctypes.CDLL("libcuda.so.1")
-    cuda.cuProfilerStart()
-    try:
-        mx.eval(marker(inputs=[mx.ones((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                       output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
-        decode_step(model, cache, y)
-        mx.synchronize()
-    finally:
-        cuda.cuProfilerStop()
 
 
 def summarize(path: str, top: int) -> str:
@@ -115,7 +99,7 @@ def main(argv=None) -> int:
               f"wall {statistics.median(walls) * 1e3:.3f} ms, "
               f"build {statistics.median(builds) * 1e3:.3f} ms", flush=True)
         if cuda:  # one step more, from the cache as the timed ones left it
-            profiled_step(side, cache, y, batch)
+            profiled(f"{MARKER}{batch}", lambda: decode_step(side, cache, y))
     if not cuda:
         print("no CUDA device: no step was profiled", file=sys.stderr)
     return 0

@@ -9,10 +9,13 @@ The Python work of building the graph is timed too: `wall_s` is build plus
 eval, what a step of generation pays (it rebuilds its graph every step), the
 figure for decode sizes; `eval_s` alone is the throughput of graphs built
 ahead, the figure for prefill sizes, where building is a rounding error.
+`profiled` marks a region for Nsight Compute, for the benchmarks that read
+kernel durations.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import statistics
 import time
@@ -127,3 +130,22 @@ def time_calls(
         faults.append(fault_count / calls)
     return Timing(eval_s=tuple(evals), build_s=tuple(builds), wall_s=tuple(walls),
                   faults=tuple(faults), calls=calls, warmup=max(warmup, 1))
+
+
+def profiled(marker: str, run: Callable[[], object]) -> None:
+    """`run()` between cuProfilerStart and cuProfilerStop, after a kernel named
+    `marker` (one thread): a profiler whose collection starts off (Nsight
+    Compute's `--profile-from-start off`) records the marker, then `run`'s
+    kernels, and nothing else. CUDA only."""
+    kernel = mx.fast.cuda_kernel(name=marker, input_names=["a"], output_names=["out"],
+                                 source="out[0] = a[0];")
+    mx.synchronize()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    try:
+        mx.eval(kernel(inputs=[mx.ones((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                       output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
+        run()
+        mx.synchronize()
+    finally:
+        cuda.cuProfilerStop()
