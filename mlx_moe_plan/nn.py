@@ -499,7 +499,8 @@ class SwitchGLU(nn.Module):
             check_tokens(x, plan.indices_shape[:-1])  # as moe_gather checks them
             up = self.up_proj
             # Sizes spelled out: MLX makes no node for a reshape to the same
-            # shape (tokens given as rows already), but does for one with -1.
+            # shape (a caller's tokens given as rows [T, D]), but does for one
+            # with -1.
             tokens = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
             hidden = _grouped_kernel(self.gate_proj, tokens, plan_rows,
                                      row_tokens=plan_rows.row_tokens,
