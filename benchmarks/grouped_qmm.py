@@ -64,9 +64,9 @@ def weight_sets_for(touched_bytes: float, calls: int) -> int:
     return min(calls, max(2, math.ceil(2 * CACHE_BYTES / touched_bytes)))
 
 
-def column_bytes(in_dims: int) -> int:
-    """A column's bytes: 4 bits a weight, a bfloat16 scale and bias every 64."""
-    return in_dims // 2 + in_dims // 64 * 2 * 2
+def column_bytes(in_dims: int, bits: int = 4) -> int:
+    """A column's bytes: `bits` a weight, a bfloat16 scale and bias every 64."""
+    return in_dims * bits // 8 + in_dims // 64 * 2 * 2
 
 
 def quantized_experts(experts: int, out_dims: int, in_dims: int) -> tuple:

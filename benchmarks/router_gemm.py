@@ -32,7 +32,7 @@ import statistics
 
 import mlx.core as mx
 
-from .grouped_qmm import CACHE_BYTES, check_sides, parse_tilings, tiling_name
+from .grouped_qmm import CACHE_BYTES, check_sides, column_bytes, parse_tilings, tiling_name
 from .timing import profiled, time_calls
 
 # (out N, in D, bits) of the blocks' own projections; routers in 8 bits as
@@ -115,7 +115,7 @@ def profile_marked(name: str, sides: dict, x: mx.array) -> None:
 def measure(router: str, tokens: int, tilings: list[dict], max_calls: int,
             ncu: bool) -> dict[str, float]:
     out_dims, in_dims, bits = GEMMS[router]
-    touched = out_dims * in_dims * bits / 8 + out_dims * in_dims / GROUP_SIZE * 4
+    touched = out_dims * column_bytes(in_dims, bits)  # GROUP_SIZE is column_bytes' 64
     calls = min(max_calls, max(48, math.ceil(2 * CACHE_BYTES / touched)))
     weight_sets = [mx.quantize((mx.random.normal((out_dims, in_dims)) * 0.02)
                                .astype(mx.bfloat16), GROUP_SIZE, bits) for _ in range(calls)]
