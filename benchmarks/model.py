@@ -28,7 +28,8 @@ prefill, each side in turn, `--rounds` times; decode, at each batch size
 `--decode-rounds` times from the same context, the sides' one-eval steps
 interleaved one by one (with `--control`, another side: an unpatched copy of
 mlx-lm's model; with `--variant-tile-m M`, another: the model patched with
-`tile_m=M`, a formulation weighed against the rule's in the same run), then
+`tile_m=M`, a formulation weighed against the rule's in the same run; with
+`--variant-no-dense-rows`, the model patched without dense rows), then
 generate's loop a turn a side. `--processes N`
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
@@ -134,13 +135,15 @@ def set_our_layers(model: nn.Module, **attributes) -> None:
                 setattr(layer, name, value)
 
 
-def patched_copy(model: nn.Module, tile_m: int | None, no_compile: bool):
-    """A copy of `model` sharing its weights, patched with `tile_m` (never
-    compiled with `no_compile`), and how many layers were patched."""
+def patched_copy(model: nn.Module, tile_m: int | None, no_compile: bool,
+                 dense_rows: bool = True):
+    """A copy of `model` sharing its weights, patched with `tile_m` and
+    `dense_rows` (never compiled with `no_compile`), and how many layers were
+    patched."""
     from mlx_moe_plan.nn import patch_model
 
     patched = shared_copy(model)
-    replaced = patch_model(patched, tile_m=tile_m)
+    replaced = patch_model(patched, tile_m=tile_m, dense_rows=dense_rows)
     if no_compile:
         set_our_layers(patched, compile_max_tokens=0)
     return patched, replaced
@@ -165,8 +168,9 @@ def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
                                 group_size=args.group_size)
         describe = {"config": config, "dtype": args.dtype, "bits": args.bits,
                     "group_size": args.group_size}
-    patched, replaced = patched_copy(model, args.tile_m, args.no_compile)
+    patched, replaced = patched_copy(model, args.tile_m, args.no_compile, args.dense_rows)
     describe["patched_layers"] = replaced
+    describe["dense_rows"] = args.dense_rows
     describe["weights_gb"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     progress(f"patched {replaced} MoE layers; weights {describe['weights_gb']:.1f} GB")
     return name, model, patched, describe
@@ -501,8 +505,11 @@ def format_tables(result: dict) -> str:
             lines.append("  control: mlx-lm's speed over an unpatched copy of its model, "
                          "decoded with the two (the run's noise)")
         if "variant" in extras:
+            describe = entry["describe"]
             lines.append(f"  variant: mlx-lm's speed over the model patched with tile_m="
-                         f"{entry['describe'].get('variant_tile_m')}, decoded with the others")
+                         f"{describe.get('variant_tile_m')}, dense rows "
+                         f"{'on' if describe.get('variant_dense_rows', True) else 'off'}, "
+                         "decoded with the others")
     return "\n".join(lines)
 
 
@@ -553,9 +560,12 @@ def run(args) -> dict:
             entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
         control = shared_copy(model) if args.control else None
         variant = None
-        if args.variant_tile_m is not None:
-            variant, _ = patched_copy(model, args.variant_tile_m, args.no_compile)
-            describe["variant_tile_m"] = args.variant_tile_m
+        if args.variant_tile_m is not None or args.variant_no_dense_rows:
+            tile_m = args.tile_m if args.variant_tile_m is None else args.variant_tile_m
+            dense_rows = args.dense_rows and not args.variant_no_dense_rows
+            variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows)
+            describe["variant_tile_m"] = tile_m
+            describe["variant_dense_rows"] = dense_rows
         for batch in (args.batches or batches):
             progress(f"{name}: decode at batch {batch}")
             entry["decode"].append(measure_decode(
@@ -599,6 +609,12 @@ def parse_args(argv):
     parser.add_argument("--variant-tile-m", type=int, metavar="M",
                         help="decode the model patched with tile_m=M too, interleaved with "
                              "the others (a formulation against the rule in one run)")
+    parser.add_argument("--no-dense-rows", dest="dense_rows", action="store_false",
+                        help="the patched model's dense quantized projections take a "
+                             "decoding batch as mlx-lm's do (patch_model's dense_rows=False)")
+    parser.add_argument("--variant-no-dense-rows", action="store_true",
+                        help="decode the model patched without dense rows too, interleaved "
+                             "with the others (with --variant-tile-m, that variant)")
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,

@@ -47,7 +47,7 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
         "pip install mlx-lm (or this package's [bench] extra)"
     ) from error
 
-from . import _backend, _compiled, expert_parallel, fused_blocks
+from . import _backend, _compiled, expert_parallel, fused_blocks, projections
 from ._checks import check_tokens
 from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
 from .combine import moe_combine
@@ -626,14 +626,20 @@ class SwitchGLU(nn.Module):
         return self._summed(moe_combine(rows, plan, weights=scores, dtype=dtype))
 
 
-def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True) -> int:
+def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True,
+                dense_rows: bool = True) -> int:
     """Replace every mlx-lm `SwitchGLU` in `model`, in place, keeping its weights.
 
     Float and quantized layers alike: the projections are kept as they are.
     With `fuse`, the MoE blocks of `FUSED_BLOCKS` whose `__call__` is the one
     their fused forward was written against then sum their experts' weighted
     outputs with one `moe_combine` (`SwitchGLU.weighted_sum`); they become
-    instances of a subclass of their own class and of `FusedMoEBlock`.
+    instances of a subclass of their own class and of `FusedMoEBlock`. With
+    `dense_rows`, the dense quantized projections of a model with MoE layers
+    (attention, shared experts, routers, the lm_head) take a decoding batch's
+    rows as one matrix where `rules.dense_as_rows` measured that faster
+    (`projections.py`); they become instances of a subclass of their own
+    class and of `projections.RowsProjection`.
 
     Args:
         model (Module): A loaded mlx-lm model (or any module tree).
@@ -641,6 +647,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
           `SwitchGLU`). Default: `default_tile_m`, per call.
         fuse (bool): Fuse the weighted sums where that is known to be safe.
           Default: ``True``.
+        dense_rows (bool): Give the dense quantized projections a decoding
+          batch's rows as one matrix where measured faster. Default: ``True``.
 
     Returns:
         int: How many layers were replaced.
@@ -655,6 +663,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
             entry = fused_blocks.entry_for(module)
             if entry is not None and isinstance(module.get(entry.experts), SwitchGLU):
                 fused_blocks.fuse(module, entry)
+    if dense_rows and any(isinstance(m, SwitchGLU) for _, m in model.named_modules()):
+        projections.take_rows(model)
     return len(replacements)
 
 

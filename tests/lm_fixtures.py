@@ -66,16 +66,17 @@ def write_tokenizer(path: Path) -> None:
 
 
 def write_model(path: Path, name: str, *, bits: int | None = None,
-                seed: int | None = None) -> Path:
+                seed: int | None = None, config: dict | None = None) -> Path:
     """Build mlx-lm's `name` model from `CONFIGS`, with random weights, and save it.
 
     Float32 weights, normal with standard deviation 0.2 (biases too, so no
     term is zero), or quantized to `bits` by mlx-lm's `quantize_model` with
-    group size 32. `seed`: default `WEIGHT_SEEDS[name]`, else 0. Returns `path`.
+    group size 32. `seed`: default `WEIGHT_SEEDS[name]`, else 0. `config`:
+    the configuration instead of `CONFIGS[name]`. Returns `path`.
     """
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
-    config = dict(CONFIGS[name])
+    config = dict(CONFIGS[name] if config is None else config)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     rng = np.random.default_rng(WEIGHT_SEEDS.get(name, 0) if seed is None else seed)

@@ -222,19 +222,24 @@ def test_grouped_qmm_weight_sets_outgrow_the_cache():
         assert sets * touched >= 2 * CACHE_BYTES or sets == 48
 
 
-def test_router_gemm_chains_and_checks_each_side(capsys):
-    # On the CPU: MLX's two shapes of the same GEMM, checked against each
-    # other, timed as chains beside the chain's add alone, one line a T.
-    from benchmarks import router_gemm
+def test_projections_chains_and_checks_each_side(capsys):
+    # On the CPU: MLX's three shapes of the same GEMM and the package's call,
+    # checked against each other, timed as chains beside the chain's add
+    # alone, one line a B, then the table weighing the rule's shape.
+    from benchmarks import projections
 
-    assert router_gemm.main(["--routers", "mixtral", "--tokens", "8,9", "--max-calls", "2",
-                             "--tilings", "none"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mixtral")]
-    assert len(lines) == 2 and "T=   9" in lines[1]
-    for line in lines:
-        times = dict(re.findall(r"(\w+) ([0-9.]+)", line.split("T=")[1].split(" ", 1)[1]))
-        assert set(times) == {"none", "rows", "batched"}, line
+    assert projections.main(["--gemms", "mixtral/router", "--batches", "8,9", "--max-calls",
+                             "2", "--target-s", "0"]) == 0
+    out, slower = capsys.readouterr().out.split("patched slower than the fastest shape by over 5%:")
+    lines = [line for line in out.splitlines() if line.startswith("mixtral/router ")]
+    assert len(lines) == 4 and "B=  9" in lines[1]
+    for line in lines[:2]:
+        times = dict(re.findall(r"(\w+) ([0-9.]+)", line.split("B=")[1].split(" ", 1)[1]))
+        assert set(times) == {"none", "batched", "matrix", "rows", "patched"}, line
         assert all(float(us) > 0 for us in times.values()), line
+    for line in lines[2:]:  # the rule's table: on the CPU, mlx-lm's shape
+        assert line.split()[6] == "batched", line
+    assert slower.split()[0].isdigit() and slower.split()[2] == "2"
 
 
 def test_grouped_qmm_benchmark_lines(monkeypatch):

@@ -1,0 +1,97 @@
+"""A decoding batch's rows as one matrix for a model's dense quantized projections.
+
+A batch of sequences decoding together hands every projection of the model
+`[B, 1, D]`: B matrices of one row. MLX's CUDA `quantized_matmul` computes
+such an input as B products of one row from 8 rows on, and each of them
+reads the whole weight matrix, where the same rows as one matrix `[B, D]` are
+one product that reads the weights once. The attention projections, shared
+experts, routers and the lm_head of a batch are then read B times a step.
+
+`patch_model` (`rows=True`, the default) gives the model's `QuantizedLinear`
+layers, and the `as_linear` of its `QuantizedEmbedding` layers (a tied
+lm_head), a call that hands `quantized_matmul` the rows as one matrix where
+`rules.dense_as_rows` measured that faster, and otherwise the input as it
+is. The layers keep their class's parameters and code (they become instances
+of a subclass of their own class), so checkpoints, `nn.quantize` and
+`load_weights` work as before, and where the rule keeps the input's shape the
+layer computes what mlx-lm's does, op for op.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .rules import dense_as_rows
+
+
+class RowsProjection:
+    """Marks a dense quantized layer whose class `patch_model` swapped for one
+    that hands a decoding batch's rows to its GEMM as one matrix."""
+
+
+def _as_rows(layer: nn.Module, x: mx.array) -> bool:
+    """Whether `layer` computes `x` `[..., 1, D]` of several matrices as rows."""
+    shape = x.shape
+    if len(shape) < 3 or shape[-2] != 1:  # not a decoding step's [..., 1, D]
+        return False
+    rows = x.size // shape[-1]
+    # One row is one matrix either way (a batch of one).
+    return rows > 1 and dense_as_rows(layer["weight"].shape[0], shape[-1], rows, layer.bits,
+                                      x.dtype, layer.mode)
+
+
+def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
+    """`call(layer, x)` with `x` reshaped to rows `[n, D]` where the rule says so."""
+    if not _as_rows(layer, x):
+        return call(layer, x)
+    y = call(layer, x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+_ROWS_CLASSES: dict[type, type] = {}
+
+
+def _rows_class(layer_class: type) -> type:
+    """A subclass of `layer_class` whose GEMM takes a decoding batch as rows."""
+    if layer_class not in _ROWS_CLASSES:
+        if issubclass(layer_class, nn.QuantizedEmbedding):
+            as_linear = layer_class.as_linear
+            members = {"as_linear": lambda self, x: _in_rows(as_linear, self, x)}
+        else:
+            call = layer_class.__call__
+            members = {"__call__": lambda self, x: _in_rows(call, self, x)}
+        _ROWS_CLASSES[layer_class] = type(
+            f"Rows{layer_class.__name__}", (layer_class, RowsProjection),
+            {**members, "__module__": __name__,
+             "__doc__": f"{layer_class.__qualname__} taking a decoding batch's rows as one "
+                        "matrix where the measured rule says so."})
+    return _ROWS_CLASSES[layer_class]
+
+
+def _takes_rows(module: nn.Module) -> bool:
+    """Whether `module` is a dense quantized layer whose GEMM call is MLX's own
+    (a subclass that computes otherwise is left as it is)."""
+    if isinstance(module, RowsProjection):
+        return False
+    if isinstance(module, nn.QuantizedLinear):
+        return type(module).__call__ is nn.QuantizedLinear.__call__
+    if isinstance(module, nn.QuantizedEmbedding):
+        return type(module).as_linear is nn.QuantizedEmbedding.as_linear
+    return False
+
+
+def take_rows(model: nn.Module) -> int:
+    """Give every dense quantized projection of `model` the rows call, in place.
+
+    Args:
+        model (Module): A model (or any module tree).
+
+    Returns:
+        int: How many layers were given it (layers that have it already are
+        not counted).
+    """
+    layers = [module for _, module in model.named_modules() if _takes_rows(module)]
+    for module in layers:
+        module.__class__ = _rows_class(type(module))
+    return len(layers)

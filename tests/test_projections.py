@@ -1,0 +1,233 @@
+"""Dense quantized projections taking a decoding batch's rows as one matrix.
+
+`projections.take_rows` (`patch_model(dense_rows=True)`) and the rule that
+decides it, `rules.dense_as_rows`. The rule says no on the CPU, so the
+patched models here compute what mlx-lm's do, bit for bit; the `rows_always`
+fixture stands in for a backend where it says yes, so the reshaped GEMM runs
+on any device, and on a GPU (`tests/gpu_suite.sh`, step `nn`) these tests
+check MLX's GEMM of rows against its B GEMMs of one row.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.generate import batch_generate  # noqa: E402
+from mlx_lm.utils import load  # noqa: E402
+
+import lm_fixtures  # noqa: E402
+from mlx_moe_plan import _compiled, projections, rules  # noqa: E402
+from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
+from mlx_moe_plan.projections import RowsProjection, take_rows  # noqa: E402
+
+MOE_MODELS = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+def say_rows_always(monkeypatch):
+    """The rule saying yes to every decoding batch of more than one row. The
+    compiled blocks' traces, which hold the rule's answers, are dropped before
+    and after: another answer for the same shapes needs traces of its own."""
+    monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: True)
+    _compiled._SHARED_FORWARDS.clear()
+
+
+@pytest.fixture
+def rows_always(monkeypatch):
+    say_rows_always(monkeypatch)
+    yield
+    _compiled._SHARED_FORWARDS.clear()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict:
+    """Small mlx-lm model directories: 4-bit, and Qwen3-MoE with a tied lm_head."""
+    root = tmp_path_factory.mktemp("projection_models")
+    dirs = {name: lm_fixtures.write_model(root / name, name, bits=4) for name in MOE_MODELS}
+    tied = dict(lm_fixtures.CONFIGS["qwen3_moe"], tie_word_embeddings=True)
+    dirs["qwen3_moe-tied"] = lm_fixtures.write_model(root / "qwen3_moe-tied", "qwen3_moe",
+                                                     bits=4, config=tied)
+    return dirs
+
+
+def loaded(path, dtype=mx.bfloat16):
+    model, tokenizer = load(str(path))
+    model.set_dtype(dtype)  # the float weights and scales; the packed words stay
+    return model, tokenizer
+
+
+# ------------------------------------------------------------------ the rule
+
+
+@pytest.mark.parametrize("out_dims, rows, bits, dtype, mode, want", [
+    (4096, 32, 4, mx.bfloat16, "affine", True),
+    (151936, 8, 4, mx.float16, "affine", True),
+    (512, 64, 8, mx.bfloat16, "affine", True),
+    (4096, 7, 4, mx.bfloat16, "affine", False),   # matrix-vector products either way
+    (128, 32, 8, mx.bfloat16, "affine", False),   # a router: one tile of columns
+    (4160, 32, 4, mx.bfloat16, "affine", False),  # not whole tiles of 128 columns
+    (4096, 32, 3, mx.bfloat16, "affine", False),
+    (4096, 32, 4, mx.float32, "affine", False),
+    (4096, 32, 4, mx.bfloat16, "mxfp4", False),
+])
+def test_rule_on_cuda(monkeypatch, out_dims, rows, bits, dtype, mode, want):
+    monkeypatch.setattr(rules, "_cuda_stream", lambda stream: True)
+    assert rules.dense_as_rows(out_dims, 2048, rows, bits, dtype, mode) is want
+
+
+def test_rule_says_no_on_the_cpu():
+    for rows in (1, 8, 64):
+        assert rules.dense_as_rows(151936, 2048, rows, 4, mx.bfloat16, stream=mx.cpu) is False
+
+
+# ------------------------------------------------------------------ the layers
+
+
+class OwnCall(nn.QuantizedLinear):
+    """A subclass computing otherwise: left as it is."""
+
+    def __call__(self, x):
+        return super().__call__(x) * 2
+
+
+def small_tree() -> nn.Module:
+    tree = nn.Module()
+    tree.linear = nn.QuantizedLinear(64, 256, bias=True, group_size=32, bits=4)
+    tree.embedding = nn.QuantizedEmbedding(256, 64, group_size=32, bits=4)
+    tree.plain = nn.Linear(64, 64)
+    tree.own = OwnCall(64, 128, group_size=32, bits=4)
+    return tree
+
+
+def test_take_rows_keeps_classes_and_parameters():
+    tree = small_tree()
+    before = tree_flatten(tree.parameters())
+    assert take_rows(tree) == 2
+    assert take_rows(tree) == 0  # once
+    assert isinstance(tree.linear, nn.QuantizedLinear) and isinstance(tree.linear, RowsProjection)
+    assert isinstance(tree.embedding, nn.QuantizedEmbedding)
+    assert isinstance(tree.embedding, RowsProjection)
+    assert not isinstance(tree.plain, RowsProjection) and not isinstance(tree.own, RowsProjection)
+    after = tree_flatten(tree.parameters())
+    assert [k for k, _ in after] == [k for k, _ in before]
+    assert all(a is b for (_, a), (_, b) in zip(after, before))
+    # Weights load into it by the same names.
+    fresh = small_tree()
+    take_rows(fresh)
+    fresh.load_weights(before)
+    assert all(mx.array_equal(a, b) for (_, a), (_, b) in
+               zip(tree_flatten(fresh.parameters()), before))
+
+
+@pytest.mark.parametrize("shape, as_rows", [
+    ((8, 1, 64), True), ((2, 3, 1, 64), True), ((1, 1, 64), False), ((4, 2, 64), False),
+    ((5, 64), False), ((0, 1, 64), False),
+])
+def test_rows_call_computes_the_batched_call(rows_always, monkeypatch, shape, as_rows):
+    tree = small_tree()
+    x = mx.array(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    want_linear = tree.linear(x)
+    want_tied = tree.embedding.as_linear(x)
+    seen = []
+    original = mx.quantized_matmul
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.shape)
+        return original(x, *args, **kwargs)
+
+    take_rows(tree)
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    got_linear = tree.linear(x)
+    got_tied = tree.embedding.as_linear(x)
+    rows = (x.size // 64, 64) if as_rows else shape
+    assert seen == [rows, rows]
+    for got, want in ((got_linear, want_linear), (got_tied, want_tied)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ whole models
+
+
+def decode_logits(model, batch: int, vocab: int) -> mx.array:
+    """The logits of one decoding step of `batch` sequences after 3 tokens."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rng = np.random.default_rng(batch)
+    tokens = mx.array(rng.integers(0, vocab, (batch, 4)).astype(np.int32))
+    cache = make_prompt_cache(model)
+    model(tokens[:, :3], cache=cache)
+    return model(tokens[:, 3:], cache=cache).astype(mx.float32)
+
+
+def relative_error(got: mx.array, want: mx.array) -> float:
+    return float(mx.linalg.norm(got - want) / mx.linalg.norm(want))
+
+
+@pytest.mark.parametrize("name", [*MOE_MODELS, "qwen3_moe-tied"])
+def test_rows_keep_the_logits(model_dirs, rows_always, name):
+    """Patched with rows against unpatched: within bfloat16's rounding of
+    another order of summation, and against a float32 run of the same
+    weights no worse than mlx-lm's (on the CPU, the same bits)."""
+    model, _ = loaded(model_dirs[name])
+    patched, _ = loaded(model_dirs[name])
+    assert patch_model(patched) == 2
+    assert sum(isinstance(m, RowsProjection) for _, m in patched.named_modules()) > 0
+    if name.endswith("-tied"):
+        assert isinstance(patched.model.embed_tokens, RowsProjection)
+    exact, _ = loaded(model_dirs[name], mx.float32)
+    vocab = lm_fixtures.VOCAB_SIZE
+    for batch in (1, 4):
+        want = decode_logits(model, batch, vocab)
+        got = decode_logits(patched, batch, vocab)
+        reference = decode_logits(exact, batch, vocab)
+        assert relative_error(got, want) < 2e-2, batch
+        assert relative_error(got, reference) <= 1.1 * relative_error(want, reference) + 1e-3
+
+
+def test_rule_keeps_the_bits_on_the_cpu(model_dirs):
+    """Where the rule keeps mlx-lm's shape (everywhere on the CPU), the
+    projections compute what they compute unpatched, bit for bit."""
+    model, _ = loaded(model_dirs["qwen3_moe"])
+    patch_model(model, dense_rows=False)
+    patched, _ = loaded(model_dirs["qwen3_moe"])
+    patch_model(patched)
+    assert sum(isinstance(m, RowsProjection) for _, m in patched.named_modules()) > 0
+    for batch in (1, 8):
+        assert mx.array_equal(decode_logits(patched, batch, lm_fixtures.VOCAB_SIZE),
+                              decode_logits(model, batch, lm_fixtures.VOCAB_SIZE))
+
+
+@pytest.mark.parametrize("rows", ["rule", "always"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_batch_generate_matches_unpatched(model_dirs, monkeypatch, name, rows):
+    if rows == "always":
+        say_rows_always(monkeypatch)
+    # Float32 activations, as the command tests run them: bfloat16's
+    # rounding of the fused sums can turn a near tie of these random models.
+    model, tokenizer = loaded(model_dirs[name], mx.float32)
+    patched, _ = loaded(model_dirs[name], mx.float32)
+    patch_model(patched)
+    words = lm_fixtures.WORDS
+    prompts = [tokenizer.encode(" ".join(words[i: i + length]))
+               for i, length in ((0, 3), (5, 9), (11, 2), (20, 6))]
+    want = batch_generate(model, tokenizer, prompts, max_tokens=8).texts
+    got = batch_generate(patched, tokenizer, prompts, max_tokens=8).texts
+    assert any(want), "nothing generated"
+    _compiled._SHARED_FORWARDS.clear()
+    assert got == want
+
+
+def test_dense_rows_off_and_models_without_moe(model_dirs):
+    patched, _ = loaded(model_dirs["mixtral"])
+    patch_model(patched, dense_rows=False)
+    assert any(isinstance(m, SwitchGLU) for _, m in patched.named_modules())
+    assert not any(isinstance(m, RowsProjection) for _, m in patched.named_modules())
+    dense = nn.Sequential(nn.QuantizedLinear(64, 256, group_size=32, bits=4))
+    assert patch_model(dense) == 0
+    assert not isinstance(dense.layers[0], RowsProjection)
