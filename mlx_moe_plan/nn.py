@@ -47,56 +47,26 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
         "pip install mlx-lm (or this package's [bench] extra)"
     ) from error
 
-from . import _backend, _compiled, expert_parallel, fused_blocks
+from . import _backend, _compiled, expert_parallel, fused_blocks, rules
 from ._checks import check_tokens
 from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
 from .kernels import launch
 from .plan import moe_plan
+from .rules import (GROUPED, GROUPED_BELOW_ROWS_PER_EXPERT, GROUPED_FROM_ENTRIES, GROUPED_ROWS,
+                    LARGE_TILES_FROM_ROWS_PER_EXPERT, MLX_LM, MLX_LM_CALL,
+                    MLX_LM_SORTS_FROM_ENTRIES, SORTED_ROWS, TILED_FROM_ROWS_PER_EXPERT,
+                    Formulation)
 
 # The registry of fused blocks and their marker class, public here too.
 FUSED_BLOCKS = fused_blocks.FUSED_BLOCKS
 FusedMoEBlock = fused_blocks.FusedMoEBlock
 
 
-# The tile_m of mlx-lm's own formulation: its SwitchGLU call, op for op (no
-# plan): each token against its K experts as routed below 64 routed entries,
-# rows sorted by its two argsorts from there (`do_sort = indices.size >= 64`
-# in mlx-lm 0.32.2's switch_layers). Its GEMM kernels are mlx-lm's, without
-# the index kernels MLX adds to mlx-lm's call (_MLX_LM_CALL_DIGESTS, below),
-# so compiled (decoding) it costs less GPU and host time than mlx-lm's, and a
-# patched model gives the unpatched logits bit for bit wherever the rule runs it.
-MLX_LM = 0
-MLX_LM_SORTS_FROM_ENTRIES = 64
-# On MLX's CUDA backend (H200, MLX 0.32.4, 4-bit weights, four shapes, T = 1 to
-# 2048), tiles beat sorted single rows wherever experts average 2 rows or more
-# (1.45x to 24x), tie with them at 1 and lose by up to 16% below: 16-row tiles
-# while experts average fewer than 64 rows, 64-row tiles from there. Above the
-# launch noise of the smallest sizes, the rule picks the fastest formulation
-# measured or one within 4% of it (`python -m benchmarks.layer --tile-m
-# auto,0,1,8,16,32,64`, RESULTS.md). Below 2 rows an expert, CUDA runs
-# mlx-lm's own call: our sorted rows took up to 10% less GPU time there but
-# more host time (plan, gather and combine to launch), and whole models
-# decoding batches of 8 ran at 0.89x to 1.01x of mlx-lm with them against
-# 1.01x to 1.05x with mlx-lm's call.
-TILED_FROM_ROWS_PER_EXPERT = 2
-LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
-# The formulation whose GEMMs are this package's kernel (kernels/grouped_qmm.h):
-# sorted single rows, each expert's quantized weights read once for up to 8 of
-# its rows at a time, the row counts read on the device (no host sync, and an
-# expert without rows costs nothing). For affine-quantized projections (4 or 8
-# bits) of 16-bit rows on a GPU; elsewhere a layer given GROUPED runs sorted
-# rows (1). On MLX's CUDA backend the rule picks it for such layers from
-# GROUPED_FROM_ENTRIES routed entries until experts average
-# GROUPED_BELOW_ROWS_PER_EXPERT rows (H200, host time included: Qwen3-30B-A3B's
-# layer 1.46x mlx-lm's call at T = 8 and 2.55x at 32, where 16-row tiles gave
-# 1.01x and 1.73x; RESULTS.md). Below 64 entries mlx-lm's call, which does
-# not sort there: the grouped kernel tied with it on Qwen3-30B-A3B's layer at
-# T = 1 to 4, and the whole model at batch 4 was slower in one process of two.
-GROUPED = -1
-GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
-GROUPED_BELOW_ROWS_PER_EXPERT = 16
+# mlx-lm's own call with its GEMMs' lhs indices given (below) is its code op
+# for op, without the index kernels MLX adds to it: compiled, it costs less
+# GPU and host time than mlx-lm's, and gives mlx-lm's bits.
 _GROUPED_DTYPES = tuple(getattr(mx, name) for name in launch.GROUPED_QMM_DTYPES)
 # mlx-lm's call hands MLX's gather_qmm (and gather_mm) no lhs_indices, and MLX
 # makes them at every call: an arange over the rows, which the up and gate
@@ -161,19 +131,15 @@ def _switch_projection(projection: nn.Module, x: mx.array, indices: mx.array,
 EXPERT_PARALLEL_SYNC_FROM_ENTRIES = 1024
 
 
+def _on_cuda(stream: mx.Stream) -> bool:
+    """Whether `stream` runs on MLX's CUDA backend (a fact of the measured rule)."""
+    return stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda"
+
+
 def default_tile_m(num_entries: int, num_experts: int, stream=None, *,
                    grouped: bool = False) -> int:
-    """The GEMM formulation the layer uses unless told: the measured rule.
-
-    On MLX's CUDA backend, for a layer the grouped kernel can compute, `GROUPED`
-    from `GROUPED_FROM_ENTRIES` routed entries until experts average
-    `GROUPED_BELOW_ROWS_PER_EXPERT`. Otherwise there, tiles once experts average
-    `TILED_FROM_ROWS_PER_EXPERT` routed entries (16 rows, or 64 once they
-    average `LARGE_TILES_FROM_ROWS_PER_EXPERT`), mlx-lm's own call (`MLX_LM`)
-    below. Elsewhere (the CPU, whose `gather_qmm` pays for every padding row
-    of a tile, and Metal, not yet measured) `MLX_LM` below
-    `MLX_LM_SORTS_FROM_ENTRIES` entries, where mlx-lm does not sort, and
-    sorted single rows (1) from there.
+    """The GEMM formulation the layer uses unless told: the measured rule
+    (`rules.formulation_for`), as the layer's public `tile_m`.
 
     Args:
         num_entries (int): Routed entries, `T * K` (`indices.size`).
@@ -186,26 +152,8 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None, *,
     Returns:
         int: `MLX_LM` (0), `GROUPED` (-1), 1, 16 or 64.
     """
-    stream = _backend.resolve_stream(stream)
-    if stream.device.type == mx.gpu and _backend.gpu_backend() == "cuda":
-        if (grouped and GROUPED_FROM_ENTRIES <= num_entries
-                < GROUPED_BELOW_ROWS_PER_EXPERT * num_experts):
-            return GROUPED
-        if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
-            return MLX_LM
-        return 64 if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts else 16
-    return MLX_LM if num_entries < MLX_LM_SORTS_FROM_ENTRIES else 1
-
-
-def _checked_tile_m(tile_m: int | None) -> int | None:
-    if tile_m is None:
-        return None
-    if isinstance(tile_m, bool) or not isinstance(tile_m, int):
-        raise TypeError(f"tile_m: expected an int or None, got {type(tile_m).__name__}")
-    if tile_m < GROUPED:
-        raise ValueError(f"tile_m: must be MLX_LM (0), GROUPED (-1), 1 (sorted rows) or a "
-                         f"tile height above 1, got {tile_m}")
-    return tile_m
+    cuda = _on_cuda(_backend.resolve_stream(stream))
+    return rules.formulation_for(num_entries, num_experts, cuda=cuda, grouped=grouped).tile_m
 
 
 def _kernel_computes(projection: nn.Module) -> bool:
@@ -326,7 +274,7 @@ class SwitchGLU(nn.Module):
         tile_m: int | None = None,
     ):
         super().__init__()
-        self.tile_m = _checked_tile_m(tile_m)
+        self.tile_m = tile_m
         linear = _mlx_lm_switch.SwitchLinear
         self.gate_proj = linear(input_dims, hidden_dims, num_experts, bias=bias)
         self.up_proj = linear(input_dims, hidden_dims, num_experts, bias=bias)
@@ -338,12 +286,22 @@ class SwitchGLU(nn.Module):
         """A `SwitchGLU` sharing `layer`'s projections and activation (no copy)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.tile_m = _checked_tile_m(tile_m)
+        new.tile_m = tile_m
         new.gate_proj = layer.gate_proj
         new.up_proj = layer.up_proj
         new.down_proj = layer.down_proj
         new.activation = layer.activation
         return new
+
+    @property
+    def tile_m(self) -> int | None:
+        """The GEMM formulation (see the class), None for the rule's per call."""
+        return None if self.formulation is None else self.formulation.tile_m
+
+    @tile_m.setter
+    def tile_m(self, tile_m: int | None) -> None:
+        # Converted here, once, not at every call.
+        self.formulation = Formulation.from_tile_m(tile_m)
 
     @property
     def num_experts(self) -> int:
@@ -356,24 +314,28 @@ class SwitchGLU(nn.Module):
                 and dtype in _GROUPED_DTYPES
                 and all(_kernel_computes(p) and p.scales.dtype == dtype for p in projections))
 
-    def _formulation(self, x: mx.array, indices: mx.array) -> int:
-        tile_m = self.tile_m
-        if tile_m is None:
-            tile_m = default_tile_m(indices.size, self.num_experts,
-                                    grouped=self._can_group(x.dtype))
-        elif tile_m == GROUPED and not self._can_group(x.dtype):
-            tile_m = 1
+    def _formulation(self, x: mx.array, indices: mx.array) -> Formulation:
+        """The formulation of a call on `x` routed by `indices`."""
+        formulation = self.formulation
+        if formulation is None:
+            stream = _backend.resolve_stream(None)
+            formulation = rules.formulation_for(indices.size, self.num_experts,
+                                                cuda=_on_cuda(stream),
+                                                grouped=self._can_group(x.dtype))
+        elif formulation is GROUPED_ROWS and not self._can_group(x.dtype):
+            formulation = SORTED_ROWS
         # mlx-lm's call would hand the skipped ids (-1) to gather_qmm unchecked.
-        return 1 if tile_m == MLX_LM and self.expert_group is not None else tile_m
+        if formulation is MLX_LM_CALL and self.expert_group is not None:
+            return SORTED_ROWS
+        return formulation
 
-    def _plan(self, indices: mx.array, tile_m: int):
-        tile_m = 1 if tile_m == GROUPED else tile_m  # sorted single rows
+    def _plan(self, indices: mx.array, formulation: Formulation):
         indices = mx.stop_gradient(indices)
         if self.expert_group is not None:
             # The model's ids to this rank's, -1 (skipped) for other ranks' experts.
             local = indices.astype(mx.int32) - self.expert_offset  # routers give uint32
             indices = mx.where((local >= 0) & (local < self.num_experts), local, -1)
-        return moe_plan(indices, self.num_experts, tile_m=tile_m)
+        return moe_plan(indices, self.num_experts, tile_m=formulation.plan_tile_m)
 
     def _sharded_input(self, x: mx.array) -> mx.array:
         """`x`, whose gradient an expert-parallel layer sums over its group.
@@ -513,10 +475,10 @@ class SwitchGLU(nn.Module):
             hidden = self.activation(x_up, x_gate)
         return self._grouped_projection(self.down_proj, hidden, plan_rows)
 
-    def _expert_rows(self, x: mx.array, plan, tile_m: int) -> mx.array:
+    def _expert_rows(self, x: mx.array, plan, formulation: Formulation) -> mx.array:
         """The expert MLP of every row of the plan, `[capacity, D]`."""
         x = self._sharded_input(x)
-        if tile_m == GROUPED:
+        if formulation is GROUPED_ROWS:
             return self._grouped_mlp(x, _PlanRows(plan))
         rows = moe_gather(x, plan)
         static = self._static_rows(plan, x.dtype)
@@ -576,11 +538,11 @@ class SwitchGLU(nn.Module):
         return self._forward(x, indices)
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
-        tile_m = self._formulation(x, indices)
-        if tile_m == MLX_LM:
+        formulation = self._formulation(x, indices)
+        if formulation is MLX_LM_CALL:
             return self._mlx_lm(x, indices)
-        plan = self._plan(indices, tile_m)
-        rows = self._expert_rows(x, plan, tile_m)
+        plan = self._plan(indices, formulation)
+        rows = self._expert_rows(x, plan, formulation)
         return self._summed(moe_unsort(rows, plan))
 
     def weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array, *,
@@ -615,13 +577,13 @@ class SwitchGLU(nn.Module):
 
     def _weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array,
                       in_rows_dtype: bool) -> mx.array:
-        tile_m = self._formulation(x, indices)
-        if tile_m == MLX_LM:
+        formulation = self._formulation(x, indices)
+        if formulation is MLX_LM_CALL:
             y = self._mlx_lm(x, indices)
             weighted = (y * scores[..., None]).sum(-2)
             return weighted.astype(y.dtype) if in_rows_dtype else weighted
-        plan = self._plan(indices, tile_m)
-        rows = self._expert_rows(x, plan, tile_m)
+        plan = self._plan(indices, formulation)
+        rows = self._expert_rows(x, plan, formulation)
         dtype = rows.dtype if in_rows_dtype else mx.result_type(rows.dtype, scores.dtype)
         return self._summed(moe_combine(rows, plan, weights=scores, dtype=dtype))
 

@@ -1,0 +1,137 @@
+"""The measured rules: how the MoE layer computes, chosen from measurements.
+
+Each rule is a pure function of sizes and of facts about the backend, whose
+thresholds come from the runs recorded in benchmarks/RESULTS.md; the layer
+(`nn.SwitchGLU`) gathers the facts and applies the choice. The rule here is
+the expert GEMMs' formulation (`formulation_for`).
+
+A formulation is a `Formulation`. The layer's public `tile_m` names one as an
+int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
+given (`Formulation.from_tile_m`); the plan's own `tile_m` is the padding
+multiple of its rows (`Formulation.plan_tile_m`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+# The public names of the formulations that are not a tile height.
+MLX_LM = 0
+GROUPED = -1
+
+# mlx-lm's SwitchGLU sorts its rows from this many routed entries
+# (`do_sort = indices.size >= 64` in mlx-lm 0.32.2's switch_layers).
+MLX_LM_SORTS_FROM_ENTRIES = 64
+# On CUDA, tiles pay off once experts average this many rows; larger tiles
+# once they average the second (benchmarks/RESULTS.md, "The rule").
+TILED_FROM_ROWS_PER_EXPERT = 2
+LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
+# On CUDA, the grouped kernel wins over mlx-lm's call and over tiles for a
+# few rows an expert: from mlx-lm's sort threshold (below it, they tied)
+# until experts average the second (benchmarks/RESULTS.md, "The grouped
+# kernel in the rule").
+GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
+GROUPED_BELOW_ROWS_PER_EXPERT = 16
+
+
+@dataclass(frozen=True)
+class Formulation:
+    """How the layer computes its expert GEMMs.
+
+    One of: mlx-lm's own call (no plan), sorted single rows through MLX's
+    `gather_mm` / `gather_qmm`, tiles of `plan_tile_m` rows of one expert
+    each, or sorted single rows through this package's grouped kernel.
+    Compare with `is`: each is made once (`MLX_LM_CALL`, `SORTED_ROWS`,
+    `GROUPED_ROWS`, `tiles`).
+    """
+
+    kind: str
+    """"mlx_lm", "sorted_rows", "tiles" or "grouped"."""
+    plan_tile_m: int
+    """The plan's padding multiple (its `tile_m`); 0 for mlx-lm's call, which plans nothing."""
+
+    @property
+    def tile_m(self) -> int:
+        """The layer's public int for this formulation."""
+        return GROUPED if self.kind == "grouped" else self.plan_tile_m
+
+    # Each formulation is one object, copies and pickles included.
+    def __copy__(self) -> Formulation:
+        return self
+
+    def __deepcopy__(self, memo) -> Formulation:
+        return self
+
+    def __reduce__(self):
+        return Formulation.from_tile_m, (self.tile_m,)
+
+    @staticmethod
+    def from_tile_m(tile_m: int | None) -> Formulation | None:
+        """The formulation the layer's public `tile_m` names; None stays None (the rule).
+
+        Raises:
+            TypeError: `tile_m` is not an int.
+            ValueError: `tile_m` is below `GROUPED`.
+        """
+        if tile_m is None:
+            return None
+        if isinstance(tile_m, bool) or not isinstance(tile_m, int):
+            raise TypeError(f"tile_m: expected an int or None, got {type(tile_m).__name__}")
+        if tile_m < GROUPED:
+            raise ValueError(f"tile_m: must be MLX_LM (0), GROUPED (-1), 1 (sorted rows) or a "
+                             f"tile height above 1, got {tile_m}")
+        if tile_m == MLX_LM:
+            return MLX_LM_CALL
+        if tile_m == GROUPED:
+            return GROUPED_ROWS
+        return SORTED_ROWS if tile_m == 1 else tiles(tile_m)
+
+
+MLX_LM_CALL = Formulation("mlx_lm", 0)
+SORTED_ROWS = Formulation("sorted_rows", 1)
+GROUPED_ROWS = Formulation("grouped", 1)
+
+
+@functools.cache
+def tiles(height: int) -> Formulation:
+    """Tiles of `height` rows (above 1), one expert a tile."""
+    return Formulation("tiles", height)
+
+
+_SMALL_TILES, _LARGE_TILES = tiles(16), tiles(64)
+
+
+def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
+                    grouped: bool) -> Formulation:
+    """The expert GEMMs' formulation the measurements favour.
+
+    On CUDA, for a layer the grouped kernel can compute, the grouped kernel
+    from `GROUPED_FROM_ENTRIES` routed entries until experts average
+    `GROUPED_BELOW_ROWS_PER_EXPERT`; otherwise there, tiles once experts
+    average `TILED_FROM_ROWS_PER_EXPERT` (16 rows, 64 from
+    `LARGE_TILES_FROM_ROWS_PER_EXPERT`), mlx-lm's call below, whose host time
+    is the least. Elsewhere (the CPU, whose `gather_qmm` pays for every
+    padding row of a tile, and Metal, not yet measured) mlx-lm's call below
+    `MLX_LM_SORTS_FROM_ENTRIES`, where mlx-lm does not sort, and sorted
+    single rows from there.
+
+    Args:
+        num_entries (int): Routed entries, `T * K`.
+        num_experts (int): Number of experts E.
+        cuda (bool): Whether the layer runs on MLX's CUDA backend.
+        grouped (bool): Whether the grouped kernel can compute the layer there.
+
+    Returns:
+        Formulation: `MLX_LM_CALL`, `GROUPED_ROWS`, `SORTED_ROWS`, `tiles(16)`
+        or `tiles(64)`.
+    """
+    if cuda:
+        if (grouped and GROUPED_FROM_ENTRIES <= num_entries
+                < GROUPED_BELOW_ROWS_PER_EXPERT * num_experts):
+            return GROUPED_ROWS
+        if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
+            return MLX_LM_CALL
+        return _LARGE_TILES if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts \
+            else _SMALL_TILES
+    return MLX_LM_CALL if num_entries < MLX_LM_SORTS_FROM_ENTRIES else SORTED_ROWS
