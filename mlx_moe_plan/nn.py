@@ -52,7 +52,6 @@ from ._checks import check_tokens
 from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
-from .kernels import launch
 from .plan import moe_plan
 from .rules import (GROUPED, GROUPED_BELOW_ROWS_PER_EXPERT, GROUPED_FROM_ENTRIES, GROUPED_ROWS,
                     LARGE_TILES_FROM_ROWS_PER_EXPERT, MLX_LM, MLX_LM_CALL,
@@ -67,7 +66,6 @@ FusedMoEBlock = fused_blocks.FusedMoEBlock
 # mlx-lm's own call with its GEMMs' lhs indices given (below) is its code op
 # for op, without the index kernels MLX adds to it: compiled, it costs less
 # GPU and host time than mlx-lm's, and gives mlx-lm's bits.
-_GROUPED_DTYPES = tuple(getattr(mx, name) for name in launch.GROUPED_QMM_DTYPES)
 # mlx-lm's call hands MLX's gather_qmm (and gather_mm) no lhs_indices, and MLX
 # makes them at every call: an arange over the rows, which the up and gate
 # projections broadcast against the expert ids, and which MLX's CUDA backend
@@ -156,14 +154,15 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None, *,
     return rules.formulation_for(num_entries, num_experts, cuda=cuda, grouped=grouped).tile_m
 
 
-def _kernel_computes(projection: nn.Module) -> bool:
-    """Whether kernels/grouped_qmm.h can compute `projection` (a GPU aside)."""
+def _kernel_computes(projection: nn.Module, backend: _backend.Backend, dtype: mx.Dtype) -> bool:
+    """Whether `backend`'s grouped kernel computes `projection` on rows of `dtype`."""
     return (isinstance(projection, _mlx_lm_switch.QuantizedSwitchLinear)
             and getattr(projection, "mode", "affine") == "affine"
             and getattr(projection, "global_scale", None) is None
             and projection.get("biases") is not None
-            and projection.bits in launch.GROUPED_QMM_BITS
-            and projection.group_size in launch.GROUPED_QMM_QUANT_GROUPS)
+            and projection.scales.dtype == dtype
+            and backend.grouped_qmm_computes(bits=projection.bits,
+                                             group_size=projection.group_size, dtype=dtype))
 
 
 class _PlanRows:
@@ -309,10 +308,12 @@ class SwitchGLU(nn.Module):
 
     def _can_group(self, dtype: mx.Dtype) -> bool:
         """Whether the grouped kernel can compute this layer here, for rows of `dtype`."""
-        projections = (self.gate_proj, self.up_proj, self.down_proj)
-        return (_backend.resolve_stream(None).device.type == mx.gpu
-                and dtype in _GROUPED_DTYPES
-                and all(_kernel_computes(p) and p.scales.dtype == dtype for p in projections))
+        stream = _backend.resolve_stream(None)
+        if stream.device.type != mx.gpu:
+            return False
+        backend = _backend.implementation(stream)
+        return all(_kernel_computes(p, backend, dtype)
+                   for p in (self.gate_proj, self.up_proj, self.down_proj))
 
     def _formulation(self, x: mx.array, indices: mx.array) -> Formulation:
         """The formulation of a call on `x` routed by `indices`."""
