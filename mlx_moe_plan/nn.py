@@ -49,7 +49,7 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
 
 from . import _backend, _compiled, expert_parallel, fused_blocks, rules
 from ._checks import check_tokens
-from ._compiled import COMPILE_MAX_TOKENS, compiled_call, compiles
+from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small
 from .combine import moe_combine
 from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
@@ -534,9 +534,8 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """Args: x `[..., D]`, indices `[..., K]`. Returns `[..., K, D]`, as mlx-lm's."""
-        if compiles(self.compile_max_tokens, x):
-            return compiled_call(self, self._forward, x, indices, key=("call", self.tile_m))
-        return self._forward(x, indices)
+        return compiled_if_small(self, self._forward, x, indices,
+                                 max_tokens=self.compile_max_tokens, key=("call", self.tile_m))
 
     def _forward(self, x: mx.array, indices: mx.array) -> mx.array:
         formulation = self._formulation(x, indices)
@@ -568,13 +567,12 @@ class SwitchGLU(nn.Module):
         Returns:
             array: `[..., D]`.
         """
-        if compiles(self.compile_max_tokens, x):
-            def forward(x, indices, scores):
-                return self._weighted_sum(x, indices, scores, in_rows_dtype)
+        def forward(x, indices, scores):
+            return self._weighted_sum(x, indices, scores, in_rows_dtype)
 
-            return compiled_call(self, forward, x, indices, scores,
-                                  key=("weighted_sum", self.tile_m, in_rows_dtype))
-        return self._weighted_sum(x, indices, scores, in_rows_dtype)
+        return compiled_if_small(self, forward, x, indices, scores,
+                                 max_tokens=self.compile_max_tokens,
+                                 key=("weighted_sum", self.tile_m, in_rows_dtype))
 
     def _weighted_sum(self, x: mx.array, indices: mx.array, scores: mx.array,
                       in_rows_dtype: bool) -> mx.array:
