@@ -212,3 +212,172 @@ def test_only_the_gpu_backend_imports_the_kernels(name):
 
 def test_the_kernel_import_check_sees_the_gpu_backend():
     assert "mlx_moe_plan.kernels.launch" in _imports("mlx_moe_plan._gpu")
+
+
+def test_dispatch_returns_a_backend():
+    from mlx_moe_plan import _backend, _cpu
+
+    assert _backend.implementation(mx.default_stream(mx.cpu)) is _cpu.CPU
+
+
+# --- the plan's fields: one order in Python, C++ and the plan kernel ------------------
+
+
+def test_cpu_primitive_names_its_outputs_in_plan_fields_order():
+    from mlx_moe_plan import _ext, _sizes
+
+    assert tuple(_ext.plan_outputs) == _sizes.PLAN_FIELDS
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_cpu_primitive_outputs_have_the_fields_sizes(with_weights):
+    # Each output of the C++ primitive is the size and dtype of the field its
+    # name says: what output_shapes lays out agrees with _sizes.field_sizes.
+    from mlx_moe_plan import _ext, _sizes
+
+    num_experts, tile_m, top_k = 4, 4, 3
+    ids = mx.array([0, 4, 4, -1, 2, 9, 1, 1, 3], mx.int32)  # 5 routed, 1 skipped, 3 invalid
+    weights = mx.ones(ids.shape, mx.float32) if with_weights else None
+    outputs = _ext.plan(ids, weights, num_experts, tile_m, top_k, stream=mx.cpu)
+    sizes = _sizes.field_sizes(ids.size, num_experts, tile_m)
+    # capacity 24, tiles 6, entries 9, experts 4 and 5: a swap of two shows.
+    assert len({sizes[name] for name in ("row_tokens", "tile_experts", "positions",
+                                         "expert_counts", "expert_offsets")}) == 5
+    names = _sizes.PLAN_FIELDS if with_weights else _sizes.PLAN_FIELDS[:-1]
+    assert len(outputs) == len(names)
+    for name, output in zip(names, outputs):
+        assert output.size == sizes[name], name
+        assert output.dtype == (mx.float32 if name == _sizes.WEIGHT_FIELD else mx.int32), name
+        assert output.ndim == (0 if name.startswith("num_") else 1), name
+    by_name = dict(zip(names, outputs))
+    # Four experts of 1 or 2 entries, padded to 4 rows each: 16 rows, 4 tiles.
+    counts = {name: by_name[name].item() for name in ("num_rows", "num_tiles", "num_invalid")}
+    assert counts == {"num_rows": 16, "num_tiles": 4, "num_invalid": 3}
+
+
+def _plan_kernel_offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Each field's offset in plan_data, as kernels/plan.h computes it.
+
+    plan.h points a name at each field (`GLOBAL int* positions = tile_experts
+    + max_tiles;`) and writes the last three through `totals[i]`; evaluated
+    here with the given sizes, so that any reordering there shows.
+    """
+    from mlx_moe_plan import kernels
+
+    body = kernels.compact("plan")
+    values = {"plan_data": 0, "capacity": sizes["row_tokens"],
+              "max_tiles": sizes["tile_experts"], "num_entries": sizes["positions"],
+              "num_experts": sizes["expert_counts"]}
+    pointers = re.findall(r"^GLOBAL int\* (\w+) = ([\w\s*+]+);$", body, flags=re.M)
+    assert pointers, "plan.h: no `GLOBAL int* name = ...;` lines"
+    offsets = {}
+    for name, expression in pointers:
+        offsets[name] = values[name] = eval(expression, {"__builtins__": {}}, dict(values))
+    totals = offsets.pop("totals")
+    written = re.findall(r"^totals\[(\d)\] = (.+);$", body, flags=re.M)
+    assert len(written) == 3
+    for index, value in written:
+        # totals[0] = num_rows; ... totals[2] = (int)ATOMIC_LOAD(&invalid_total[0]);
+        name = next(n for n in ("num_rows", "num_tiles", "num_invalid")
+                    if n.removeprefix("num_") in value)
+        offsets[name] = totals + int(index)
+    return offsets
+
+
+@pytest.mark.parametrize("num_entries, num_experts, tile_m", [(9, 5, 4), (1000, 37, 16),
+                                                              (7, 1024, 1)])
+def test_plan_kernel_writes_the_layout_launch_gives(num_entries, num_experts, tile_m):
+    from mlx_moe_plan import _sizes
+    from mlx_moe_plan.kernels import launch
+
+    layout, data_size = launch.plan_layout(num_entries, num_experts, tile_m)
+    assert tuple(layout) == launch.PLAN_DATA_FIELDS
+    assert launch.PLAN_DATA_FIELDS + (_sizes.WEIGHT_FIELD,) == _sizes.PLAN_FIELDS
+    offsets = _plan_kernel_offsets(_sizes.field_sizes(num_entries, num_experts, tile_m))
+    assert offsets == {name: offset for name, (offset, _) in layout.items()}
+    assert data_size == max(offset + size for offset, size in layout.values())
+
+
+def test_plan_fields_are_the_plans_attributes():
+    # Every field is a MoEPlan attribute of the size _sizes gives it.
+    from mlx_moe_plan import _sizes
+
+    indices = mx.array([[0, 4], [4, -1], [2, 9]], mx.int32)
+    plan = mlx_moe_plan.moe_plan(indices, 5, weights=mx.ones(indices.shape), tile_m=4,
+                                 stream=mx.cpu)
+    sizes = _sizes.field_sizes(indices.size, 5, 4)
+    for name in _sizes.PLAN_FIELDS:
+        assert getattr(plan, name).size == sizes[name], name
+
+
+# --- kernel parameters: named once, in kernels/launch.py --------------------------------
+
+
+@pytest.mark.parametrize("name", ["plan", "gather", "combine"])
+def test_bodies_read_params_in_launch_order(name):
+    # A body reads its `params` array by position, each value into a constant
+    # named as launch.py names it: `const int hidden = params[1];`. Those lines
+    # are the whole of a body's use of params.
+    from mlx_moe_plan import _gpu, kernels
+    from mlx_moe_plan.kernels import launch
+
+    body = kernels.compact(name)
+    reads = re.findall(r"^const (?:int|i64) (\w+) = params\[(\d+)\];$", body, flags=re.M)
+    assert reads == [(field, str(i)) for i, field in enumerate(launch.PARAMS[name]._fields)]
+    assert body.count("params") == len(reads)
+    assert launch.INPUTS_OUTPUTS[name][0][-1] == "params"
+    assert len(launch.PARAMS[name]._fields) <= _gpu._PARAMS_SIZE
+
+
+def test_launches_carry_their_bodys_params():
+    from mlx_moe_plan.kernels import launch
+
+    launches = {"plan": launch.plan_launch(1000, 37, 4, 2, True),
+                "gather": launch.gather_launch(10, 8, 20, "float16", "float16"),
+                "combine": launch.combine_launch(20, 8, 10, 2, True, "float16", "float32"),
+                "grouped_qmm": launch.grouped_qmm_launch(4, 64, 24, 9, 4, 32, "bfloat16"),
+                "argsort_slice": launch.argsort_slice_launch(3, 128, 120, 8, "bfloat16")}
+    assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
+    for name, kernel_launch in launches.items():
+        assert type(kernel_launch.params) is launch.PARAMS[name]
+    plan_params = launches["plan"].params
+    assert (plan_params.num_entries, plan_params.tile_m, plan_params.top_k) == (1000, 4, 2)
+
+
+def test_grouped_qmm_tilings_are_checked():
+    from mlx_moe_plan.kernels import launch
+
+    for bad in (dict(threads=48), dict(threads=96), dict(tiles=0), dict(gated_tiles=0),
+                dict(steps=0), dict(row_tiles=0)):
+        with pytest.raises(ValueError, match="grouped_qmm tiling"):
+            with launch.grouped_qmm_tiling(**bad):
+                pass
+    default = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
+    with launch.grouped_qmm_tiling(steps=1, max_groups=2) as tiling:
+        assert tiling.steps == 1
+        changed = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
+    assert dict(changed.template)["STEPS"] == 1 and changed.groups == 2
+    assert launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16") == default
+
+
+# --- docs/DESIGN.md cites what the repository holds ------------------------------------
+
+REPOSITORY = PACKAGE_DIR.parent
+DESIGN = REPOSITORY / "docs" / "DESIGN.md"
+
+
+@pytest.mark.skipif(not DESIGN.exists(), reason="not a source checkout")
+def test_design_doc_cites_what_exists():
+    # Every repository path the design cites exists, and in `path::name`, each
+    # part of the name occurs in that file as a word.
+    text = DESIGN.read_text()
+    cited = re.findall(r"(?<![\w./])((?:\.ci|docs|mlx_moe_plan|src|tests|benchmarks)/[\w./]*)"
+                       r"((?:::[\w.:]+)?)", text)
+    assert len(cited) > 50
+    for path, name in cited:
+        path = path.rstrip(".")
+        assert (REPOSITORY / path).exists(), path
+        if name:
+            source = (REPOSITORY / path).read_text()
+            for part in re.split(r"::|\.", name.strip(":.")):
+                assert re.search(rf"\b{re.escape(part)}\b", source), f"{path}{name}: {part}"
