@@ -12,8 +12,9 @@ Two ways to install it:
   MoE blocks' weighted sums, below). A model patched already is left as it
   is, with a warning.
 - `mlx_lm.models.switch_layers.SwitchGLU = mlx_moe_plan.nn.SwitchGLU` before
-  models are built (or loaded): every model built then has this layer, made
-  by mlx-lm's own code. The layer reaches mlx-lm's classes as they were when
+  mlx-lm imports a model's module (`mlx_lm.load` imports it on first use;
+  a module imported already holds its own `SwitchGLU` name, to replace the
+  same way): every model built then has this layer, made by mlx-lm's code. The layer reaches mlx-lm's classes as they were when
   this module was imported (`_mlx_lm.py`), not through the module attribute
   it replaced. `patch_model` on such a model fuses its blocks.
 
