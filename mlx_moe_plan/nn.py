@@ -182,15 +182,6 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
     def num_experts(self) -> int:
         return self.gate_proj.num_experts
 
-    def _can_group(self, dtype: mx.Dtype) -> bool:
-        """Whether the grouped kernel can compute this layer here, for rows of `dtype`."""
-        stream = _backend.resolve_stream(None)
-        if stream.device.type != mx.gpu:
-            return False
-        backend = _backend.implementation(stream)
-        return all(_kernel_computes(p, backend, dtype)
-                   for p in (self.gate_proj, self.up_proj, self.down_proj))
-
     def _formulation(self, x: mx.array, indices: mx.array) -> Formulation:
         """The formulation of a call on `x` routed by `indices`."""
         formulation = self.formulation

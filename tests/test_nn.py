@@ -730,3 +730,20 @@ def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name, tile_m):
     ours = relative_error(patched(tokens).astype(mx.float32), exact)
     assert 0 < theirs < 0.1, theirs
     assert ours <= 1.25 * theirs, (ours, theirs)
+
+
+def test_grouped_kernel_computes_the_layer_where_the_backend_says(monkeypatch):
+    # _can_group's GPU branch, on any machine: a stand-in GPU stream and the
+    # CUDA backend's declared capability (building it runs nothing).
+    from mlx_moe_plan import _gpu
+
+    gpu_stream = types.SimpleNamespace(device=types.SimpleNamespace(type=mx.gpu))
+    monkeypatch.setattr(moe_nn._backend, "resolve_stream", lambda stream: gpu_stream)
+    monkeypatch.setattr(moe_nn._backend, "implementation", lambda stream: _gpu.GpuBackend("cuda"))
+    theirs = switch_layers.SwitchGLU(64, 64, 4)
+    assert not SwitchGLU.from_mlx_lm(theirs)._can_group(mx.float32)  # not quantized
+    nn.quantize(theirs, group_size=64, bits=4)
+    assert not SwitchGLU.from_mlx_lm(theirs)._can_group(mx.float32)  # float32 scales
+    theirs.set_dtype(mx.bfloat16)
+    ours = SwitchGLU.from_mlx_lm(theirs)
+    assert ours._can_group(mx.bfloat16) and not ours._can_group(mx.float16)
