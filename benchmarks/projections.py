@@ -190,6 +190,7 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
 def rule_rows(results: list[dict], slack: float) -> tuple[list[str], list[str]]:
     """The last table's lines, and the cases where the patched call took
     longer than the fastest shape by more than `slack` (a fraction)."""
+    from mlx_moe_plan import _backend
     from mlx_moe_plan.rules import dense_as_rows
 
     lines = [f"{'projection':24s} {'dtype':8s} bits {'B':>3s}  fastest   x batched  "
@@ -200,7 +201,9 @@ def rule_rows(results: list[dict], slack: float) -> tuple[list[str], list[str]]:
         fastest = min(SHAPES, key=lambda s: times[s])
         out_dims, in_dims, _ = GEMMS[r["gemm"]]
         rule = "rows" if dense_as_rows(out_dims, in_dims, r["batch"], r["bits"],
-                                       getattr(mx, r["dtype"])) else "batched"
+                                       getattr(mx, r["dtype"]).size * 8, "affine",
+                                       cuda=_backend.on_cuda(mx.default_stream(
+                                           mx.default_device()))) else "batched"
         line = (f"{r['gemm']:24s} {r['dtype']:8s} {r['bits']:4d} {r['batch']:3d}  "
                 f"{fastest:8s} {times['batched'] / times[fastest]:7.2f}x  "
                 f"{rule:8s} {times['batched'] / times['patched']:7.2f}x")

@@ -1,11 +1,14 @@
 """Backend dispatch: the stream's device picks the implementation.
 
 `Backend` declares what an implementation offers the public ops: `plan`,
-`gather_rows` and `combine_rows`, all lazy. Two satisfy it: `_cpu.CpuBackend`,
-the C++ primitives of `src/`, and `_gpu.GpuBackend`, the kernel texts of
-`kernels/` run through `mx.fast.metal_kernel` or `mx.fast.cuda_kernel`.
-Neither imports this module (it imports them): they match the protocol by
-their methods, which tests/test_structure.py compares with it.
+`gather_rows` and `combine_rows`, all lazy; and two optional kernels the
+layer and the routers use where a backend has them, `grouped_qmm` and
+`argsort_slice` (None where it has not, with a predicate saying which inputs
+it computes). Two satisfy it: `_cpu.CpuBackend`, the C++ primitives of
+`src/`, and `_gpu.GpuBackend`, the kernel texts of `kernels/` run through
+`mx.fast.metal_kernel` or `mx.fast.cuda_kernel`. Neither imports this module
+(it imports them): they match the protocol by their methods, which
+tests/test_structure.py compares with it.
 """
 
 from __future__ import annotations
@@ -15,9 +18,74 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 
 
+class GroupedQmm(Protocol):
+    """A backend's grouped expert GEMM over a plan's sorted rows, where it has one."""
+
+    def __call__(
+        self,
+        rows: mx.array,
+        weight: mx.array,
+        scales: mx.array,
+        biases: mx.array,
+        expert_offsets: mx.array,
+        row_experts: mx.array,
+        *,
+        bits: int,
+        group_size: int,
+        stream: mx.Stream,
+        row_tokens: mx.array | None = None,
+        up: tuple[mx.array, mx.array, mx.array] | None = None,
+    ) -> mx.array:
+        """`out[r] = rows[r] @ dequantize(weight[e]).T` for the rows of expert
+        e's span, zeros on the tail rows. With `row_tokens`, `rows` are the
+        tokens and row r is `rows[row_tokens[r]]`; with `up`, the result is
+        `silu(out) * up_out`, `up_out` the same GEMM with `up`'s matrices
+        (mlx-lm's SwiGLU of a gate and an up projection). Differentiable with
+        respect to `rows` (through MLX's `gather_qmm`, `row_experts` naming
+        each row's expert); quantized weights get no gradient, as in MLX.
+
+        Args:
+            rows (array): `[capacity, D]`, or `[T, D]` with `row_tokens`, of a
+                dtype `grouped_qmm_computes` accepts, the dtype of `scales`
+                and `biases`.
+            weight (array): uint32 `[E, N, D * bits / 32]`, MLX's affine packing.
+            scales (array): `[E, N, D / group_size]`.
+            biases (array): `[E, N, D / group_size]`.
+            expert_offsets (array): int32 `[E + 1]`, the plan's.
+            row_experts (array): int32 `[capacity]`, the plan's (non-decreasing).
+            bits (int): Bits a weight, as `grouped_qmm_computes` accepts.
+            group_size (int): The quantization group, as `grouped_qmm_computes` accepts.
+            stream (Stream): Where to run.
+            row_tokens (array, optional): int32 `[capacity]`, the plan's, of
+                single rows (`tile_m=1`: no padding in the spans). A token
+                outside `[0, T)` reads the nearest one inside.
+            up (tuple, optional): weight, scales and biases of the up
+                projection, shaped and typed as `weight`, `scales` and `biases`.
+
+        Returns:
+            array: `[capacity, N]` in the rows' dtype.
+        """
+        ...
+
+
+class ArgsortSlice(Protocol):
+    """A backend's slice of a row-wise argsort in one launch, where it has one."""
+
+    def __call__(self, values: mx.array, start: int, count: int, *,
+                 stream: mx.Stream) -> tuple[mx.array, mx.array]:
+        """`mx.argsort(values)[..., start:start + count]`, uint32, and the
+        values at those indices, `mx.take_along_axis(values, indices,
+        axis=-1)`: positions of each row's stable ascending sort, NaN last, as
+        MLX's GPU `argpartition` orders a row. For rows `argsort_slice_computes`
+        accepts, `0 <= start`, `1 <= count`, `start + count <= values.shape[-1]`.
+        The values' gradient is `take_along_axis`'s; the indices have none.
+        """
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """The three operations every implementation provides.
+    """The three operations every implementation provides, and two it may.
 
     Arrays come in checked and sized by the public ops (`plan.py`,
     `gather.py`, `combine.py`); what comes back is lazy. The results are the
@@ -26,6 +94,22 @@ class Backend(Protocol):
 
     plan_id_dtypes: tuple[mx.Dtype, ...]
     """The id dtypes `plan` reads as they are; `moe_plan` converts others to int32."""
+
+    grouped_qmm: GroupedQmm | None
+    """The grouped expert GEMM (kernels/grouped_qmm.h); None where the backend has none."""
+
+    argsort_slice: ArgsortSlice | None
+    """A row-wise argsort's slice (kernels/argsort_slice.h); None where the backend has none."""
+
+    def grouped_qmm_computes(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
+        """Whether `grouped_qmm` computes affine-quantized weights of `bits`
+        and `group_size` on rows of `dtype`; False where there is none."""
+        ...
+
+    def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
+        """Whether `argsort_slice` sorts rows of `row_size` values of `dtype`;
+        False where there is none."""
+        ...
 
     def plan(
         self,
@@ -136,6 +220,11 @@ def gpu_backend() -> str | None:
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         return "cuda"
     return None
+
+
+def on_cuda(stream: mx.Stream) -> bool:
+    """Whether `stream` runs on MLX's CUDA backend (a fact the measured rules take)."""
+    return stream.device.type == mx.gpu and gpu_backend() == "cuda"
 
 
 def implementation(stream: mx.Stream) -> Backend:

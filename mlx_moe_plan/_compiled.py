@@ -4,8 +4,8 @@ Decoding rebuilds every layer's graph in Python at every step, and a step of
 a few tokens is bound by that host work. `mx.compile` traces a forward once
 per shape and then replays it: the graph is built in C++, and its elementwise
 ops are fused. The layer (`nn.SwitchGLU`) and the fused MoE blocks
-(`fused_blocks.py`) call their forwards through `compiled_call` when
-`compiles` says so.
+(`fused_blocks.py`) call their forwards through `compiled_if_small`, which
+runs them through `compiled_call` when `compiles` says so.
 
 The layers of a model are alike but for their weights, and they share one
 trace. With a trace for each layer, a step's replays walked as many tapes as
@@ -170,3 +170,12 @@ def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: 
     if compiled is None:
         compiled = forwards[slot] = _forward_for(module, key)
     return compiled(module, forward, *arrays)
+
+
+def compiled_if_small(module: nn.Module, forward: Callable, x: mx.array, *arrays: mx.array,
+                      max_tokens: int, key: tuple):
+    """`forward(x, *arrays)`: compiled (`compiled_call`, `key`) where `compiles`
+    says so for activations `x` and `max_tokens`, else as it is."""
+    if compiles(max_tokens, x):
+        return compiled_call(module, forward, x, *arrays, key=key)
+    return forward(x, *arrays)

@@ -46,6 +46,15 @@ class CpuBackend:
     """
 
     plan_id_dtypes = (mx.int32,)  # src/plan.cpp reads int32
+    # The GPU's optional kernels have no C++ counterpart: callers use MLX's ops.
+    grouped_qmm = None
+    argsort_slice = None
+
+    def grouped_qmm_computes(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
+        return False
+
+    def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
+        return False
 
     def plan(
         self,

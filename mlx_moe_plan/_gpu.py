@@ -195,15 +195,16 @@ class GpuBackend:
             return _combine_function(self.backend, dtype, False, stream)(src, index, inverse)
         return _combine_function(self.backend, dtype, True, stream)(src, index, inverse, weights)
 
+    def grouped_qmm_computes(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
+        return (bits in launch.GROUPED_QMM_BITS and group_size in launch.GROUPED_QMM_QUANT_GROUPS
+                and _name(dtype) in launch.GROUPED_QMM_DTYPES)
+
+    def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
+        return _name(dtype) in launch.ROW_KINDS and row_size <= launch.ARGSORT_SLICE_MAX_ROW
+
     def argsort_slice(self, values: mx.array, start: int, count: int, *,
                       stream: mx.Stream) -> tuple[mx.array, mx.array]:
-        """`mx.argsort(values)[..., start:start + count]`, uint32, and the values
-        at those indices, `mx.take_along_axis(values, indices, axis=-1)`, in one
-        launch (kernels/argsort_slice.h): positions of each row's stable
-        ascending sort, NaN last, as MLX's GPU `argpartition` orders a row.
-        For float rows of at most `launch.ARGSORT_SLICE_MAX_ROW` values,
-        `0 <= start`, `1 <= count`, `start + count <= values.shape[-1]`.
-        The values' gradient is `take_along_axis`'s; the indices have none."""
+        """`_backend.ArgsortSlice` in one launch of kernels/argsort_slice.h."""
         return _argsort_slice_function(self.backend, start, count, stream)(values)
 
     def grouped_qmm(
@@ -221,39 +222,9 @@ class GpuBackend:
         row_tokens: mx.array | None = None,
         up: tuple[mx.array, mx.array, mx.array] | None = None,
     ) -> mx.array:
-        """The expert GEMM over a plan's sorted rows (kernels/grouped_qmm.h).
-
-        Not part of `_backend.Backend`: a GPU kernel the layer uses where it
-        can (`nn.SwitchGLU`'s GROUPED formulation), with no CPU counterpart.
-        `out[r] = rows[r] @ dequantize(weight[e]).T` for the rows of expert
-        e's span, zeros on the tail rows. With `row_tokens`, `rows` are the
-        tokens and row r is `rows[row_tokens[r]]`; with `up`, the result is
-        `silu(out) * up_out`, `up_out` the same GEMM with `up`'s matrices
-        (mlx-lm's SwiGLU of a gate and an up projection). Differentiable with
-        respect to `rows` (through MLX's `gather_qmm`, `row_experts` naming
-        each row's expert); quantized weights get no gradient, as in MLX.
-
-        Args:
-            rows (array): `[capacity, D]`, or `[T, D]` with `row_tokens`,
-                float16 or bfloat16 (`launch.GROUPED_QMM_DTYPES`), the dtype of
-                `scales` and `biases`.
-            weight (array): uint32 `[E, N, D * bits / 32]`, MLX's affine packing.
-            scales (array): `[E, N, D / group_size]`.
-            biases (array): `[E, N, D / group_size]`.
-            expert_offsets (array): int32 `[E + 1]`, the plan's.
-            row_experts (array): int32 `[capacity]`, the plan's (non-decreasing).
-            bits (int): 4 or 8 (`launch.GROUPED_QMM_BITS`).
-            group_size (int): One of `launch.GROUPED_QMM_QUANT_GROUPS`.
-            stream (Stream): Where to run.
-            row_tokens (array, optional): int32 `[capacity]`, the plan's, of
-                single rows (`tile_m=1`: no padding in the spans). A token
-                outside `[0, T)` reads the nearest one inside.
-            up (tuple, optional): weight, scales and biases of the up
-                projection, shaped and typed as `weight`, `scales` and `biases`.
-
-        Returns:
-            array: `[capacity, N]` in the rows' dtype.
-        """
+        """`_backend.GroupedQmm` by kernels/grouped_qmm.h: rows of
+        `launch.GROUPED_QMM_DTYPES`, `launch.GROUPED_QMM_BITS` bits, quant
+        groups of `launch.GROUPED_QMM_QUANT_GROUPS`."""
         if _name(rows.dtype) not in launch.GROUPED_QMM_DTYPES:
             raise ValueError(f"rows: grouped_qmm takes {' or '.join(launch.GROUPED_QMM_DTYPES)} "
                              f"rows, got {rows.dtype}")

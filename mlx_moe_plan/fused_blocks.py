@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import routing
-from ._compiled import compiled_call, compiles
+from ._compiled import compiled_if_small
 
 
 def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -150,10 +150,9 @@ def _fused_class(block_class: type, entry: FusedBlock) -> type:
             if getattr(self, "sharding_group", None) is not None:
                 return block_class.__call__(self, x)
             experts = self[entry.experts]
-            if compiles(experts.compile_max_tokens, x):
-                return compiled_call(self, lambda x: entry.forward(self, x), x,
+            return compiled_if_small(self, lambda x: entry.forward(self, x), x,
+                                     max_tokens=experts.compile_max_tokens,
                                      key=("block", experts.tile_m))
-            return entry.forward(self, x)
 
         _FUSED_CLASSES[block_class, entry] = type(
             f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import _backend
 from .rules import dense_as_rows
 
 
@@ -37,8 +38,9 @@ def _as_rows(layer: nn.Module, x: mx.array) -> bool:
         return False
     rows = x.size // shape[-1]
     # One row is one matrix either way (a batch of one).
-    return rows > 1 and dense_as_rows(layer["weight"].shape[0], shape[-1], rows, layer.bits,
-                                      x.dtype, layer.mode)
+    return rows > 1 and dense_as_rows(
+        layer["weight"].shape[0], shape[-1], rows, layer.bits, x.dtype.size * 8, layer.mode,
+        cuda=_backend.on_cuda(_backend.resolve_stream(None)))
 
 
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:

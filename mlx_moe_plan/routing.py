@@ -22,16 +22,19 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import _backend
-from .kernels import launch
-
-_SORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-def _sorts_here(values: mx.array, k: int, stream: mx.Stream) -> bool:
-    """Whether the GPU's argsort_slice computes this router's top k on `stream`."""
-    return (stream.device.type == mx.gpu and _backend.gpu_backend() is not None
-            and values.dtype in _SORTED_DTYPES and values.ndim >= 1
-            and 1 <= k <= values.shape[-1] <= launch.ARGSORT_SLICE_MAX_ROW)
+def _sorter(values: mx.array, k: int, stream: mx.Stream) -> _backend.ArgsortSlice | None:
+    """The backend's argsort_slice where it computes this router's top k on
+    `stream`; None elsewhere (the CPU's `argpartition` does not sort)."""
+    if stream.device.type != mx.gpu or _backend.gpu_backend() is None or values.ndim < 1:
+        return None
+    backend = _backend.implementation(stream)
+    row_size = values.shape[-1]
+    if 1 <= k <= row_size and backend.argsort_slice_computes(row_size=row_size,
+                                                             dtype=values.dtype):
+        return backend.argsort_slice
+    return None
 
 
 def top_k(scores: mx.array, k: int) -> mx.array:
@@ -82,11 +85,11 @@ def _partition_slice(values: mx.array, k: int, largest: bool) -> tuple[mx.array,
     """The last k (`largest`) or the first k of `values`' argpartition, and
     the values at them (lazy: where unread, no kernel runs for them on the CPU)."""
     stream = _backend.resolve_stream(None)
-    if not _sorts_here(values, k, stream):
+    argsort_slice = _sorter(values, k, stream)
+    if argsort_slice is None:
         order = mx.argpartition(values, kth=-k if largest else k - 1, axis=-1)
         indices = mx.stop_gradient(order[..., -k:] if largest else order[..., :k])
         return indices, mx.take_along_axis(values, indices, axis=-1)
     start = values.shape[-1] - k if largest else 0
-    indices, picked = _backend.implementation(stream).argsort_slice(values, start, k,
-                                                                    stream=stream)
+    indices, picked = argsort_slice(values, start, k, stream=stream)
     return mx.stop_gradient(indices), picked

@@ -1,68 +1,186 @@
-"""The measured rules: which formulation a computation takes on which backend.
+"""The measured rules: how the MoE layer computes, chosen from measurements.
 
-Each rule is a pure function of sizes and backend facts, measured on the
-backend it speaks for (benchmarks/RESULTS.md), and the same inputs answer
-alike on every call.
+Each rule is a pure function of sizes and of facts about the backend, whose
+thresholds come from the runs recorded in benchmarks/RESULTS.md; the layer
+(`nn.SwitchGLU`, `projections.py`) gathers the facts and applies the
+choice. The rules here are the expert GEMMs' formulation
+(`formulation_for`) and the shape in which a dense quantized projection
+takes a decoding batch (`dense_as_rows`).
+
+A formulation is a `Formulation`. The layer's public `tile_m` names one as an
+int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
+given (`Formulation.from_tile_m`); the plan's own `tile_m` is the padding
+multiple of its rows (`Formulation.plan_tile_m`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
-import mlx.core as mx
+# The public names of the formulations that are not a tile height.
+MLX_LM = 0
+GROUPED = -1
 
-from . import _backend
+# mlx-lm's SwitchGLU sorts its rows from this many routed entries
+# (`do_sort = indices.size >= 64` in mlx-lm 0.32.2's switch_layers).
+MLX_LM_SORTS_FROM_ENTRIES = 64
+# On CUDA, tiles pay off once experts average this many rows; larger tiles
+# once they average the second (benchmarks/RESULTS.md, "The rule").
+TILED_FROM_ROWS_PER_EXPERT = 2
+LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
+# On CUDA, the grouped kernel wins over mlx-lm's call and over tiles for a
+# few rows an expert: from mlx-lm's sort threshold (below it, they tied)
+# until experts average the second (benchmarks/RESULTS.md, "The grouped
+# kernel in the rule").
+GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
+GROUPED_BELOW_ROWS_PER_EXPERT = 16
 
-# A decoding batch's rows as one matrix, for a dense quantized projection
-# (projections.py). MLX's CUDA quantized_matmul computes fewer than 8 rows as
-# matrix-vector products, one matrix or many alike, and from 8 rows computes
-# `[B, 1, D]` as B products of one row, each reading the whole weight matrix,
-# where one matrix of B rows reads it once. Its tiles are 128 columns wide and
-# a matrix of few tiles leaves most of the GPU idle, where B products of one
-# row spread over it: below DENSE_ROWS_FROM_OUT_DIMS columns the B products
-# were measured faster (a router of 128 experts), from there the one matrix.
-DENSE_ROWS_FROM_ROWS = 8
-DENSE_ROWS_FROM_OUT_DIMS = 256
-_DENSE_ROWS_DTYPES = (mx.float16, mx.bfloat16)
+
+@dataclass(frozen=True)
+class Formulation:
+    """How the layer computes its expert GEMMs.
+
+    One of: mlx-lm's own call (no plan), sorted single rows through MLX's
+    `gather_mm` / `gather_qmm`, tiles of `plan_tile_m` rows of one expert
+    each, or sorted single rows through this package's grouped kernel.
+    Compare with `is`: each is made once (`MLX_LM_CALL`, `SORTED_ROWS`,
+    `GROUPED_ROWS`, `tiles`).
+    """
+
+    kind: str
+    """"mlx_lm", "sorted_rows", "tiles" or "grouped"."""
+    plan_tile_m: int
+    """The plan's padding multiple (its `tile_m`); 0 for mlx-lm's call, which plans nothing."""
+
+    @property
+    def tile_m(self) -> int:
+        """The layer's public int for this formulation."""
+        return GROUPED if self.kind == "grouped" else self.plan_tile_m
+
+    # Each formulation is one object, copies and pickles included.
+    def __copy__(self) -> Formulation:
+        return self
+
+    def __deepcopy__(self, memo) -> Formulation:
+        return self
+
+    def __reduce__(self):
+        return Formulation.from_tile_m, (self.tile_m,)
+
+    @staticmethod
+    def from_tile_m(tile_m: int | None) -> Formulation | None:
+        """The formulation the layer's public `tile_m` names; None stays None (the rule).
+
+        Raises:
+            TypeError: `tile_m` is not an int.
+            ValueError: `tile_m` is below `GROUPED`.
+        """
+        if tile_m is None:
+            return None
+        if isinstance(tile_m, bool) or not isinstance(tile_m, int):
+            raise TypeError(f"tile_m: expected an int or None, got {type(tile_m).__name__}")
+        if tile_m < GROUPED:
+            raise ValueError(f"tile_m: must be MLX_LM (0), GROUPED (-1), 1 (sorted rows) or a "
+                             f"tile height above 1, got {tile_m}")
+        if tile_m == MLX_LM:
+            return MLX_LM_CALL
+        if tile_m == GROUPED:
+            return GROUPED_ROWS
+        return SORTED_ROWS if tile_m == 1 else tiles(tile_m)
+
+
+MLX_LM_CALL = Formulation("mlx_lm", 0)
+SORTED_ROWS = Formulation("sorted_rows", 1)
+GROUPED_ROWS = Formulation("grouped", 1)
 
 
 @functools.cache
-def _cuda_build() -> bool:
-    return _backend.gpu_backend() == "cuda"
+def tiles(height: int) -> Formulation:
+    """Tiles of `height` rows (above 1), one expert a tile."""
+    return Formulation("tiles", height)
 
 
-def _cuda_stream(stream: mx.Stream | mx.Device | None) -> bool:
-    """Whether `stream` runs on MLX's CUDA backend."""
-    return _backend.resolve_stream(stream).device.type == mx.gpu and _cuda_build()
+_SMALL_TILES, _LARGE_TILES = tiles(16), tiles(64)
 
 
-def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype: mx.Dtype,
-                  mode: str = "affine", stream: mx.Stream | mx.Device | None = None) -> bool:
+def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
+                    grouped: bool) -> Formulation:
+    """The expert GEMMs' formulation the measurements favour.
+
+    On CUDA, for a layer the grouped kernel can compute, the grouped kernel
+    from `GROUPED_FROM_ENTRIES` routed entries until experts average
+    `GROUPED_BELOW_ROWS_PER_EXPERT`; otherwise there, tiles once experts
+    average `TILED_FROM_ROWS_PER_EXPERT` (16 rows, 64 from
+    `LARGE_TILES_FROM_ROWS_PER_EXPERT`), mlx-lm's call below, whose host time
+    is the least. Elsewhere (the CPU, whose `gather_qmm` pays for every
+    padding row of a tile, and Metal, not yet measured) mlx-lm's call below
+    `MLX_LM_SORTS_FROM_ENTRIES`, where mlx-lm does not sort, and sorted
+    single rows from there.
+
+    Args:
+        num_entries (int): Routed entries, `T * K`.
+        num_experts (int): Number of experts E.
+        cuda (bool): Whether the layer runs on MLX's CUDA backend.
+        grouped (bool): Whether the grouped kernel can compute the layer there.
+
+    Returns:
+        Formulation: `MLX_LM_CALL`, `GROUPED_ROWS`, `SORTED_ROWS`, `tiles(16)`
+        or `tiles(64)`.
+    """
+    if cuda:
+        if (grouped and GROUPED_FROM_ENTRIES <= num_entries
+                < GROUPED_BELOW_ROWS_PER_EXPERT * num_experts):
+            return GROUPED_ROWS
+        if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
+            return MLX_LM_CALL
+        return _LARGE_TILES if num_entries >= LARGE_TILES_FROM_ROWS_PER_EXPERT * num_experts \
+            else _SMALL_TILES
+    return MLX_LM_CALL if num_entries < MLX_LM_SORTS_FROM_ENTRIES else SORTED_ROWS
+
+
+# A decoding batch's rows as one matrix for a dense quantized projection
+# (projections.py). MLX's CUDA quantized_matmul computes fewer than 8 rows as
+# matrix-vector products, one matrix or many alike, and from 8 rows computes
+# `[B, 1, D]` as B products of one row, each reading the whole weight matrix,
+# where one matrix `[B, D]` reads it once. But one matrix spreads over the
+# GPU by its tiles of output columns only, where the B products spread B
+# times as wide: a narrow projection (attention's keys and values, a router)
+# ran faster as B products at every batch, a wide one (queries, the
+# attention's output, the lm_head) as one matrix once the batch's outputs
+# fill the GPU (benchmarks/RESULTS.md, "Dense projections of a decoding
+# batch").
+DENSE_ROWS_FROM_ROWS = 8
+DENSE_ROWS_FROM_OUT_DIMS = 2048
+DENSE_ROWS_FROM_OUTPUTS = 32768
+
+
+def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits: int,
+                  mode: str, *, cuda: bool) -> bool:
     """Whether a dense quantized projection takes a decoding batch as one matrix.
 
     The batch's rows `[rows, 1, in_dims]` as rows `[rows, in_dims]` of one
-    GEMM, rather than `rows` GEMMs of one row. On MLX's CUDA backend, where
-    measured faster: 16-bit rows, affine 4 or 8 bits, from
-    `DENSE_ROWS_FROM_ROWS` rows and `DENSE_ROWS_FROM_OUT_DIMS` output columns
-    (whole tiles of 128). Elsewhere (the CPU, Metal: not measured) never, so
-    a patched model computes there what mlx-lm's does.
+    GEMM, rather than `rows` GEMMs of one row. On CUDA, as measured: 16-bit
+    rows, affine 4 or 8 bits, projections of `DENSE_ROWS_FROM_OUT_DIMS`
+    output columns and more, from `DENSE_ROWS_FROM_ROWS` rows and
+    `DENSE_ROWS_FROM_OUTPUTS` outputs (rows times columns). Elsewhere (the
+    CPU, Metal: not measured) never, so a patched model computes there what
+    mlx-lm's does.
 
     Args:
         out_dims (int): Output columns N of the projection.
         in_dims (int): Input dimension D.
         rows (int): Rows of the batch (sequences decoding together).
         bits (int): Bits a weight.
-        dtype (Dtype): The rows' dtype.
-        mode (str): The quantization mode. Default: ``"affine"``.
-        stream (Stream or Device, optional): Where it runs. Default: the
-          default device's stream.
+        dtype_bits (int): Bits of an element of the rows (16 for float16
+          and bfloat16).
+        mode (str): The quantization mode (`"affine"`, ...).
+        cuda (bool): Whether the projection runs on MLX's CUDA backend.
 
     Returns:
         bool: True for one matrix of rows.
     """
-    if rows < DENSE_ROWS_FROM_ROWS or mode != "affine" or bits not in (4, 8) \
-            or dtype not in _DENSE_ROWS_DTYPES:
-        return False
-    if out_dims < DENSE_ROWS_FROM_OUT_DIMS or out_dims % 128 or in_dims % 64:
-        return False
-    return _cuda_stream(stream)
+    return (cuda and mode == "affine" and bits in (4, 8) and dtype_bits == 16
+            and in_dims % 64 == 0 and rows >= DENSE_ROWS_FROM_ROWS
+            and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
+            and rows * out_dims >= DENSE_ROWS_FROM_OUTPUTS)

@@ -18,7 +18,7 @@ pytest.importorskip("mlx_lm", reason="shard_experts shards mlx-lm models")
 from conftest import grouped_qmm_by_mlx_ops  # noqa: E402
 from mlx_lm.models import switch_layers  # noqa: E402
 
-from mlx_moe_plan import nn as moe_nn  # noqa: E402
+from mlx_moe_plan import _grouped  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, shard_experts  # noqa: E402
 
 import two_ranks  # noqa: E402  (beside this file, on sys.path as pytest imports it)
@@ -97,7 +97,7 @@ def test_static_share_computes_every_row(monkeypatch, gates_in_kernel, share, co
         assert self.expert_group is None, "the layer read its used rows back (a sync)"
         return used_rows(self, plan)
 
-    monkeypatch.setattr(moe_nn, "_grouped_kernel", grouped_by_mlx_ops)
+    monkeypatch.setattr(_grouped, "grouped_kernel", grouped_by_mlx_ops)
     monkeypatch.setattr(SwitchGLU, "_can_group", lambda self, dtype: True)
     monkeypatch.setattr(SwitchGLU, "_used_rows", no_sync)
     mx.random.seed(8)

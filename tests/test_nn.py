@@ -23,7 +23,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is the reference of the layer tests
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import switch_layers  # noqa: E402
 
-from mlx_moe_plan import fused_blocks  # noqa: E402
+from mlx_moe_plan import _mlx_lm, fused_blocks  # noqa: E402
 from mlx_moe_plan import nn as moe_nn  # noqa: E402
 from mlx_moe_plan.nn import FusedMoEBlock, SwitchGLU, patch_model  # noqa: E402
 
@@ -347,25 +347,25 @@ def test_mlx_lm_formulation_is_mlx_lms_call_where_not_mirrored(monkeypatch):
         np.testing.assert_array_equal(np.array(got), np.array(want))
 
     check(32)  # 64 entries: mlx-lm sorts
-    monkeypatch.setitem(moe_nn._MLX_LM_CALL_DIGESTS, "SwitchLinear", "0" * 16)
-    moe_nn._mlx_lm_call_is_mirrored.cache_clear()
+    monkeypatch.setitem(_mlx_lm.CALL_DIGESTS, "SwitchLinear", "0" * 16)
+    _mlx_lm.call_is_mirrored.cache_clear()
     try:
         check(3)
     finally:
         monkeypatch.undo()
-        moe_nn._mlx_lm_call_is_mirrored.cache_clear()
+        _mlx_lm.call_is_mirrored.cache_clear()
 
 
-@pytest.mark.parametrize("name", moe_nn._MLX_LM_CALL_DIGESTS)
+@pytest.mark.parametrize("name", _mlx_lm.CALL_DIGESTS)
 def test_mlx_lm_call_is_the_code_mirrored(name):
     # When mlx-lm's switch_layers code changes, the MLX_LM formulation
     # silently runs mlx-lm's call (its extra kernels). Say which, and the
-    # new digest, so that nn.SwitchGLU._mlx_lm can be checked and updated.
+    # new digest, so that _mlx_lm.mlx_lm_call can be checked and updated.
     digest = fused_blocks.source_digest(getattr(switch_layers, name).__call__)
-    assert digest == moe_nn._MLX_LM_CALL_DIGESTS[name], (
+    assert digest == _mlx_lm.CALL_DIGESTS[name], (
         f"mlx_lm's {name}.__call__ changed (source digest {digest!r}): compare "
-        "SwitchGLU._mlx_lm and _switch_projection in mlx_moe_plan/nn.py with it, then "
-        "update _MLX_LM_CALL_DIGESTS")
+        "mlx_lm_call and _switch_projection in mlx_moe_plan/_mlx_lm.py with it, then "
+        "update CALL_DIGESTS")
 
 
 @pytest.mark.parametrize("tile_m", [None, 0, 1, 8])
@@ -730,3 +730,20 @@ def test_bfloat16_logits_as_close_to_float32_as_mlx_lm(name, tile_m):
     ours = relative_error(patched(tokens).astype(mx.float32), exact)
     assert 0 < theirs < 0.1, theirs
     assert ours <= 1.25 * theirs, (ours, theirs)
+
+
+def test_grouped_kernel_computes_the_layer_where_the_backend_says(monkeypatch):
+    # _can_group's GPU branch, on any machine: a stand-in GPU stream and the
+    # CUDA backend's declared capability (building it runs nothing).
+    from mlx_moe_plan import _gpu
+
+    gpu_stream = types.SimpleNamespace(device=types.SimpleNamespace(type=mx.gpu))
+    monkeypatch.setattr(moe_nn._backend, "resolve_stream", lambda stream: gpu_stream)
+    monkeypatch.setattr(moe_nn._backend, "implementation", lambda stream: _gpu.GpuBackend("cuda"))
+    theirs = switch_layers.SwitchGLU(64, 64, 4)
+    assert not SwitchGLU.from_mlx_lm(theirs)._can_group(mx.float32)  # not quantized
+    nn.quantize(theirs, group_size=64, bits=4)
+    assert not SwitchGLU.from_mlx_lm(theirs)._can_group(mx.float32)  # float32 scales
+    theirs.set_dtype(mx.bfloat16)
+    ours = SwitchGLU.from_mlx_lm(theirs)
+    assert ours._can_group(mx.bfloat16) and not ours._can_group(mx.float16)

@@ -64,25 +64,36 @@ def loaded(path, dtype=mx.bfloat16):
 # ------------------------------------------------------------------ the rule
 
 
-@pytest.mark.parametrize("out_dims, rows, bits, dtype, mode, want", [
-    (4096, 32, 4, mx.bfloat16, "affine", True),
-    (151936, 8, 4, mx.float16, "affine", True),
-    (512, 64, 8, mx.bfloat16, "affine", True),
-    (4096, 7, 4, mx.bfloat16, "affine", False),   # matrix-vector products either way
-    (128, 32, 8, mx.bfloat16, "affine", False),   # a router: one tile of columns
-    (4160, 32, 4, mx.bfloat16, "affine", False),  # not whole tiles of 128 columns
-    (4096, 32, 3, mx.bfloat16, "affine", False),
-    (4096, 32, 4, mx.float32, "affine", False),
-    (4096, 32, 4, mx.bfloat16, "mxfp4", False),
+@pytest.mark.parametrize("out_dims, rows, bits, dtype_bits, mode, want", [
+    (4096, 8, 4, 16, "affine", True),      # queries: from 8 rows
+    (151936, 8, 8, 16, "affine", True),    # an lm_head
+    (2048, 16, 4, 16, "affine", True),     # the attention's output: from 16 rows
+    (2048, 8, 4, 16, "affine", False),
+    (2880, 16, 4, 16, "affine", True),     # columns not a multiple of 128
+    (151936, 7, 4, 16, "affine", False),   # matrix-vector products either way
+    (512, 64, 4, 16, "affine", False),     # keys and values: narrow
+    (128, 64, 8, 16, "affine", False),     # a router
+    (4096, 32, 3, 16, "affine", False),    # not measured
+    (4096, 32, 4, 32, "affine", False),
+    (4096, 32, 4, 16, "mxfp4", False),
 ])
-def test_rule_on_cuda(monkeypatch, out_dims, rows, bits, dtype, mode, want):
-    monkeypatch.setattr(rules, "_cuda_stream", lambda stream: True)
-    assert rules.dense_as_rows(out_dims, 2048, rows, bits, dtype, mode) is want
+def test_rule_on_cuda(out_dims, rows, bits, dtype_bits, mode, want):
+    assert rules.dense_as_rows(out_dims, 2048, rows, bits, dtype_bits, mode, cuda=True) is want
+    # Elsewhere never: what mlx-lm computes.
+    assert rules.dense_as_rows(out_dims, 2048, rows, bits, dtype_bits, mode, cuda=False) is False
 
 
-def test_rule_says_no_on_the_cpu():
-    for rows in (1, 8, 64):
-        assert rules.dense_as_rows(151936, 2048, rows, 4, mx.bfloat16, stream=mx.cpu) is False
+def test_rule_reads_the_backend(monkeypatch):
+    """The layers hand the rule whether their stream runs on CUDA, and the
+    rows' bits: a CUDA stream stood in for on any machine."""
+    asked = []
+    monkeypatch.setattr(projections, "dense_as_rows",
+                        lambda *args, cuda: asked.append((args, cuda)) or False)
+    monkeypatch.setattr(projections._backend, "on_cuda", lambda stream: True)
+    layer = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
+    take_rows(layer)
+    layer(mx.random.normal((8, 1, 64)).astype(mx.float16))
+    assert asked == [((256, 64, 8, 8, 16, "affine"), True)]
 
 
 # ------------------------------------------------------------------ the layers

@@ -172,11 +172,46 @@ def test_backends_satisfy_the_protocol(backend):
     assert isinstance(backend, Backend)
     # moe_plan converts every other dtype to int32: each plan must read it.
     assert mx.int32 in backend.plan_id_dtypes
-    for name in ("plan", "gather_rows", "combine_rows"):
+    for name in ("plan", "gather_rows", "combine_rows", "grouped_qmm_computes",
+                 "argsort_slice_computes"):
         declared = inspect.signature(getattr(Backend, name))
         implemented = inspect.signature(getattr(type(backend), name))
         # Names, kinds, defaults and annotations (as written), return included.
         assert implemented == declared, f"{name}{implemented} is not {name}{declared}"
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_optional_kernels_are_declared(backend):
+    # grouped_qmm and argsort_slice: None where a backend lacks them, and then
+    # it computes no input with them; else the call the protocol declares.
+    from mlx_moe_plan._backend import ArgsortSlice, GroupedQmm
+
+    for name, protocol in (("grouped_qmm", GroupedQmm), ("argsort_slice", ArgsortSlice)):
+        kernel = getattr(backend, name)
+        if kernel is None:
+            continue
+        declared = inspect.signature(protocol.__call__)
+        declared = declared.replace(parameters=list(declared.parameters.values())[1:])
+        assert inspect.signature(kernel) == declared, name
+    gpu = backend.grouped_qmm is not None
+    assert backend.grouped_qmm_computes(bits=4, group_size=64, dtype=mx.bfloat16) == gpu
+    assert not backend.grouped_qmm_computes(bits=4, group_size=64, dtype=mx.float32)
+    assert backend.argsort_slice_computes(row_size=128, dtype=mx.float16) == gpu
+    assert (backend.argsort_slice is None) == (backend.grouped_qmm is None)
+
+
+# The MoE layer, its parts and the routers reach GPU kernels through the
+# backend's declared capabilities: only the GPU backend imports the kernels.
+KERNELS = {name for name in MODULES if name.startswith("mlx_moe_plan.kernels")}
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - KERNELS - {"mlx_moe_plan._gpu"}))
+def test_only_the_gpu_backend_imports_the_kernels(name):
+    assert not _imports(name) & KERNELS, f"{name} imports {sorted(_imports(name) & KERNELS)}"
+
+
+def test_the_kernel_import_check_sees_the_gpu_backend():
+    assert "mlx_moe_plan.kernels.launch" in _imports("mlx_moe_plan._gpu")
 
 
 def test_dispatch_returns_a_backend():
