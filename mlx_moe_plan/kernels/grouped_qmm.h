@@ -10,8 +10,8 @@
 // expert order (the same list in every group), and takes items GROUP_ID,
 // GROUP_ID + NUM_GROUPS, ... of that list's items, then of the tail's. A grid
 // of an item a group would be mostly groups of empty experts when decoding,
-// and a GPU starts groups at a limited rate (on the H200, 12,384 groups of
-// which 768 had rows took about 45 us).
+// and a GPU starts groups at a limited rate (measured on the H200:
+// benchmarks/HISTORY.md, "A grid of an item a group").
 // The products are a warp's matrix multiply-add, MMA_16x8x16 (the dialect's
 // name for PTX's mma.m16n8k16: 16 output columns by 8 rows by 16 input values,
 // 16-bit pairs in, float sums; CUDA runs the instruction, the other preludes
@@ -80,7 +80,7 @@ const bool vectors = IS_ALIGNED16(rows);
 // words), and STEPS groups' scales (and biases) of a column in one load
 // where the steps cover the row evenly. A warp's load names 8 columns' rows,
 // 8 cache lines an instruction, and the kernel's time follows its count of
-// such instructions (RESULTS.md, "Prefetching into L2"): fewer, wider ones.
+// such instructions (benchmarks/HISTORY.md, "Prefetching into L2"): fewer, wider ones.
 const bool WIDE_WORDS = WIDE_LOADS ? LANE_WORDS % 2 == 0 : false;
 const bool WIDE_SCALES = WIDE_LOADS ? (STEPS == 2 ? true : STEPS == 4) : false;
 const bool word_vectors = WIDE_WORDS ? IS_ALIGNED16(weight) && IS_ALIGNED16(up_weight) : false;

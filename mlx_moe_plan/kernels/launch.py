@@ -22,11 +22,11 @@ from .._sizes import MAX_EXPERTS, PLAN_FIELDS, WEIGHT_FIELD, capacity_for, field
 PLAN_BLOCK = 512
 # Plan groups at most: past PLAN_MAX_GROUPS blocks, each group places several
 # blocks in turn, so the plan's reads (every group reads every id) grow
-# linearly in N, not as N * N / PLAN_BLOCK (plan.h). On the H200 at 163,840
-# entries (T = 16384, K = 10; `bash tests/gpu_suite.sh results plan-groups`):
-# 29.6 us a call at 64 groups, 34.8 at 128, 41.5 at 256, 65.6 uncapped (320
-# groups); below 64 blocks the cap changes nothing. Other caps are asked for
-# with `plan_max_groups` (the benchmark's --plan-max-groups measures them).
+# linearly in N, not as N * N / PLAN_BLOCK (plan.h). 64 was the fastest cap
+# measured at 163,840 entries (`bash tests/gpu_suite.sh results plan-groups`;
+# the figures: benchmarks/RESULTS.md, "The ops on the H200", and every cap in
+# benchmarks/HISTORY.md); below 64 blocks the cap changes nothing. Other caps are
+# asked for with `plan_max_groups` (the benchmark's --plan-max-groups measures them).
 PLAN_MAX_GROUPS = 64
 # The cap of the innermost `plan_max_groups` block; None outside any.
 _plan_max_groups: ContextVar[int | None] = ContextVar("plan_max_groups", default=None)
@@ -130,13 +130,11 @@ def grouped_qmm_steps(row_groups: int, gated: bool) -> int:
 
     A warp's loads of one group wait on memory before its multiply-adds, and
     long rows make long chains of such waits: loading several groups first
-    keeps more bytes in flight. On the H200 (4-bit, group 64, T = 8 to 64;
-    benchmarks/RESULTS.md) the fused gate and up ran DeepSeek-V3's rows of 112
-    groups 2.0x to 2.2x faster with 4 steps, Mixtral's of 64 1.7x, and
-    Qwen3-30B-A3B's and Qwen3-Next's of 32 2% to 6% faster with 2. One
-    projection a launch gained from 64 groups a row (Mixtral's gate 10% with
-    4, its down of 224 groups 18% to 20%), and at 32 groups or fewer lost up
-    to 5% with 2 steps from T = 32 (Qwen3-30B-A3B's gate and down).
+    keeps more bytes in flight. Measured on the H200 (benchmarks/HISTORY.md,
+    "Loads ahead by the row's length"): the fused gate and up gained most
+    from 4 steps on rows longer than 32 groups and a little from 2 on rows of
+    32; one projection a launch gained from 4 steps on rows of 64 groups and
+    more, and lost a little with 2 on rows of 32 or fewer.
     """
     if gated:
         return 2 if row_groups <= 32 else 4

@@ -1,9 +1,10 @@
 // plan: the stable counting sort of the routing entries by expert, in one
 // kernel of three phases: hist (count), scan (offsets) and place (rows).
 //
-// Why one kernel: MLX spends about 6 us of host time on every custom kernel it
-// dispatches, and about 0.5 us on every output (benchmarks/dispatch.py on the
-// H200), more than this kernel's GPU time. So there is one launch and one int32
+// Why one kernel: MLX spends host time on every custom kernel it dispatches,
+// and more on every output: more than this kernel's GPU time
+// (benchmarks/dispatch.py measures it; the figures are in
+// benchmarks/RESULTS.md, "A graph node's cost"). So there is one launch and one int32
 // output (plan_data, every integer field at the offsets of launch.plan_layout),
 // plus row_weights when the plan carries weights.
 //
@@ -14,9 +15,9 @@
 // every entry itself (phase 1). So each group reads all N ids: N * groups
 // reads in all. launch.py caps the groups (PLAN_MAX_GROUPS) and gives each
 // several blocks once N outgrows the cap, so that grows linearly in N: without
-// a cap, one block a group, the reads grew as N * N / BLOCK (65.6 us at 163,840
-// entries on the H200, 29.6 us under the cap). Past that size it is not
-// measured: once the ids outgrow L2 (about 12 M ids on the H200) every group
+// a cap, one block a group, the reads grew as N * N / BLOCK (measured with and
+// without the cap: benchmarks/RESULTS.md, "The ops on the H200"). Past the sizes
+// measured, once the ids outgrow L2 (about 12 M ids on the H200) every group
 // reads them from memory, and each group's blocks are placed one after another.
 // The reads are the price of one launch (above), and cheap at prefill sizes:
 // at T = 2048, K = 10, 40 groups each read 20,480 ids.
