@@ -69,6 +69,20 @@ DEFAULTS = {  # device type -> (models, prompt tokens, batches, context tokens, 
 }
 
 
+def default_by_device(gpu, cpu) -> str:
+    """A help text's default that depends on the device: "(default: GPU on a
+    GPU, CPU on a CPU)", lists written comma-separated as the options take them."""
+    def text(value) -> str:
+        return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+    return f"(default: {text(gpu)} on a GPU, {text(cpu)} on a CPU)"
+
+
+# --layers' default where a benchmark builds a configuration (with_layers).
+DEFAULT_LAYERS_HELP = "(default: all; " + ", ".join(
+    f"{name} {layers}" for name, layers in DEFAULT_LAYERS.items()) + ")"
+
+
 def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -570,44 +584,57 @@ def run(args) -> dict:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} (default: "
-                        f"{DEFAULTS['gpu'][0][0]} on a GPU, {DEFAULTS['cpu'][0][0]} on a CPU)")
-    parser.add_argument("--model", metavar="PATH", help="an mlx-lm model directory instead")
-    parser.add_argument("--layers", type=int, help="decoder layers of a configuration")
-    parser.add_argument("--prompt", type=int, help="prefill tokens (0: no prefill; default "
-                        f"{DEFAULTS['gpu'][1]} on a GPU, {DEFAULTS['cpu'][1]} on a CPU)")
+    gpu, cpu = DEFAULTS["gpu"], DEFAULTS["cpu"]
+    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} "
+                        + default_by_device(gpu[0], cpu[0]))
+    parser.add_argument("--model", metavar="PATH", help="an mlx-lm model directory instead "
+                        "(default: none, the configurations of --models)")
+    parser.add_argument("--layers", type=int,
+                        help="decoder layers of a configuration " + DEFAULT_LAYERS_HELP)
+    parser.add_argument("--prompt", type=int, help="prefill tokens, 0: no prefill "
+                        + default_by_device(gpu[1], cpu[1]))
     parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")],
-                        help="decode batch sizes (default 1,4,8,16,32,64)")
-    parser.add_argument("--context", type=int, help="tokens in the cache before decoding")
-    parser.add_argument("--steps", type=int,
-                        help="timed decode steps a turn (default 10 on a GPU, 5 on a CPU)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
-    parser.add_argument("--rounds", type=int, default=2, help="prefill turns of each side")
+                        help="decode batch sizes (default: " + ",".join(map(str, BATCHES)) + ")")
+    parser.add_argument("--context", type=int, help="tokens in the cache before decoding "
+                        + default_by_device(gpu[3], cpu[3]))
+    parser.add_argument("--steps", type=int, help="timed decode steps a turn "
+                        + default_by_device(gpu[5], cpu[5]))
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed decode steps first (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="prefill turns of each side (default: %(default)s)")
     parser.add_argument("--decode-rounds", type=int, default=4,
-                        help="decode rounds at each batch size, each from the same context")
+                        help="decode rounds at each batch size, each from the same context "
+                             "(default: %(default)s)")
     parser.add_argument("--no-pipelined", action="store_true",
                         help="skip generate's pipelined loop")
     parser.add_argument("--control", action="store_true",
                         help="decode an unpatched copy of mlx-lm's model too, interleaved "
                              "with both sides: the ratio two identical models give, the "
                              "run's noise")
-    parser.add_argument("--dtype", help="activations and unquantized weights (default "
-                        "bfloat16 on a GPU, float32 on a CPU)")
-    parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--tile-m", type=int, help="the patched layers' formulation")
+    parser.add_argument("--dtype", help="activations and unquantized weights "
+                        + default_by_device(gpu[4], cpu[4]))
+    parser.add_argument("--bits", type=int, default=4,
+                        help="0: no quantization (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="quantization group size (default: %(default)s)")
+    parser.add_argument("--tile-m", type=int, help="the patched layers' formulation "
+                        "(default: the measured rule, nn.default_tile_m)")
     parser.add_argument("--variant-tile-m", type=int, metavar="M",
                         help="decode the model patched with tile_m=M too, interleaved with "
-                             "the others (a formulation against the rule in one run)")
+                             "the others: a formulation against the rule in one run "
+                             "(default: none)")
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,
-                        help="run in N processes; report medians and the lowest ratio")
+                        help="run in N processes; report medians and the lowest ratio "
+                             "(default: %(default)s)")
     parser.add_argument("--warm-process", action="store_true",
                         help="with --processes: first one short untimed process of the "
                              "same models and sizes, which fills MLX's kernel cache on a "
                              "fresh machine (its figures are not reported)")
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write every figure as JSON (default: none)")
     args = parser.parse_args(argv)
     args.argv = list(argv)
     return args

@@ -139,11 +139,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.router_gemm",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--routers", default="qwen3-30b-a3b,qwen3-next,gpt-oss-20b",
-                        help=f"comma list from {', '.join(GEMMS)}")
-    parser.add_argument("--tokens", default="8,32,64", help="comma list of T")
+                        help=f"comma list from {', '.join(GEMMS)} (default: %(default)s)")
+    parser.add_argument("--tokens", default="8,32,64",
+                        help="comma list of T (default: %(default)s)")
     parser.add_argument("--tilings", default="default",
-                        help='the grouped kernel\'s, "default;tiles=1,steps=4"; "none": none')
-    parser.add_argument("--max-calls", type=int, default=400, help="calls (weight sets) a graph")
+                        help='the grouped kernel\'s, "default;tiles=1,steps=4"; "none": none '
+                             "(default: %(default)s)")
+    parser.add_argument("--max-calls", type=int, default=400,
+                        help="calls (weight sets) a graph (default: %(default)s)")
     parser.add_argument("--ncu", action="store_true", help="marked calls for Nsight Compute")
     args = parser.parse_args(argv)
     tilings = [] if args.tilings == "none" else parse_tilings(args.tilings)

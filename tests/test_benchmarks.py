@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
 import json
+import pkgutil
 import re
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import switch_layers  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+import benchmarks  # noqa: E402
 from benchmarks import model as bench  # noqa: E402
 from benchmarks.workloads import LAYER_SHAPES, MODELS, layer_shape, with_layers  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
@@ -160,7 +164,8 @@ def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypa
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "1",
-                       "--processes", "2", "--warm-process", "--json", str(out)]) == 0
+                       "--processes", "2", "--warm-process",
+                       "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and len(result["per_process"]) == 2
     for process in result["per_process"]:
@@ -306,9 +311,11 @@ def test_model_benchmark_variant(tmp_path, capsys):
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1,20", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "2",
-                       "--variant-tile-m", "16", "--control", "--json", str(out)]) == 0
+                       "--variant-tile-m", "16", "--control",
+                       "--json", str(out)]) == 0
     entry = json.loads(out.read_text())["models"][0]
     assert entry["describe"]["variant_tile_m"] == 16
+    assert [row["batch"] for row in entry["decode"]] == [1, 20]
     for row in entry["decode"]:
         assert row["variant_wall_ms"] >= row["variant_build_ms"] > 0
         assert row["variant_speedup"] == pytest.approx(row["mlx-lm_wall_ms"]
@@ -319,3 +326,30 @@ def test_model_benchmark_variant(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "variant: mlx-lm's speed over the model patched with tile_m=16" in printed
     assert "control: mlx-lm's speed over an unpatched copy" in printed
+
+
+class ParserCaught(Exception):
+    """Raised with the parser in place of parsing: what a benchmark's main would parse."""
+
+
+BENCHMARK_COMMANDS = sorted(module.name for module in pkgutil.iter_modules(benchmarks.__path__)
+                            if hasattr(importlib.import_module(f"benchmarks.{module.name}"),
+                                       "main"))
+
+
+@pytest.mark.parametrize("name", BENCHMARK_COMMANDS)
+def test_every_benchmark_option_gives_its_default(name, monkeypatch):
+    # Each command's parser, caught as its main parses: every option that
+    # takes a value says in its help what it is when not given.
+    def catch(parser, *args, **kwargs):
+        raise ParserCaught(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(ParserCaught) as caught:
+        importlib.import_module(f"benchmarks.{name}").main([])
+    parser = caught.value.args[0]
+    options = [action for action in parser._actions
+               if action.option_strings and action.nargs != 0 and not action.required]
+    assert options, f"benchmarks.{name}: no option found"
+    for action in options:
+        assert "(default: " in (action.help or ""), (name, action.option_strings)
