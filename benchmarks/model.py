@@ -1,6 +1,7 @@
 """Whole-model tokens/s, patched against mlx-lm, as mlx-lm's generate runs a model.
 
-    python -m benchmarks.model                          # GPU: Qwen3-30B-A3B; CPU: a small model
+    python -m benchmarks.model                          # GPU: Qwen3-30B-A3B
+                                                        # CPU: the ops, then a small model
     python -m benchmarks.model --models gpt-oss-20b,qwen3-30b-a3b --processes 3
     python -m benchmarks.model --models deepseek-v3 --layers 4 --json out.json
     python -m benchmarks.model --model PATH             # an mlx-lm model directory on disk
@@ -35,6 +36,12 @@ figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
 both sides are compared (relative L2 difference, float32). Progress goes to
 stderr; the table to stdout; `--json` writes every figure.
+
+On a CPU the run starts with the ops (`--ops`): `benchmarks.moe` at two
+models' shapes, at a decode step's and a prefill's T, checked against the
+reference before it times them. A CPU's whole-model ratios stay near 1.00x
+(`CPU_NOTE`, printed after the tables): the ops are where a CPU shows what the
+package does.
 """
 
 from __future__ import annotations
@@ -67,6 +74,17 @@ DEFAULTS = {  # device type -> (models, prompt tokens, batches, context tokens, 
     # fewer steps keep the whole run near a minute.
     "cpu": (["small-qwen3-moe"], 512, BATCHES, 128, "float32", 5),
 }
+# The ops a CPU run starts with (`benchmarks.moe`'s arguments): two models'
+# shapes at their own hidden size, T of a decode batch and of a prompt; about
+# 30 s on two cores, the whole run under 3 minutes.
+CPU_OPS_ARGS = ["--shapes", "qwen3-30b-a3b,mixtral", "--tokens", "64,512", "--hidden", "model",
+                "--no-progress"]
+CPU_NOTE = (
+    "On a CPU the whole model runs at about 1.00x of mlx-lm: the patched layers run "
+    "mlx-lm's own call below 64 routed entries and the same MLX GEMMs on sorted rows above, "
+    "and those GEMMs and attention take nearly all of a step, so what the package changes "
+    "there is the ops' time (plan, gather, combine, unsort: `python -m benchmarks.moe`, the "
+    "first table of a default CPU run).")
 
 
 def default_by_device(gpu, cpu) -> str:
@@ -547,6 +565,29 @@ def median_of_processes(results: list[dict]) -> dict:
     return merged
 
 
+def runs_ops(args) -> bool:
+    """Whether this run starts with the ops (`--ops`: auto runs them on a CPU)."""
+    if args.ops == "auto":
+        return mx.default_device().type == mx.cpu
+    return args.ops == "on"
+
+
+def run_ops() -> dict | None:
+    """`python -m benchmarks.moe` with `CPU_OPS_ARGS`, its table printed.
+    Returns its JSON document, or None if it failed (a check, or the
+    extension's import; moe says which on stderr, and nothing is timed)."""
+    from . import moe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ops.json")
+        progress(f"the ops: python -m benchmarks.moe {' '.join(CPU_OPS_ARGS)}")
+        if moe.main([*CPU_OPS_ARGS, "--json", out]) != 0:
+            return None
+        print(flush=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def run(args) -> dict:
     device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
     models, prompt, batches, context, dtype, steps = DEFAULTS[device]
@@ -633,6 +674,9 @@ def parse_args(argv):
                         help="with --processes: first one short untimed process of the "
                              "same models and sizes, which fills MLX's kernel cache on a "
                              "fresh machine (its figures are not reported)")
+    parser.add_argument("--ops", choices=("auto", "on", "off"), default="auto",
+                        help="first the ops, checked and timed by benchmarks.moe " +
+                        " ".join(CPU_OPS_ARGS) + "; auto: on a CPU only (default: %(default)s)")
     parser.add_argument("--json", metavar="PATH",
                         help="write every figure as JSON (default: none)")
     args = parser.parse_args(argv)
@@ -643,11 +687,16 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    ops = None
+    if runs_ops(args):
+        ops = run_ops()
+        if ops is None:
+            return 1
     if args.processes > 1:
         results = []
         # What each process runs: this command but for --processes, --json and
-        # --warm-process.
-        child = [a for a in _without_json(argv) if a != "--warm-process"]
+        # --warm-process, without the ops, run here once.
+        child = [a for a in _without_json(argv) if a != "--warm-process"] + ["--ops", "off"]
         i = child.index("--processes")
         del child[i : i + 2]
         with tempfile.TemporaryDirectory() as tmp:
@@ -673,9 +722,13 @@ def main(argv=None) -> int:
         result["per_process"] = results
     else:
         result = run(args)
+    if ops is not None:
+        result["ops"] = ops
     print(format_tables(result))
     if args.processes > 1:
         print(_lowest_ratios(result))
+    if mx.default_device().type == mx.cpu:
+        print(CPU_NOTE)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

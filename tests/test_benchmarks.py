@@ -126,7 +126,7 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "20", "--batches", "1,20",
                        "--context", "8", "--steps", "2", "--warmup", "1", "--rounds", "1",
-                       "--decode-rounds", "2",
+                       "--decode-rounds", "2", "--ops", "off",
                        "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     (entry,) = result["models"]
@@ -142,13 +142,40 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_model_benchmark_on_a_cpu_starts_with_the_ops(tmp_path, monkeypatch, capsys):
+    # A CPU run's default (--ops auto): benchmarks.moe's ops, checked against
+    # the reference and timed, in its table and the JSON; then the model's
+    # table; then the sentence on what a CPU shows. Here the ops at one small
+    # shape (the default's arguments are moe's own), the model at its smallest.
+    from benchmarks import moe
+
+    assert mx.default_device().type == mx.cpu
+    moe.parse_args(bench.CPU_OPS_ARGS)
+    monkeypatch.setattr(bench, "CPU_OPS_ARGS", ["--shapes", "mixtral", "--tokens", "8", "--hidden",
+                                                "16", "--repeats", "1", "--calls", "1",
+                                                "--no-progress"])
+    out = tmp_path / "model.json"
+    assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
+                       "--steps", "1", "--warmup", "0", "--decode-rounds", "1",
+                       "--no-pipelined", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ops = result["ops"]
+    assert ops["benchmark"] == "benchmarks.moe" and ops["shapes"] == ["mixtral"] and ops["checks"]
+    assert {row["op"] for row in ops["summary"]} >= {"plan", "gather", "combine", "unsort"}
+    assert [row["batch"] for row in result["models"][0]["decode"]] == [1]
+    printed = capsys.readouterr().out
+    ops_table = printed.index("mlx_moe_plan benchmark on Device(cpu")
+    model_table = printed.index("small-qwen3-moe: 1 MoE layers patched")
+    assert ops_table < model_table < printed.index(bench.CPU_NOTE)
+
+
 def test_model_benchmark_control(tmp_path, capsys):
     # --control: an unpatched copy of mlx-lm's model decodes with both sides,
     # its own figures and its ratio to mlx-lm's in the row and the table.
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "2", "--control",
-                       "--json", str(out)]) == 0
+                       "--ops", "off", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["models"][0]["decode"]
     assert row["control_wall_ms"] >= row["control_build_ms"] > 0
     assert row["control_speedup"] == pytest.approx(row["mlx-lm_wall_ms"] / row["control_wall_ms"])
@@ -164,7 +191,7 @@ def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypa
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "1",
-                       "--processes", "2", "--warm-process",
+                       "--processes", "2", "--warm-process", "--ops", "off",
                        "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and len(result["per_process"]) == 2
@@ -311,7 +338,7 @@ def test_model_benchmark_variant(tmp_path, capsys):
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1,20", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "2",
-                       "--variant-tile-m", "16", "--control",
+                       "--variant-tile-m", "16", "--control", "--ops", "off",
                        "--json", str(out)]) == 0
     entry = json.loads(out.read_text())["models"][0]
     assert entry["describe"]["variant_tile_m"] == 16
