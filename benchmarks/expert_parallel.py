@@ -304,10 +304,7 @@ def parse_args(argv):
                              "16 or 64 tiles) (default: the layer's rule)")
     parser.add_argument("--dtype", help="activations and unquantized weights "
                         + whole.default_by_device(gpu[5], cpu[5]))
-    parser.add_argument("--bits", type=int, default=4,
-                        help="0: no quantization (default: %(default)s)")
-    parser.add_argument("--group-size", type=int, default=64,
-                        help="quantization group size (default: %(default)s)")
+    whole.add_quantization_arguments(parser)
     parser.add_argument("--json", metavar="PATH",
                         help="write every figure as JSON (default: none)")
     args = parser.parse_args(argv)

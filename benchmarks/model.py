@@ -96,6 +96,15 @@ def default_by_device(gpu, cpu) -> str:
     return f"(default: {text(gpu)} on a GPU, {text(cpu)} on a CPU)"
 
 
+def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
+    """--bits and --group-size of the models a benchmark builds (mlx-lm's
+    quantize_model's), the same in every benchmark that builds one."""
+    parser.add_argument("--bits", type=int, default=4,
+                        help="0: no quantization (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="quantization group size (default: %(default)s)")
+
+
 # --layers' default where a benchmark builds a configuration (with_layers).
 DEFAULT_LAYERS_HELP = "(default: all; " + ", ".join(
     f"{name} {layers}" for name, layers in DEFAULT_LAYERS.items()) + ")"
@@ -655,10 +664,7 @@ def parse_args(argv):
                              "run's noise")
     parser.add_argument("--dtype", help="activations and unquantized weights "
                         + default_by_device(gpu[4], cpu[4]))
-    parser.add_argument("--bits", type=int, default=4,
-                        help="0: no quantization (default: %(default)s)")
-    parser.add_argument("--group-size", type=int, default=64,
-                        help="quantization group size (default: %(default)s)")
+    add_quantization_arguments(parser)
     parser.add_argument("--tile-m", type=int, help="the patched layers' formulation "
                         "(default: the measured rule, nn.default_tile_m)")
     parser.add_argument("--variant-tile-m", type=int, metavar="M",
