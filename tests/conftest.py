@@ -1,7 +1,9 @@
 # Shared test machinery: the backend parameter, the one Hypothesis profile, the
 # routing strategy and the bit-exact assertions against mlx_moe_plan.reference
 # (the NumPy definition of docs/DESIGN.md's semantics that every backend must
-# match), which wrap the reference's own comparisons.
+# match), which wrap the reference's own comparisons; the reference's gather
+# and combine of MLX arrays and of the OpenCL harness's rows alike; and the
+# grouped GEMM's check, which the GPU and PoCL tests share.
 
 from __future__ import annotations
 
