@@ -62,7 +62,8 @@ def cases(calls: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dispatch",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=48, help="calls in one graph (default 48)")
+    parser.add_argument("--calls", type=int, default=48,
+                        help="calls in one graph (default: %(default)s)")
     args = parser.parse_args(argv)
     print(f"{mx.default_device()}, mlx {mx.__version__}, {args.calls} calls a graph, "
           "median eval us per call")

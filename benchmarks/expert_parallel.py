@@ -262,40 +262,51 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.expert_parallel",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} (default "
-                        f"{','.join(DEFAULTS['gpu'][0])} on a GPU, "
-                        f"{DEFAULTS['cpu'][0][0]} on a CPU)")
-    parser.add_argument("--layers", type=int, help="decoder layers of each configuration")
+    gpu, cpu = DEFAULTS["gpu"], DEFAULTS["cpu"]
+    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} "
+                        + whole.default_by_device(gpu[0], cpu[0]))
+    parser.add_argument("--layers", type=int,
+                        help="decoder layers of each configuration " + whole.DEFAULT_LAYERS_HELP)
     parser.add_argument("--sides", default=",".join(SIDES),
                         help=f"comma list from {', '.join(SIDES)}; the first is the logits' "
-                             "reference")
-    parser.add_argument("--prompts", type=_ints, help="prefill tokens")
-    parser.add_argument("--block-tokens", type=_ints, help="tokens of the block-alone timings")
-    parser.add_argument("--batches", type=_ints, help="decode batch sizes")
-    parser.add_argument("--context", type=int, help="tokens in the cache before decoding")
-    parser.add_argument("--steps", type=int, default=10, help="timed decode steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
-    parser.add_argument("--rounds", type=int, default=2, help="timed prefills a side")
-    parser.add_argument("--calls", type=int, default=10, help="timed block calls a size")
+                             "reference (default: %(default)s)")
+    parser.add_argument("--prompts", type=_ints,
+                        help="prefill tokens " + whole.default_by_device(gpu[1], cpu[1]))
+    parser.add_argument("--block-tokens", type=_ints, help="tokens of the block-alone timings "
+                        + whole.default_by_device(gpu[2], cpu[2]))
+    parser.add_argument("--batches", type=_ints,
+                        help="decode batch sizes " + whole.default_by_device(gpu[3], cpu[3]))
+    parser.add_argument("--context", type=int, help="tokens in the cache before decoding "
+                        + whole.default_by_device(gpu[4], cpu[4]))
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed decode steps (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed decode steps first (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="timed prefills a side (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=10,
+                        help="timed block calls a size (default: %(default)s)")
     parser.add_argument("--no-compile", action="store_true",
                         help="our layers' small calls uncompiled (compile_max_tokens = 0)")
     parser.add_argument("--sync-from-entries", type=int, metavar="N",
                         help="expert-parallel layers sync to run their GEMMs over their own "
-                             "rows from N routed entries (default: the layer's, "
-                             "EXPERT_PARALLEL_SYNC_FROM_ENTRIES; a huge N: never)")
+                             "rows from N routed entries; a huge N: never (default: the "
+                             "layer's, EXPERT_PARALLEL_SYNC_FROM_ENTRIES)")
     parser.add_argument("--static-share", type=float, metavar="S",
                         help="expert-parallel layers run their GEMMs over this share of "
                              "their plan's capacity and the grouped kernel over the rest, "
-                             "instead of the sync (SwitchGLU.static_share; e.g. 1.25 / N)")
+                             "instead of the sync (SwitchGLU.static_share; e.g. 1.25 / N) "
+                             "(default: none, the sync)")
     parser.add_argument("--expert-tile-m", type=int, metavar="M",
                         help="the expert sides' layers in one GEMM formulation at every size "
                              "(SwitchGLU.tile_m: -1 the grouped kernel, which reads each "
                              "expert's rows on the device and needs no sync; 1 sorted rows; "
-                             "16 or 64 tiles); default: the layer's rule")
-    parser.add_argument("--dtype")
-    parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--json", metavar="PATH")
+                             "16 or 64 tiles) (default: the layer's rule)")
+    parser.add_argument("--dtype", help="activations and unquantized weights "
+                        + whole.default_by_device(gpu[5], cpu[5]))
+    whole.add_quantization_arguments(parser)
+    parser.add_argument("--json", metavar="PATH",
+                        help="write every figure as JSON (default: none)")
     args = parser.parse_args(argv)
     args.argv = list(argv)
     device = "gpu" if mx.default_device().type == mx.gpu else "cpu"

@@ -208,14 +208,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grouped_qmm",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b",
-                        help=f"comma list from {', '.join(LAYER_SHAPES)}")
-    parser.add_argument("--tokens", default="1,8,32,64", help="comma list of T")
-    parser.add_argument("--calls", type=int, default=48, help="calls in one graph")
+                        help=f"comma list from {', '.join(LAYER_SHAPES)} "
+                             "(default: %(default)s)")
+    parser.add_argument("--tokens", default="1,8,32,64",
+                        help="comma list of T (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=48,
+                        help="calls in one graph (default: %(default)s)")
     parser.add_argument("--bandwidth", type=float, default=4800.0,
-                        help="memory bandwidth for the floor, GB/s (H200: 4800)")
+                        help="memory bandwidth for the floor, GB/s (default: %(default)s, "
+                             "the H200's)")
     parser.add_argument("--tilings", default="default",
                         help="semicolon list of kernel tilings: default, or comma lists of "
-                             "GroupedQmmTiling fields (tiles=1,steps=4)")
+                             "GroupedQmmTiling fields (tiles=1,steps=4) (default: %(default)s)")
     args = parser.parse_args(argv)
     tilings = parse_tilings(args.tilings)
     if mx.default_device().type != mx.gpu:

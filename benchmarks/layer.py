@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from .model import default_by_device
 from .timing import time_calls
 from .workloads import LAYER_SHAPES as SHAPES
 from .workloads import LayerShape
@@ -36,6 +37,7 @@ from .workloads import LayerShape
 # Tokens a reference slice takes where mlx-lm's layer fails on the whole batch.
 REFERENCE_TOKENS = 2048
 QUICK = {"gpu": (["qwen3-next", "qwen3-30b-a3b"], [2048]), "cpu": (["qwen3-30b-a3b"], [8])}
+GPU_LAYERS, CPU_LAYERS = 8, 1  # layers (calls) in one timed graph
 
 
 def make_layers(shape: LayerShape, layers: int):
@@ -139,21 +141,26 @@ def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: lis
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.layer",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", help=f"comma list from {', '.join(SHAPES)}")
-    parser.add_argument("--tokens", help="comma list of token counts T")
-    parser.add_argument("--layers", type=int, help="layers (calls) in one graph")
+    parser.add_argument("--shapes", help=f"comma list from {', '.join(SHAPES)} "
+                        + default_by_device(QUICK["gpu"][0], QUICK["cpu"][0]))
+    parser.add_argument("--tokens", help="comma list of token counts T "
+                        + default_by_device(QUICK["gpu"][1], QUICK["cpu"][1]))
+    parser.add_argument("--layers", type=int, help="layers (calls) in one graph "
+                        + default_by_device(GPU_LAYERS, CPU_LAYERS))
     parser.add_argument("--tile-m", default="auto",
                         help="comma list of GEMM formulations: auto = the layer's default "
                              "(nn.default_tile_m), 0 = mlx-lm's own call (no plan), "
                              "-1 = sorted rows through the grouped kernel, "
-                             "1 = sorted rows, >1 = tiles of that many rows")
-    parser.add_argument("--json", metavar="PATH")
+                             "1 = sorted rows, >1 = tiles of that many rows "
+                             "(default: %(default)s)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write every result as JSON (default: none)")
     args = parser.parse_args(argv)
     device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
     shapes, tokens = QUICK[device]
     shapes = args.shapes.split(",") if args.shapes else shapes
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tokens
-    layers = args.layers or (8 if device == "gpu" else 1)
+    layers = args.layers or (GPU_LAYERS if device == "gpu" else CPU_LAYERS)
     mx.random.seed(0)
     results = []
     print(f"{'model':15s} {'D':>5s} {'I':>6s} {'E':>4s} {'K':>3s} {'T':>6s} {'tile':>4s} "

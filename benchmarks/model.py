@@ -1,6 +1,7 @@
 """Whole-model tokens/s, patched against mlx-lm, as mlx-lm's generate runs a model.
 
-    python -m benchmarks.model                          # GPU: Qwen3-30B-A3B; CPU: a small model
+    python -m benchmarks.model                          # GPU: Qwen3-30B-A3B
+                                                        # CPU: the ops, then a small model
     python -m benchmarks.model --models gpt-oss-20b,qwen3-30b-a3b --processes 3
     python -m benchmarks.model --models deepseek-v3 --layers 4 --json out.json
     python -m benchmarks.model --model PATH             # an mlx-lm model directory on disk
@@ -36,6 +37,12 @@ figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
 both sides are compared (relative L2 difference, float32). Progress goes to
 stderr; the table to stdout; `--json` writes every figure.
+
+On a CPU the run starts with the ops (`--ops`): `benchmarks.moe` at two
+models' shapes, at a decode step's and a prefill's T, checked against the
+reference before it times them. A CPU's whole-model ratios stay near 1.00x
+(`CPU_NOTE`, printed after the tables): the ops are where a CPU shows what the
+package does.
 """
 
 from __future__ import annotations
@@ -68,6 +75,40 @@ DEFAULTS = {  # device type -> (models, prompt tokens, batches, context tokens, 
     # fewer steps keep the whole run near a minute.
     "cpu": (["small-qwen3-moe"], 512, BATCHES, 128, "float32", 5),
 }
+# The ops a CPU run starts with (`benchmarks.moe`'s arguments): two models'
+# shapes at their own hidden size, T of a decode batch and of a prompt; about
+# 30 s on two cores, the whole run under 3 minutes.
+CPU_OPS_ARGS = ["--shapes", "qwen3-30b-a3b,mixtral", "--tokens", "64,512", "--hidden", "model",
+                "--no-progress"]
+CPU_NOTE = (
+    "On a CPU the whole model runs at about 1.00x of mlx-lm: the patched layers run "
+    "mlx-lm's own call below 64 routed entries and the same MLX GEMMs on sorted rows above, "
+    "and those GEMMs and attention take nearly all of a step, so what the package changes "
+    "there is the ops' time (plan, gather, combine, unsort: `python -m benchmarks.moe`, the "
+    "first table of a default CPU run).")
+
+
+def default_by_device(gpu, cpu) -> str:
+    """A help text's default that depends on the device: "(default: GPU on a
+    GPU, CPU on a CPU)", lists written comma-separated as the options take them."""
+    def text(value) -> str:
+        return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+    return f"(default: {text(gpu)} on a GPU, {text(cpu)} on a CPU)"
+
+
+def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
+    """--bits and --group-size of the models a benchmark builds (mlx-lm's
+    quantize_model's), the same in every benchmark that builds one."""
+    parser.add_argument("--bits", type=int, default=4,
+                        help="0: no quantization (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="quantization group size (default: %(default)s)")
+
+
+# --layers' default where a benchmark builds a configuration (with_layers).
+DEFAULT_LAYERS_HELP = "(default: all; " + ", ".join(
+    f"{name} {layers}" for name, layers in DEFAULT_LAYERS.items()) + ")"
 
 
 def progress(message: str) -> None:
@@ -540,6 +581,29 @@ def median_of_processes(results: list[dict]) -> dict:
     return merged
 
 
+def runs_ops(args) -> bool:
+    """Whether this run starts with the ops (`--ops`: auto runs them on a CPU)."""
+    if args.ops == "auto":
+        return mx.default_device().type == mx.cpu
+    return args.ops == "on"
+
+
+def run_ops() -> dict | None:
+    """`python -m benchmarks.moe` with `CPU_OPS_ARGS`, its table printed.
+    Returns its JSON document, or None if it failed (a check, or the
+    extension's import; moe says which on stderr, and nothing is timed)."""
+    from . import moe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ops.json")
+        progress(f"the ops: python -m benchmarks.moe {' '.join(CPU_OPS_ARGS)}")
+        if moe.main([*CPU_OPS_ARGS, "--json", out]) != 0:
+            return None
+        print(flush=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def run(args) -> dict:
     device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
     models, prompt, batches, context, dtype, steps = DEFAULTS[device]
@@ -580,35 +644,43 @@ def run(args) -> dict:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} (default: "
-                        f"{DEFAULTS['gpu'][0][0]} on a GPU, {DEFAULTS['cpu'][0][0]} on a CPU)")
-    parser.add_argument("--model", metavar="PATH", help="an mlx-lm model directory instead")
-    parser.add_argument("--layers", type=int, help="decoder layers of a configuration")
-    parser.add_argument("--prompt", type=int, help="prefill tokens (0: no prefill; default "
-                        f"{DEFAULTS['gpu'][1]} on a GPU, {DEFAULTS['cpu'][1]} on a CPU)")
+    gpu, cpu = DEFAULTS["gpu"], DEFAULTS["cpu"]
+    parser.add_argument("--models", help=f"comma list from {', '.join(MODELS)} "
+                        + default_by_device(gpu[0], cpu[0]))
+    parser.add_argument("--model", metavar="PATH", help="an mlx-lm model directory instead "
+                        "(default: none, the configurations of --models)")
+    parser.add_argument("--layers", type=int,
+                        help="decoder layers of a configuration " + DEFAULT_LAYERS_HELP)
+    parser.add_argument("--prompt", type=int, help="prefill tokens, 0: no prefill "
+                        + default_by_device(gpu[1], cpu[1]))
     parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")],
-                        help="decode batch sizes (default 1,4,8,16,32,64)")
-    parser.add_argument("--context", type=int, help="tokens in the cache before decoding")
-    parser.add_argument("--steps", type=int,
-                        help="timed decode steps a turn (default 10 on a GPU, 5 on a CPU)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
-    parser.add_argument("--rounds", type=int, default=2, help="prefill turns of each side")
+                        help="decode batch sizes (default: " + ",".join(map(str, BATCHES)) + ")")
+    parser.add_argument("--context", type=int, help="tokens in the cache before decoding "
+                        + default_by_device(gpu[3], cpu[3]))
+    parser.add_argument("--steps", type=int, help="timed decode steps a turn "
+                        + default_by_device(gpu[5], cpu[5]))
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed decode steps first (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="prefill turns of each side (default: %(default)s)")
     parser.add_argument("--decode-rounds", type=int, default=4,
-                        help="decode rounds at each batch size, each from the same context")
+                        help="decode rounds at each batch size, each from the same context "
+                             "(default: %(default)s)")
     parser.add_argument("--no-pipelined", action="store_true",
                         help="skip generate's pipelined loop")
     parser.add_argument("--control", action="store_true",
                         help="decode an unpatched copy of mlx-lm's model too, interleaved "
                              "with both sides: the ratio two identical models give, the "
                              "run's noise")
-    parser.add_argument("--dtype", help="activations and unquantized weights (default "
-                        "bfloat16 on a GPU, float32 on a CPU)")
-    parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--tile-m", type=int, help="the patched layers' formulation")
+    parser.add_argument("--dtype", help="activations and unquantized weights "
+                        + default_by_device(gpu[4], cpu[4]))
+    add_quantization_arguments(parser)
+    parser.add_argument("--tile-m", type=int, help="the patched layers' formulation "
+                        "(default: the measured rule, nn.default_tile_m)")
     parser.add_argument("--variant-tile-m", type=int, metavar="M",
                         help="decode the model patched with tile_m=M too, interleaved with "
-                             "the others (a formulation against the rule in one run)")
+                             "the others: a formulation against the rule in one run "
+                             "(default: none)")
     parser.add_argument("--no-dense-rows", dest="dense_rows", action="store_false",
                         help="the patched model's dense quantized projections take a "
                              "decoding batch as mlx-lm's do (patch_model's dense_rows=False)")
@@ -618,12 +690,17 @@ def parse_args(argv):
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,
-                        help="run in N processes; report medians and the lowest ratio")
+                        help="run in N processes; report medians and the lowest ratio "
+                             "(default: %(default)s)")
     parser.add_argument("--warm-process", action="store_true",
                         help="with --processes: first one short untimed process of the "
                              "same models and sizes, which fills MLX's kernel cache on a "
                              "fresh machine (its figures are not reported)")
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--ops", choices=("auto", "on", "off"), default="auto",
+                        help="first the ops, checked and timed by benchmarks.moe " +
+                        " ".join(CPU_OPS_ARGS) + "; auto: on a CPU only (default: %(default)s)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write every figure as JSON (default: none)")
     args = parser.parse_args(argv)
     args.argv = list(argv)
     return args
@@ -632,11 +709,16 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    ops = None
+    if runs_ops(args):
+        ops = run_ops()
+        if ops is None:
+            return 1
     if args.processes > 1:
         results = []
         # What each process runs: this command but for --processes, --json and
-        # --warm-process.
-        child = [a for a in _without_json(argv) if a != "--warm-process"]
+        # --warm-process, without the ops, run here once.
+        child = [a for a in _without_json(argv) if a != "--warm-process"] + ["--ops", "off"]
         i = child.index("--processes")
         del child[i : i + 2]
         with tempfile.TemporaryDirectory() as tmp:
@@ -662,9 +744,13 @@ def main(argv=None) -> int:
         result["per_process"] = results
     else:
         result = run(args)
+    if ops is not None:
+        result["ops"] = ops
     print(format_tables(result))
     if args.processes > 1:
         print(_lowest_ratios(result))
+    if mx.default_device().type == mx.cpu:
+        print(CPU_NOTE)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

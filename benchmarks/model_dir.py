@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .model import progress, random_model
+from .model import DEFAULT_LAYERS_HELP, add_quantization_arguments, progress, random_model
 from .workloads import DEFAULT_LAYERS, MODELS, with_layers
 
 # Special tokens first; the chat template marks turns with the first two, and
@@ -72,11 +72,10 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=list(MODELS), help="a configuration of workloads.py")
     parser.add_argument("out", type=Path, help="the directory to write")
-    parser.add_argument("--layers", type=int, help="decoder layers (default: all, or "
-                        "workloads.DEFAULT_LAYERS)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
-    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, help="decoder layers " + DEFAULT_LAYERS_HELP)
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="unquantized weights (default: %(default)s)")
+    add_quantization_arguments(parser)
     args = parser.parse_args(argv)
     config = with_layers(MODELS[args.name], args.layers or DEFAULT_LAYERS.get(args.name))
     progress(f"writing {args.name} ({config['num_hidden_layers']} layers) to {args.out}")

@@ -118,25 +118,33 @@ def parse_args(argv=None):
     parser.add_argument("--full", action="store_true",
                         help=f"every model shape ({', '.join(LAYER_SHAPES)}) and T in "
                              f"{', '.join(map(str, FULL_TOKENS))}")
-    parser.add_argument("--shapes", type=shape_list, help=f"comma list from {', '.join(LAYER_SHAPES)}")
-    parser.add_argument("--tokens", type=token_list, help="comma list of token counts T")
+    parser.add_argument("--shapes", type=shape_list,
+                        help=f"comma list from {', '.join(LAYER_SHAPES)} (default: "
+                             f"{','.join(QUICK_SHAPES)}; every one with --full)")
+    parser.add_argument("--tokens", type=token_list,
+                        help="comma list of token counts T (default: "
+                             f"{','.join(map(str, QUICK_TOKENS))}; with --full "
+                             f"{','.join(map(str, FULL_TOKENS))})")
     parser.add_argument("--hidden", type=hidden_arg, default=DEFAULT_HIDDEN,
-                        help=f"hidden size H for every shape, or 'model' for each model's own "
-                             f"(default {DEFAULT_HIDDEN})")
+                        help="hidden size H for every shape, or 'model' for each model's own "
+                             "(default: %(default)s)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float16",
-                        help="activation dtype (default float16)")
+                        help="activation dtype (default: %(default)s)")
     parser.add_argument("--calls", type=int,
-                        help="calls built into one graph, each on its own inputs (default 48; "
+                        help="calls built into one graph, each on its own inputs (default: 48; "
                              "4 for gather, combine, unsort on a CPU; fewer where memory is short)")
     parser.add_argument("--repeats", type=int, help="timed graph evaluations (default: by time)")
     parser.add_argument("--mem-gb", type=float,
-                        help="memory for one graph's inputs and outputs "
-                             "(default a quarter of the device's, at most 32 GiB on a GPU, 4 on a CPU)")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="memory for one graph's inputs and outputs (default: a quarter "
+                             "of the device's, at most 32 GiB on a GPU, 4 on a CPU)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="of the random routings and rows (default: %(default)s)")
     parser.add_argument("--plan-max-groups", type=int, metavar="N",
                         help="the GPU plan's cap on groups, past which each group places "
-                             f"several blocks (default {launch.PLAN_MAX_GROUPS}; kernels/launch.py)")
-    parser.add_argument("--json", metavar="PATH", help="write every result, with the environment, as JSON")
+                             f"several blocks (default: {launch.PLAN_MAX_GROUPS}; "
+                             "kernels/launch.py)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write every result, with the environment, as JSON (default: none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     args = parser.parse_args(argv)
     if args.calls is not None and args.calls < 1:

@@ -236,7 +236,8 @@ def main(argv=None) -> int:
                         help="the patched call's allowance over the fastest shape, listed "
                              "past it (default: %(default)s)")
     parser.add_argument("--ncu", action="store_true", help="marked calls for Nsight Compute")
-    parser.add_argument("--json", metavar="PATH", help="write every median here")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write every median here (default: none)")
     args = parser.parse_args(argv)
     tilings = [] if args.tilings == "none" else parse_tilings(args.tilings)
     results = []

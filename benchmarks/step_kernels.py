@@ -75,14 +75,22 @@ def summarize(path: str, top: int) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_kernels",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--summarize", metavar="CSV", help="summarize Nsight Compute's CSV")
-    parser.add_argument("--top", type=int, default=14, help="kernels a step in the summary")
-    parser.add_argument("--side", choices=("mlx-lm", "patched"), default="patched")
-    parser.add_argument("--models", default="qwen3-30b-a3b", help=f"one of {', '.join(MODELS)}")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers")
-    parser.add_argument("--batches", default="1,4,32", help="comma list of batch sizes")
-    parser.add_argument("--context", type=int, default=512, help="tokens in the cache")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--summarize", metavar="CSV", help="summarize Nsight Compute's CSV "
+                        "instead of running (default: none)")
+    parser.add_argument("--top", type=int, default=14,
+                        help="kernels a step in the summary (default: %(default)s)")
+    parser.add_argument("--side", choices=("mlx-lm", "patched"), default="patched",
+                        help="the model run (default: %(default)s)")
+    parser.add_argument("--models", default="qwen3-30b-a3b",
+                        help=f"one of {', '.join(MODELS)} (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="decoder layers (default: %(default)s)")
+    parser.add_argument("--batches", default="1,4,32",
+                        help="comma list of batch sizes (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=512,
+                        help="tokens in the cache (default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="activations and unquantized weights (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize, args.top))

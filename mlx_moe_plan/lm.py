@@ -40,11 +40,14 @@ cache_prompt, whose ranks would all write one file, are refused
 (`NOT_EXPERT_PARALLEL`). In a group of one process (not started by
 `mlx.launch`) the option warns and the command runs patched, unsplit.
 
-Errors of mlx-lm (a missing model, a bad argument) read as they do from
-`mlx_lm COMMAND`: the same message and exit code, its traceback without the
-frames of this module; errors of ours (no mlx-lm, no hook point, a bad option
-of ours, a model whose experts do not divide among the ranks) are one line and
-a non-zero exit.
+Errors of mlx-lm (a model the Hub does not have, a bad argument) read as they
+do from `mlx_lm COMMAND`: the same message and exit code, its traceback
+without the frames of this module; errors of ours (no mlx-lm, no hook point, a
+bad option of ours, a model whose experts do not divide among the ranks) are
+one line and a non-zero exit. So is a model path that does not exist
+(`missing_model_path`), which mlx-lm would take for a Hugging Face repo id and
+reject as one without naming the path: one line that names it, with mlx-lm's
+exit code for that failure (1).
 """
 
 from __future__ import annotations
@@ -99,6 +102,10 @@ EXPERT_PARALLEL = tuple(command for command in COMMANDS if command not in NOT_EX
 PRINT_ON_EVERY_RANK = ("generate", "perplexity")
 
 _PREFIX = "mlx-moe-plan:"
+
+# The options of mlx-lm's commands that name a model to load: a directory, or
+# a Hugging Face repo id.
+MODEL_OPTIONS = ("--model", "--draft-model")
 
 
 class UsageError(Exception):
@@ -309,6 +316,41 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True,
             setattr(module, name, original)
 
 
+def missing_model_path(args: list[str]) -> str | None:
+    """The first model a command's arguments name (`MODEL_OPTIONS`) that can
+    only be a local path, and does not exist; None if there is none.
+
+    mlx-lm loads a model from the path given if it exists, and otherwise takes
+    it for a Hugging Face repo id (`name` or `namespace/name`), which the Hub
+    validates first. A value that exists, or that is a valid repo id (such as
+    `mlx-community/Qwen3-30B-A3B-4bit`, or a relative `models/qwen` that is
+    not there), is left to mlx-lm; one the Hub would reject as a repo id
+    (absolute, `./...`, `~/...`, or more than one separator) is a path that
+    does not exist.
+
+    Args:
+        args (list[str]): The command's own arguments.
+
+    Returns:
+        str or None: The value as given.
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    for i, arg in enumerate(args):
+        option, equals, value = arg.partition("=")
+        if option not in MODEL_OPTIONS or not (equals or i + 1 < len(args)):
+            continue
+        value = value if equals else args[i + 1]
+        if os.path.exists(value):
+            continue
+        try:
+            validate_repo_id(value)
+        except HFValidationError:
+            return value
+    return None
+
+
 def _tile_m(text: str) -> int:
     try:
         value = int(text)
@@ -474,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     if installed != MLX_LM_VERSION:
         say(f"warning: mlx-lm {installed} is installed; these commands are tested with "
             f"mlx-lm {MLX_LM_VERSION}: patching through mlx_lm.utils.load_model anyway")
+    missing = missing_model_path(options.args)
+    if missing is not None:
+        say(f"error: no model at {missing}: that path does not exist (and it is not a "
+            "Hugging Face repo id, namespace/name)")
+        return 1  # mlx-lm's exit code for it (an uncaught HFValidationError)
     if options.no_patch:
         say("--no-patch: models run unpatched, as mlx-lm's own")
     expert_group = None

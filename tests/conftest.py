@@ -1,7 +1,9 @@
 # Shared test machinery: the backend parameter, the one Hypothesis profile, the
 # routing strategy and the bit-exact assertions against mlx_moe_plan.reference
 # (the NumPy definition of docs/DESIGN.md's semantics that every backend must
-# match), which wrap the reference's own comparisons.
+# match), which wrap the reference's own comparisons; the reference's gather
+# and combine of MLX arrays and of the OpenCL harness's rows alike; and the
+# grouped GEMM's check, which the GPU and PoCL tests share.
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 import mlx_moe_plan
 from mlx_moe_plan import _backend
 from mlx_moe_plan import reference as ref
+from mlx_moe_plan.kernels import launch
 
 # One profile. Small by default so that the CPU suite stays well under its time
 # budget on two cores; HYPOTHESIS_PROFILE=thorough asks for many more examples,
@@ -94,6 +97,39 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 to_numpy = ref.to_numpy  # how the reference reads MLX arrays; the tests import it from here
+
+
+def stored(values) -> tuple[np.ndarray, str]:
+    """`values` as the reference takes them, and the reference's name of their
+    dtype: an MLX float array, or NumPy rows as the reference stores them
+    (bfloat16 as uint16 bits, as the OpenCL harness holds them)."""
+    if isinstance(values, mx.array):
+        return to_numpy(values), dtype_name(values.dtype)
+    return values, "bfloat16" if values.dtype == np.uint16 else values.dtype.name
+
+
+def _reference_name(dtype) -> str | None:
+    return dtype if dtype is None or isinstance(dtype, str) else dtype_name(dtype)
+
+
+def reference_gather(x, plan, dtype=None) -> np.ndarray:
+    """`reference.moe_gather` of `x` (see `stored`) by `plan` (a ReferencePlan,
+    or any object with its row_tokens and capacity), converted to `dtype` (an
+    MLX dtype or the reference's name; None: x's own)."""
+    values, x_dtype = stored(x)
+    with np.errstate(over="ignore"):  # float32 -> float16 overflow to inf is intended
+        return ref.moe_gather(values, plan, dtype=_reference_name(dtype), x_dtype=x_dtype)
+
+
+def reference_combine(rows, plan, weights=None, dtype=None) -> np.ndarray:
+    """`reference.moe_combine` of `rows` (see `stored`) by `plan` (a
+    ReferencePlan, or any object with its positions, top_k and row_weights),
+    weighted by `weights` (float32, or None: the plan's), rounded to `dtype`
+    (an MLX dtype or the reference's name; None: the rows' own)."""
+    values, rows_dtype = stored(rows)
+    with np.errstate(over="ignore"):
+        return ref.moe_combine(values, plan, weights=weights, rows_dtype=rows_dtype,
+                               dtype=_reference_name(dtype))
 
 
 def as_float32(array: mx.array) -> np.ndarray:
@@ -393,6 +429,43 @@ def grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tai
     experts = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
     row_experts = np.concatenate([experts, np.full(tail, len(counts) - 1, np.int32)])
     return offsets, weight, scales, biases, rows, row_experts
+
+
+@st.composite
+def grouped_qmm_cases(draw):
+    """`check_grouped_qmm`'s arguments after `run`, the rng as its seed:
+    experts without rows, with one, with more than a pass of 8 rows (and no
+    rows at all); columns past a group's last; one to four quantization
+    groups a row (one load's STEPS, 1, or more); tail rows."""
+    counts = draw(st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1,
+                           max_size=6))
+    out_dims = draw(st.one_of(st.sampled_from([1, 7, 8, 9]), st.integers(1, 40)))
+    group_size = draw(st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS))
+    in_dims = draw(st.integers(1, 4)) * group_size
+    bits = draw(st.sampled_from(launch.GROUPED_QMM_BITS))
+    name = draw(st.sampled_from(launch.GROUPED_QMM_DTYPES))
+    tail = draw(st.integers(0, 9))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return seed, counts, out_dims, in_dims, bits, group_size, name, tail
+
+
+def check_grouped_qmm(run, rng, counts, out_dims, in_dims, bits, group_size, name, tail):
+    """One grouped GEMM of `grouped_qmm_case`'s inputs through `run`: its
+    output in the rows' dtype, a row each, within `assert_gemm_close` of the
+    float64 reference.
+
+    Args:
+        run: The implementation, `run(offsets, weight, scales, biases, rows,
+          row_experts, bits, group_size, name)`, returning an MLX array or
+          NumPy rows as the reference stores them.
+        rng, counts, out_dims, in_dims, bits, group_size, name, tail:
+          `grouped_qmm_case`'s.
+    """
+    case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
+    offsets, weight, scales, biases, rows, _ = case
+    out, out_name = stored(run(*case, bits, group_size, name))
+    assert out_name == name and out.shape == (rows.shape[0], out_dims)
+    assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name)
 
 
 def token_rows(tokens: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:

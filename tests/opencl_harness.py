@@ -300,6 +300,8 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     num_rows, in_dims = rows.shape
     num_experts, out_dims, _ = weight.shape
     capacity = num_rows if row_tokens is None else len(row_tokens)
+    if capacity == 0 or out_dims == 0 or num_rows == 0:  # no kernel runs: all tail, zeros
+        return np.zeros((capacity, out_dims), rows.dtype)
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, dtype_name(rows),
         num_rows=None if row_tokens is None else num_rows, gated=up is not None)

@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
 import json
+import pkgutil
 import re
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import switch_layers  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+import benchmarks  # noqa: E402
 from benchmarks import model as bench  # noqa: E402
 from benchmarks.workloads import LAYER_SHAPES, MODELS, layer_shape, with_layers  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
@@ -122,7 +126,7 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "20", "--batches", "1,20",
                        "--context", "8", "--steps", "2", "--warmup", "1", "--rounds", "1",
-                       "--decode-rounds", "2",
+                       "--decode-rounds", "2", "--ops", "off",
                        "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     (entry,) = result["models"]
@@ -138,13 +142,40 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_model_benchmark_on_a_cpu_starts_with_the_ops(tmp_path, monkeypatch, capsys):
+    # A CPU run's default (--ops auto): benchmarks.moe's ops, checked against
+    # the reference and timed, in its table and the JSON; then the model's
+    # table; then the sentence on what a CPU shows. Here the ops at one small
+    # shape (the default's arguments are moe's own), the model at its smallest.
+    from benchmarks import moe
+
+    assert mx.default_device().type == mx.cpu
+    moe.parse_args(bench.CPU_OPS_ARGS)
+    monkeypatch.setattr(bench, "CPU_OPS_ARGS", ["--shapes", "mixtral", "--tokens", "8", "--hidden",
+                                                "16", "--repeats", "1", "--calls", "1",
+                                                "--no-progress"])
+    out = tmp_path / "model.json"
+    assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
+                       "--steps", "1", "--warmup", "0", "--decode-rounds", "1",
+                       "--no-pipelined", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ops = result["ops"]
+    assert ops["benchmark"] == "benchmarks.moe" and ops["shapes"] == ["mixtral"] and ops["checks"]
+    assert {row["op"] for row in ops["summary"]} >= {"plan", "gather", "combine", "unsort"}
+    assert [row["batch"] for row in result["models"][0]["decode"]] == [1]
+    printed = capsys.readouterr().out
+    ops_table = printed.index("mlx_moe_plan benchmark on Device(cpu")
+    model_table = printed.index("small-qwen3-moe: 1 MoE layers patched")
+    assert ops_table < model_table < printed.index(bench.CPU_NOTE)
+
+
 def test_model_benchmark_control(tmp_path, capsys):
     # --control: an unpatched copy of mlx-lm's model decodes with both sides,
     # its own figures and its ratio to mlx-lm's in the row and the table.
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "2", "--control",
-                       "--json", str(out)]) == 0
+                       "--ops", "off", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["models"][0]["decode"]
     assert row["control_wall_ms"] >= row["control_build_ms"] > 0
     assert row["control_speedup"] == pytest.approx(row["mlx-lm_wall_ms"] / row["control_wall_ms"])
@@ -160,7 +191,8 @@ def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypa
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "1",
-                       "--processes", "2", "--warm-process", "--json", str(out)]) == 0
+                       "--processes", "2", "--warm-process", "--ops", "off",
+                       "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["processes"] == 2 and len(result["per_process"]) == 2
     for process in result["per_process"]:
@@ -311,9 +343,11 @@ def test_model_benchmark_variant(tmp_path, capsys):
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "1,20", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "2",
-                       "--variant-tile-m", "16", "--control", "--json", str(out)]) == 0
+                       "--variant-tile-m", "16", "--control", "--ops", "off",
+                       "--json", str(out)]) == 0
     entry = json.loads(out.read_text())["models"][0]
     assert entry["describe"]["variant_tile_m"] == 16
+    assert [row["batch"] for row in entry["decode"]] == [1, 20]
     for row in entry["decode"]:
         assert row["variant_wall_ms"] >= row["variant_build_ms"] > 0
         assert row["variant_speedup"] == pytest.approx(row["mlx-lm_wall_ms"]
@@ -324,3 +358,30 @@ def test_model_benchmark_variant(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "variant: mlx-lm's speed over the model patched with tile_m=16" in printed
     assert "control: mlx-lm's speed over an unpatched copy" in printed
+
+
+class ParserCaught(Exception):
+    """Raised with the parser in place of parsing: what a benchmark's main would parse."""
+
+
+BENCHMARK_COMMANDS = sorted(module.name for module in pkgutil.iter_modules(benchmarks.__path__)
+                            if hasattr(importlib.import_module(f"benchmarks.{module.name}"),
+                                       "main"))
+
+
+@pytest.mark.parametrize("name", BENCHMARK_COMMANDS)
+def test_every_benchmark_option_gives_its_default(name, monkeypatch):
+    # Each command's parser, caught as its main parses: every option that
+    # takes a value says in its help what it is when not given.
+    def catch(parser, *args, **kwargs):
+        raise ParserCaught(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(ParserCaught) as caught:
+        importlib.import_module(f"benchmarks.{name}").main([])
+    parser = caught.value.args[0]
+    options = [action for action in parser._actions
+               if action.option_strings and action.nargs != 0 and not action.required]
+    assert options, f"benchmarks.{name}: no option found"
+    for action in options:
+        assert "(default: " in (action.help or ""), (name, action.option_strings)

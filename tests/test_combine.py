@@ -12,10 +12,10 @@ from conftest import (
     Routing,
     as_float32,
     assert_bitwise,
-    dtype_name,
     float_with_layout,
     make_ids,
     random_floats,
+    reference_combine,
     routings,
     to_numpy,
 )
@@ -28,13 +28,6 @@ from mlx_moe_plan import reference as ref
 HIDDEN_SIZES = [1, 3, 7, 129]
 
 combine_routings = routings(max_tokens=48, max_k=16, max_tile_m=32)
-
-
-def _reference_combine(rows: mx.array, expected_plan, weight_values=None,
-                       dtype: str | None = None) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return ref.moe_combine(to_numpy(rows), expected_plan, weights=weight_values,
-                               rows_dtype=dtype_name(rows.dtype), dtype=dtype)
 
 
 @given(routing=combine_routings, hidden=st.sampled_from(HIDDEN_SIZES),
@@ -55,7 +48,7 @@ def test_combine_explicit_weights(routing: Routing, hidden, rows_dtype, weight_d
 
     assert out.shape == routing.token_shape + (hidden,)
     assert out.dtype == (rows.dtype if dtype is None else dtype)
-    expected = _reference_combine(rows, routing.reference_plan(), as_float32(weights),
+    expected = reference_combine(rows, routing.reference_plan(), as_float32(weights),
                                   out_dtype)
     assert_bitwise(out, expected, "combined")
 
@@ -70,7 +63,7 @@ def test_combine_plan_weights(routing: Routing, hidden, rows_dtype, device):
 
     out = mlx_moe_plan.moe_combine(rows, plan, stream=device)
 
-    assert_bitwise(out, _reference_combine(rows, routing.reference_plan()), "combined")
+    assert_bitwise(out, reference_combine(rows, routing.reference_plan()), "combined")
 
 
 @pytest.mark.parametrize("rows_dtype", FLOAT_NAMES)
@@ -89,7 +82,7 @@ def test_combine_accumulates_in_float32_in_ascending_k(rows_dtype, top_k, device
     weight_values[:, ::2] *= -1
     expected_plan = ref.moe_plan(ids, 40, tile_m=4)
     out = mlx_moe_plan.moe_combine(rows, plan, weights=mx.array(weight_values), stream=device)
-    expected = _reference_combine(rows, expected_plan, weight_values)
+    expected = reference_combine(rows, expected_plan, weight_values)
     assert_bitwise(out, expected, "combined")
     if top_k > 1 and rows_dtype == "float32":
         # The data really tells the orders apart, so passing pins ascending k.
@@ -121,7 +114,7 @@ def test_combine_skipped_entries_add_nothing(rows_dtype, device):
 
     out = mlx_moe_plan.moe_combine(rows, plan, weights=mx.array(weight_values), stream=device)
 
-    assert_bitwise(out, _reference_combine(rows, expected_plan, weight_values), "combined")
+    assert_bitwise(out, reference_combine(rows, expected_plan, weight_values), "combined")
     assert not np.isnan(as_float32(out)).any()
     assert np.all(to_numpy(out)[1] == 0)
 
@@ -133,7 +126,7 @@ def test_combine_explicit_weights_override_the_plan(device):
     rows = random_floats(rng, (plan.capacity, 5), mx.float32)
     weight_values = rng.standard_normal(ids.shape).astype(np.float32)
     out = mlx_moe_plan.moe_combine(rows, plan, weights=mx.array(weight_values), stream=device)
-    expected = _reference_combine(rows, ref.moe_plan(ids, 8), weight_values)
+    expected = reference_combine(rows, ref.moe_plan(ids, 8), weight_values)
     assert_bitwise(out, expected, "combined")
 
 
@@ -154,7 +147,7 @@ def test_combine_non_contiguous_rows(device):
     for layout in ("transposed", "strided_last", "strided_first"):
         rows = float_with_layout(values, mx.bfloat16, layout, rng)
         out = mlx_moe_plan.moe_combine(rows, plan, stream=device)
-        expected = _reference_combine(rows, ref.moe_plan(ids, 5, weights=weight_values,
+        expected = reference_combine(rows, ref.moe_plan(ids, 5, weights=weight_values,
                                                          tile_m=3))
         assert_bitwise(out, expected, f"combined from {layout} rows")
 
@@ -170,7 +163,7 @@ def test_combine_large_plan(device):
                                  tile_m=tile_m, stream=device)
     rows = random_floats(rng, (plan.capacity, 3), mx.float16)
     out = mlx_moe_plan.moe_combine(rows, plan, stream=device)
-    expected = _reference_combine(rows, ref.moe_plan(ids, num_experts, weights=weight_values,
+    expected = reference_combine(rows, ref.moe_plan(ids, num_experts, weights=weight_values,
                                                      tile_m=tile_m))
     assert_bitwise(out, expected, "combined")
 

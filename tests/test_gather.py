@@ -11,10 +11,10 @@ from conftest import (
     FLOAT_NAMES,
     Routing,
     assert_bitwise,
-    dtype_name,
     float_with_layout,
     make_ids,
     random_floats,
+    reference_gather,
     routings,
     to_numpy,
 )
@@ -31,13 +31,6 @@ X_LAYOUTS = ["contiguous", "transposed", "strided_last", "strided_first", "broad
 gather_routings = routings(max_tokens=48, max_k=8, max_tile_m=32)
 
 
-def _reference_gather(x: mx.array, expected_plan, dtype: mx.Dtype | None) -> np.ndarray:
-    with np.errstate(over="ignore"):  # float32 -> float16 overflow to inf is intended
-        return ref.moe_gather(to_numpy(x), expected_plan,
-                              dtype=None if dtype is None else dtype_name(dtype),
-                              x_dtype=dtype_name(x.dtype))
-
-
 @given(routing=gather_routings, hidden=st.sampled_from(HIDDEN_SIZES),
        x_dtype=st.sampled_from(FLOAT_NAMES), out_dtype=st.sampled_from(FLOAT_NAMES + [None]),
        x_layout=st.sampled_from(X_LAYOUTS))
@@ -52,7 +45,7 @@ def test_gather_matches_reference(routing: Routing, hidden, x_dtype, out_dtype, 
 
     assert rows.shape == (plan.capacity, hidden)
     assert rows.dtype == (x.dtype if dtype is None else dtype)  # default: x.dtype
-    assert_bitwise(rows, _reference_gather(x, routing.reference_plan(), dtype), "rows")
+    assert_bitwise(rows, reference_gather(x, routing.reference_plan(), dtype), "rows")
 
 
 @pytest.mark.parametrize("x_dtype", FLOAT_NAMES)
@@ -64,7 +57,7 @@ def test_gather_every_dtype_pair(x_dtype, out_dtype, hidden, device):
     plan = mlx_moe_plan.moe_plan(mx.array(ids), 6, tile_m=8, stream=device)
     x = random_floats(rng, (37, hidden), FLOAT_DTYPES[x_dtype])
     rows = mlx_moe_plan.moe_gather(x, plan, dtype=FLOAT_DTYPES[out_dtype], stream=device)
-    expected = _reference_gather(x, ref.moe_plan(ids, 6, tile_m=8), FLOAT_DTYPES[out_dtype])
+    expected = reference_gather(x, ref.moe_plan(ids, 6, tile_m=8), FLOAT_DTYPES[out_dtype])
     assert_bitwise(rows, expected, f"rows {x_dtype} -> {out_dtype}")
 
 
@@ -89,7 +82,7 @@ def test_gather_special_values(x_dtype, out_dtype, device):
     ids = np.arange(x.shape[0] * 2, dtype=np.int32).reshape(-1, 2) % 5
     plan = mlx_moe_plan.moe_plan(mx.array(ids), 5, tile_m=2, stream=device)
     rows = mlx_moe_plan.moe_gather(x, plan, dtype=FLOAT_DTYPES[out_dtype], stream=device)
-    expected = _reference_gather(x, ref.moe_plan(ids, 5, tile_m=2), FLOAT_DTYPES[out_dtype])
+    expected = reference_gather(x, ref.moe_plan(ids, 5, tile_m=2), FLOAT_DTYPES[out_dtype])
     assert_bitwise(rows, expected, f"rows {x_dtype} -> {out_dtype}")
 
 
@@ -115,7 +108,7 @@ def test_gather_large_plan(device):
     plan = mlx_moe_plan.moe_plan(mx.array(ids), num_experts, tile_m=tile_m, stream=device)
     x = random_floats(rng, (num_tokens, 3), mx.float16)
     rows = mlx_moe_plan.moe_gather(x, plan, dtype=mx.float32, stream=device)
-    expected = _reference_gather(x, ref.moe_plan(ids, num_experts, tile_m=tile_m), mx.float32)
+    expected = reference_gather(x, ref.moe_plan(ids, num_experts, tile_m=tile_m), mx.float32)
     assert_bitwise(rows, expected, "rows")
 
 
@@ -223,7 +216,7 @@ def test_ops_on_new_streams(device):
     rows = mlx_moe_plan.moe_gather(x, plan, dtype=mx.bfloat16, stream=gather_stream)
     out = mlx_moe_plan.moe_combine(rows, plan, stream=combine_stream)
     expected_plan = ref.moe_plan(ids, 6, weights=weight_values, tile_m=4)
-    expected_rows = _reference_gather(x, expected_plan, mx.bfloat16)
+    expected_rows = reference_gather(x, expected_plan, mx.bfloat16)
     assert_bitwise(rows, expected_rows, "rows")
     assert_bitwise(out, ref.moe_combine(expected_rows, expected_plan, rows_dtype="bfloat16"),
                    "combined")

@@ -10,10 +10,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import (_NO_GPU, FLOAT_DTYPES, assert_gemm_close, grouped_qmm_by_mlx_ops,
-                      grouped_qmm_case, quantized_experts, token_rows)
+from conftest import (_NO_GPU, assert_gemm_close, check_grouped_qmm, grouped_qmm_by_mlx_ops,
+                      grouped_qmm_case, grouped_qmm_cases, quantized_experts, token_rows)
 from hypothesis import given
-from hypothesis import strategies as st
 from mlx.utils import tree_map
 
 from mlx_moe_plan import MAX_EXPERTS, _backend, _gpu, moe_plan
@@ -41,25 +40,10 @@ def _run(offsets, weight, scales, biases, rows, row_experts, bits, group_size, n
                            bits=bits, group_size=group_size, stream=mx.default_stream(mx.gpu))
 
 
-def _check(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
-    case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
-    offsets, weight, scales, biases, rows, _ = case
-    out = _run(*case, bits, group_size, name)
-    assert out.dtype == FLOAT_DTYPES[name] and out.shape == (rows.shape[0], out_dims)
-    assert_gemm_close(ref.to_numpy(out), rows, weight, scales, biases, offsets, bits,
-                      group_size, name)
-
-
-@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1,
-                       max_size=6),
-       out_dims=st.one_of(st.sampled_from([1, 7, 8, 9]), st.integers(1, 40)),
-       in_groups=st.integers(1, 4), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
-       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
-       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
-       seed=st.integers(0, 2**32 - 1))
-def test_matches_reference(counts, out_dims, in_groups, bits, group_size, name, tail, seed):
-    _check(np.random.default_rng(seed), counts, out_dims, in_groups * group_size, bits,
-           group_size, name, tail)
+@given(case=grouped_qmm_cases())
+def test_matches_reference(case):
+    seed, *arguments = case
+    check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 32])
@@ -70,7 +54,7 @@ def test_decoding_shapes(tokens, in_dims, out_dims):
     rng = np.random.default_rng(tokens)
     routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(tokens)])
     counts = np.bincount(routed.reshape(-1), minlength=128)
-    _check(rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
+    check_grouped_qmm(_run, rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 
 @pytest.mark.parametrize("steps", [None, 2, 4])
@@ -102,7 +86,7 @@ def test_more_items_than_groups(active):
     rng = np.random.default_rng(active)
     counts = np.zeros(MAX_EXPERTS, np.int64)
     counts[rng.choice(MAX_EXPERTS, active, replace=False)] = rng.integers(1, 11, active)
-    _check(rng, counts, 72, 32, 8, 32, "float16", 2)
+    check_grouped_qmm(_run, rng, counts, 72, 32, 8, 32, "float16", 2)
 
 
 def test_input_gradient_and_compile():

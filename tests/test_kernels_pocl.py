@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import (INT32_MAX, INT32_MIN, assert_bitwise, assert_gemm_close, experts_strategy,
-                      grouped_qmm_case, make_ids, quantized_experts, token_rows)
+from conftest import (INT32_MAX, INT32_MIN, assert_bitwise, assert_gemm_close, check_grouped_qmm,
+                      experts_strategy, grouped_qmm_case, grouped_qmm_cases, make_ids,
+                      quantized_experts, reference_combine, reference_gather, token_rows)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -214,14 +215,10 @@ def test_device_runs_the_plan_groups():
 # --- gather ----------------------------------------------------------------------
 
 
-def _reference_gather(src: np.ndarray, index: np.ndarray, out_dtype: str) -> np.ndarray:
-    rows = SimpleNamespace(row_tokens=_present(index, src.shape[0]), capacity=index.shape[0])
-    with np.errstate(over="ignore"):  # float32 -> float16 overflows to inf, as intended
-        return ref.moe_gather(src, rows, dtype=out_dtype, x_dtype=ocl.dtype_name(src))
-
-
 def _check_gather(src, index, out_dtype):
-    expected = _reference_gather(src, index, out_dtype)
+    # The kernel's index as the reference's plan: a row of src for each out row.
+    rows = SimpleNamespace(row_tokens=_present(index, src.shape[0]), capacity=index.shape[0])
+    expected = reference_gather(src, rows, out_dtype)
     assert_bitwise(ocl.gather(src, index, out_dtype), expected, "out")
 
 
@@ -289,20 +286,13 @@ def test_unaligned_buffers_take_the_element_paths(name, hidden):
 # --- combine ---------------------------------------------------------------------
 
 
-def _reference_combine(src, index, weights, out_dtype) -> np.ndarray:
-    """reference.moe_combine's float32 sums (weights of 1 when unweighted), rounded
-    once to out_dtype; with out_dtype == src's dtype this is moe_combine itself."""
-    fan_in = index.shape[1]
-    rows = SimpleNamespace(positions=_present(index, src.shape[0]), top_k=fan_in, row_weights=None)
-    weights = np.ones(index.shape, np.float32) if weights is None else weights
-    values = ref.to_float32(src, ocl.dtype_name(src))
-    with np.errstate(over="ignore"):
-        sums = ref.moe_combine(values, rows, weights=weights, rows_dtype="float32")
-        return ref.from_float32(sums, out_dtype)
-
-
 def _check_combine(src, index, weights, out_dtype):
-    expected = _reference_combine(src, index, weights, out_dtype)
+    # The kernel's index as the reference's plan: for each out row, its fan_in
+    # rows of src; unweighted, each with weight 1.
+    rows = SimpleNamespace(positions=_present(index, src.shape[0]), top_k=index.shape[1],
+                           row_weights=None)
+    weights = np.ones(index.shape, np.float32) if weights is None else weights
+    expected = reference_combine(src, rows, weights, out_dtype)
     assert_bitwise(ocl.combine(src, index, weights, out_dtype), expected, "out")
 
 
@@ -353,29 +343,16 @@ def test_rows_beyond_max_groups():
 # --- grouped_qmm: a GEMM, checked within float tolerance ----------------------------
 
 
-def _check_grouped_qmm(rng, counts, out_dims, in_dims, bits, group_size, name, tail):
-    case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
-    offsets, weight, scales, biases, rows, _ = case
-    if rows.shape[0] == 0:  # no kernel runs (_gpu.py returns the empty array)
-        return
-    out = ocl.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size)
-    assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name)
+def _grouped_qmm(offsets, weight, scales, biases, rows, row_experts, bits, group_size, name):
+    """ocl.grouped_qmm as check_grouped_qmm calls an implementation (the harness
+    reads the experts from the offsets and the dtype from the rows)."""
+    return ocl.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size)
 
 
-@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1,
-                       max_size=5),
-       out_dims=st.one_of(st.sampled_from([1, 7, 8, 9]), st.integers(1, 40)),
-       in_groups=st.integers(1, 3), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
-       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
-       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
-       seed=st.integers(0, 2**32 - 1))
-def test_grouped_qmm_matches_reference(counts, out_dims, in_groups, bits, group_size, name,
-                                       tail, seed):
-    """Experts without rows, with one, with more than a pass of 8 rows;
-    columns past a group's last; one to three quantization groups a row (one
-    load's STEPS, 1, or more); tail rows."""
-    _check_grouped_qmm(np.random.default_rng(seed), counts, out_dims, in_groups * group_size,
-                       bits, group_size, name, tail)
+@given(case=grouped_qmm_cases())
+def test_grouped_qmm_matches_reference(case):
+    seed, *arguments = case
+    check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
 
 
 @pytest.mark.parametrize("active", [1, 300, MAX_EXPERTS])
@@ -385,7 +362,7 @@ def test_grouped_qmm_more_items_than_groups(active):
     rng = np.random.default_rng(active)
     counts = np.zeros(MAX_EXPERTS, np.int64)
     counts[rng.choice(MAX_EXPERTS, active, replace=False)] = rng.integers(1, 4, active)
-    _check_grouped_qmm(rng, counts, 72, 32, 8, 32, "float16", 2)
+    check_grouped_qmm(_grouped_qmm, rng, counts, 72, 32, 8, 32, "float16", 2)
 
 
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)
@@ -394,15 +371,15 @@ def test_grouped_qmm_unaligned_rows(name):
     value by value, word by word."""
     rng = np.random.default_rng(23)
     with ocl.unaligned_buffers():
-        _check_grouped_qmm(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, name, 3)
-        _check_grouped_qmm(rng, [1, 3, 17], 9, 128, 8, 32, name, 0)
+        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, name, 3)
+        check_grouped_qmm(_grouped_qmm, rng, [1, 3, 17], 9, 128, 8, 32, name, 0)
 
 
 @pytest.mark.parametrize("bits", launch.GROUPED_QMM_BITS)
 def test_grouped_qmm_wide_rows(bits):
     """A row of many quantization groups, loaded STEPS at a time."""
-    _check_grouped_qmm(np.random.default_rng(bits), [2, 0, 9], 17, 2048, bits, 64,
-                       "bfloat16", 3)
+    check_grouped_qmm(_grouped_qmm, np.random.default_rng(bits), [2, 0, 9], 17, 2048, bits,
+                      64, "bfloat16", 3)
 
 
 def _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, num_tokens,
@@ -427,8 +404,6 @@ def _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, n
     rows = token_rows(tokens, clamped)
     up = quantized_experts(rng, len(counts), out_dims, in_dims, bits, group_size, name) \
         if gated else None
-    if rows.shape[0] == 0:
-        return
     out = ocl.grouped_qmm(tokens if by_token else rows, weight, scales, biases, offsets, bits,
                           group_size, row_tokens=row_tokens if by_token else None, up=up)
     assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name, up=up)
@@ -496,8 +471,8 @@ TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=
 def test_grouped_qmm_tilings(changes):
     rng = np.random.default_rng(17)
     with launch.grouped_qmm_tiling(**changes):
-        _check_grouped_qmm(rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
-        _check_grouped_qmm(rng, [1, 3, 17], 9, 128, 8, 32, "float16", 0)
+        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
+        check_grouped_qmm(_grouped_qmm, rng, [1, 3, 17], 9, 128, 8, 32, "float16", 0)
 
 
 # --- argsort_slice: a router's top k, index for index -------------------------------

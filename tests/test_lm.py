@@ -277,12 +277,44 @@ def frames(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.lstrip().startswith('File "')]
 
 
-def test_missing_model_is_mlx_lms_error(tmp_path):
-    # mlx-lm takes a path that does not exist for a Hugging Face repository id
-    # and fails there: the same error and exit code as `python -m mlx_lm`,
-    # with no frame of this package in its traceback.
+def test_missing_model_path_is_one_line(tmp_path, capsys):
+    # A local path that does not exist: mlx-lm takes it for a Hugging Face
+    # repo id and fails in the Hub's validation ("Repo id must be in the
+    # form ..."), never naming the path; ours names it in one line, with
+    # mlx-lm's exit code.
     missing = str(tmp_path / "no-such-model")
     args = ["generate", "--model", missing, "--prompt", "hello"]
+    reference = run([sys.executable, "-m", "mlx_lm", *args])
+    assert reference.returncode != 0 and "Repo id must be" in reference.stderr
+    assert lm.main(args) == reference.returncode
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if "error" in line] == [
+        f"mlx-moe-plan: error: no model at {missing}: that path does not exist (and it is "
+        "not a Hugging Face repo id, namespace/name)"]
+
+
+@pytest.mark.parametrize("args, missing", [
+    (["--model", "/no/such/model"], "/no/such/model"),
+    (["--prompt", "hi", "--draft-model=./no-such-model"], "./no-such-model"),
+    (["--model", "~/no-such-model"], "~/no-such-model"),
+    (["--model", "no/such/model"], "no/such/model"),  # two separators: not a repo id
+    (["--model", "mlx-community/Qwen3-30B-A3B-4bit"], None),  # a repo id: the Hub's to find
+    (["--model", "no-such-model"], None),
+    (["--model", "models/no-such-model"], None),  # relative and absent: a repo id too
+    (["--model"], None),  # no value: mlx-lm's parser says so
+])
+def test_missing_model_path_tells_paths_from_repo_ids(args, missing, tmp_path):
+    assert lm.missing_model_path(args) == missing
+    # A path that exists is mlx-lm's to load, whatever it looks like.
+    assert lm.missing_model_path(["--model", str(tmp_path)]) is None
+
+
+def test_missing_hub_model_is_mlx_lms_error():
+    # A repo id the Hub (offline here) does not have: mlx-lm's own failure,
+    # the same error and exit code as `python -m mlx_lm`, with no frame of
+    # this package in its traceback.
+    args = ["generate", "--model", "mlx-community/no-such-model", "--prompt", "hello"]
     with ThreadPoolExecutor(2) as pool:
         result = pool.submit(run, ours(*args))
         reference = pool.submit(run, [sys.executable, "-m", "mlx_lm", *args])
@@ -290,11 +322,17 @@ def test_missing_model_is_mlx_lms_error(tmp_path):
     assert reference.returncode != 0
     assert result.returncode == reference.returncode
     assert not any(PACKAGE_DIR in line for line in frames(result.stderr)), result.stderr
-    # mlx-lm's traceback frame for frame below its entry point (ours replaces it).
-    reference_frames = frames(reference.stderr)
+    # mlx-lm's tracebacks (the exceptions it was handling first, then its
+    # own) frame for frame, the last below its entry point (ours replaces it).
+    *handled, last = result.stderr.split("Traceback (most recent call last):")
+    *reference_handled, reference_last = reference.stderr.split(
+        "Traceback (most recent call last):")
+    assert list(map(frames, handled)) == list(map(frames, reference_handled))
+    reference_frames = frames(reference_last)
     entry = [os.path.join("mlx_lm", "__main__.py") in line for line in reference_frames]
-    assert frames(result.stderr) == reference_frames[entry.index(True) + 1:]
-    error_line = [line for line in reference.stderr.splitlines() if missing in line][-1]
+    assert frames(last) == reference_frames[entry.index(True) + 1:]
+    error_line = reference.stderr.splitlines()[-1]
+    assert error_line.startswith("huggingface_hub.errors.")
     assert error_line in result.stderr.splitlines()
     assert result.stderr.splitlines()[-1].startswith("mlx-moe-plan: mlx-lm's generate failed")
 

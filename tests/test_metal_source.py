@@ -226,9 +226,10 @@ def test_matches_mlx(launch, tmp_path, capfd):
 @launch_params
 def test_pointer_parameters_have_address_spaces(launch):
     """Pointer and reference kernel arguments need an address space (MSL 4)."""
-    for line in _signature(launch.source()):
-        if "*" in line or "&" in line:
-            assert re.search(r"\b(device|constant|threadgroup)\b", line), line
+    pointers = [line for line in _signature(launch.source()) if "*" in line or "&" in line]
+    assert pointers, "no pointer parameter found: every kernel takes its buffers as pointers"
+    for line in pointers:
+        assert re.search(r"\b(device|constant|threadgroup)\b", line), line
 
 
 @pytest.mark.parametrize("name", BODIES)
@@ -237,8 +238,18 @@ def test_pointers_in_bodies_have_address_spaces(name):
     body = _body(name)
     casts = re.findall(r"\(\s*([A-Za-z_][\w\s]*?)\s*\*\s*\)", body)
     declarations = re.findall(r"(?m)^\s*((?:\w+\s+)*\w+)\s*\*\s*\w+\s*=(?!=)", body)
+    assert casts + declarations, "no pointer found: every body points into its buffers"
     for pointer_type in casts + declarations:
         assert set(pointer_type.split()) & set(ADDRESS_SPACES), pointer_type
+
+
+# The inputs a body makes `device` pointers into (casts to raw types, or a
+# column's pointers made once an item), which Metal allows only into a
+# `device` buffer: _gpu.py pads them to 8 elements, where MLX stops passing
+# `constant` ones.
+POINTED_INTO = {"gather": ("src",), "combine": ("src",), "argsort_slice": ("values",),
+                "grouped_qmm": ("rows", "weight", "scales", "biases", "up_weight", "up_scales",
+                                "up_biases")}
 
 
 def _casts_of_parameters(launch):
@@ -259,18 +270,13 @@ def test_casts_keep_the_buffer_address_space(launch):
     between address spaces is a compile error). MLX puts inputs of fewer than
     8 elements in `constant`, so a body may cast an input only to a pointer
     whose address space is the one MLX gives that input at that size."""
-    for spaces, parameter, location in _casts_of_parameters(launch):
+    casts = list(_casts_of_parameters(launch))
+    if launch.name in POINTED_INTO:  # it points into them by casts, which must be found
+        assert {parameter for _, parameter, _ in casts} & set(POINTED_INTO[launch.name]), \
+            f"no cast of {POINTED_INTO[launch.name]} found in {launch.name}"
+    for spaces, parameter, location in casts:
         cast = f"({' '.join(sorted(spaces))} ...*){parameter}"
         assert spaces == {location}, f"{cast}, but {parameter} is {location}"
-
-
-# The inputs a body makes `device` pointers into (casts to raw types, or a
-# column's pointers made once an item), which Metal allows only into a
-# `device` buffer: _gpu.py pads them to 8 elements, where MLX stops passing
-# `constant` ones.
-POINTED_INTO = {"gather": ("src",), "combine": ("src",), "argsort_slice": ("values",),
-                "grouped_qmm": ("rows", "weight", "scales", "biases", "up_weight", "up_scales",
-                                "up_biases")}
 
 
 @launch_params
@@ -285,7 +291,10 @@ def test_threadgroup_arrays_at_kernel_scope(name):
     """Threadgroup variables are allocated by a kernel function (MSL 4.4): each
     is declared at the top level of the body, without an initializer."""
     body = _body(name)
-    for type_name, var, _, depth, initialized in _threadgroup_arrays(body):
+    arrays = list(_threadgroup_arrays(body))
+    # Each `threadgroup` of a body declares a variable: the pattern finds them all.
+    assert len(arrays) == len(re.findall(r"\bthreadgroup\b", body))
+    for type_name, var, _, depth, initialized in arrays:
         assert depth == 0, f"threadgroup {var} declared inside a block"
         assert not initialized, f"threadgroup {var} has an initializer"
 
@@ -441,6 +450,7 @@ def test_declared_names_are_free(launch):
     typenames = [name for name, value in launch.template if isinstance(value, mx.Dtype)]
     types = "|".join(["unsigned", "int", "bool", "float", "uint4", "i64", "atomic_uint", *typenames])
     declared = set(re.findall(rf"\b(?:{types})\s*\*?\s+(\w+)\s*[=;\[,)]", body))
+    assert declared, "no declaration found: every body declares variables"
     signature = "\n".join(_signature(launch.source()))
     parameters = set(re.findall(r"(\w+)\s+\[\[", signature))
     taken = MSL_KEYWORDS | parameters | {name for name, _ in launch.template} | _mlx_utils_macros()

@@ -1,6 +1,7 @@
 # A router's top k (mlx_moe_plan.routing): on every device the indices of
 # mlx-lm's own expressions, `mx.argpartition(...)` sliced, index for index,
-# on rows with many ties; on a GPU through kernels/argsort_slice.h, whose
+# on rows with many ties, and at the k largest (smallest) scores as NumPy
+# sorts them; on a GPU through kernels/argsort_slice.h, whose
 # outputs are poisoned first, and against the NumPy reference too. The PoCL
 # tests run the same body as OpenCL C on any machine.
 
@@ -24,6 +25,21 @@ def _scores(rng, rows: int, experts: int, dtype: mx.Dtype) -> mx.array:
     return mx.array(values.astype(np.float32)).astype(dtype)
 
 
+def _assert_picks_the_k_extremes(scores: mx.array, picked: mx.array, k: int,
+                                 largest: bool) -> None:
+    """Against NumPy: `picked` holds k distinct indices a row, at the row's k
+    largest (`largest`) or k smallest values. Which of tied values it picks is
+    argpartition's choice, unordered on the CPU: the values are compared sorted."""
+    values = np.array(scores.astype(mx.float32))
+    indices = np.array(picked).astype(np.int64)
+    assert indices.shape == values.shape[:-1] + (k,)
+    assert (np.diff(np.sort(indices, axis=-1), axis=-1) > 0).all(), "an index picked twice"
+    ordered = np.sort(values, axis=-1)
+    want = ordered[..., -k:] if largest else ordered[..., :k]
+    got = np.sort(np.take_along_axis(values, indices, axis=-1), axis=-1)
+    np.testing.assert_array_equal(got, want)
+
+
 @given(rows=st.integers(1, 9), experts=st.sampled_from([1, 2, 8, 32, 128, 256, 512,
                                                         launch.ARGSORT_SLICE_MAX_ROW]),
        dtype=st.sampled_from(list(FLOAT_DTYPES)), data=st.data(),
@@ -40,6 +56,8 @@ def test_top_k_is_argpartitions_slice(device, rows, experts, dtype, data, seed):
     assert got_top.dtype == want_top.dtype == mx.uint32
     np.testing.assert_array_equal(np.array(got_top), np.array(want_top))
     np.testing.assert_array_equal(np.array(got_bottom), np.array(want_bottom))
+    _assert_picks_the_k_extremes(scores, got_top, k, largest=True)
+    _assert_picks_the_k_extremes(-scores, got_bottom, k, largest=False)
     if device.type == mx.gpu:  # the GPU's sort is stable: the reference's order
         values = np.array(scores.astype(mx.float32))
         np.testing.assert_array_equal(np.array(got_top),
@@ -123,17 +141,18 @@ def test_top_k_keeps_leading_axes(device):
         mx.eval(got, want)
     assert got.shape == (2, 3, 4)
     np.testing.assert_array_equal(np.array(got), np.array(want))
+    _assert_picks_the_k_extremes(scores, got, 4, largest=True)
 
 
-def test_rows_longer_than_the_kernel_takes_sort_as_mlx(device):
-    # Past ARGSORT_SLICE_MAX_ROW the router's own argpartition runs.
+def test_rows_longer_than_the_kernel_take_the_k_largest(device):
+    # Past ARGSORT_SLICE_MAX_ROW the router's own argpartition runs, on every
+    # device: the k largest scores, as NumPy finds them.
     experts = launch.ARGSORT_SLICE_MAX_ROW + 1
     scores = _scores(np.random.default_rng(5), 2, experts, mx.float32)
     with mx.stream(device):
         got = routing.top_k(scores, 8)
-        want = mx.argpartition(scores, kth=-8, axis=-1)[..., -8:]
-        mx.eval(got, want)
-    np.testing.assert_array_equal(np.array(got), np.array(want))
+        mx.eval(got)
+    _assert_picks_the_k_extremes(scores, got, 8, largest=True)
 
 
 def test_gpt_oss_top_k_is_the_code_its_forward_mirrors():
