@@ -161,11 +161,11 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
 
     The batch's rows `[rows, 1, in_dims]` as rows `[rows, in_dims]` of one
     GEMM, rather than `rows` GEMMs of one row. On CUDA, as measured: 16-bit
-    rows, affine 4 or 8 bits, projections of `DENSE_ROWS_FROM_OUT_DIMS`
-    output columns and more, from `DENSE_ROWS_FROM_ROWS` rows and
-    `DENSE_ROWS_FROM_OUTPUTS` outputs (rows times columns). Elsewhere (the
-    CPU, Metal: not measured) never, so a patched model computes there what
-    mlx-lm's does.
+    rows, affine 4 bits, projections of `DENSE_ROWS_FROM_OUT_DIMS` output
+    columns and more, from `DENSE_ROWS_FROM_ROWS` rows and
+    `DENSE_ROWS_FROM_OUTPUTS` outputs (rows times columns). Elsewhere (8
+    bits; the CPU and Metal) never until measured, so a patched model
+    computes there what mlx-lm's does.
 
     Args:
         out_dims (int): Output columns N of the projection.
@@ -180,7 +180,7 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
     Returns:
         bool: True for one matrix of rows.
     """
-    return (cuda and mode == "affine" and bits in (4, 8) and dtype_bits == 16
+    return (cuda and mode == "affine" and bits == 4 and dtype_bits == 16
             and in_dims % 64 == 0 and rows >= DENSE_ROWS_FROM_ROWS
             and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
             and rows * out_dims >= DENSE_ROWS_FROM_OUTPUTS)
