@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 import mlx_moe_plan  # noqa: E402
 from mlx_moe_plan import lm  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU  # noqa: E402
+from mlx_moe_plan.projections import RowsProjection  # noqa: E402
 
 import lm_fixtures  # noqa: E402  (beside this file, on sys.path as pytest imports it)
 import two_ranks  # noqa: E402
@@ -251,6 +252,38 @@ def test_server_chat_completions_match_unpatched(models, model, tmp_path, monkey
     assert streamed == whole
 
 
+def completions_at_once(port: int, prompts: list[str]) -> list[str]:
+    """One chat completion for each prompt, all requested at once."""
+    import openai
+
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                       max_retries=0, timeout=COMMAND_TIMEOUT_S) as client:
+        def complete(prompt):
+            return client.chat.completions.create(
+                model="default_model", temperature=0, max_tokens=10,
+                messages=[{"role": "user", "content": prompt}]).choices[0].message.content
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(complete, prompts))
+
+
+def test_server_batch_of_requests_matches_unpatched(models, tmp_path, monkeypatch):
+    # Several requests at once: the server decodes them as one batch, the
+    # shape the dense projections' rows call is for.
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+        monkeypatch.delenv(proxy.lower(), raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    prompts = ["hello the model", "route the tokens to experts", "a fast plan", "sum the rows"]
+    args = ["server", "--model", models["qwen3_moe-4bit"]]
+    with running_server(ours(*args), tmp_path, "patched") as (port, _), \
+            running_server(ours("--no-patch", *args), tmp_path, "unpatched") as (port_ref, _):
+        got = completions_at_once(port, prompts)
+        want = completions_at_once(port_ref, prompts)
+    assert all(want), "the server generated no text"
+    assert got == want
+
+
 def console_script() -> str:
     script = Path(sys.executable).parent / "mlx-moe-lm"
     if not script.exists():
@@ -359,6 +392,7 @@ def test_unknown_option_of_ours():
     (["--tile-m", "-1", "generate"], "argument --tile-m: expected 0 (mlx-lm's own call)"),
     (["--tile-m", "sixteen", "generate"], "argument --tile-m: expected 0"),
     (["--no-patch", "--no-fuse", "generate"], "not with --no-patch"),
+    (["--no-patch", "--no-dense-rows", "generate"], "not with --no-patch"),
     (["--expert-parallel", "--no-patch", "generate"],
      "--expert-parallel splits the experts of the patched layers: not with --no-patch"),
     (["--expert-parallel", "evaluate"], "mlx-lm's evaluate does not run with "
@@ -448,6 +482,10 @@ def test_patch_options_reach_patch_model(models):
     assert said == ["patched 2 MoE layers of GptOssForCausalLM (0 blocks fused, tile_m 16)"]
     assert {module.tile_m for _, module in model.named_modules()
             if isinstance(module, SwitchGLU)} == {16}
+    assert any(isinstance(module, RowsProjection) for _, module in model.named_modules())
+    with lm.patched_loads(dense_rows=False, report=said.append):
+        model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
+    assert not any(isinstance(module, RowsProjection) for _, module in model.named_modules())
 
 
 # --expert-parallel: two processes launched on the loopback (tests/two_ranks.py),
