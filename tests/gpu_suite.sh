@@ -4,12 +4,13 @@
 #     bash tests/gpu_suite.sh [results-dir] [steps]
 # steps, a comma list (default all; tests = pytest,sanitizers,nn;
 # bench = model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,
-# layer-small,layer-large,grouped-qmm):
+# layer-small,layer-large,grouped-qmm,projections):
 #   pytest      every test on the GPU device (pytest -m gpu), bitwise against
 #               the reference, outputs poisoned before each kernel;
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck over the
 #               same tests with fewer examples, this package's kernels (CUDA);
-#   nn          the mlx-lm model and layer tests on the default device (the GPU);
+#   nn          the mlx-lm model and layer tests on the default device (the GPU):
+#               the layer, installing it, the dense projections' rows;
 #   model       whole models, patched against mlx-lm (benchmarks.model):
 #               Qwen3-30B-A3B and gpt-oss-20b, prefill of 8192 tokens and
 #               decode at batch 1 to 64, three processes after an untimed one
@@ -49,6 +50,10 @@
 #               1, 2 or 4 quantization groups ahead by the row's length
 #               (launch.grouped_qmm_steps), each of them fixed beside it, and
 #               one load a word and a value (wide_loads=0) beside the wide loads.
+#   projections every model's dense projections at batch 1 to 64, each shape of a
+#               decoding batch, bfloat16 and float16, 4 and 8 bits: the rule
+#               rules.dense_as_rows against the fastest shape (long: an hour
+#               and more; name fewer with benchmarks.projections --gemms).
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
 #               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
 #   ep-tests    the expert-parallel tests over NCCL, one GPU a rank
@@ -84,7 +89,7 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
 steps=${steps//expert-parallel/ep-tests,ep-models,ep-variants}
-steps=${steps//bench/model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm}
+steps=${steps//bench/model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm,projections}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 
 if wanted pytest; then
@@ -98,7 +103,8 @@ if wanted sanitizers && command -v compute-sanitizer >/dev/null; then
   done
 fi
 if wanted nn; then
-  logged "$results/pytest-nn.log" python3 -m pytest -q -rf tests/test_nn.py -p no:cacheprovider
+  logged "$results/pytest-nn.log" python3 -m pytest -q -rf tests/test_nn.py \
+    tests/test_install.py tests/test_projections.py -p no:cacheprovider
 fi
 if wanted model; then
   logged "$results/model.log" python3 -m benchmarks.model \
@@ -180,6 +186,10 @@ if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
     --tilings "default;wide_loads=0;steps=1;steps=2;steps=2,wide_loads=0;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
+fi
+if wanted projections; then
+  logged "$results/projections.log" python3 -m benchmarks.projections \
+    --dtypes bfloat16,float16 --bits 4,8 --max-calls 200 --json "$results/projections.json"
 fi
 two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
   local name=$1
