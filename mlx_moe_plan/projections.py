@@ -7,7 +7,7 @@ reads the whole weight matrix, where the same rows as one matrix `[B, D]` are
 one product that reads the weights once. The attention projections, shared
 experts, routers and the lm_head of a batch are then read B times a step.
 
-`patch_model` (`rows=True`, the default) gives the model's `QuantizedLinear`
+`patch_model` (`dense_rows=True`, the default) gives the model's `QuantizedLinear`
 layers, and the `as_linear` of its `QuantizedEmbedding` layers (a tied
 lm_head), a call that hands `quantized_matmul` the rows as one matrix where
 `rules.dense_as_rows` measured that faster, and otherwise the input as it
