@@ -382,7 +382,8 @@ def decode_interleaved(sides: "Sides", caches: dict, first: mx.array, steps: int
     turn, the first side rotating from step to step (from `start`), each side
     decoding its own cache. Drift slower than a step then hits every side
     alike: with whole turns of steps a side, single processes of identical
-    kernels scattered from 0.77x to 1.35x (RESULTS.md).
+    kernels scattered from 0.77x to 1.35x (benchmarks/HISTORY.md, "The grouped
+    kernel in the rule").
 
     Returns:
         dict: side -> (build s of each timed step, wall s of each, the first
@@ -727,7 +728,7 @@ def main(argv=None) -> int:
                 # keeps it in a disk cache: on a fresh machine the first process
                 # spends minutes compiling, and its decode figures at batch 4
                 # and 8 were 0.87x to 0.90x where the later processes' were 1.02x
-                # to 1.05x (RESULTS.md, Qwen3-30B-A3B at f4ee542).
+                # to 1.05x (benchmarks/HISTORY.md, "Three processes, at f4ee542").
                 progress("warm-up process (not reported)")
                 subprocess.run([sys.executable, "-m", "benchmarks.model", *child, "--steps", "1",
                                 "--warmup", "1", "--rounds", "1", "--decode-rounds", "1",

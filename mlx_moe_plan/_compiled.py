@@ -11,8 +11,8 @@ The layers of a model are alike but for their weights, and they share one
 trace. With a trace for each layer, a step's replays walked as many tapes as
 there are layers, out of the CPU's caches: a block replayed in a decoding
 step took three times as long as one replayed alone, and the patched step
-built no faster than mlx-lm's (RESULTS.md, "One trace for the layers
-alike").
+built no faster than mlx-lm's (benchmarks/HISTORY.md, "One trace for the
+layers alike (6aa1022)").
 """
 
 from __future__ import annotations

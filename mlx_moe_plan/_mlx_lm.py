@@ -11,9 +11,9 @@ replaced one of, which would be itself.
 indices given. MLX makes those indices at every call of mlx-lm's (an arange
 over the rows, copied to a contiguous array, and sliced ids copied by each
 GEMM on CUDA): small kernels around the GEMMs, which a decoding step pays
-for in time (benchmarks/RESULTS.md, "A decoding step's kernels"). Given
-as constants made once a shape, the GEMMs are the same on the same rows, the
-bits are mlx-lm's, and a compiled step runs fewer kernels. The mirror holds
+for in time (benchmarks/HISTORY.md, "The index kernels around mlx-lm's
+call"). Given as constants made once a shape, the GEMMs are the same on the
+same rows, the bits are mlx-lm's, and a compiled step runs fewer kernels. The mirror holds
 while mlx-lm's code is the code mirrored (`CALL_DIGESTS`); where it differs,
 `mlx_lm_call` runs mlx-lm's call itself.
 

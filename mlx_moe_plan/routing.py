@@ -9,7 +9,8 @@ Metal backends), and the router slices the sort: a sort kernel per layer and
 step, about 12 us a decoding step's layer on the H200 for Qwen3-30B-A3B's 128
 experts. There `kernels/argsort_slice.h` gives the same indices, in the
 same order, in one launch of its own: each index is its element's rank in
-the row (4.3 us a layer at batch 32; both under Nsight Compute, RESULTS.md).
+the row (4.3 us a layer at batch 32; both under Nsight Compute:
+benchmarks/RESULTS.md, "A decoding step's kernels").
 Elsewhere (the CPU, whose `argpartition` does not sort) these are mlx-lm's
 own expressions, so a patched model routes as the unpatched one on every
 backend. The same launch gives the scores at those indices

@@ -1,9 +1,9 @@
 """The measured rules: how the MoE layer computes, chosen from measurements.
 
 Each rule is a pure function of sizes and of facts about the backend, whose
-thresholds come from the runs recorded in benchmarks/RESULTS.md; the layer
-(`nn.SwitchGLU`, `projections.py`) gathers the facts and applies the
-choice. The rules here are the expert GEMMs' formulation
+thresholds come from the runs recorded in benchmarks/RESULTS.md and
+benchmarks/HISTORY.md; the layer (`nn.SwitchGLU`, `projections.py`) gathers
+the facts and applies the choice. The rules here are the expert GEMMs' formulation
 (`formulation_for`) and the shape in which a dense quantized projection
 takes a decoding batch (`dense_as_rows`).
 
@@ -26,12 +26,12 @@ GROUPED = -1
 # (`do_sort = indices.size >= 64` in mlx-lm 0.32.2's switch_layers).
 MLX_LM_SORTS_FROM_ENTRIES = 64
 # On CUDA, tiles pay off once experts average this many rows; larger tiles
-# once they average the second (benchmarks/RESULTS.md, "The rule").
+# once they average the second (benchmarks/HISTORY.md, "The rule").
 TILED_FROM_ROWS_PER_EXPERT = 2
 LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 # On CUDA, the grouped kernel wins over mlx-lm's call and over tiles for a
 # few rows an expert: from mlx-lm's sort threshold (below it, they tied)
-# until experts average the second (benchmarks/RESULTS.md, "The grouped
+# until experts average the second (benchmarks/HISTORY.md, "The grouped
 # kernel in the rule").
 GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
 GROUPED_BELOW_ROWS_PER_EXPERT = 16

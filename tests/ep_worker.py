@@ -46,7 +46,8 @@ def check(label: str, condition_or_callable) -> None:
 
 # On the CPU the ranks' float32 sums differ from one process's in their last
 # bits only. MLX's CUDA float32 GEMMs round differently from kernel to kernel
-# (about 5e-4 relative between two of them on the H200, benchmarks/RESULTS.md),
+# (about 5e-4 relative between two of them on the H200: benchmarks/HISTORY.md,
+# "Gate and up in one launch, rows from the tokens"),
 # and a rank's GEMMs have other shapes than one process's.
 TOLERANCE = 1e-5 if mx.default_device().type == mx.cpu else 2e-3
 

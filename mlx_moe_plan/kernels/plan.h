@@ -16,9 +16,10 @@
 // reads in all. launch.py caps the groups (PLAN_MAX_GROUPS) and gives each
 // several blocks once N outgrows the cap, so that grows linearly in N: without
 // a cap, one block a group, the reads grew as N * N / BLOCK (measured with and
-// without the cap: benchmarks/RESULTS.md, "The ops on the H200"). Past the sizes
-// measured, once the ids outgrow L2 (about 12 M ids on the H200) every group
-// reads them from memory, and each group's blocks are placed one after another.
+// without the cap: benchmarks/HISTORY.md, "NVIDIA H200, MLX's CUDA backend").
+// Past the sizes measured, once the ids outgrow L2 (about 12 M ids on the
+// H200) every group reads them from memory, and each group's blocks are placed
+// one after another.
 // The reads are the price of one launch (above), and cheap at prefill sizes:
 // at T = 2048, K = 10, 40 groups each read 20,480 ids.
 //
