@@ -52,6 +52,18 @@ FAMILY_FIELDS = {
     "bailing_hybrid": dict(layer_group_size=2, group_norm_size=1),
     "exaone_moe": dict(is_moe_layer=[True, True]),
     "afmoe": dict(num_dense_layers=0),
+    "deepseek_v2": dict(rope_scaling={"type": "yarn", "factor": 1.0}),
+    "granitemoehybrid": dict(logits_scaling=1.0, attention_multiplier=0.25,
+                             embedding_multiplier=1.0, residual_multiplier=1.0,
+                             layer_types=["mamba", "attention"], shared_intermediate_size=32,
+                             mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+                             mamba_d_state=8, mamba_d_conv=4, mamba_proj_bias=False,
+                             mamba_conv_bias=True),
+    "hunyuan": dict(moe_topk=2, num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True,
+                    use_cla=True, cla_share_factor=2,
+                    rope_scaling={"type": "dynamic", "factor": 1.0, "alpha": 1.0}),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=0,
+                  expert_layer_period=1, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2),
 }
 
 
