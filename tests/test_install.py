@@ -64,6 +64,33 @@ FAMILY_FIELDS = {
                     rope_scaling={"type": "dynamic", "factor": 1.0, "alpha": 1.0}),
     "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=0,
                   expert_layer_period=1, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2),
+    "kimi_linear": dict(linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 16,
+                                            "short_conv_kernel_size": 4},
+                        model_max_length=256, num_experts_per_token=2, mla_use_nope=True),
+    "longcat_flash": dict(attention_method="MLA", num_layers=2, ffn_hidden_size=64,
+                          expert_ffn_hidden_size=32, moe_topk=2, zero_expert_type="identity",
+                          zero_expert_num=2, mla_scale_q_lora=True, mla_scale_kv_lora=True),
+    "mellum": dict(rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
+                                    "full_attention": {"rope_theta": 10000.0}}),
+    "mimo_v2_flash": dict(hybrid_layer_pattern=[1, 0], moe_layer_freq=[1, 1],
+                          sliding_window_size=8, add_swa_attention_sink_bias=True,
+                          add_full_attention_sink_bias=False, topk_method="noaux_tc",
+                          scoring_func="sigmoid", layernorm_epsilon=1e-5,
+                          partial_rotary_factor=0.5, swa_rope_theta=10000.0,
+                          swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                          swa_head_dim=16, swa_v_head_dim=16),
+    # Mistral 4 reads both its rope (yarn here) and its Llama 4 scaling of the
+    # queries from rope_parameters, which it has no default for.
+    "mistral4": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 64,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
+    # No layer shares keys and values: a sharing layer takes them from an earlier
+    # layer of its attention kind, which two layers, one of each, lack. The
+    # per-layer input table is the small vocabulary's, not 262144 rows.
+    "gemma4_text": dict(enable_moe_block=True, top_k_experts=2, num_kv_shared_layers=0,
+                        global_head_dim=32, vocab_size_per_layer_input=64,
+                        hidden_size_per_layer_input=8),
 }
 
 
