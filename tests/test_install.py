@@ -2,13 +2,14 @@
 # (twice: the second call changes nothing), and mlx-lm's
 # `switch_layers.SwitchGLU` replaced by ours before models are built, for
 # every model family of the installed mlx-lm that builds a SwitchGLU. Each
-# family is built small (2 layers, widths of 16 to 64) with random weights,
-# unpatched and installed, and gives the same logits.
+# family is built small (2 layers, 4 for llama4; widths of 16 to 64) with
+# random weights, unpatched and installed, and gives the same logits.
 
 from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import pkgutil
 import warnings
 
@@ -52,7 +53,79 @@ FAMILY_FIELDS = {
     "bailing_hybrid": dict(layer_group_size=2, group_norm_size=1),
     "exaone_moe": dict(is_moe_layer=[True, True]),
     "afmoe": dict(num_dense_layers=0),
+    "deepseek_v2": dict(rope_scaling={"type": "yarn", "factor": 1.0}),
+    "granitemoehybrid": dict(logits_scaling=1.0, attention_multiplier=0.25,
+                             embedding_multiplier=1.0, residual_multiplier=1.0,
+                             layer_types=["mamba", "attention"], shared_intermediate_size=32,
+                             mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+                             mamba_d_state=8, mamba_d_conv=4, mamba_proj_bias=False,
+                             mamba_conv_bias=True),
+    "hunyuan": dict(moe_topk=2, num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True,
+                    use_cla=True, cla_share_factor=2,
+                    rope_scaling={"type": "dynamic", "factor": 1.0, "alpha": 1.0}),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=0,
+                  expert_layer_period=1, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2),
+    "kimi_linear": dict(linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 16,
+                                            "short_conv_kernel_size": 4},
+                        model_max_length=256, num_experts_per_token=2, mla_use_nope=True),
+    "longcat_flash": dict(attention_method="MLA", num_layers=2, ffn_hidden_size=64,
+                          expert_ffn_hidden_size=32, moe_topk=2, zero_expert_type="identity",
+                          zero_expert_num=2, mla_scale_q_lora=True, mla_scale_kv_lora=True),
+    "mellum": dict(rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
+                                    "full_attention": {"rope_theta": 10000.0}}),
+    "mimo_v2_flash": dict(hybrid_layer_pattern=[1, 0], moe_layer_freq=[1, 1],
+                          sliding_window_size=8, add_swa_attention_sink_bias=True,
+                          add_full_attention_sink_bias=False, topk_method="noaux_tc",
+                          scoring_func="sigmoid", layernorm_epsilon=1e-5,
+                          partial_rotary_factor=0.5, swa_rope_theta=10000.0,
+                          swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                          swa_head_dim=16, swa_v_head_dim=16),
+    # Mistral 4 reads both its rope (yarn here) and its Llama 4 scaling of the
+    # queries from rope_parameters, which it has no default for.
+    "mistral4": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 64,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
+    # No layer shares keys and values: a sharing layer takes them from an earlier
+    # layer of its attention kind, which two layers, one of each, lack. The
+    # per-layer input table is the small vocabulary's, not 262144 rows.
+    "gemma4_text": dict(enable_moe_block=True, top_k_experts=2, num_kv_shared_layers=0,
+                        global_head_dim=32, vocab_size_per_layer_input=64,
+                        hidden_size_per_layer_input=8),
+    # The families below take these fields as their text_config. Kimi K3's
+    # optional latent experts (a narrower width between two projections) and
+    # attention residuals (each layer's input a learned mix of earlier blocks')
+    # are on, so the layer is checked on those paths too.
+    "kimi_k3": dict(linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 16,
+                                        "short_conv_kernel_size": 4},
+                    num_experts_per_token=2, routed_expert_hidden_size=32,
+                    latent_moe_use_norm=True, attn_res_block_size=1, mla_use_output_gate=True),
+    # Llama 4 attends globally every 4th layer and finds that layer's mask at
+    # index 3 whatever the depth: 4 layers, every second one MoE. Its MoE routes
+    # each token to one expert only.
+    "llama4": dict(num_hidden_layers=4, interleave_moe_layer_step=2, num_experts_per_tok=1,
+                   attention_chunk_size=8, intermediate_size_mlp=64, rope_scaling=None,
+                   use_qk_norm=True),
+    # MiniMax M3 reads moe_layer_freq per layer, and attends sparsely (to the
+    # key blocks an indexer picks) in each layer not of full attention, the first.
+    "minimax_m3_vl": dict(moe_layer_freq=[1, 1], shared_intermediate_size=32,
+                          dense_intermediate_size=64,
+                          sparse_attention_config={"sparse_num_index_heads": 2,
+                                                   "sparse_index_dim": 16,
+                                                   "sparse_block_size": 4,
+                                                   "sparse_topk_blocks": 2,
+                                                   "sparse_local_block": 1}),
+    # Muse Spark's experts run at moe_hidden_size between two projections; a
+    # rope theta of 0 makes its second layer one without RoPE.
+    "muse_spark": dict(post_norm_eps=1e-5, rope_parameters={"rope_theta": 10000.0},
+                       layer_rope_theta=[10000.0, 0], final_logit_softcapping=30.0,
+                       output_multiplier=1.0, moe_hidden_size=32, num_shared_experts=0),
 }
+
+# Families whose mlx-lm model calls its own Metal kernels (mlx_lm.kernels, made
+# with mx.fast.metal_kernel) with no other path: muse_spark's qk norm and rope,
+# pre-norms, expert routing and expert combine. Only MLX's Metal back-end runs them.
+METAL_KERNEL_FAMILIES = {"muse_spark"}
 
 
 def _families() -> list[str]:
@@ -65,8 +138,17 @@ def _families() -> list[str]:
     return found
 
 
+def _small_config(module, name: str) -> dict:
+    """The family's small config, nested as `text_config` where its ModelArgs
+    wraps a text model's (the VLM and multimodal families)."""
+    config = dict(_SMALL, model_type=name, **FAMILY_FIELDS.get(name, {}))
+    if "text_config" in inspect.signature(module.ModelArgs).parameters:
+        return dict(model_type=name, text_config=config)
+    return config
+
+
 def _build(module, name: str):
-    args = module.ModelArgs.from_dict(dict(_SMALL, model_type=name, **FAMILY_FIELDS.get(name, {})))
+    args = module.ModelArgs.from_dict(_small_config(module, name))
     mx.random.seed(3)
     return module.Model(args)
 
@@ -77,6 +159,9 @@ def test_families_are_found():
 
 @pytest.mark.parametrize("name", _families())
 def test_replaced_switch_glu_gives_mlx_lms_logits(name, monkeypatch):
+    if name in METAL_KERNEL_FAMILIES and not mx.metal.is_available():
+        pytest.skip(f"{name}: runs mlx-lm's Metal kernels (mlx_lm.kernels), and this MLX has "
+                    "no Metal back-end")
     module = importlib.import_module(f"mlx_lm.models.{name}")
     try:
         theirs = _build(module, name)
