@@ -12,7 +12,7 @@ import mlx.core as mx
 from .op_peers import mlx_lm
 from .workloads import LAYER_SHAPES
 
-# The issue's targets, at one shape.
+# The ops' speed targets, at one shape: the headline row of the report.
 HEADLINE = {"model": "qwen3-next", "tokens": 2048, "hidden": 2560, "dtype": "float16"}
 CPU_SPEEDUP_TARGETS = {"plan": 10.0, "gather": 4.0, "combine": 4.0}
 GPU_PLAN_US_TARGET = 15.0
