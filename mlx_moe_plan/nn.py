@@ -9,14 +9,16 @@ mlx-lm installed.
 Two ways to install it:
 
 - `patch_model(model)` swaps it into a loaded model in place (and fuses the
-  MoE blocks' weighted sums, below). A model patched already is left as it
-  is, with a warning.
+  MoE blocks' weighted sums, below, and gives the dense projections a
+  decoding batch as one matrix where measured faster, `projections.py`). A
+  model patched already is left as it is, with a warning.
 - `mlx_lm.models.switch_layers.SwitchGLU = mlx_moe_plan.nn.SwitchGLU` before
   mlx-lm imports a model's module (`mlx_lm.load` imports it on first use;
   a module imported already holds its own `SwitchGLU` name, to replace the
-  same way): every model built then has this layer, made by mlx-lm's code. The layer reaches mlx-lm's classes as they were when
-  this module was imported (`_mlx_lm.py`), not through the module attribute
-  it replaced. `patch_model` on such a model fuses its blocks.
+  same way): every model built then has this layer, made by mlx-lm's code.
+  The layer reaches mlx-lm's classes as they were when this module was
+  imported (`_mlx_lm.py`), not through the module attribute it replaced.
+  `patch_model` on such a model fuses its blocks.
 
 Expert GEMMs use MLX's `gather_mm` / `gather_qmm` in one of the formulations
 of `rules.Formulation`: sorted single rows (`tile_m=1`), tiles of `tile_m`
