@@ -159,8 +159,11 @@ def profile_marked(name: str, sides: dict, x: mx.array) -> None:
 
 
 def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dict],
-            max_calls: int, target_s: float, ncu: bool) -> dict[str, float]:
-    """Each side's median microseconds a call of `gemm` at `batch` rows."""
+            max_calls: int, target_s: float, ncu: bool) -> tuple[dict[str, float], str]:
+    """Each side's median microseconds a call of `gemm` at `batch` rows, and
+    the shape the package's call takes ("rows" or "batched")."""
+    from mlx_moe_plan import projections
+
     out_dims, in_dims, _ = GEMMS[gemm]
     touched = out_dims * column_bytes(in_dims, bits)  # GROUP_SIZE is column_bytes' 64
     # Enough sets that the graph's weights outgrow the cache twice, and enough
@@ -175,38 +178,32 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
     sides = sides_for(out_dims, in_dims, bits, batch, weight_sets, tilings)
     check_sides({side: lambda i, call=call: call(i, x) for side, call in sides.items()},
                 f"{gemm} B={batch}")  # each against "batched"
+    layer = quantized_layer(weight_sets[0], out_dims, in_dims, bits)
+    rule = "rows" if projections._as_rows(layer, x.reshape(batch, 1, in_dims)) else "batched"
     if ncu:
         profile_marked(f"{gemm.replace('/', '_')}_{batch}", sides, x)
-        return {}
+        return {}, rule
     sides = {"none": lambda i, x: x[:, :out_dims] * 1, **sides}
     samples = {side: [] for side in sides}
     for _ in range(2):  # each side twice, in turns
         for side, call in sides.items():
             timing = time_calls(chained(call, x), calls, target_s=target_s)
             samples[side].append(timing.median_s * 1e6)
-    return {side: statistics.median(values) for side, values in samples.items()}
+    return {side: statistics.median(values) for side, values in samples.items()}, rule
 
 
 def rule_rows(results: list[dict], slack: float) -> tuple[list[str], list[str]]:
     """The last table's lines, and the cases where the patched call took
     longer than the fastest shape by more than `slack` (a fraction)."""
-    from mlx_moe_plan import _backend
-    from mlx_moe_plan.rules import dense_as_rows
-
     lines = [f"{'projection':24s} {'dtype':8s} bits {'B':>3s}  fastest   x batched  "
              "rule     x batched"]
     slower = []
     for r in results:
         times = r["us"]
         fastest = min(SHAPES, key=lambda s: times[s])
-        out_dims, in_dims, _ = GEMMS[r["gemm"]]
-        rule = "rows" if dense_as_rows(out_dims, in_dims, r["batch"], r["bits"],
-                                       getattr(mx, r["dtype"]).size * 8, "affine",
-                                       cuda=_backend.on_cuda(mx.default_stream(
-                                           mx.default_device()))) else "batched"
         line = (f"{r['gemm']:24s} {r['dtype']:8s} {r['bits']:4d} {r['batch']:3d}  "
                 f"{fastest:8s} {times['batched'] / times[fastest]:7.2f}x  "
-                f"{rule:8s} {times['batched'] / times['patched']:7.2f}x")
+                f"{r['rule']:8s} {times['batched'] / times['patched']:7.2f}x")
         lines.append(line)
         if times["patched"] > (1 + slack) * times[fastest]:
             slower.append(line)
@@ -245,12 +242,12 @@ def main(argv=None) -> int:
         for bits in [int(b) for b in args.bits.split(",") if b] or [GEMMS[gemm][2]]:
             for dtype_name in args.dtypes.split(","):
                 for batch in (int(b) for b in args.batches.split(",")):
-                    times = measure(gemm, batch, getattr(mx, dtype_name), bits, tilings,
-                                    args.max_calls, args.target_s, args.ncu)
+                    times, rule = measure(gemm, batch, getattr(mx, dtype_name), bits,
+                                          tilings, args.max_calls, args.target_s, args.ncu)
                     if not times:
                         continue
                     results.append({"gemm": gemm, "dtype": dtype_name, "bits": bits,
-                                    "batch": batch, "us": times})
+                                    "batch": batch, "rule": rule, "us": times})
                     print(f"{gemm:24s} {dtype_name:8s} {bits}b B={batch:3d} " + "  ".join(
                         f"{side} {us:.2f}" for side, us in times.items()) + "  (us a call)",
                         flush=True)

@@ -13,6 +13,8 @@ tests/test_structure.py compares with it.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -213,6 +215,7 @@ def resolve_stream(stream: mx.Stream | mx.Device | None) -> mx.Stream:
     raise TypeError(f"stream: expected a Stream, Device, DeviceType or None, got {type(stream).__name__}")
 
 
+@functools.cache  # what MLX was built with does not change while it runs
 def gpu_backend() -> str | None:
     """'metal', 'cuda' or None: which GPU backend this MLX was built with."""
     if mx.metal.is_available():
@@ -222,9 +225,10 @@ def gpu_backend() -> str | None:
     return None
 
 
-def on_cuda(stream: mx.Stream) -> bool:
-    """Whether `stream` runs on MLX's CUDA backend (a fact the measured rules take)."""
-    return stream.device.type == mx.gpu and gpu_backend() == "cuda"
+def on_cuda(stream: mx.Stream | mx.Device | None = None) -> bool:
+    """Whether `stream` (default: the default device's) runs on MLX's CUDA
+    backend: a fact the measured rules take."""
+    return resolve_stream(stream).device.type == mx.gpu and gpu_backend() == "cuda"
 
 
 def implementation(stream: mx.Stream) -> Backend:

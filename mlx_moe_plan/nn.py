@@ -96,7 +96,7 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None, *,
     Returns:
         int: `MLX_LM` (0), `GROUPED` (-1), 1, 16 or 64.
     """
-    cuda = _backend.on_cuda(_backend.resolve_stream(stream))
+    cuda = _backend.on_cuda(stream)
     return rules.formulation_for(num_entries, num_experts, cuda=cuda, grouped=grouped).tile_m
 
 
@@ -183,9 +183,8 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
         """The formulation of a call on `x` routed by `indices`."""
         formulation = self.formulation
         if formulation is None:
-            stream = _backend.resolve_stream(None)
             formulation = rules.formulation_for(indices.size, self.num_experts,
-                                                cuda=_backend.on_cuda(stream),
+                                                cuda=_backend.on_cuda(),
                                                 grouped=self._can_group(x.dtype))
         elif formulation is GROUPED_ROWS and not self._can_group(x.dtype):
             formulation = SORTED_ROWS
@@ -338,12 +337,14 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     (`projections.py`); they become instances of a subclass of their own
     class and of `projections.RowsProjection`.
 
-    A model patched already (its layers this package's, its blocks fused as
-    asked) is left as it is: the call returns 0 and warns (`UserWarning`),
-    as patching twice is most likely a mistake; `tile_m` is then not applied
-    (set the layers' `tile_m` instead). A model built with
-    `switch_layers.SwitchGLU` replaced by this layer has no mlx-lm layer to
-    replace (0) but gets its blocks fused, without a warning.
+    A model patched already (its layers this package's, its blocks fused and
+    projections given rows as asked) is left as it is: the call returns 0 and
+    warns (`UserWarning`), as patching twice is most likely a mistake. A
+    `tile_m` is never applied to layers that were this package's before the
+    call, and the call warns so (set the layers' `tile_m` instead). A model
+    built with `switch_layers.SwitchGLU` replaced by this layer has no mlx-lm
+    layer to replace (0) but gets its blocks fused and its projections their
+    rows, without a warning where there is any of that to do.
 
     Args:
         model (Module): A loaded mlx-lm model (or any module tree).
@@ -358,6 +359,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         int: How many layers were replaced.
     """
     formulation = Formulation.from_tile_m(tile_m)  # checked before anything changes
+    ours_before = sum(isinstance(m, SwitchGLU) for _, m in model.named_modules())
     replacements = [(path, SwitchGLU.from_mlx_lm(module, tile_m=tile_m))
                     for path, module in model.named_modules()
                     if path and isinstance(module, _mlx_lm.SwitchGLU)]
@@ -372,10 +374,14 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
                 fused += 1
     has_layers = any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
     rows = projections.take_rows(model) if dense_rows and has_layers else 0
-    if not replacements and not fused and not rows and has_layers:
-        ignored = "" if formulation is None else f" (tile_m={tile_m} not applied)"
-        warnings.warn(f"patch_model: {type(model).__name__} is patched already; nothing "
-                      f"changed{ignored}", stacklevel=2)
+    name = type(model).__name__
+    if ours_before and formulation is not None:
+        warnings.warn(f"patch_model: {name} is patched already ({ours_before} MoE layers "
+                      f"this package's): tile_m={tile_m} not applied to them; set their "
+                      "tile_m instead", stacklevel=2)
+    elif not replacements and not fused and not rows and has_layers:
+        warnings.warn(f"patch_model: {name} is patched already (its MoE layers this "
+                      "package's); nothing changed", stacklevel=2)
     return len(replacements)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import _backend
+from ._backend import on_cuda
 from .rules import dense_as_rows
 
 
@@ -37,10 +37,12 @@ def _as_rows(layer: nn.Module, x: mx.array) -> bool:
     if len(shape) < 3 or shape[-2] != 1:  # not a decoding step's [..., 1, D]
         return False
     rows = x.size // shape[-1]
-    # One row is one matrix either way (a batch of one).
-    return rows > 1 and dense_as_rows(
-        layer["weight"].shape[0], shape[-1], rows, layer.bits, x.dtype.size * 8, layer.mode,
-        cuda=_backend.on_cuda(_backend.resolve_stream(None)))
+    # One row is one matrix either way (a batch of one). The sizes are asked
+    # first and the stream only where they would take rows on CUDA: every
+    # projection of a batched step passes here, outside any compiled trace.
+    return (rows > 1 and dense_as_rows(layer["weight"].shape[0], shape[-1], rows, layer.bits,
+                                       x.dtype.size * 8, layer.mode, cuda=True)
+            and on_cuda())
 
 
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:

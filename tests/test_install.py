@@ -222,6 +222,19 @@ def test_patching_a_model_built_with_the_layer_fuses_it_silently(monkeypatch):
         assert patch_model(model) == 0
 
 
+def test_tile_m_given_to_layers_of_ours_is_not_applied_and_said(monkeypatch):
+    # Built with the layer, its blocks still to fuse: the call fuses them and
+    # says that its tile_m did not reach the layers, which keep theirs.
+    module = importlib.import_module("mlx_lm.models.qwen3_moe")
+    monkeypatch.setattr(module, "SwitchGLU", SwitchGLU)
+    model = make_model("qwen3_moe", quantized=False)
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="tile_m=16 not applied"):
+        assert patch_model(model, tile_m=16) == 0
+    assert sum(isinstance(m, moe_nn.FusedMoEBlock) for _, m in model.named_modules()) == 2
+    assert {m.tile_m for _, m in model.named_modules() if isinstance(m, SwitchGLU)} == {None}
+
+
 def test_a_model_without_moe_layers_is_not_warned_about():
     import mlx.nn as nn
 

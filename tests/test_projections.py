@@ -29,17 +29,15 @@ from mlx_moe_plan.projections import RowsProjection, take_rows  # noqa: E402
 MOE_MODELS = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
-def say_rows_always(monkeypatch):
-    """The rule saying yes to every decoding batch of more than one row. The
+@pytest.fixture
+def rows_always(monkeypatch):
+    """The rule saying yes to every decoding batch of more than one row, as
+    on a CUDA stream (the MoE layers keep the CPU's formulations). The
     compiled blocks' traces, which hold the rule's answers, are dropped before
     and after: another answer for the same shapes needs traces of its own."""
     monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: True)
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     _compiled._SHARED_FORWARDS.clear()
-
-
-@pytest.fixture
-def rows_always(monkeypatch):
-    say_rows_always(monkeypatch)
     yield
     _compiled._SHARED_FORWARDS.clear()
 
@@ -84,16 +82,19 @@ def test_rule_on_cuda(out_dims, rows, bits, dtype_bits, mode, want):
     assert rules.dense_as_rows(out_dims, 2048, rows, bits, dtype_bits, mode, cuda=False) is False
 
 
-def test_rule_reads_the_backend(monkeypatch):
-    """The layers hand the rule whether their stream runs on CUDA, and the
-    rows' bits: a CUDA stream stood in for on any machine."""
+@pytest.mark.parametrize("sizes_say, on_cuda, want", [
+    (True, True, True), (True, False, False), (False, True, False)])
+def test_rows_need_the_sizes_and_a_cuda_stream(monkeypatch, sizes_say, on_cuda, want):
+    """The layer asks the rule with its sizes and the rows' bits, and takes
+    rows only on a CUDA stream (stood in for on any machine)."""
     asked = []
     monkeypatch.setattr(projections, "dense_as_rows",
-                        lambda *args, cuda: asked.append((args, cuda)) or False)
-    monkeypatch.setattr(projections._backend, "on_cuda", lambda stream: True)
+                        lambda *args, cuda: asked.append((args, cuda)) or sizes_say)
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: on_cuda)
     layer = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
     take_rows(layer)
-    layer(mx.random.normal((8, 1, 64)).astype(mx.float16))
+    x = mx.random.normal((8, 1, 64)).astype(mx.float16)
+    assert projections._as_rows(layer, x) is want
     assert asked == [((256, 64, 8, 8, 16, "affine"), True)]
 
 
@@ -185,7 +186,7 @@ def relative_error(got: mx.array, want: mx.array) -> float:
 
 
 @pytest.mark.parametrize("name", [*MOE_MODELS, "qwen3_moe-tied"])
-def test_rows_keep_the_logits(model_dirs, rows_always, name):
+def test_rows_keep_the_logits(model_dirs, rows_always, monkeypatch, name):
     """bfloat16 activations, the rows call on every projection: against the
     same model patched without it (the only change the projections' order
     of summation), within bfloat16's rounding; against a float32 run of the
@@ -200,8 +201,20 @@ def test_rows_keep_the_logits(model_dirs, rows_always, name):
         assert isinstance(patched.model.embed_tokens, RowsProjection)
     exact, _ = loaded(model_dirs[name], mx.float32)
     vocab = lm_fixtures.VOCAB_SIZE
+    shapes = []
+    original = mx.quantized_matmul
+
+    def spy(x, *args, **kwargs):
+        shapes.append(x.shape)
+        return original(x, *args, **kwargs)
+
     for batch in (1, 4):
+        monkeypatch.setattr(mx, "quantized_matmul", spy)
         got = decode_logits(patched, batch, vocab)
+        monkeypatch.setattr(mx, "quantized_matmul", original)
+        # The step's projections took the batch as rows (the CPU computes
+        # both shapes alike, so only the shapes show it).
+        assert ((batch, 64) in shapes) is (batch > 1), batch
         reference = decode_logits(exact, batch, vocab)
         assert relative_error(got, decode_logits(without, batch, vocab)) < 1e-2, batch
         mlx_lms = relative_error(decode_logits(model, batch, vocab), reference)
@@ -223,9 +236,9 @@ def test_rule_keeps_the_bits_on_the_cpu(model_dirs):
 
 @pytest.mark.parametrize("rows", ["rule", "always"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
-def test_batch_generate_matches_unpatched(model_dirs, monkeypatch, name, rows):
+def test_batch_generate_matches_unpatched(model_dirs, request, name, rows):
     if rows == "always":
-        say_rows_always(monkeypatch)
+        request.getfixturevalue("rows_always")
     # Float32 activations, as the command tests run them: bfloat16's
     # rounding of the fused sums can turn a near tie of these random models.
     model, tokenizer = loaded(model_dirs[name], mx.float32)
@@ -237,7 +250,6 @@ def test_batch_generate_matches_unpatched(model_dirs, monkeypatch, name, rows):
     want = batch_generate(model, tokenizer, prompts, max_tokens=8).texts
     got = batch_generate(patched, tokenizer, prompts, max_tokens=8).texts
     assert any(want), "nothing generated"
-    _compiled._SHARED_FORWARDS.clear()
     assert got == want
 
 
