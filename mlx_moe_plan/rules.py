@@ -146,9 +146,9 @@ def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
 # where one matrix `[B, D]` reads it once. But one matrix spreads over the
 # GPU by its tiles of output columns only, where the B products spread B
 # times as wide: a narrow projection (attention's keys and values, a router)
-# ran faster as B products at every batch, a wide one (queries, the
-# attention's output, the lm_head) as one matrix once the batch's outputs
-# fill the GPU (benchmarks/RESULTS.md, "Dense projections of a decoding
+# ran no faster as one matrix from 8 rows, and slower at the largest batches;
+# a wide one (queries, the attention's output, the lm_head) faster as one
+# matrix once the batch's outputs fill the GPU (benchmarks/RESULTS.md, "Dense projections of a decoding
 # batch").
 DENSE_ROWS_FROM_ROWS = 8
 DENSE_ROWS_FROM_OUT_DIMS = 2048
