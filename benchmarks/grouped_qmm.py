@@ -77,24 +77,36 @@ def quantized_experts(experts: int, out_dims: int, in_dims: int) -> tuple:
     return matrices
 
 
-def check_sides(sides: dict, what: str) -> None:
+def check_sides(sides: dict, what: str, views: dict | None = None) -> None:
     """Each side's output, `sides[side](0)`, against the first side's: within
-    bfloat16's rounding of the outputs, or SystemExit naming the side."""
+    bfloat16's rounding of the outputs, or SystemExit naming the side.
+    `views[side]`, where given, maps the side's output to what is compared (its
+    rows in entry order where the sides' plans pad differently); None skips a
+    side that computes something else (checked on its own)."""
+    views = views or {}
     reference, *others = sides
-    want = sides[reference](0).astype(mx.float32)
+
+    def output(side):
+        return views.get(side, lambda y: y)(sides[side](0)).astype(mx.float32)
+
+    want = output(reference)
     scale = float(mx.abs(want).max())
     for side in others:
-        got = sides[side](0).astype(mx.float32).reshape(want.shape)
+        if side in views and views[side] is None:
+            continue
+        got = output(side).reshape(want.shape)
         error = float(mx.abs(got - want).max())
         if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
             raise SystemExit(f"{what} {side}: differs from {reference} by {error} "
                              f"(max |y| {scale})")
 
 
-def checked_medians(sides: dict, calls: int, what: str) -> dict[str, float]:
-    """Each side's output checked against the first side's (MLX's), then every
-    side timed twice, in turns: side -> median us of a call."""
-    check_sides(sides, what)
+def checked_medians(sides: dict, calls: int, what: str,
+                    views: dict | None = None) -> dict[str, float]:
+    """Each side's output checked against the first side's (MLX's), as
+    `check_sides` with `views`, then every side timed twice, in turns:
+    side -> median us of a call."""
+    check_sides(sides, what, views)
     samples = {side: [] for side in sides}
     for _ in range(2):  # each side twice, in turns
         for side, call in sides.items():
@@ -103,36 +115,137 @@ def checked_medians(sides: dict, calls: int, what: str) -> dict[str, float]:
 
 
 def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,
-                active: int, medians: dict[str, float], floor_us: float) -> list[dict]:
+                active: int, medians: dict[str, float], floor_us: float,
+                busiest: float = 1.0) -> list[dict]:
     """One line a side of `checked_medians` but its first (MLX's), which each
-    line carries as `gather_qmm_us`."""
+    line carries as `gather_qmm_us`; TFLOP/s of the routed entries' work
+    (padding is not work), `tflops` the side's, `gather_qmm_tflops` MLX's."""
     reference, *ours = medians
+    projections = 2 if projection == "gate+up" else 1
+    flops = 2 * tokens * shape.top_k * projections * out_dims * in_dims
     return [{"shape": name, "tokens": tokens, "projection": projection, "out": out_dims,
              "in": in_dims, "experts": shape.experts, "active_experts": active, "tiling": side,
-             "ours_us": medians[side], "gather_qmm_us": medians[reference], "floor_us": floor_us}
+             "ours_us": medians[side], "gather_qmm_us": medians[reference], "floor_us": floor_us,
+             "tflops": flops / medians[side] / 1e6,
+             "gather_qmm_tflops": flops / medians[reference] / 1e6, "busiest": busiest}
             for side in ours]
 
 
+# The outputs of a graph's calls stay alive until its eval ends: at prefill
+# sizes (DeepSeek-V3's down projection at T = 16384 writes 2 GB a call) a
+# graph takes fewer calls, its outputs within this.
+GRAPH_BYTES = 16e9
+
+
+def calls_within(call_bytes: float, calls: int) -> int:
+    """Calls of a graph whose outputs, `call_bytes` each, fit in GRAPH_BYTES (one at least)."""
+    return max(1, min(calls, int(GRAPH_BYTES // call_bytes)))
+
+
+def routed_experts(experts: int, top_k: int, tokens: int, skew: float, rng) -> np.ndarray:
+    """`[tokens, top_k]` distinct experts a token. `skew` 0: uniform (as
+    before, the same draws); else experts drawn with probability proportional
+    to 1 / (rank + 1) ** skew (Zipf, ranks a random order of the experts), as
+    trained routers favour some experts: top-K by Gumbel keys, which draws K
+    without replacement with those probabilities."""
+    if skew == 0:
+        return np.stack([rng.choice(experts, top_k, replace=False)
+                         for _ in range(tokens)]).astype(np.int32)
+    popularity = np.log(1.0 / (np.arange(experts) + 1.0) ** skew)[rng.permutation(experts)]
+    keys = popularity + rng.gumbel(size=(tokens, experts))
+    return np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k].astype(np.int32)
+
+
+def busiest_share(routed: np.ndarray, experts: int) -> float:
+    """The busiest expert's entries over the average expert's."""
+    return float(np.bincount(routed.reshape(-1), minlength=experts).max() * experts
+                 / routed.size)
+
+
+def in_entry_order(plan):
+    """A side's output `[..., out]` over `plan`'s rows -> its rows in entry
+    order, the same for every plan's padding."""
+    positions = plan.positions.reshape(-1)
+    return lambda y: y.reshape(-1, y.shape[-1])[positions]
+
+
+def tile_plans(routed: mx.array, experts: int, mlx_tiles) -> dict[int, tuple]:
+    """tile_m -> (its plan, its tiles' experts with -1 past num_tiles the last
+    expert, as `nn.SwitchGLU._expert_rows_used` gives MLX's tiled gather_qmm:
+    sorted, as `sorted_indices` promises)."""
+    from mlx_moe_plan import moe_plan
+
+    plans = {}
+    for tile_m in mlx_tiles:
+        plan = moe_plan(routed, experts, tile_m=tile_m)
+        tile_experts = mx.where(plan.tile_experts < 0, experts - 1, plan.tile_experts)
+        mx.eval(plan.outputs, tile_experts)
+        plans[tile_m] = (plan, tile_experts)
+    return plans
+
+
+def ceiling_sides(rows: mx.array, out_dims: int, in_dims: int, calls: int,
+                  what: str) -> dict:
+    """MLX's dense GEMMs of the same work, one matrix for all of `rows`
+    (`[T*K, in]`): bfloat16 `matmul` and 4-bit (group 64) `quantized_matmul`,
+    each checked against float32's `matmul` of its own inputs, cycling through
+    weight sets as the expert sides do."""
+    dense = [(mx.random.normal((in_dims, out_dims)) * 0.02).astype(mx.bfloat16)
+             for _ in range(weight_sets_for(out_dims * in_dims * 2, calls))]
+    quantized = [tuple(array[0] for array in quantized_experts(1, out_dims, in_dims))
+                 for _ in range(weight_sets_for(out_dims * column_bytes(in_dims), calls))]
+    mx.eval(dense, quantized)
+
+    def matmul_bf16(i):
+        return mx.matmul(rows, dense[i % len(dense)])
+
+    def qmm_dense(i):
+        return mx.quantized_matmul(rows, *quantized[i % len(quantized)], transpose=True,
+                                   group_size=64, bits=4)
+
+    wide = rows.astype(mx.float32)
+    check_sides({"float32": lambda i: mx.matmul(wide, dense[0].astype(mx.float32)),
+                 "matmul_bf16": matmul_bf16}, what)
+    check_sides({"float32": lambda i: mx.matmul(wide, mx.dequantize(
+                     *quantized[0], group_size=64, bits=4).astype(mx.float32).T),
+                 "qmm_dense": qmm_dense}, what)
+    return {"matmul_bf16": matmul_bf16, "qmm_dense": qmm_dense}
+
+
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
-            tilings: list[dict[str, int]]) -> list[dict]:
-    from mlx_moe_plan import _backend, _gpu, moe_plan
+            tilings: list[dict[str, int]], *, mlx_tiles=(), skew: float = 0.0,
+            kernel: bool = True, ceilings: bool = False) -> list[dict]:
+    """Each projection's lines, then gate+up's: the package's kernel in each
+    tiling (`kernel`), MLX's tiled gather_qmm at each `mlx_tiles` tile_m, and
+    (`ceilings`) MLX's dense GEMMs of the same work, all against MLX's sorted
+    gather_qmm; routing skewed by `skew` (`routed_experts`)."""
+    from mlx_moe_plan import _backend, _gpu, moe_gather, moe_plan
     from mlx_moe_plan.kernels import launch
 
     shape = LAYER_SHAPES[name]
     stream = mx.default_stream(mx.gpu)
     gpu = _gpu.for_backend(_backend.gpu_backend())
     rng = np.random.default_rng(tokens)
-    routed = np.stack([rng.choice(shape.experts, shape.top_k, replace=False)
-                       for _ in range(tokens)]).astype(np.int32)
+    routed = routed_experts(shape.experts, shape.top_k, tokens, skew, rng)
+    busiest = busiest_share(routed, shape.experts)
     plan = moe_plan(mx.array(routed), shape.experts, tile_m=1)
+    tiles = tile_plans(mx.array(routed), shape.experts, mlx_tiles)
     active = int((np.bincount(routed.reshape(-1), minlength=shape.experts) > 0).sum())
+    most_rows = max([plan.capacity] + [tiled.capacity for tiled, _ in tiles.values()])
     rows_out = []
     for projection, (out_dims, in_dims) in projections(shape).items():
+        what = f"{name} T={tokens} {projection}"
+        graph_calls = calls_within(most_rows * out_dims * 2, calls)
         touched = active * out_dims * column_bytes(in_dims)
         weight_sets = [quantized_experts(shape.experts, out_dims, in_dims)
-                       for _ in range(weight_sets_for(touched, calls))]
-        rows = (mx.random.normal((plan.capacity, in_dims)) * 0.5).astype(mx.bfloat16)
-        mx.eval(rows, plan.outputs)
+                       for _ in range(weight_sets_for(touched, graph_calls))]
+        # Each plan's rows are the same entries' (tokens gathered), so that
+        # the sides' outputs compare in entry order.
+        x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
+        rows = moe_gather(x, plan)
+        tiled_rows = {tile_m: moe_gather(x, tiled).reshape(tiled.max_tiles, tile_m, in_dims)
+                      for tile_m, (tiled, _) in tiles.items()}
+        mx.eval(rows, tiled_rows, plan.outputs)
 
         def ours(i, changes=None):
             packed, scales, biases = weight_sets[i % len(weight_sets)]
@@ -146,31 +259,57 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                                  rhs_indices=plan.row_experts, transpose=True, group_size=64,
                                  bits=4, sorted_indices=True)
 
+        def theirs_tiled(i, tile_m):
+            packed, scales, biases = weight_sets[i % len(weight_sets)]
+            return mx.gather_qmm(tiled_rows[tile_m], packed, scales, biases,
+                                 rhs_indices=tiles[tile_m][1], transpose=True, group_size=64,
+                                 bits=4, sorted_indices=True)
+
         sides = {"gather_qmm": theirs}
-        for changes in tilings:
-            sides[tiling_name(changes)] = lambda i, changes=changes: ours(i, changes)
-        medians = checked_medians(sides, calls, f"{name} T={tokens} {projection}")
+        views = {"gather_qmm": in_entry_order(plan)}
+        if kernel:
+            for changes in tilings:
+                side = tiling_name(changes)
+                sides[side] = lambda i, changes=changes: ours(i, changes)
+                views[side] = in_entry_order(plan)
+        for tile_m, (tiled, _) in tiles.items():
+            sides[f"mlx,tile_m={tile_m}"] = lambda i, tile_m=tile_m: theirs_tiled(i, tile_m)
+            views[f"mlx,tile_m={tile_m}"] = in_entry_order(tiled)
+        if ceilings:
+            entries = x[mx.array(np.repeat(np.arange(tokens), shape.top_k))]
+            mx.eval(entries)
+            for side, call in ceiling_sides(entries, out_dims, in_dims, graph_calls,
+                                            what).items():
+                sides[side], views[side] = call, None
+        medians = checked_medians(sides, graph_calls, what, views)
         rows_out += result_rows(name, tokens, projection, out_dims, in_dims, shape, active,
-                                medians, touched / (bandwidth * 1e3))
+                                medians, touched / (bandwidth * 1e3), busiest)
     rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
-                                    tilings))
+                                    tilings if kernel else [], tiles, busiest,
+                                    unfused=kernel))
     return rows_out
 
 
 def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int,
-                    bandwidth: float, tilings: list[dict[str, int]]) -> list[dict]:
+                    bandwidth: float, tilings: list[dict[str, int]], tiles=None,
+                    busiest: float = 1.0, unfused: bool = True) -> list[dict]:
     """The layer's gate, up and activation from the tokens: the fused launch in
-    each tiling (lines "fused" for the default, "fused,gated_tiles=1" ...) and the
-    unfused kernels ("unfused", default tiling), against MLX's `gather_qmm`."""
+    each tiling (lines "fused" for the default, "fused,gated_tiles=1" ...), the
+    unfused kernels ("unfused", default tiling) and MLX's tiled gather_qmm at
+    each of `tiles` (`tile_plans`), against MLX's sorted `gather_qmm`."""
     from mlx_moe_plan import _backend, _gpu, moe_gather
     from mlx_moe_plan.kernels import launch
 
+    tiles = tiles or {}
     stream = mx.default_stream(mx.gpu)
     gpu = _gpu.for_backend(_backend.gpu_backend())
     out_dims, in_dims = shape.intermediate, shape.hidden
+    most_rows = max([plan.capacity] + [tiled.capacity for tiled, _ in tiles.values()])
+    # gate, up and their product are alive together in a call
+    graph_calls = calls_within(3 * most_rows * out_dims * 2, calls)
     touched = 2 * active * out_dims * column_bytes(in_dims)
     pairs = [[quantized_experts(shape.experts, out_dims, in_dims) for _ in range(2)]
-             for _ in range(weight_sets_for(touched, calls))]
+             for _ in range(weight_sets_for(touched, graph_calls))]
     x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
     mx.eval(x)
 
@@ -181,27 +320,35 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
                                    group_size=64, stream=stream, row_tokens=plan.row_tokens,
                                    up=up)
 
-    def unfused(i):
+    def unfused_kernels(i):
         rows = moe_gather(x, plan)
         gate, up = (gpu.grouped_qmm(rows, *matrices, plan.expert_offsets, plan.row_experts,
                                     bits=4, group_size=64, stream=stream)
                     for matrices in pairs[i % len(pairs)])
         return gate * mx.sigmoid(gate) * up
 
-    def theirs(i):
-        rows = moe_gather(x, plan).reshape(-1, 1, in_dims)
-        gate, up = (mx.gather_qmm(rows, *matrices, rhs_indices=plan.row_experts,
+    def theirs(i, tiled=plan, rhs_indices=plan.row_experts):
+        # the sorted single rows are tiles of one row
+        rows = moe_gather(x, tiled).reshape(-1, tiled.tile_m, in_dims)
+        gate, up = (mx.gather_qmm(rows, *matrices, rhs_indices=rhs_indices,
                                   transpose=True, group_size=64, bits=4, sorted_indices=True)
                     for matrices in pairs[i % len(pairs)])
-        return (gate * mx.sigmoid(gate) * up).reshape(plan.capacity, out_dims)
+        return (gate * mx.sigmoid(gate) * up).reshape(tiled.capacity, out_dims)
 
-    sides = {"gather_qmm": theirs, "unfused": unfused}
+    sides = {"gather_qmm": theirs}
+    if unfused:
+        sides["unfused"] = unfused_kernels
     for changes in tilings:
         side = "fused" if not changes else f"fused,{tiling_name(changes)}"
         sides[side] = lambda i, changes=changes: fused(i, changes)
-    medians = checked_medians(sides, calls, f"{name} T={tokens} gate+up")
+    views = {side: in_entry_order(plan) for side in sides}
+    for tile_m, (tiled, tile_experts) in tiles.items():
+        sides[f"mlx,tile_m={tile_m}"] = \
+            lambda i, tiled=tiled, tile_experts=tile_experts: theirs(i, tiled, tile_experts)
+        views[f"mlx,tile_m={tile_m}"] = in_entry_order(tiled)
+    medians = checked_medians(sides, graph_calls, f"{name} T={tokens} gate+up", views)
     return result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
-                       touched / (bandwidth * 1e3))
+                       touched / (bandwidth * 1e3), busiest)
 
 
 def main(argv=None) -> int:
@@ -220,20 +367,41 @@ def main(argv=None) -> int:
     parser.add_argument("--tilings", default="default",
                         help="semicolon list of kernel tilings: default, or comma lists of "
                              "GroupedQmmTiling fields (tiles=1,steps=4) (default: %(default)s)")
+    parser.add_argument("--mlx-tiles", default="",
+                        help="comma list of tile_m for MLX's tiled gather_qmm, the layer's "
+                             "GEMM at prefill sizes (16,64) (default: none)")
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="routing skew S: experts drawn with probability "
+                             "proportional to 1 / (rank + 1) ** S, 0 uniform "
+                             "(default: %(default)s)")
+    parser.add_argument("--sides", default="kernel,ceilings",
+                        help="comma list of the sides timed beside MLX's gather_qmm: kernel "
+                             "(the package's, each tiling, and gate+up unfused), ceilings "
+                             "(MLX's dense matmul_bf16 and qmm_dense of the same work) "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     tilings = parse_tilings(args.tilings)
+    mlx_tiles = [int(m) for m in args.mlx_tiles.split(",") if m.strip()]
+    sides = {side.strip() for side in args.sides.split(",") if side.strip()}
+    if not sides <= {"kernel", "ceilings"}:
+        parser.error(f"--sides: expected kernel and/or ceilings, got {args.sides}")
     if mx.default_device().type != mx.gpu:
         raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
     print(f"{'shape':15s} {'T':>4s} {'proj':7s} {'tiling':18s} {'experts':>7s} "
-          f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s}")
+          f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s} "
+          f"{'TFLOP/s':>7s} {'gather TF':>9s} {'busiest':>7s}")
     for name in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for row in measure(name, tokens, args.calls, args.bandwidth, tilings):
+            for row in measure(name, tokens, args.calls, args.bandwidth, tilings,
+                               mlx_tiles=mlx_tiles, skew=args.skew,
+                               kernel="kernel" in sides, ceilings="ceilings" in sides):
                 print(f"{name:15s} {tokens:4d} {row['projection']:7s} {row['tiling']:18s} "
                       f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
                       f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "
                       f"{row['gather_qmm_us'] / row['ours_us']:8.2f}x "
-                      f"{row['ours_us'] / row['floor_us']:7.1f}x", flush=True)
+                      f"{row['ours_us'] / row['floor_us']:7.1f}x "
+                      f"{row['tflops']:7.2f} {row['gather_qmm_tflops']:9.2f} "
+                      f"{row['busiest']:6.2f}x", flush=True)
     return 0
 
 
