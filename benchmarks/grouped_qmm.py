@@ -3,6 +3,8 @@
     python -m benchmarks.grouped_qmm                       # Qwen3-30B-A3B, T = 1 to 64
     python -m benchmarks.grouped_qmm --shapes mixtral --tokens 1,8
     python -m benchmarks.grouped_qmm --tilings "default;tiles=1;steps=4,tiles=1"
+    python -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b,gpt-oss-20b \
+        --tokens 2048,8192 --mlx-tiles 16,64 --skew 0.5        # prefill sizes
 
 One expert projection of a layer shape (`benchmarks/workloads.py`), 4-bit
 weights (group 64), bfloat16 rows as a decode step's plan sorts them (random
@@ -19,6 +21,20 @@ layer's first half as it runs: the fused launch in each tiling (rows read from
 the tokens, silu(gate) * up stored; `gated_tiles` are each projection's) and the
 unfused kernels (gathered rows, two launches, MLX's activation), against MLX's
 (gathered rows, two `gather_qmm`, the activation). GPU only.
+
+Each line's TFLOP/s is of the routed entries' work, 2 * T*K * out * in a
+projection (padding is not work), the side's and MLX's sorted gather_qmm's.
+At prefill sizes (T = 512 to 16384) MLX's layer runs tiles: `--mlx-tiles 16,64`
+times MLX's tiled `gather_qmm` of `moe_plan(..., tile_m=m)`, rows
+`[max_tiles, m, D]` against the tiles' experts, in each projection and gate+up.
+The ceilings ("matmul_bf16", "qmm_dense", `--sides ceilings`, on unless told)
+are MLX's dense GEMMs of the same work, all T*K rows against one matrix:
+bfloat16 `matmul` and 4-bit `quantized_matmul`, each checked against float32's
+matmul of its own inputs. `--sides kernel` alone leaves them out, `--sides
+ceilings` the package's kernel. `--skew S` draws experts with probability
+proportional to 1 / (rank + 1) ** S (Zipf; 0 is uniform), the "busiest" column
+the busiest expert's entries over the average's. Graphs take fewer calls where
+their outputs would pass GRAPH_BYTES.
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from .timing import time_calls
-from .workloads import LAYER_SHAPES
+from .workloads import LAYER_SHAPES, MODELS, layer_shape
 
 
 def projections(shape) -> dict[str, tuple[int, int]]:
@@ -77,9 +93,11 @@ def quantized_experts(experts: int, out_dims: int, in_dims: int) -> tuple:
     return matrices
 
 
-def check_sides(sides: dict, what: str, views: dict | None = None) -> None:
+def check_sides(sides: dict, what: str, views: dict | None = None,
+                tolerance: float = 2e-2) -> None:
     """Each side's output, `sides[side](0)`, against the first side's: within
-    bfloat16's rounding of the outputs, or SystemExit naming the side.
+    `tolerance` of its largest magnitude (bfloat16's rounding of the outputs),
+    or SystemExit naming the side.
     `views[side]`, where given, maps the side's output to what is compared (its
     rows in entry order where the sides' plans pad differently); None skips a
     side that computes something else (checked on its own)."""
@@ -96,7 +114,7 @@ def check_sides(sides: dict, what: str, views: dict | None = None) -> None:
             continue
         got = output(side).reshape(want.shape)
         error = float(mx.abs(got - want).max())
-        if not error <= 2e-2 * scale:  # bfloat16 rounding of the outputs, not a wrong row
+        if not error <= tolerance * scale:  # rounding, not a wrong row
             raise SystemExit(f"{what} {side}: differs from {reference} by {error} "
                              f"(max |y| {scale})")
 
@@ -206,9 +224,12 @@ def ceiling_sides(rows: mx.array, out_dims: int, in_dims: int, calls: int,
     wide = rows.astype(mx.float32)
     check_sides({"float32": lambda i: mx.matmul(wide, dense[0].astype(mx.float32)),
                  "matmul_bf16": matmul_bf16}, what)
+    # MLX's CPU quantized_matmul sums bfloat16 rows in bfloat16: a sum of n
+    # terms rounds to about 2**-8 * sqrt(n) of its magnitude (13% at n = 2048),
+    # still far from an unwritten output's 100%.
     check_sides({"float32": lambda i: mx.matmul(wide, mx.dequantize(
                      *quantized[0], group_size=64, bits=4).astype(mx.float32).T),
-                 "qmm_dense": qmm_dense}, what)
+                 "qmm_dense": qmm_dense}, what, tolerance=max(2e-2, 2**-8 * in_dims**0.5))
     return {"matmul_bf16": matmul_bf16, "qmm_dense": qmm_dense}
 
 
@@ -222,7 +243,8 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
     from mlx_moe_plan import _backend, _gpu, moe_gather, moe_plan
     from mlx_moe_plan.kernels import launch
 
-    shape = LAYER_SHAPES[name]
+    # a model's name too (gpt-oss-20b): its layer shape
+    shape = LAYER_SHAPES[name] if name in LAYER_SHAPES else layer_shape(MODELS[name])
     stream = mx.default_stream(mx.gpu)
     gpu = _gpu.for_backend(_backend.gpu_backend())
     rng = np.random.default_rng(tokens)
@@ -355,8 +377,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grouped_qmm",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b",
-                        help=f"comma list from {', '.join(LAYER_SHAPES)} "
-                             "(default: %(default)s)")
+                        help=f"comma list from {', '.join(LAYER_SHAPES)}, or a model of "
+                             f"{', '.join(MODELS)} (default: %(default)s)")
     parser.add_argument("--tokens", default="1,8,32,64",
                         help="comma list of T (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=48,

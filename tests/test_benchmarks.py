@@ -274,11 +274,9 @@ def test_projections_chains_and_checks_each_side(capsys):
     assert slower.split()[0].isdigit() and slower.split()[2] == "2"
 
 
-def test_grouped_qmm_benchmark_lines(monkeypatch):
-    """The benchmark's plumbing on the CPU, the kernel stood in for by MLX's
-    ops of the same meaning (the GPU suite times the kernel itself): each
-    projection in each tiling, and gate+up fused (each tiling) and unfused,
-    all checked against MLX's, a line each, with their floors."""
+def grouped_qmm_on_cpu(monkeypatch):
+    """benchmarks.grouped_qmm on the CPU, the kernel stood in for by MLX's ops
+    of the same meaning, with a tiny shape "small": (the module, the shape)."""
     from benchmarks import grouped_qmm as bench_qmm
     from mlx_moe_plan import _backend, _gpu
 
@@ -293,6 +291,15 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
     shape = dataclasses.replace(LAYER_SHAPES["qwen3-30b-a3b"], hidden=128, intermediate=64,
                                 experts=16)
     monkeypatch.setitem(bench_qmm.LAYER_SHAPES, "small", shape)
+    return bench_qmm, shape
+
+
+def test_grouped_qmm_benchmark_lines(monkeypatch):
+    """The benchmark's plumbing on the CPU, the kernel stood in for by MLX's
+    ops of the same meaning (the GPU suite times the kernel itself): each
+    projection in each tiling, and gate+up fused (each tiling) and unfused,
+    all checked against MLX's, a line each, with their floors."""
+    bench_qmm, shape = grouped_qmm_on_cpu(monkeypatch)
     lines = bench_qmm.measure("small", 3, 4, 4800.0, [{}, {"tiles": 1}])
     assert [(line["projection"], line["tiling"]) for line in lines] == [
         ("gate", "default"), ("gate", "tiles=1"), ("down", "default"), ("down", "tiles=1"),
@@ -385,3 +392,34 @@ def test_every_benchmark_option_gives_its_default(name, monkeypatch):
     assert options, f"benchmarks.{name}: no option found"
     for action in options:
         assert "(default: " in (action.help or ""), (name, action.option_strings)
+
+
+def test_grouped_qmm_prefill_sides(monkeypatch):
+    """The prefill sides on the CPU, the kernel stood in for as above: MLX's
+    tiled gather_qmm and the dense ceilings beside the kernel, TFLOP/s of the
+    routed work in each line, and --skew's busier busiest expert."""
+    bench_qmm, shape = grouped_qmm_on_cpu(monkeypatch)
+    tokens = 64
+    lines = bench_qmm.measure("small", tokens, 2, 4800.0, [{}], mlx_tiles=[16, 4],
+                              ceilings=True)
+    assert [(line["projection"], line["tiling"]) for line in lines] == [
+        (projection, side) for projection in ("gate", "down")
+        for side in ("default", "mlx,tile_m=16", "mlx,tile_m=4", "matmul_bf16", "qmm_dense")
+    ] + [("gate+up", side) for side in ("unfused", "fused", "mlx,tile_m=16", "mlx,tile_m=4")]
+    for line in lines:
+        projections = 2 if line["projection"] == "gate+up" else 1
+        flops = 2 * tokens * shape.top_k * projections * line["out"] * line["in"]
+        assert line["tflops"] > 0 and line["gather_qmm_tflops"] > 0
+        assert line["tflops"] == pytest.approx(flops / (line["ours_us"] * 1e-6) / 1e12)
+        assert line["gather_qmm_tflops"] == pytest.approx(
+            flops / (line["gather_qmm_us"] * 1e-6) / 1e12)
+    # --skew: the busiest expert draws more; K distinct experts a token still.
+    uniform = lines[0]["busiest"]
+    skewed = bench_qmm.measure("small", tokens, 2, 4800.0, [], mlx_tiles=[16], kernel=False,
+                               skew=2.0)
+    assert [line["tiling"] for line in skewed] == ["mlx,tile_m=16"] * 3
+    assert skewed[0]["busiest"] > uniform
+    routed = bench_qmm.routed_experts(64, 4, 4096, 1.0, np.random.default_rng(0))
+    assert all(len(set(token)) == 4 for token in routed)
+    assert bench_qmm.busiest_share(routed, 64) > 3 * bench_qmm.busiest_share(
+        bench_qmm.routed_experts(64, 4, 4096, 0.0, np.random.default_rng(0)), 64)
