@@ -50,6 +50,9 @@
 #               1, 2 or 4 quantization groups ahead by the row's length
 #               (launch.grouped_qmm_steps), each of them fixed beside it, and
 #               one load a word and a value (wide_loads=0) beside the wide loads.
+#   grouped-qmm-prefill (not in `bench`) the expert GEMMs at T = 512 to 16384,
+#               every shape: the kernel, MLX's sorted and tiled gather_qmm and
+#               the dense ceilings, TFLOP/s, uniform and skewed routing.
 #   projections every model's dense projections at batch 1 to 64, each shape of a
 #               decoding batch, bfloat16 and float16, 4 and 8 bits: the rule
 #               rules.dense_as_rows against the fastest shape (long: an hour
@@ -186,6 +189,13 @@ if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
     --tilings "default;wide_loads=0;steps=1;steps=2;steps=2,wide_loads=0;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
+fi
+if wanted grouped-qmm-prefill; then
+  for skew in 0 0.5; do
+    logged "$results/grouped-qmm-prefill-skew$skew.log" python3 -m benchmarks.grouped_qmm \
+      --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 \
+      --tokens 512,2048,8192,16384 --mlx-tiles 16,64 --skew "$skew" --calls 8
+  done
 fi
 if wanted projections; then
   logged "$results/projections.log" python3 -m benchmarks.projections \
