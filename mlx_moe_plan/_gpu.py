@@ -43,6 +43,7 @@ def _mlx_value(value):
 
 def _run(backend: str, name: str, arrays: list, kernel_launch: launch.Launch, stream):
     """Run body `name` on `arrays`, then its `params` array, as `kernel_launch` says."""
+    assert name == kernel_launch.body, (name, kernel_launch.body)
     extra = {} if POISON is None else {"init_value": POISON}
     return _kernel(backend, name)(
         inputs=[*arrays, _params(kernel_launch.params, stream)],
@@ -364,12 +365,13 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
         return mx.zeros((capacity, out_dims), rows.dtype)
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
-        num_rows=None if row_tokens is None else num_rows, gated=up is not None)
+        backend=backend, num_rows=None if row_tokens is None else num_rows,
+        gated=up is not None)
     # The body's arguments are fixed: an absent input is another it never reads.
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
         tuple(_device_buffer(a, stream) for a in up)
-    (out,) = _run(backend, "grouped_qmm",
+    (out,) = _run(backend, qmm_launch.body,
                   [rows, expert_offsets if row_tokens is None else row_tokens, weight, scales,
                    biases, *up, expert_offsets], qmm_launch, stream)
     return out

@@ -516,21 +516,27 @@ def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group
         sums = ref.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size, name)
         magnitude = ref.grouped_qmm(absolute(rows), weight, absolute(scales), absolute(biases),
                                     offsets, bits, group_size, name)
-        return sums, (rows.shape[1] + 8) * 2.0**-24 * magnitude
+        return sums, (rows.shape[1] + 8) * 2.0**-24 * magnitude, magnitude
 
-    expected, sum_error = gemm(weight, scales, biases)
+    expected, sum_error, magnitude = gemm(weight, scales, biases)
     if up is not None:
-        gate, gate_error = expected, sum_error
-        up_sums, up_error = gemm(*up)
+        gate, gate_error, gate_magnitude = expected, sum_error, magnitude
+        up_sums, up_error, up_magnitude = gemm(*up)
         silu = gate / (1 + np.exp(-gate))
         expected = silu * up_sums
         # silu's slope is within [-0.1, 1.1]; its float evaluation (exp, a
         # division, two products) a few ulps of float32.
         sum_error = (1.1 * np.abs(up_sums) * gate_error + np.abs(silu) * up_error
                      + gate_error * up_error + 2.0**-20 * np.abs(gate * up_sums))
+    unit = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
+    if launch.grouped_qmm_body(len(actual), len(offsets) - 1) == "grouped_qmm_tiles":
+        # grouped_qmm_tiles.h multiplies weights rounded to the rows' format
+        # (scale * q + bias rounded once): each term off by a unit at most.
+        sum_error = sum_error + unit * (magnitude if up is None else
+                                        1.1 * np.abs(up_sums) * gate_magnitude
+                                        + np.abs(silu) * up_magnitude)
     values = ref.to_float32(np.asarray(actual), name).astype(np.float64)
     assert np.isfinite(values).all(), "an unwritten (poisoned) or overflowed element"
-    unit = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
     # Rounding below the normal range is absolute: half the least subnormal.
     least = {"float32": 2.0**-150, "float16": 2.0**-25, "bfloat16": 2.0**-134}[name]
     tolerance = unit * np.abs(expected) + sum_error + least

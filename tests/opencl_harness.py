@@ -185,6 +185,7 @@ def _buffer(context: cl.Context, queue: cl.CommandQueue, array: np.ndarray) -> c
 
 def run(name: str, arrays: list[np.ndarray], kernel_launch: launch.Launch) -> list[np.ndarray]:
     """Body `name` on `arrays`, then the params array, as `_gpu._run` runs it."""
+    assert name == kernel_launch.body, (name, kernel_launch.body)
     context, queue = _opencl()
     limit = max_group_size(name, kernel_launch.template)
     if kernel_launch.group_size > limit:  # never shrink a group here: the bodies assume their size
@@ -304,7 +305,8 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
         return np.zeros((capacity, out_dims), rows.dtype)
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, dtype_name(rows),
-        num_rows=None if row_tokens is None else num_rows, gated=up is not None)
+        backend="opencl", num_rows=None if row_tokens is None else num_rows,
+        gated=up is not None)
     offsets = np.asarray(expert_offsets, np.int32)
     weight = np.asarray(weight, np.uint32)
     matrices = [_device_buffer(a) for a in (weight, scales, biases)]
@@ -312,7 +314,7 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
         [_device_buffer(a) for a in (np.asarray(up[0], np.uint32), *up[1:])]
     arrays = [rows, offsets if row_tokens is None else np.asarray(row_tokens, np.int32),
               *matrices, *up, offsets]
-    (out,) = run("grouped_qmm", arrays, qmm_launch)
+    (out,) = run(qmm_launch.body, arrays, qmm_launch)
     return out
 
 

@@ -46,6 +46,25 @@ def test_matches_reference(case):
     check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
+@pytest.mark.parametrize("tokens", [512, 2048])
+@pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048)], ids=["gate", "down"])
+def test_prefill_shapes(tokens, in_dims, out_dims):
+    """Qwen3-30B-A3B's projections at prefill sizes, in block tiles
+    (grouped_qmm_tiles.h): 32 and 128 rows an expert on average."""
+    rng = np.random.default_rng(tokens)
+    routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(tokens)])
+    counts = np.bincount(routed.reshape(-1), minlength=128)
+    assert launch.grouped_qmm_body(tokens * 8, 128) == "grouped_qmm_tiles"
+    check_grouped_qmm(_run, rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
+
+
+@given(case=grouped_qmm_cases())
+def test_tiles_match_reference(case):
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32])
 @pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048)], ids=["gate", "down"])
 def test_decoding_shapes(tokens, in_dims, out_dims):

@@ -475,6 +475,71 @@ def test_grouped_qmm_tilings(changes):
         check_grouped_qmm(_grouped_qmm, rng, [1, 3, 17], 9, 128, 8, 32, "float16", 0)
 
 
+# --- grouped_qmm_tiles: the same GEMM in block tiles (prefill sizes) -------------------
+# Forced here at any size (tiles_from_rows=0): the block's row and column
+# edges, experts of no row and of more than a block, the tail, every bit
+# width, group and dtype, the fusions, unaligned inputs and the other blocks.
+
+
+@given(case=grouped_qmm_cases())
+def test_grouped_qmm_tiles_matches_reference(case):
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
+
+
+@pytest.mark.parametrize("bits,group_size,name", [(4, 64, "bfloat16"), (8, 32, "float16"),
+                                                  (4, 128, "float16"), (8, 128, "bfloat16")])
+def test_grouped_qmm_tiles_blocks(bits, group_size, name):
+    """Experts past one block of rows (64) and columns past one block (128),
+    a row of several stages."""
+    rng = np.random.default_rng(bits * group_size)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        check_grouped_qmm(_grouped_qmm, rng, [70, 0, 3, 130, 64], 200, 4 * group_size, bits,
+                          group_size, name, 5)
+
+
+@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 80)), min_size=1,
+                       max_size=4),
+       out_dims=st.integers(1, 40), in_groups=st.integers(1, 3),
+       bits=st.sampled_from(launch.GROUPED_QMM_BITS),
+       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
+       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
+       num_tokens=st.integers(1, 6), fusion=st.sampled_from(["tokens", "gated", "both"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_grouped_qmm_tiles_fused(counts, out_dims, in_groups, bits, group_size, name, tail,
+                                 num_tokens, fusion, seed):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        _check_fused(np.random.default_rng(seed), counts, out_dims, in_groups * group_size,
+                     bits, group_size, name, tail, num_tokens, fusion != "gated",
+                     fusion != "tokens")
+
+
+@pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)
+def test_grouped_qmm_tiles_unaligned(name):
+    """Unaligned rows and words are copied value by value, word by word."""
+    rng = np.random.default_rng(41)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0), ocl.unaligned_buffers():
+        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 70, 1], 40, 256, 4, 64, name, 3)
+        _check_fused(rng, [3, 0, 66], 24, 128, 8, 32, name, 2, 4, True, True,
+                     token_range=(-50, 60))
+
+
+TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles=1),
+                dict(block_column_warps=1, block_tiles=1, block_gated_tiles=1),
+                dict(block_stages=2), dict(block_stages=4, block_row_tiles=1),
+                dict(block_max_groups=1)]
+
+
+@pytest.mark.parametrize("changes", TILES_BLOCKS,
+                         ids=[",".join(f"{k}={v}" for k, v in t.items()) for t in TILES_BLOCKS])
+def test_grouped_qmm_tiles_other_blocks(changes):
+    rng = np.random.default_rng(43)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **changes):
+        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 90, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
+        _check_fused(rng, [1, 3, 70], 9, 128, 8, 32, "float16", 0, 5, True, True)
+
+
 # --- argsort_slice: a router's top k, index for index -------------------------------
 
 

@@ -24,7 +24,7 @@ import pytest
 from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
 
 from mlx_moe_plan import MAX_EXPERTS, _gpu, kernels
-from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
+from mlx_moe_plan.kernels.launch import GROUPED_QMM_TILING, INPUTS_OUTPUTS
 
 ROW_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
@@ -111,6 +111,15 @@ def _record() -> list[Launch]:
                 rows = mx.zeros((5 if row_tokens is None else 3, in_dims), src_dtype)
                 gpu.grouped_qmm(rows, *matrices, *plan_arrays, bits=bits, group_size=group_size,
                                 stream=None, row_tokens=row_tokens, up=up)
+            # A prefill's rows (block tiles, grouped_qmm_tiles.h), each fusion.
+            rows_per_expert = GROUPED_QMM_TILING.tiles_from_rows
+            capacity = experts * rows_per_expert
+            prefill_arrays = (mx.zeros((experts + 1,), mx.int32), mx.zeros((capacity,), mx.int32))
+            for row_tokens, up in [(None, None), (mx.zeros((capacity,), mx.int32), matrices),
+                                   (mx.zeros((capacity,), mx.int32), None), (None, matrices)]:
+                rows = mx.zeros((capacity, in_dims), src_dtype)
+                gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
+                                group_size=group_size, stream=None, row_tokens=row_tokens, up=up)
         # argsort_slice: a tiny row (constant), a router's rows, the longest.
         for dtype in ROW_DTYPES:
             for rows, row_size, start, count in [(1, 3, 2, 1), (4, 128, 120, 8),
@@ -142,11 +151,12 @@ def test_every_kernel_and_configuration_is_covered():
     for flag in (False, True):
         assert any(n == "gather" and any(k.endswith("VECTORS") and v is flag for k, v in t)
                    for n, t in templates)
-    # grouped_qmm's fusions, each alone and together
-    for gated in (False, True):
-        for token_rows in (False, True):
-            assert any(n == "grouped_qmm" and ("GATED", gated) in t
-                       and ("TOKEN_ROWS", token_rows) in t for n, t in templates)
+    # grouped_qmm's fusions, each alone and together, in both bodies
+    for name in ("grouped_qmm", "grouped_qmm_tiles"):
+        for gated in (False, True):
+            for token_rows in (False, True):
+                assert any(n == name and ("GATED", gated) in t
+                           and ("TOKEN_ROWS", token_rows) in t for n, t in templates)
 
 
 # --- text helpers ---------------------------------------------------------------------
@@ -292,8 +302,10 @@ def test_threadgroup_arrays_at_kernel_scope(name):
     is declared at the top level of the body, without an initializer."""
     body = _body(name)
     arrays = list(_threadgroup_arrays(body))
-    # Each `threadgroup` of a body declares a variable: the pattern finds them all.
-    assert len(arrays) == len(re.findall(r"\bthreadgroup\b", body))
+    # Each other `threadgroup` of a body declares a variable (the pattern finds
+    # them all) or is a pointer's address space (`threadgroup uint4*`).
+    pointers = re.findall(r"\bthreadgroup\s+\w+\s*\*", body)
+    assert len(arrays) + len(pointers) == len(re.findall(r"\bthreadgroup\b", body))
     for type_name, var, _, depth, initialized in arrays:
         assert depth == 0, f"threadgroup {var} declared inside a block"
         assert not initialized, f"threadgroup {var} has an initializer"
@@ -483,7 +495,7 @@ def _tokens(text: str) -> list[str]:
 def test_compact_text_keeps_every_token_and_line_start(name):
     """What the backends compile is the file without comments and layout:
     the same tokens, and each preprocessor directive still starts a line."""
-    written = _strip_comments(kernels.text(name))
+    written = _strip_comments(kernels.source(name))
     compacted = kernels.compact(name)
     assert _tokens(compacted) == _tokens(written)
     directives = re.findall(r"^\s*#.*$", written, flags=re.M)
@@ -496,6 +508,23 @@ def test_compact_refuses_what_it_cannot_strip(text, monkeypatch):
     monkeypatch.setattr(kernels, "text", lambda name: text)
     with pytest.raises(ValueError, match="kernels.compact takes no"):
         kernels.compact.__wrapped__("odd")
+
+
+def test_included_texts_take_the_place_of_their_line(monkeypatch):
+    """`// include: NAME` alone on a line is NAME.h's text; a name not in
+    kernels.INCLUDED is an error, not a silent comment."""
+    texts = {"body": "a;\n  // include: qmm_fields\nb; // include: qmm_fields\n",
+             "qmm_fields": "c;\n", "other": "x;\n  // include: missing\n"}
+    monkeypatch.setattr(kernels, "text", lambda name: texts[name])
+    assert kernels.source("body") == "a;\nc;\n\nb; // include: qmm_fields\n"
+    with pytest.raises(ValueError, match="no kernel text named missing"):
+        kernels.source("other")
+
+
+def test_grouped_gemms_include_their_fields():
+    for name in ("grouped_qmm", "grouped_qmm_tiles"):
+        assert kernels.text(name).count("// include: qmm_fields") == 1
+        assert kernels.text("qmm_fields").strip().splitlines()[-1] in kernels.source(name)
 
 
 def test_compact_keeps_strings(monkeypatch):

@@ -335,10 +335,14 @@ def test_launches_carry_their_bodys_params():
     launches = {"plan": launch.plan_launch(1000, 37, 4, 2, True),
                 "gather": launch.gather_launch(10, 8, 20, "float16", "float16"),
                 "combine": launch.combine_launch(20, 8, 10, 2, True, "float16", "float32"),
-                "grouped_qmm": launch.grouped_qmm_launch(4, 64, 24, 9, 4, 32, "bfloat16"),
+                "grouped_qmm": launch.grouped_qmm_launch(4, 64, 24, 9, 4, 32, "bfloat16",
+                                                         backend="cuda"),
+                "grouped_qmm_tiles": launch.grouped_qmm_launch(4, 64, 24, 900, 4, 32, "bfloat16",
+                                                               backend="cuda"),
                 "argsort_slice": launch.argsort_slice_launch(3, 128, 120, 8, "bfloat16")}
     assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
     for name, kernel_launch in launches.items():
+        assert kernel_launch.body == name
         assert type(kernel_launch.params) is launch.PARAMS[name]
     plan_params = launches["plan"].params
     assert (plan_params.num_entries, plan_params.tile_m, plan_params.top_k) == (1000, 4, 2)
@@ -348,16 +352,24 @@ def test_grouped_qmm_tilings_are_checked():
     from mlx_moe_plan.kernels import launch
 
     for bad in (dict(threads=48), dict(threads=96), dict(tiles=0), dict(gated_tiles=0),
-                dict(steps=0), dict(row_tiles=0)):
+                dict(steps=0), dict(row_tiles=0), dict(tiles_from_rows=-1),
+                dict(block_stages=1), dict(block_row_warps=3), dict(block_row_tiles=0)):
         with pytest.raises(ValueError, match="grouped_qmm tiling"):
             with launch.grouped_qmm_tiling(**bad):
                 pass
-    default = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
+    default = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16", backend="cuda")
     with launch.grouped_qmm_tiling(steps=1, max_groups=2) as tiling:
         assert tiling.steps == 1
-        changed = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16")
+        changed = launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16", backend="cuda")
     assert dict(changed.template)["STEPS"] == 1 and changed.groups == 2
-    assert launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16") == default
+    assert launch.grouped_qmm_launch(8, 64, 40, 9, 4, 32, "bfloat16", backend="cuda") == default
+    # The block tiles from tiles_from_rows rows an expert, in the backend's shared memory.
+    with launch.grouped_qmm_tiling(tiles_from_rows=4):
+        tiles = launch.grouped_qmm_launch(8, 64, 40, 32, 4, 32, "bfloat16", backend="cuda")
+        small = launch.grouped_qmm_launch(8, 64, 40, 31, 4, 32, "bfloat16", backend="cuda")
+        metal = launch.grouped_qmm_launch(8, 64, 40, 32, 4, 32, "bfloat16", backend="metal")
+    assert (tiles.body, small.body) == ("grouped_qmm_tiles", "grouped_qmm")
+    assert dict(metal.template)["STAGES"] <= dict(tiles.template)["STAGES"]
 
 
 # --- docs/DESIGN.md cites what the repository holds ------------------------------------

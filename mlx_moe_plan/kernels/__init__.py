@@ -48,6 +48,15 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
               (grouped_qmm, fused too, within float tolerance), `tests/test_nn.py`
 
+`grouped_qmm_tiles.h` -- the same GEMM in block tiles staged in shared memory,
+    for many rows an expert (prefill); `launch.grouped_qmm_launch` picks it
+    (`launch.grouped_qmm_body`), the rest as `grouped_qmm.h`'s above
+    tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
+              (grouped_qmm_tiles, fused too, within float tolerance)
+
+`qmm_fields.h` -- not a body: a packed word's fields as 16-bit pairs, the
+    text both grouped GEMM bodies include (`INCLUDED`)
+
 `argsort_slice.h` -- a router's top k on a GPU (`mlx_moe_plan/routing.py`);
     not a public op
     launch:   `launch.argsort_slice_launch`, `launch.ArgsortSliceParams`
@@ -70,13 +79,14 @@ from functools import cache
 from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
-BODIES = ("plan", "gather", "combine", "grouped_qmm", "argsort_slice")
+BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "argsort_slice")
 
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (
     "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
     "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT", "MUL_RN", "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16",
-    "UNROLL", "MMA_16x8x16", "PAIR_SUB", "AND_OR",
+    "UNROLL", "MMA_16x8x16", "PAIR_SUB", "PAIR_FMA", "AND_OR", "SHARED_SPACE", "ASYNC_COPY16",
+    "ASYNC_COMMIT", "ASYNC_WAIT",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
 
@@ -89,9 +99,26 @@ def text(name: str) -> str:
     return (_HERE / f"{name}.h").read_text()
 
 
+# Texts that bodies share: a body's line `// include: NAME` is replaced by
+# NAME.h before compaction (an included text reads and declares variables of
+# the body around it, as its own comment says).
+INCLUDED = ("qmm_fields",)
+
+
+def source(name: str) -> str:
+    """A kernel file with the texts it includes in place, comments included."""
+    def included(match: re.Match) -> str:
+        if match[1] not in INCLUDED:
+            raise ValueError(f"{name}.h: no kernel text named {match[1]} to include")
+        return text(match[1])
+
+    return re.sub(r"^[ \t]*// include: (\w+)[ \t]*$", included, text(name), flags=re.M)
+
+
 @cache
 def compact(name: str) -> str:
-    """A kernel file without comments, indentation or blank lines.
+    """A kernel file, the texts it includes in place (`source`), without
+    comments, indentation or blank lines.
 
     What the backends compile. MLX's CUDA backend rebuilds and hashes a custom
     kernel's whole source on every call (`python -m benchmarks.dispatch`
@@ -103,13 +130,13 @@ def compact(name: str) -> str:
     comments, line continuations, character literals and escapes in string
     literals (CUDA's inline PTX is strings): any of those raises ValueError.
     """
-    source = text(name)
-    if "/*" in source or re.search(r"\\[ \t]*$", source, flags=re.M):
+    text_in = source(name)
+    if "/*" in text_in or re.search(r"\\[ \t]*$", text_in, flags=re.M):
         raise ValueError(f"{name}.h: kernels.compact takes no /* */ comments and no "
                          "backslash line continuations")
     # A string literal or a comment, whichever starts first: strings are kept.
     code = re.sub(r'"[^"\n]*"|//[^\n]*',
-                  lambda match: match[0] if match[0].startswith('"') else "", source)
+                  lambda match: match[0] if match[0].startswith('"') else "", text_in)
     if "'" in code or "\\" in code or any(line.count('"') % 2 for line in code.splitlines()):
         raise ValueError(f"{name}.h: kernels.compact takes no character literals, escapes "
                          "or strings across lines")

@@ -91,14 +91,9 @@ const bool scale_vectors = WIDE_SCALES && row_groups % STEPS == 0
 // Tiles of distinct columns a warp: when GATED, tile t and t + COLUMN_TILES
 // are the gate's and up's of the same 16 columns.
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
-// 1.0 and the magic number of a field pair in the rows' format: MAGIC + q is
-// exact for q < 256 in float16 (1024 + q), for q < 16 in bfloat16 (128 + q).
+// 1.0 as a pair in the rows' format (the fields' pairs: qmm_fields.h).
 const unsigned ONES = IN_KIND == 1 ? 0x3C003C00u : 0x3F803F80u;
-const unsigned MAGIC = IN_KIND == 1 ? 0x64006400u : 0x43004300u;
-// 8-bit fields in bfloat16 go as two 4-bit halves (below).
-const bool SPLIT_BYTES = BITS == 8 ? IN_KIND == 2 : false;
 const unsigned ones[4] = {ONES, ONES, ONES, ONES};  // A of the sums of x
-const unsigned FIELD_MASK = SPLIT_BYTES ? 0x000F000Fu : (BITS == 4 ? 0x000F000Fu : 0x00FF00FFu);
 SHARED int active_experts[MAX_EXPERTS];
 SHARED int active_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
@@ -315,17 +310,9 @@ UNROLL
 UNROLL
                 for (int i = 0; i < 4; ++i) {
                   const unsigned word = packed[((s * TILES + t) * 2 + i % 2) * LANE_WORDS + w];
-                  const int shift = (2 * m + i / 2) * BITS;
-                  const unsigned low_bits = AND_OR(word >> shift, FIELD_MASK, MAGIC);
-                  a[i] = PAIR_SUB(low_bits, MAGIC);
-                  if (SPLIT_BYTES) {
-                    // q = 16 * high + low: 256 + 16 * high is exact in
-                    // bfloat16 (step 2 above 256), so is the sum q < 256.
-                    const unsigned high_bits = (((word >> (shift + 4)) & 0x000F000Fu) << 3)
-                                               | 0x43804380u;
-                    const unsigned sixteen_high = PAIR_SUB(high_bits, 0x43804380u);
-                    a[i] = PAIR_SUB(a[i], sixteen_high ^ 0x80008000u);
-                  }
+                  const int shift_bits = (2 * m + i / 2) * BITS;
+                  // include: qmm_fields
+                  a[i] = field_pair;
                 }
 UNROLL
                 for (int n = 0; n < ROW_TILES; ++n) {

@@ -57,6 +57,9 @@ INPUTS_OUTPUTS = {
     "combine": (("src", "index", "weights", "params"), ("out",)),
     "grouped_qmm": (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
                      "up_scales", "up_biases", "expert_offsets", "params"), ("out",)),
+    # grouped_qmm.h's GEMM in block tiles, for many rows an expert: its arguments
+    "grouped_qmm_tiles": (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
+                           "up_scales", "up_biases", "expert_offsets", "params"), ("out",)),
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
 }
 
@@ -106,13 +109,34 @@ class GroupedQmmTiling:
     # a lane's words of a column, and its steps' scales, in one load each
     # where the matrices allow it (1), or one load a word and a value (0): WIDE_LOADS
     wide_loads: int = 1
+    # grouped_qmm_tiles.h, from this many rows an expert on average (the
+    # plan's capacity over its experts; 0: always, a large value: never)
+    tiles_from_rows: int = 32
+    # its block: warps over the rows and over the columns (ROW_WARPS,
+    # COLUMN_WARPS), each of block_tiles 16-column tiles (block_gated_tiles
+    # each of gate and up, gated) by block_row_tiles 8-row tiles
+    block_row_warps: int = 2
+    block_column_warps: int = 2
+    block_tiles: int = 4
+    block_gated_tiles: int = 2
+    block_row_tiles: int = 4
+    block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
+    block_max_groups: int = 4096
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
         if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles,
-               1 if self.steps is None else self.steps, self.max_groups) < 1:
-            raise ValueError(f"grouped_qmm tiling: every field but wide_loads must be at least "
-                             f"1: {self}")
+               1 if self.steps is None else self.steps, self.max_groups, self.block_row_warps,
+               self.block_column_warps, self.block_tiles, self.block_gated_tiles,
+               self.block_row_tiles, self.block_max_groups) < 1:
+            raise ValueError(f"grouped_qmm tiling: every field but wide_loads, tiles_from_rows "
+                             f"and block_stages must be at least 1: {self}")
+        if self.tiles_from_rows < 0 or self.block_stages < 2:
+            raise ValueError(f"grouped_qmm tiling: tiles_from_rows is at least 0 and "
+                             f"block_stages at least 2: {self}")
+        if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
+            raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
+                             f"({MAX_EXPERTS}): {self}")
         if self.wide_loads not in (0, 1):
             raise ValueError(f"grouped_qmm tiling: wide_loads is 0 or 1: {self}")
         if self.threads % 32 or MAX_EXPERTS % self.threads:
@@ -181,13 +205,15 @@ class ArgsortSliceParams(NamedTuple):
 
 
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
-          "grouped_qmm": GroupedQmmParams, "argsort_slice": ArgsortSliceParams}
+          "grouped_qmm": GroupedQmmParams, "grouped_qmm_tiles": GroupedQmmParams,
+          "argsort_slice": ArgsortSliceParams}
 
 
 @dataclass(frozen=True)
 class Launch:
     """How to run one body: its grid, sizes, template constants and outputs."""
 
+    body: str  # the body run (grouped_qmm's launch picks one of two)
     groups: int
     group_size: int
     params: PlanParams | GatherParams | CombineParams | GroupedQmmParams | ArgsortSliceParams
@@ -270,7 +296,7 @@ def _plan_launch(
     blocks = -(-num_entries // PLAN_BLOCK)
     blocks_per_group = -(-blocks // max_groups)
     return Launch(
-        -(-blocks // blocks_per_group), PLAN_BLOCK,
+        "plan", -(-blocks // blocks_per_group), PLAN_BLOCK,
         PlanParams(num_entries=num_entries, num_experts=num_experts, tile_m=tile_m, top_k=top_k,
                    capacity=capacity, max_tiles=capacity // tile_m,
                    blocks_per_group=blocks_per_group),
@@ -291,7 +317,7 @@ def gather_launch(
     per_row = row_vectors if vectors else hidden
     group_size = min(MAX_ROW_GROUP if vectors else 256, _round_up(per_row, 32))
     return Launch(
-        min(-(-num_rows // GATHER_ROWS), MAX_GROUPS), group_size,
+        "gather", min(-(-num_rows // GATHER_ROWS), MAX_GROUPS), group_size,
         GatherParams(num_src=num_src, hidden=hidden, num_rows=num_rows, row_vectors=row_vectors),
         (("InT", in_dtype), ("OutT", out_dtype), ("SAME_DTYPE", same_dtype),
          ("BitsT", _bits_type(in_dtype)), ("VECTORS", vectors), ("ROWS", GATHER_ROWS)),
@@ -312,7 +338,7 @@ def combine_launch(
     group_size = min(MAX_ROW_GROUP if vectors else 256, _round_up(per_row, 32))
     in_kind = ROW_KINDS.index(in_dtype)
     return Launch(
-        min(num_out, MAX_GROUPS), group_size,
+        "combine", min(num_out, MAX_GROUPS), group_size,
         CombineParams(num_src=num_src, hidden=hidden, num_out=num_out, row_vectors=row_vectors),
         (("InT", in_dtype), ("OutT", out_dtype), ("IN_KIND", in_kind), ("FAN_IN", fan_in),
          ("HAS_WEIGHTS", has_weights), ("VECTORS", vectors)),
@@ -322,19 +348,122 @@ def combine_launch(
 
 def grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
-    quant_group: int, dtype: str, *, num_rows: int | None = None, gated: bool = False,
+    quant_group: int, dtype: str, *, backend: str, num_rows: int | None = None,
+    gated: bool = False,
 ) -> Launch:
     """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
     in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
-    `in_dims`, a dtype of GROUPED_QMM_DTYPES (grouped_qmm.h), in the tiling of
-    an enclosing `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`.
+    `in_dims`, a dtype of GROUPED_QMM_DTYPES, on `backend` (of BACKENDS), in
+    the tiling of an enclosing `grouped_qmm_tiling` block, else
+    `GROUPED_QMM_TILING`.
+
+    The body is grouped_qmm.h, or grouped_qmm_tiles.h from the tiling's
+    `tiles_from_rows` rows an expert on average where its block fits the
+    backend's shared memory (`Launch.body`); both take the same arguments
+    and compute the same GEMM (grouped_qmm_tiles.h rounds the dequantized
+    weights to the rows' format).
 
     `num_rows`: the rows are `num_rows >= 1` tokens, row r read from token
     `row_tokens[r]` (TOKEN_ROWS); None: the plan's `capacity` rows themselves.
     `gated`: silu(gate) * up of two projections (GATED), each with the
-    tiling's gated_tiles."""
+    tiling's gated_tiles (block_gated_tiles)."""
+    tiling = _grouped_qmm_tiling.get()
+    if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
+        tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
+                                          quant_group, dtype, num_rows, gated, tiling,
+                                          SHARED_BYTES[backend], backend != "cuda")
+        if tiles is not None:
+            return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
-                               dtype, num_rows, gated, _grouped_qmm_tiling.get())
+                               dtype, num_rows, gated, tiling)
+
+
+def grouped_qmm_body(capacity: int, num_experts: int) -> str:
+    """The body `grouped_qmm_launch` runs for a plan of `capacity` rows over
+    `num_experts` experts, in the current tiling: grouped_qmm_tiles.h from
+    its `tiles_from_rows` rows an expert on average, else grouped_qmm.h."""
+    tiling = _grouped_qmm_tiling.get()
+    return ("grouped_qmm_tiles" if capacity >= tiling.tiles_from_rows * num_experts
+            else "grouped_qmm")
+
+
+# The static shared memory a group may declare: CUDA's 48 KB (more takes a
+# dynamic allocation), Metal's 32 KB. The OpenCL tests run CUDA's sizes.
+SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024, "opencl": 48 * 1024}
+
+
+def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
+    """The least stride of at least `least` 4-byte words, a multiple of 4 (the
+    16-byte copies' alignment), at which one load of grouped_qmm_tiles.h's
+    warp meets no shared-memory bank conflict: lane l loads `width` words
+    (1, 2 or 4) at `(l // 4) * stride + (l % 4) * slot_words`, and a load of
+    `width` words serves 32 / `width` lanes at once from 32 banks."""
+    lanes = 32 // width
+    for stride in range(_round_up(least, 4), _round_up(least, 4) + 64, 4):
+        if all(len({((lane // 4) * stride + (lane % 4) * slot_words + word) % 32
+                    for lane in range(first, first + lanes) for word in range(width)})
+               == lanes * width for first in range(0, 32, lanes)):
+            return stride
+    return _round_up(least, 4)  # none within 16 steps: conflicts, not errors
+
+
+@lru_cache(maxsize=256)
+def _grouped_qmm_tiles_launch(
+    num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
+    quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
+    shared_bytes: int, exchange: bool,
+) -> Launch | None:
+    """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`."""
+    values = 32 // bits
+    lane_words = quant_group // (4 * values)
+    # 64 values a stage at least (two groups of 32), where they divide the row.
+    stage_groups = max(1, 64 // quant_group)
+    stage_groups = stage_groups if (in_dims // quant_group) % stage_groups == 0 else 1
+    stage_values = stage_groups * quant_group
+    row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
+    word_stride = _conflict_free_stride(stage_values // values, lane_words, min(lane_words, 4))
+    threads = 32 * tiling.block_row_warps * tiling.block_column_warps
+    matrices = 2 if gated else 1
+    # Stages first, then the block's columns, then its rows, until the
+    # shared memory fits (expert_blocks, block_scan, and the emulated
+    # multiply-add's exchange where a prelude uses it).
+    fixed = 4 * (MAX_EXPERTS + threads + (6 * threads if exchange else 0))
+    column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles
+    row_tiles, stages = tiling.block_row_tiles, tiling.block_stages
+    while True:
+        block_rows = tiling.block_row_warps * 8 * row_tiles
+        block_columns = tiling.block_column_warps * 16 * column_tiles
+        stage_bytes = 4 * (block_rows * row_stride + matrices * block_columns * word_stride
+                           + 2 * matrices * block_columns * stage_groups)
+        if fixed + stages * stage_bytes <= shared_bytes:
+            break
+        if stages > 2:
+            stages -= 1
+        elif column_tiles > 1:
+            column_tiles //= 2
+        elif row_tiles > 1:
+            row_tiles //= 2
+        else:  # Metal's 32 KB, 8 bits in groups of 128: grouped_qmm.h runs it
+            return None
+    column_blocks = -(-out_dims // block_columns)
+    # Row blocks at most: the full ones, a partial one an expert, the tail's.
+    row_blocks = capacity // block_rows + min(num_experts, capacity) + -(-capacity // block_rows)
+    return Launch(
+        "grouped_qmm_tiles", min(row_blocks * column_blocks, tiling.block_max_groups), threads,
+        GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
+                         capacity=capacity, column_blocks=column_blocks,
+                         num_rows=capacity if num_rows is None else num_rows),
+        (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
+         ("VALUES", values), ("QUANT_GROUP", quant_group), ("LANE_WORDS", lane_words),
+         ("THREADS", threads), ("MAX_EXPERTS", MAX_EXPERTS),
+         ("TILES", column_tiles * matrices), ("ROW_TILES", row_tiles),
+         ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
+         ("ROW_WARPS", tiling.block_row_warps), ("COLUMN_WARPS", tiling.block_column_warps),
+         ("BLOCK_ROWS", block_rows), ("BLOCK_COLUMNS", block_columns),
+         ("STAGE_GROUPS", stage_groups), ("STAGES", stages), ("ROW_STRIDE", row_stride),
+         ("WORD_STRIDE", word_stride)),
+        (((capacity, out_dims), dtype),),
+    )
 
 
 @lru_cache(maxsize=256)
@@ -347,7 +476,7 @@ def _grouped_qmm_launch(
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
     return Launch(
-        min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
+        "grouped_qmm", min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
                          capacity=capacity, column_blocks=column_blocks,
                          num_rows=capacity if num_rows is None else num_rows),
@@ -376,7 +505,7 @@ def argsort_slice_launch(num_rows: int, row_size: int, start: int, count: int,
     and `1 <= count` with `start + count <= row_size`, and values padded to 8
     elements (argsort_slice.h)."""
     return Launch(
-        min(num_rows, MAX_GROUPS), min(256, _round_up(row_size, 32)),
+        "argsort_slice", min(num_rows, MAX_GROUPS), min(256, _round_up(row_size, 32)),
         ArgsortSliceParams(num_rows=num_rows, row_size=row_size, start=start, count=count),
         (("InT", dtype), ("BitsT", _bits_type(dtype)),
          ("IN_KIND", ROW_KINDS.index(dtype)), ("MAX_ROW", ARGSORT_SLICE_MAX_ROW)),

@@ -3,6 +3,7 @@
 // __fmul_rn / __fadd_rn are never contracted into a fused multiply-add.
 typedef long long i64;
 #define GLOBAL
+#define SHARED_SPACE
 #define SHARED __shared__
 #define BARRIER() __syncthreads()
 #define SHARED_ATOMIC_UINT unsigned
@@ -48,8 +49,20 @@ __device__ __forceinline__ unsigned pair_sub(unsigned a, unsigned b) {
   }
   return d;
 }
+// PAIR_FMA: a * b + c on two 16-bit pairs, rounded once.
+template <int KIND>
+__device__ __forceinline__ unsigned pair_fma(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  if (KIND == 2) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+  return d;
+}
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b))
 #define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))
+#define PAIR_FMA(a, b, c) pair_fma<IN_KIND>((a), (b), (c))
 // AND_OR: (a & mask) | bits, one lop3 (for two immediates the compiler makes
 // two instructions: an and, then an or; the fields of a word take one each).
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
@@ -58,3 +71,19 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned b
   return d;
 }
 #define AND_OR(a, mask, bits) and_or((a), (mask), (bits))
+// ASYNC_COPY16: 16 bytes from global to shared memory, asynchronously
+// (cp.async, sm_80 on; both addresses 16-byte aligned), in the group of copies
+// that ASYNC_COMMIT closes; ASYNC_WAIT(n): until at most the newest n such
+// groups of this thread are in flight. A barrier then makes the copies
+// every thread's.
+__device__ __forceinline__ void async_copy16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"((unsigned)__cvta_generic_to_shared(shared)), "l"(global) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+#define ASYNC_COPY16(shared, global) async_copy16((shared), (global))
+#define ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define ASYNC_WAIT(n) async_wait<(n)>()

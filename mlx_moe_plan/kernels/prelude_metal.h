@@ -9,6 +9,7 @@
 typedef long i64;
 #define GLOBAL device
 #define SHARED threadgroup
+#define SHARED_SPACE threadgroup
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define SHARED_ATOMIC_UINT atomic_uint
 #define ATOMIC_ADD(p, v) atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
@@ -68,7 +69,29 @@ inline void mma_16x8x16(thread float* d, thread const uint* a, thread const uint
     }
   }
 }
+// PAIR_FMA: a * b + c on two 16-bit pairs, through floats, rounded to
+// nearest even (exact products of 16-bit values; the float sum may round
+// once before).
+template <int KIND>
+inline uint pair_round(float value) {
+  const uint bits = as_type<uint>(value);
+  return KIND == 1 ? uint(as_type<ushort>(half(value)))
+                   : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+template <int KIND>
+inline uint pair_fma(uint a, uint b, uint c) {
+  return pair_round<KIND>(pair_value<KIND>(a, 0) * pair_value<KIND>(b, 0) + pair_value<KIND>(c, 0))
+         | (pair_round<KIND>(pair_value<KIND>(a, 1) * pair_value<KIND>(b, 1)
+                             + pair_value<KIND>(c, 1)) << 16);
+}
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b), (lane))
 #define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))
+#define PAIR_FMA(a, b, c) pair_fma<IN_KIND>((a), (b), (c))
 // AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
 #define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
+// ASYNC_COPY16: 16 bytes from device to threadgroup memory; here a plain
+// copy, done when it returns, so ASYNC_COMMIT and ASYNC_WAIT have nothing to
+// do (the barrier that follows them is still needed).
+#define ASYNC_COPY16(shared, global) (*(threadgroup uint4*)(shared) = *(device const uint4*)(global))
+#define ASYNC_COMMIT() ((void)0)
+#define ASYNC_WAIT(n) ((void)0)

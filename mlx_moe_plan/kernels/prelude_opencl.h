@@ -6,6 +6,7 @@
 typedef long i64;
 #define GLOBAL __global
 #define SHARED __local
+#define SHARED_SPACE __local
 #define BARRIER() barrier(CLK_LOCAL_MEM_FENCE)
 #define SHARED_ATOMIC_UINT uint
 #define ATOMIC_ADD(p, v) atomic_add((p), (v))
@@ -89,7 +90,29 @@ inline void mma_16x8x16(float* d, const uint* a, const uint* b, __local uint* ex
   }
   barrier(CLK_LOCAL_MEM_FENCE);
 }
+// PAIR_FMA: a * b + c on two 16-bit pairs, through floats, rounded to
+// nearest even (exact products of 16-bit values; the float sum may round
+// once before).
+inline uint pair_round(float value) {
+#if IN_DTYPE == 1
+  ushort rounded;  // half storage: OpenCL C 1.2 has no half variables
+  vstore_half_rte(value, 0, (__private half*)&rounded);
+  return rounded;
+#else
+  return float_to_bf16_bits(value);
+#endif
+}
+inline uint pair_fma(uint a, uint b, uint c) {
+  return pair_round(pair_value(a, 0) * pair_value(b, 0) + pair_value(c, 0))
+         | (pair_round(pair_value(a, 1) * pair_value(b, 1) + pair_value(c, 1)) << 16);
+}
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16((d), (a), (b), (exchange), (lane))
 #define PAIR_SUB(a, b) pair_sub((a), (b))
+#define PAIR_FMA(a, b, c) pair_fma((a), (b), (c))
 // AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
 #define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
+// ASYNC_COPY16: 16 bytes from global to local memory; a plain copy here (as
+// on Metal), so ASYNC_COMMIT and ASYNC_WAIT have nothing to do.
+#define ASYNC_COPY16(shared, global) (*(__local uint4*)(shared) = *(__global const uint4*)(global))
+#define ASYNC_COMMIT() ((void)0)
+#define ASYNC_WAIT(n) ((void)0)

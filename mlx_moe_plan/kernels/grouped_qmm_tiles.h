@@ -1,0 +1,384 @@
+// grouped_qmm_tiles: grouped_qmm.h's GEMM for many rows an expert (prefill),
+// in block tiles staged in shared memory. Same inputs, outputs and params as
+// grouped_qmm.h: out[row] = rows[row] @ dequantize(weight[e]).T for every
+// row of expert e's span, zeros on the tail rows, the row counts read here,
+// on the device, and no host sync.
+// grouped_qmm.h has each warp read its weights from memory once per pass of
+// 8 * ROW_TILES rows, which is what decoding wants (a few rows an expert)
+// and what prefill cannot afford (hundreds). Here a group computes a block
+// of BLOCK_ROWS rows of one expert by BLOCK_COLUMNS columns: it stages the
+// block's rows and packed weights, STAGE_GROUPS quantization groups of the
+// input at a time, in shared memory, STAGES stages in flight (asynchronous
+// copies where the prelude has them, ASYNC_COPY16), and its warps multiply
+// from there, so every weight a group reads serves BLOCK_ROWS rows and every
+// row BLOCK_COLUMNS columns.
+// The work is (row block, column block) items: every group first counts each
+// expert's blocks of BLOCK_ROWS rows and scans them (expert_blocks: blocks up
+// to and including the expert), then takes items GROUP_ID, GROUP_ID +
+// NUM_GROUPS, ... of the row blocks, column-block fastest, then of the tail
+// rows' blocks. The host sizes the grid from the capacity alone.
+// The products are grouped_qmm.h's warp multiply-add, MMA_16x8x16, in its
+// layout (its comments say why): A the weights of 16 columns, B the rows'
+// values of 8 rows, lane (r = lane / 4, slot = lane % 4) holding the slot-th
+// quarter of a quantization group's inputs, a word's fields taken as pairs
+// (v, v + VALUES / 2) (qmm_fields.h). But where grouped_qmm.h applies each
+// group's scale and bias to float sums of the exact fields, which costs two
+// accumulators a sum and a multiply-add with ones a row tile, here the
+// weight itself goes in: scale * q + bias, rounded once to the rows' 16-bit
+// format (PAIR_FMA), as MLX's own quantized GEMMs dequantize; float sums over
+// the whole row. A warp computes TILES tiles of 16 columns (when GATED, the
+// first half the gate's, the second up's of the same columns) by ROW_TILES
+// tiles of 8 rows; ROW_WARPS by COLUMN_WARPS warps cover the block.
+// Shared memory (launch.py sizes it for the backend): STAGES buffers of the
+// block's rows, BLOCK_ROWS rows of ROW_STRIDE words (STAGE_GROUPS *
+// QUANT_GROUP values, padded), of its packed columns, (1 + GATED) *
+// BLOCK_COLUMNS columns of WORD_STRIDE words, and of their scales and biases
+// as 16-bit pairs. launch.py pads the strides so that the warp's loads below
+// meet no bank conflict where padding can avoid one.
+// Inputs, outputs and params: grouped_qmm.h's (column_blocks: blocks of
+// BLOCK_COLUMNS columns that cover out_dims). Template constants: InT, OutT,
+// IN_KIND, BITS, VALUES, QUANT_GROUP, LANE_WORDS, THREADS (ROW_WARPS *
+// COLUMN_WARPS * 32), MAX_EXPERTS, TILES, ROW_TILES, GATED, TOKEN_ROWS as
+// there; ROW_WARPS, COLUMN_WARPS, BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES),
+// BLOCK_COLUMNS (COLUMN_WARPS * 16 * TILES / (1 + GATED)), STAGE_GROUPS
+// (dividing in_dims / QUANT_GROUP), STAGES (at least 2), ROW_STRIDE,
+// WORD_STRIDE (above).
+const int num_experts = params[0];
+const int in_dims = params[1];
+const int out_dims = params[2];
+const int capacity = params[3];
+const int column_blocks = params[4];
+const int num_rows = params[5];
+
+const int row_groups = in_dims / QUANT_GROUP;
+const int row_words = in_dims / VALUES;
+const int lane = LOCAL_ID % 32;
+const int warp = LOCAL_ID / 32;
+const int fragment_row = lane / 4;
+const int fragment_slot = lane % 4;
+const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
+const int MATRICES = GATED ? 2 : 1;
+const int STAGE_VALUES = STAGE_GROUPS * QUANT_GROUP;
+const int GROUP_WORDS = QUANT_GROUP / VALUES;  // a column's words of a group
+const int ROW_CHUNKS = STAGE_VALUES / 8;  // 16-byte chunks of a row a stage
+const int COLUMN_CHUNKS = STAGE_GROUPS * GROUP_WORDS / 4;  // of a column a stage
+const int ROW_COPIES = (BLOCK_ROWS * ROW_CHUNKS + THREADS - 1) / THREADS;
+const int WORD_COPIES = (MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS + THREADS - 1) / THREADS;
+const int SCALE_COPIES = (MATRICES * BLOCK_COLUMNS * STAGE_GROUPS + THREADS - 1) / THREADS;
+const int STAGE_SCALES = MATRICES * BLOCK_COLUMNS * STAGE_GROUPS;
+// 16-byte copies need 16-byte rows and matrices (in_dims is a multiple of 32
+// values, so their rows are): MLX's fresh arrays are, a view need not be.
+const bool vectors = IS_ALIGNED16(rows) && IS_ALIGNED16(weight) && IS_ALIGNED16(up_weight);
+SHARED unsigned stage_rows[STAGES * BLOCK_ROWS * ROW_STRIDE];
+SHARED unsigned stage_words[STAGES * (1 + GATED) * BLOCK_COLUMNS * WORD_STRIDE];
+// scales, then biases, as pairs (value, value)
+SHARED unsigned stage_scales[STAGES * 2 * (1 + GATED) * BLOCK_COLUMNS * STAGE_GROUPS];
+SHARED int expert_blocks[MAX_EXPERTS];
+SHARED int block_scan[THREADS];
+SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
+const int warp_exchange = warp * 32 * 6;
+
+// Each expert's row blocks, scanned: thread t counts experts [t *
+// MAX_EXPERTS / THREADS, ...), as grouped_qmm.h lists its experts. Offsets
+// out of [0, capacity] would come from a broken plan; clamped here and
+// below, no row outside out is ever touched.
+int own_blocks = 0;
+for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
+  const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+  if (expert < num_experts) {
+    const int first = min(max(expert_offsets[expert], 0), capacity);
+    const int last = min(max(expert_offsets[expert + 1], first), capacity);
+    own_blocks += (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  }
+}
+block_scan[LOCAL_ID] = own_blocks;
+BARRIER();
+for (int step = 1; step < THREADS; step *= 2) {  // inclusive scan, Hillis-Steele
+  const int before = LOCAL_ID >= step ? block_scan[LOCAL_ID - step] : 0;
+  BARRIER();
+  block_scan[LOCAL_ID] += before;
+  BARRIER();
+}
+int blocks_before = block_scan[LOCAL_ID] - own_blocks;
+for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
+  const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+  if (expert < num_experts) {
+    const int first = min(max(expert_offsets[expert], 0), capacity);
+    const int last = min(max(expert_offsets[expert + 1], first), capacity);
+    blocks_before += (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    expert_blocks[expert] = blocks_before;
+  }
+}
+const int expert_row_blocks = block_scan[THREADS - 1];
+const int tail_first = min(max(expert_offsets[num_experts], 0), capacity);
+const int tail_blocks = (capacity - tail_first + BLOCK_ROWS - 1) / BLOCK_ROWS;
+BARRIER();
+
+// Every branch and loop bound below is the same for the whole group (the
+// emulated MMA_16x8x16 meets a barrier): copies past a bound read the last
+// row, column or group inside it, and nothing past one is stored.
+for (int item = GROUP_ID; item < (expert_row_blocks + tail_blocks) * column_blocks;
+     item += NUM_GROUPS) {
+  const int row_block = item / column_blocks;
+  const int column0 = (item % column_blocks) * BLOCK_COLUMNS;
+  if (row_block >= expert_row_blocks) {  // the tail rows: zeros
+    const int row0 = tail_first + (row_block - expert_row_blocks) * BLOCK_ROWS;
+    for (int i = LOCAL_ID; i < BLOCK_ROWS * BLOCK_COLUMNS; i += THREADS) {
+      const int row = row0 + i / BLOCK_COLUMNS;
+      const int column = column0 + i % BLOCK_COLUMNS;
+      if (row < capacity && column < out_dims) {
+        STORE_OUT(out, (i64)row * out_dims + column, 0.0f);
+      }
+    }
+    continue;
+  }
+  // The block's expert: the first whose blocks reach past row_block.
+  int expert = 0;
+  for (int span = num_experts; span > 1;) {
+    const int lower = span / 2;
+    if (expert_blocks[expert + lower - 1] <= row_block) {
+      expert += lower;
+      span -= lower;
+    } else {
+      span = lower;
+    }
+  }
+  const int first = min(max(expert_offsets[expert], 0), capacity);
+  const int last = min(max(expert_offsets[expert + 1], first), capacity);
+  const int own_block = row_block - (expert_blocks[expert]
+                                     - (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS);
+  const int row0 = first + own_block * BLOCK_ROWS;
+
+  // What this thread copies each stage, fixed for the item: its chunks of
+  // the block's rows (a row past the expert's copies its last row; with
+  // TOKEN_ROWS, the row's token, clamped into rows), of the packed columns
+  // and of their scales and biases (a column past out_dims copies the last).
+  GLOBAL const unsigned short* row_sources[ROW_COPIES];
+  int row_targets[ROW_COPIES];
+UNROLL
+  for (int i = 0; i < ROW_COPIES; ++i) {
+    const int chunk = min((int)LOCAL_ID + i * THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
+    const int row = min(row0 + chunk / ROW_CHUNKS, last - 1);
+    const int source = TOKEN_ROWS ? min(max(row_tokens[row], 0), num_rows - 1) : row;
+    row_sources[i] = (GLOBAL const unsigned short*)rows + (i64)source * in_dims
+                     + (chunk % ROW_CHUNKS) * 8;
+    row_targets[i] = (chunk / ROW_CHUNKS) * ROW_STRIDE + (chunk % ROW_CHUNKS) * 4;
+  }
+  GLOBAL const unsigned* word_sources[WORD_COPIES];
+  int word_targets[WORD_COPIES];
+UNROLL
+  for (int i = 0; i < WORD_COPIES; ++i) {
+    const int chunk = min((int)LOCAL_ID + i * THREADS, MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS - 1);
+    const int column = chunk / COLUMN_CHUNKS;  // matrix column / BLOCK_COLUMNS
+    const i64 column_row = (i64)expert * out_dims
+                           + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);
+    word_sources[i] = (column < BLOCK_COLUMNS ? weight : up_weight) + column_row * row_words
+                      + (chunk % COLUMN_CHUNKS) * 4;
+    word_targets[i] = column * WORD_STRIDE + (chunk % COLUMN_CHUNKS) * 4;
+  }
+  GLOBAL const unsigned short* scale_sources[SCALE_COPIES];
+  GLOBAL const unsigned short* bias_sources[SCALE_COPIES];
+UNROLL
+  for (int i = 0; i < SCALE_COPIES; ++i) {
+    const int entry = min((int)LOCAL_ID + i * THREADS, STAGE_SCALES - 1);
+    const int column = entry / STAGE_GROUPS;
+    const i64 column_row = (i64)expert * out_dims
+                           + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);
+    scale_sources[i] = (GLOBAL const unsigned short*)(column < BLOCK_COLUMNS ? scales : up_scales)
+                       + column_row * row_groups + entry % STAGE_GROUPS;
+    bias_sources[i] = (GLOBAL const unsigned short*)(column < BLOCK_COLUMNS ? biases : up_biases)
+                      + column_row * row_groups + entry % STAGE_GROUPS;
+  }
+  // sums[(t * ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2),
+  // row n * 8 + 2 * fragment_slot + e % 2 of the warp's (the accumulator layout).
+  float sums[TILES * ROW_TILES * 4];
+UNROLL
+  for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
+    sums[i] = 0.0f;
+  }
+  // A stage's scales and biases (2 bytes each, too small to copy
+  // asynchronously) go through registers: loaded when the stage's copies are
+  // issued, stored one step later, after a stage's multiply-adds (a plain
+  // load's first use holds the thread until it arrives).
+  unsigned pending_scales[SCALE_COPIES];
+  unsigned pending_biases[SCALE_COPIES];
+  const int num_stages = row_groups / STAGE_GROUPS;  // STAGE_GROUPS divides it
+  BARRIER();  // the previous item's last stage is read by every warp
+  // Step s copies stage s (while there is one) and computes stage s - (STAGES
+  // - 1): STAGES - 1 stages are in flight while one is multiplied.
+  for (int step = 0; step < num_stages + STAGES - 1; ++step) {
+    const int stage = step - (STAGES - 1);
+    if (step > 0 && step - 1 < num_stages) {  // the last step's scales, arrived by now
+      const int into = ((step - 1) % STAGES) * 2 * STAGE_SCALES;
+UNROLL
+      for (int i = 0; i < SCALE_COPIES; ++i) {
+        const int entry = (int)LOCAL_ID + i * THREADS;
+        if (entry < STAGE_SCALES) {
+          // The pair (value, value), made here: an operation on a loaded
+          // value right after its load would wait for it there.
+          stage_scales[into + entry] = pending_scales[i] | (pending_scales[i] << 16);
+          stage_scales[into + STAGE_SCALES + entry] = pending_biases[i] | (pending_biases[i] << 16);
+        }
+      }
+    }
+    // Stage `stage`'s copies have landed (this thread's; none are waited for
+    // while stage < 0), then every thread's, and stage - 1's buffers are free.
+    ASYNC_WAIT(STAGES - 2);
+    BARRIER();
+    if (step < num_stages) {
+      const int buffer = step % STAGES;
+      const int group0 = step * STAGE_GROUPS;
+UNROLL
+      for (int i = 0; i < ROW_COPIES; ++i) {
+        if ((int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
+          const int value = step * STAGE_VALUES;
+          SHARED_SPACE unsigned* target = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE
+                                          + row_targets[i];
+          if (vectors) {
+            ASYNC_COPY16(target, row_sources[i] + value);
+          } else {
+UNROLL
+            for (int j = 0; j < 4; ++j) {
+              target[j] = (unsigned)row_sources[i][value + 2 * j]
+                          | ((unsigned)row_sources[i][value + 2 * j + 1] << 16);
+            }
+          }
+        }
+      }
+UNROLL
+      for (int i = 0; i < WORD_COPIES; ++i) {
+        if ((int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
+          const int word = group0 * GROUP_WORDS;
+          SHARED_SPACE unsigned* target = stage_words
+                                          + buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE
+                                          + word_targets[i];
+          if (vectors) {
+            ASYNC_COPY16(target, word_sources[i] + word);
+          } else {
+UNROLL
+            for (int j = 0; j < 4; ++j) {
+              target[j] = word_sources[i][word + j];
+            }
+          }
+        }
+      }
+UNROLL
+      for (int i = 0; i < SCALE_COPIES; ++i) {
+        pending_scales[i] = scale_sources[i][group0];
+        pending_biases[i] = bias_sources[i][group0];
+      }
+    }
+    ASYNC_COMMIT();
+    if (stage >= 0) {
+      const int buffer = stage % STAGES;
+      const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
+                          + (warp / COLUMN_WARPS) * 8 * ROW_TILES * ROW_STRIDE;
+      const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
+      const int scales_at = buffer * 2 * STAGE_SCALES;
+      const int warp_column = (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
+UNROLL
+      for (int group = 0; group < STAGE_GROUPS; ++group) {  // the stage's groups
+        // The scale and bias pairs of the lane's columns (as packed, below).
+        unsigned scale_pairs[TILES * 2];
+        unsigned bias_pairs[TILES * 2];
+UNROLL
+        for (int i = 0; i < TILES * 2; ++i) {
+          const int column = (GATED && i / 2 >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
+                             + 16 * ((i / 2) % COLUMN_TILES) + fragment_row + 8 * (i % 2);
+          scale_pairs[i] = stage_scales[scales_at + column * STAGE_GROUPS + group];
+          bias_pairs[i] = stage_scales[scales_at + STAGE_SCALES + column * STAGE_GROUPS + group];
+        }
+        // packed: the lane's LANE_WORDS words of the group in each column
+        // (tile t's column fragment_row + 8 * h at 2 * t + h).
+        unsigned packed[TILES * 2 * LANE_WORDS];
+UNROLL
+        for (int i = 0; i < TILES * 2; ++i) {
+          const int column = (GATED && i / 2 >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
+                             + 16 * ((i / 2) % COLUMN_TILES) + fragment_row + 8 * (i % 2);
+          const int from = words_at + column * WORD_STRIDE + group * GROUP_WORDS
+                           + fragment_slot * LANE_WORDS;
+UNROLL
+          for (int w = 0; w < LANE_WORDS; w += (LANE_WORDS >= 4 ? 4 : LANE_WORDS)) {
+            if (LANE_WORDS >= 4) {
+              const uint4 quad = ((SHARED_SPACE uint4*)(stage_words + from + w))[0];
+              packed[i * LANE_WORDS + w] = quad.x;
+              packed[i * LANE_WORDS + w + 1] = quad.y;
+              packed[i * LANE_WORDS + w + 2] = quad.z;
+              packed[i * LANE_WORDS + w + 3] = quad.w;
+            } else if (LANE_WORDS == 2) {
+              const uint2 pair = ((SHARED_SPACE uint2*)(stage_words + from))[0];
+              packed[i * LANE_WORDS] = pair.x;
+              packed[i * LANE_WORDS + 1] = pair.y;
+            } else {
+              packed[i * LANE_WORDS] = stage_words[from];
+            }
+          }
+        }
+UNROLL
+        for (int w = 0; w < LANE_WORDS; ++w) {
+          // halves: the lane's rows' values of word w, two to a uint32.
+          unsigned halves[ROW_TILES * (VALUES / 2)];
+UNROLL
+          for (int n = 0; n < ROW_TILES; ++n) {
+            const int from = rows_at + (8 * n + fragment_row) * ROW_STRIDE
+                             + (group * QUANT_GROUP + fragment_slot * (QUANT_GROUP / 4)
+                                + w * VALUES) / 2;
+            if (VALUES == 8) {
+              const uint4 quad = ((SHARED_SPACE uint4*)(stage_rows + from))[0];
+              halves[n * 4] = quad.x;
+              halves[n * 4 + 1] = quad.y;
+              halves[n * 4 + 2] = quad.z;
+              halves[n * 4 + 3] = quad.w;
+            } else {
+              const uint2 pair = ((SHARED_SPACE uint2*)(stage_rows + from))[0];
+              halves[n * (VALUES / 2)] = pair.x;
+              halves[n * (VALUES / 2) + 1] = pair.y;
+            }
+          }
+UNROLL
+          for (int m = 0; m < VALUES / 4; ++m) {
+            unsigned b[ROW_TILES * 2];
+UNROLL
+            for (int n = 0; n < ROW_TILES; ++n) {
+              const unsigned low = halves[n * (VALUES / 2) + m];
+              const unsigned high = halves[n * (VALUES / 2) + m + VALUES / 4];
+              b[2 * n] = (low & 0xFFFFu) | (high << 16);
+              b[2 * n + 1] = (low >> 16) | (high & 0xFFFF0000u);
+            }
+UNROLL
+            for (int t = 0; t < TILES; ++t) {
+              unsigned a[4];
+UNROLL
+              for (int i = 0; i < 4; ++i) {
+                const unsigned word = packed[(t * 2 + i % 2) * LANE_WORDS + w];
+                const int shift_bits = (2 * m + i / 2) * BITS;
+                // include: qmm_fields
+                // The weight itself, scale * q + bias, rounded once to 16 bits.
+                a[i] = PAIR_FMA(field_pair, scale_pairs[t * 2 + i % 2], bias_pairs[t * 2 + i % 2]);
+              }
+UNROLL
+              for (int n = 0; n < ROW_TILES; ++n) {
+                MMA_16x8x16(&sums[(t * ROW_TILES + n) * 4], a, &b[2 * n],
+                            mma_exchange + warp_exchange, lane);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  const int warp_row0 = row0 + (warp / COLUMN_WARPS) * 8 * ROW_TILES;
+  const int warp_column0 = column0 + (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
+UNROLL
+  for (int i = 0; i < COLUMN_TILES * ROW_TILES * 4; ++i) {  // the layout of sums, above
+    const int column = warp_column0 + 16 * (i / (4 * ROW_TILES)) + fragment_row + 8 * (i % 4 / 2);
+    const int row = warp_row0 + 8 * (i / 4 % ROW_TILES) + 2 * fragment_slot + i % 2;
+    float value = sums[i];
+    if (GATED) {  // silu(gate) * up, rounded once
+      value = value / (1.0f + exp(-value)) * sums[i + COLUMN_TILES * ROW_TILES * 4];
+    }
+    if (column < out_dims && row < last) {
+      STORE_OUT(out, (i64)row * out_dims + column, value);
+    }
+  }
+}
