@@ -35,6 +35,12 @@ LARGE_TILES_FROM_ROWS_PER_EXPERT = 64
 # kernel in the rule").
 GROUPED_FROM_ENTRIES = MLX_LM_SORTS_FROM_ENTRIES
 GROUPED_BELOW_ROWS_PER_EXPERT = 16
+# On CUDA, the grouped kernel wins again from this many rows an expert, in
+# block tiles (kernels/grouped_qmm_tiles.h): faster than MLX's tiles of 64
+# at every shape measured, from 128 rows an expert up (benchmarks/RESULTS.md,
+# "The expert GEMM at prefill sizes"); between 16 and this, MLX's tiles stay
+# until measured.
+GROUPED_TILES_FROM_ROWS_PER_EXPERT = LARGE_TILES_FROM_ROWS_PER_EXPERT
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,8 @@ def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
 
     On CUDA, for a layer the grouped kernel can compute, the grouped kernel
     from `GROUPED_FROM_ENTRIES` routed entries until experts average
-    `GROUPED_BELOW_ROWS_PER_EXPERT`; otherwise there, tiles once experts
+    `GROUPED_BELOW_ROWS_PER_EXPERT`, and again from
+    `GROUPED_TILES_FROM_ROWS_PER_EXPERT` (its block tiles); otherwise there, tiles once experts
     average `TILED_FROM_ROWS_PER_EXPERT` (16 rows, 64 from
     `LARGE_TILES_FROM_ROWS_PER_EXPERT`), mlx-lm's call below, whose host time
     is the least. Elsewhere (the CPU, whose `gather_qmm` pays for every
@@ -129,8 +136,9 @@ def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
         or `tiles(64)`.
     """
     if cuda:
-        if (grouped and GROUPED_FROM_ENTRIES <= num_entries
-                < GROUPED_BELOW_ROWS_PER_EXPERT * num_experts):
+        if grouped and (GROUPED_FROM_ENTRIES <= num_entries
+                        < GROUPED_BELOW_ROWS_PER_EXPERT * num_experts
+                        or num_entries >= GROUPED_TILES_FROM_ROWS_PER_EXPERT * num_experts):
             return GROUPED_ROWS
         if num_entries < TILED_FROM_ROWS_PER_EXPERT * num_experts:
             return MLX_LM_CALL

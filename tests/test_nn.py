@@ -578,9 +578,10 @@ def test_default_formulation_is_the_measured_rule(monkeypatch):
     for (entries, experts), tile_m in cuda.items():
         assert moe_nn.default_tile_m(entries, experts) == tile_m, (entries, experts)
     # A layer the grouped kernel computes: GROUPED from 64 entries until experts
-    # average 16 rows, the rule above elsewhere.
+    # average 16 rows and again from 64 (its block tiles), the rule above between.
     grouped = {(63, 128): 0, (64, 128): -1, (256, 128): -1, (2047, 128): -1,
-               (2048, 128): 16, (8192, 128): 64, (64, 8): -1, (127, 8): -1, (128, 8): 16,
+               (2048, 128): 16, (8191, 128): 16, (8192, 128): -1, (1 << 20, 128): -1,
+               (64, 8): -1, (127, 8): -1, (128, 8): 16, (511, 8): 16, (512, 8): -1,
                (63, 8): 16}
     for (entries, experts), tile_m in grouped.items():
         assert moe_nn.default_tile_m(entries, experts, grouped=True) == tile_m, (entries, experts)
