@@ -132,10 +132,16 @@ def checked_medians(sides: dict, calls: int, what: str,
     return {side: statistics.median(values) for side, values in samples.items()}
 
 
+# MLX's CUDA gather_qmm of single sorted rows fails from this many rows (a
+# launch error): past it, the reference side is MLX's tiled gather_qmm.
+MLX_SORTED_ROWS = 65535
+
+
 def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,
                 active: int, medians: dict[str, float], floor_us: float,
                 busiest: float = 1.0) -> list[dict]:
-    """One line a side of `checked_medians` but its first (MLX's), which each
+    """One line a side of `checked_medians` but its first (MLX's sorted
+    gather_qmm, or past MLX_SORTED_ROWS its tiled one: `reference`), which each
     line carries as `gather_qmm_us`; TFLOP/s of the routed entries' work
     (padding is not work), `tflops` the side's, `gather_qmm_tflops` MLX's."""
     reference, *ours = medians
@@ -145,7 +151,8 @@ def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims:
              "in": in_dims, "experts": shape.experts, "active_experts": active, "tiling": side,
              "ours_us": medians[side], "gather_qmm_us": medians[reference], "floor_us": floor_us,
              "tflops": flops / medians[side] / 1e6,
-             "gather_qmm_tflops": flops / medians[reference] / 1e6, "busiest": busiest}
+             "gather_qmm_tflops": flops / medians[reference] / 1e6, "busiest": busiest,
+             "reference": reference}
             for side in ours]
 
 
@@ -254,6 +261,8 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
     tiles = tile_plans(mx.array(routed), shape.experts, mlx_tiles)
     active = int((np.bincount(routed.reshape(-1), minlength=shape.experts) > 0).sum())
     most_rows = max([plan.capacity] + [tiled.capacity for tiled, _ in tiles.values()])
+    if plan.capacity >= MLX_SORTED_ROWS and not tiles:  # the reference: MLX's tiles
+        tiles = tile_plans(mx.array(routed), shape.experts, (64,))
     rows_out = []
     for projection, (out_dims, in_dims) in projections(shape).items():
         what = f"{name} T={tokens} {projection}"
@@ -287,16 +296,17 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                                  rhs_indices=tiles[tile_m][1], transpose=True, group_size=64,
                                  bits=4, sorted_indices=True)
 
-        sides = {"gather_qmm": theirs}
-        views = {"gather_qmm": in_entry_order(plan)}
+        sides, views = {}, {}
+        if plan.capacity < MLX_SORTED_ROWS:
+            sides["gather_qmm"], views["gather_qmm"] = theirs, in_entry_order(plan)
+        for tile_m, (tiled, _) in tiles.items():
+            sides[f"mlx,tile_m={tile_m}"] = lambda i, tile_m=tile_m: theirs_tiled(i, tile_m)
+            views[f"mlx,tile_m={tile_m}"] = in_entry_order(tiled)
         if kernel:
             for changes in tilings:
                 side = tiling_name(changes)
                 sides[side] = lambda i, changes=changes: ours(i, changes)
                 views[side] = in_entry_order(plan)
-        for tile_m, (tiled, _) in tiles.items():
-            sides[f"mlx,tile_m={tile_m}"] = lambda i, tile_m=tile_m: theirs_tiled(i, tile_m)
-            views[f"mlx,tile_m={tile_m}"] = in_entry_order(tiled)
         if ceilings:
             entries = x[mx.array(np.repeat(np.arange(tokens), shape.top_k))]
             mx.eval(entries)
@@ -357,17 +367,19 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
                     for matrices in pairs[i % len(pairs)])
         return (gate * mx.sigmoid(gate) * up).reshape(tiled.capacity, out_dims)
 
-    sides = {"gather_qmm": theirs}
-    if unfused:
-        sides["unfused"] = unfused_kernels
-    for changes in tilings:
-        side = "fused" if not changes else f"fused,{tiling_name(changes)}"
-        sides[side] = lambda i, changes=changes: fused(i, changes)
-    views = {side: in_entry_order(plan) for side in sides}
+    sides, views = {}, {}
+    if plan.capacity < MLX_SORTED_ROWS:
+        sides["gather_qmm"], views["gather_qmm"] = theirs, in_entry_order(plan)
     for tile_m, (tiled, tile_experts) in tiles.items():
         sides[f"mlx,tile_m={tile_m}"] = \
             lambda i, tiled=tiled, tile_experts=tile_experts: theirs(i, tiled, tile_experts)
         views[f"mlx,tile_m={tile_m}"] = in_entry_order(tiled)
+    if unfused:
+        sides["unfused"], views["unfused"] = unfused_kernels, in_entry_order(plan)
+    for changes in tilings:
+        side = "fused" if not changes else f"fused,{tiling_name(changes)}"
+        sides[side] = lambda i, changes=changes: fused(i, changes)
+        views[side] = in_entry_order(plan)
     medians = checked_medians(sides, graph_calls, f"{name} T={tokens} gate+up", views)
     return result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
                        touched / (bandwidth * 1e3), busiest)

@@ -409,8 +409,9 @@ def test_grouped_qmm_prefill_sides(monkeypatch):
                               ceilings=True)
     assert [(line["projection"], line["tiling"]) for line in lines] == [
         (projection, side) for projection in ("gate", "down")
-        for side in ("default", "mlx,tile_m=16", "mlx,tile_m=4", "matmul_bf16", "qmm_dense")
-    ] + [("gate+up", side) for side in ("unfused", "fused", "mlx,tile_m=16", "mlx,tile_m=4")]
+        for side in ("mlx,tile_m=16", "mlx,tile_m=4", "default", "matmul_bf16", "qmm_dense")
+    ] + [("gate+up", side) for side in ("mlx,tile_m=16", "mlx,tile_m=4", "unfused", "fused")]
+    assert {line["reference"] for line in lines} == {"gather_qmm"}
     for line in lines:
         projections = 2 if line["projection"] == "gate+up" else 1
         flops = 2 * tokens * shape.top_k * projections * line["out"] * line["in"]
@@ -428,3 +429,10 @@ def test_grouped_qmm_prefill_sides(monkeypatch):
     assert all(len(set(token)) == 4 for token in routed)
     assert bench_qmm.busiest_share(routed, 64) > 3 * bench_qmm.busiest_share(
         bench_qmm.routed_experts(64, 4, 4096, 0.0, np.random.default_rng(0)), 64)
+    # Past MLX_SORTED_ROWS rows, MLX's tiles of 64 are the reference (its sorted
+    # single rows fail to launch on CUDA there), given or not.
+    monkeypatch.setattr(bench_qmm, "MLX_SORTED_ROWS", tokens * shape.top_k)
+    past = bench_qmm.measure("small", tokens, 2, 4800.0, [{}])
+    assert [(line["projection"], line["tiling"], line["reference"]) for line in past] == [
+        (projection, "default", "mlx,tile_m=64") for projection in ("gate", "down")
+    ] + [("gate+up", side, "mlx,tile_m=64") for side in ("unfused", "fused")]
