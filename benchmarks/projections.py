@@ -5,6 +5,7 @@
     python -m benchmarks.projections --gemms qwen3-30b-a3b/router --batches 32 --tilings default
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \\
         --csv --log-file gemm.csv python -m benchmarks.projections --ncu
+    python -m benchmarks.projections --prefill --batches 512,2048,8192 --tilings default
 
 A decoding step of B sequences hands each projection (attention, a block's
 router and shared experts, the lm_head) `[B, 1, D]`, which MLX's
@@ -29,6 +30,13 @@ than `--slack`. With `--ncu`: for each side, three calls each evaluated
 alone, after a marker kernel named `gemm_mark_<projection>_<B>_<side index>`
 and between cuProfilerStart and cuProfilerStop, for Nsight Compute's kernel
 durations; the lines printed name each marker's side.
+
+With `--prefill`, `--batches` are a prefill's T rows: each projection takes
+`[1, T, D]` as mlx-lm hands it ("matrix", the reference: a prefill is one
+matrix already), against the grouped kernel in each of `--tilings` (block
+tiles, kernels/grouped_qmm_tiles.h, from 32 rows), one expert holding every
+row; the last table gives each projection's fastest grouped side against
+"matrix", and TFLOP/s (2 T N D a call).
 """
 
 from __future__ import annotations
@@ -94,8 +102,9 @@ def quantized_layer(weights: tuple, out_dims: int, in_dims: int, bits: int) -> n
 
 
 def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: list,
-              tilings: list[dict]) -> dict:
-    """side -> `call(i, x)`: the GEMM of `x` `[batch, in_dims]` with weight set i."""
+              tilings: list[dict], prefill: bool = False) -> dict:
+    """side -> `call(i, x)`: the GEMM of `x` `[batch, in_dims]` with weight set i;
+    for a `prefill`, "matrix" and the grouped kernel's sides only."""
     def shaped(shape):
         def call(i, x):
             out = mx.quantized_matmul(x.reshape(shape), *weight_sets[i % len(weight_sets)],
@@ -110,6 +119,8 @@ def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: l
 
     sides = {"batched": shaped((batch, 1, in_dims)), "matrix": shaped((1, batch, in_dims)),
              "rows": shaped((batch, in_dims)), "patched": patched}
+    if prefill:
+        sides = {"matrix": sides["matrix"]}
     if not tilings or mx.default_device().type != mx.gpu or not mx.cuda.is_available():
         return sides
     from mlx_moe_plan import _backend, _gpu
@@ -159,9 +170,11 @@ def profile_marked(name: str, sides: dict, x: mx.array) -> None:
 
 
 def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dict],
-            max_calls: int, target_s: float, ncu: bool) -> tuple[dict[str, float], str]:
+            max_calls: int, target_s: float, ncu: bool,
+            prefill: bool = False) -> tuple[dict[str, float], str]:
     """Each side's median microseconds a call of `gemm` at `batch` rows, and
-    the shape the package's call takes ("rows" or "batched")."""
+    the shape the package's call takes ("rows" or "batched"; "matrix" for a
+    `prefill`)."""
     from mlx_moe_plan import projections
 
     out_dims, in_dims, _ = GEMMS[gemm]
@@ -175,11 +188,12 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
                                GROUP_SIZE, bits) for _ in range(sets)]
     x = (mx.random.normal((batch, in_dims)) * 0.5).astype(dtype)
     mx.eval(weight_sets, x)
-    sides = sides_for(out_dims, in_dims, bits, batch, weight_sets, tilings)
+    sides = sides_for(out_dims, in_dims, bits, batch, weight_sets, tilings, prefill)
     check_sides({side: lambda i, call=call: call(i, x) for side, call in sides.items()},
-                f"{gemm} B={batch}")  # each against "batched"
+                f"{gemm} B={batch}")  # each against the first, "batched" or "matrix"
     layer = quantized_layer(weight_sets[0], out_dims, in_dims, bits)
-    rule = "rows" if projections._as_rows(layer, x.reshape(batch, 1, in_dims)) else "batched"
+    rule = "matrix" if prefill else \
+        "rows" if projections._as_rows(layer, x.reshape(batch, 1, in_dims)) else "batched"
     if ncu:
         profile_marked(f"{gemm.replace('/', '_')}_{batch}", sides, x)
         return {}, rule
@@ -210,6 +224,27 @@ def rule_rows(results: list[dict], slack: float) -> tuple[list[str], list[str]]:
     return lines, slower
 
 
+def prefill_rows(results: list[dict]) -> list[str]:
+    """The `--prefill` table's lines: each projection and T, the fastest
+    grouped side against "matrix", and both sides' TFLOP/s."""
+    lines = [f"{'projection':24s} {'dtype':8s} bits {'T':>5s}  {'matrix us':>9s}  "
+             f"{'grouped us':>10s}  speedup  {'TFLOP/s':>7s}  {'matrix':>7s}  fastest grouped"]
+    for r in results:
+        times = r["us"]
+        grouped = [side for side in times if side.startswith("grouped:")]
+        if not grouped:
+            continue
+        fastest = min(grouped, key=lambda side: times[side])
+        out_dims, in_dims, _ = GEMMS[r["gemm"]]
+        flops = 2 * r["batch"] * out_dims * in_dims
+        lines.append(f"{r['gemm']:24s} {r['dtype']:8s} {r['bits']:4d} {r['batch']:5d}  "
+                     f"{times['matrix']:9.1f}  {times[fastest]:10.1f}  "
+                     f"{times['matrix'] / times[fastest]:6.2f}x  "
+                     f"{flops / times[fastest] / 1e6:7.1f}  {flops / times['matrix'] / 1e6:7.1f}"
+                     f"  {fastest}")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.projections",
                                      description=__doc__.split("\n\n")[0])
@@ -233,6 +268,9 @@ def main(argv=None) -> int:
                         help="the patched call's allowance over the fastest shape, listed "
                              "past it (default: %(default)s)")
     parser.add_argument("--ncu", action="store_true", help="marked calls for Nsight Compute")
+    parser.add_argument("--prefill", action="store_true",
+                        help="--batches are a prefill's rows: [1, T, D] against the grouped "
+                             "kernel's --tilings (default: a decoding batch's shapes)")
     parser.add_argument("--json", metavar="PATH",
                         help="write every median here (default: none)")
     args = parser.parse_args(argv)
@@ -243,7 +281,8 @@ def main(argv=None) -> int:
             for dtype_name in args.dtypes.split(","):
                 for batch in (int(b) for b in args.batches.split(",")):
                     times, rule = measure(gemm, batch, getattr(mx, dtype_name), bits,
-                                          tilings, args.max_calls, args.target_s, args.ncu)
+                                          tilings, args.max_calls, args.target_s, args.ncu,
+                                          args.prefill)
                     if not times:
                         continue
                     results.append({"gemm": gemm, "dtype": dtype_name, "bits": bits,
@@ -255,7 +294,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": str(mx.default_device()), "mlx": mx.__version__,
                        "results": results}, f, indent=1)
-    if results:
+    if results and args.prefill:
+        print("\n".join(prefill_rows(results)))
+    elif results:
         lines, slower = rule_rows(results, args.slack)
         print("\n".join(lines))
         print(f"patched slower than the fastest shape by over {args.slack:.0%}: "

@@ -53,6 +53,13 @@
 #   grouped-qmm-prefill (not in `bench`) the expert GEMMs at T = 512 to 16384,
 #               every shape: the kernel, MLX's sorted and tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
+#   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
+#               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
+#               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
+#               stall reasons, the schedulers' issue, the instruction mix.
+#   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
+#               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
+#               expert (benchmarks.projections --prefill): where it would pay.
 #   projections every model's dense projections at batch 1 to 64, each shape of a
 #               decoding batch, bfloat16 and float16, 4 and 8 bits: the rule
 #               rules.dense_as_rows against the fastest shape (long: an hour
@@ -189,6 +196,20 @@ if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
     --tilings "default;wide_loads=0;steps=1;steps=2;steps=2,wide_loads=0;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
+fi
+if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
+  logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \
+    --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats \
+    --section MemoryWorkloadAnalysis \
+    python3 -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b --tokens 8192 --calls 2 \
+    --sides kernel
+fi
+if wanted dense-prefill; then
+  logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
+    --gemms qwen3-30b-a3b/q,qwen3-30b-a3b/kv,qwen3-30b-a3b/o,qwen3-30b-a3b/lm_head,gpt-oss-20b/q,gpt-oss-20b/o,deepseek-v3/shared-up,deepseek-v3/shared-down \
+    --batches 512,2048,8192 --tilings "default;block_row_tiles=2" --max-calls 48 \
+    --json "$results/dense-prefill.json"
 fi
 if wanted grouped-qmm-prefill; then
   for skew in 0 0.5; do

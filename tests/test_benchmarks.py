@@ -276,6 +276,31 @@ def test_projections_chains_and_checks_each_side(capsys):
     assert slower.split()[0].isdigit() and slower.split()[2] == "2"
 
 
+def test_projections_prefill_times_the_grouped_kernel(monkeypatch, capsys):
+    # --prefill on the CPU, the kernel stood in for: "matrix" [1, T, D] and
+    # the grouped kernel in each tiling, checked against it, then the table of
+    # the fastest grouped side with both sides' TFLOP/s.
+    from benchmarks import projections
+
+    grouped_qmm_on_cpu(monkeypatch)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(projections.GEMMS, "small/q", (48, 128, 4))
+    assert projections.main(["--prefill", "--gemms", "small/q", "--batches", "40",
+                             "--tilings", "default;block_row_tiles=2", "--max-calls", "2",
+                             "--target-s", "0"]) == 0
+    out = capsys.readouterr().out
+    timed = [line for line in out.splitlines() if "B= 40" in line]
+    assert len(timed) == 1
+    times = dict(re.findall(r"(\S+) ([0-9.]+)", timed[0].split("B= 40")[1]))
+    assert set(times) == {"none", "matrix", "grouped:default", "grouped:block_row_tiles=2"}
+    table = out.splitlines()[-1].split()
+    assert table[:4] == ["small/q", "bfloat16", "4", "40"] and table[-1].startswith("grouped:")
+    fastest = min(times["grouped:default"], times["grouped:block_row_tiles=2"], key=float)
+    assert float(table[5]) == pytest.approx(float(fastest), abs=0.05)
+    assert table[7] == f"{2 * 40 * 48 * 128 / float(fastest) / 1e6:.1f}"  # TFLOP/s
+
+
 def grouped_qmm_on_cpu(monkeypatch):
     """benchmarks.grouped_qmm on the CPU, the kernel stood in for by MLX's ops
     of the same meaning, with a tiny shape "small": (the module, the shape)."""
