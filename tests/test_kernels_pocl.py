@@ -528,6 +528,7 @@ def test_grouped_qmm_tiles_unaligned(name):
 TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles=1),
                 dict(block_column_warps=1, block_tiles=1, block_gated_tiles=1),
                 dict(block_stages=2), dict(block_stages=4, block_row_tiles=1),
+                dict(block_stage_values=256, block_row_tiles=1),
                 dict(block_max_groups=1)]
 
 

@@ -121,6 +121,9 @@ class GroupedQmmTiling:
     block_gated_tiles: int = 2
     block_row_tiles: int = 4
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
+    # input values a stage at least, in whole quantization groups that divide
+    # the row (STAGE_GROUPS; else one group a stage): fewer barriers, more memory
+    block_stage_values: int = 64
     block_max_groups: int = 4096
 
     def check(self) -> None:
@@ -128,7 +131,7 @@ class GroupedQmmTiling:
         if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles,
                1 if self.steps is None else self.steps, self.max_groups, self.block_row_warps,
                self.block_column_warps, self.block_tiles, self.block_gated_tiles,
-               self.block_row_tiles, self.block_max_groups) < 1:
+               self.block_row_tiles, self.block_max_groups, self.block_stage_values) < 1:
             raise ValueError(f"grouped_qmm tiling: every field but wide_loads, tiles_from_rows "
                              f"and block_stages must be at least 1: {self}")
         if self.tiles_from_rows < 0 or self.block_stages < 2:
@@ -416,8 +419,7 @@ def _grouped_qmm_tiles_launch(
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`."""
     values = 32 // bits
     lane_words = quant_group // (4 * values)
-    # 64 values a stage at least (two groups of 32), where they divide the row.
-    stage_groups = max(1, 64 // quant_group)
+    stage_groups = max(1, tiling.block_stage_values // quant_group)
     stage_groups = stage_groups if (in_dims // quant_group) % stage_groups == 0 else 1
     stage_values = stage_groups * quant_group
     row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
