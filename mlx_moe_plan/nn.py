@@ -64,13 +64,14 @@ from .expert_parallel import SYNC_FROM_ENTRIES as EXPERT_PARALLEL_SYNC_FROM_ENTR
 from .gather import moe_gather, moe_unsort
 from .plan import moe_plan
 from .rules import (GROUPED, GROUPED_BELOW_ROWS_PER_EXPERT, GROUPED_FROM_ENTRIES, GROUPED_ROWS,
-                    LARGE_TILES_FROM_ROWS_PER_EXPERT, MLX_LM, MLX_LM_CALL,
-                    MLX_LM_SORTS_FROM_ENTRIES, SORTED_ROWS, TILED_FROM_ROWS_PER_EXPERT,
-                    Formulation)
+                    GROUPED_TILES_FROM_ROWS_PER_EXPERT, LARGE_TILES_FROM_ROWS_PER_EXPERT,
+                    MLX_LM, MLX_LM_CALL, MLX_LM_SORTS_FROM_ENTRIES, SORTED_ROWS,
+                    TILED_FROM_ROWS_PER_EXPERT, Formulation)
 
 __all__ = [
     "COMPILE_MAX_TOKENS", "EXPERT_PARALLEL_SYNC_FROM_ENTRIES", "FUSED_BLOCKS", "GROUPED",
-    "GROUPED_BELOW_ROWS_PER_EXPERT", "GROUPED_FROM_ENTRIES", "LARGE_TILES_FROM_ROWS_PER_EXPERT",
+    "GROUPED_BELOW_ROWS_PER_EXPERT", "GROUPED_FROM_ENTRIES", "GROUPED_TILES_FROM_ROWS_PER_EXPERT",
+    "LARGE_TILES_FROM_ROWS_PER_EXPERT",
     "MLX_LM", "MLX_LM_SORTS_FROM_ENTRIES", "TILED_FROM_ROWS_PER_EXPERT", "Formulation",
     "FusedMoEBlock", "SwitchGLU", "default_tile_m", "patch_model", "shard_experts",
 ]
@@ -117,9 +118,9 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
         tile_m (int, optional): GEMM formulation: `MLX_LM` (0) for mlx-lm's
           own call (no plan; meant for small batches: large ones are not
           sliced as our sorted rows are), `GROUPED` (-1) for sorted rows
-          through this package's grouped kernel (meant for a few rows an
-          expert), 1 for sorted single rows, more for tiles of that many
-          rows. Default: `default_tile_m` per call.
+          through this package's grouped kernel (a few rows an expert, or
+          many in its block tiles), 1 for sorted single rows, more for tiles
+          of that many rows. Default: `default_tile_m` per call.
 
     Expert ids must lie in `[0, num_experts)`, as a router gives them. The
     planned formulations skip others (their outputs are zero); mlx-lm's
