@@ -5,6 +5,8 @@
     python -m benchmarks.grouped_qmm --tilings "default;tiles=1;steps=4,tiles=1"
     python -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b,gpt-oss-20b \
         --tokens 2048,8192 --mlx-tiles 16,64 --skew 0.5        # prefill sizes
+    python -m benchmarks.grouped_qmm --shapes mixtral --tokens 8192 --no-sorted \
+        --tilings "default;block_row_tiles=2"                  # the block tiles
 
 One expert projection of a layer shape (`benchmarks/workloads.py`), 4-bit
 weights (group 64), bfloat16 rows as a decode step's plan sorts them (random
@@ -31,7 +33,12 @@ The ceilings ("matmul_bf16", "qmm_dense", `--sides ceilings`, on unless told)
 are MLX's dense GEMMs of the same work, all T*K rows against one matrix:
 bfloat16 `matmul` and 4-bit `quantized_matmul`, each checked against float32's
 matmul of its own inputs. `--sides kernel` alone leaves them out, `--sides
-ceilings` the package's kernel. `--skew S` draws experts with probability
+ceilings` the package's kernel. From `launch.GroupedQmmTiling.tiles_from_rows`
+rows an expert the kernel runs its block tiles (kernels/grouped_qmm_tiles.h),
+whose fields start with `block_`. MLX's sorted rows take minutes a shape at
+prefill sizes and fail to launch from 65,535 rows: `--no-sorted` leaves them
+out, and MLX's tiles (64 unless `--mlx-tiles`) are the reference then, as past
+that row count. `--skew S` draws experts with probability
 proportional to 1 / (rank + 1) ** S (Zipf; 0 is uniform), the "busiest" column
 the busiest expert's entries over the average's. Graphs take fewer calls where
 their outputs would pass GRAPH_BYTES.
@@ -242,11 +249,14 @@ def ceiling_sides(rows: mx.array, out_dims: int, in_dims: int, calls: int,
 
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
             tilings: list[dict[str, int]], *, mlx_tiles=(), skew: float = 0.0,
+            sorted_rows: bool = True,
             kernel: bool = True, ceilings: bool = False) -> list[dict]:
     """Each projection's lines, then gate+up's: the package's kernel in each
     tiling (`kernel`), MLX's tiled gather_qmm at each `mlx_tiles` tile_m, and
     (`ceilings`) MLX's dense GEMMs of the same work, all against MLX's sorted
-    gather_qmm; routing skewed by `skew` (`routed_experts`)."""
+    gather_qmm (`sorted_rows`, where it launches), else against its first
+    tiles (64 where none are given); routing skewed by `skew`
+    (`routed_experts`)."""
     from mlx_moe_plan import _backend, _gpu, moe_gather, moe_plan
     from mlx_moe_plan.kernels import launch
 
@@ -261,7 +271,8 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
     tiles = tile_plans(mx.array(routed), shape.experts, mlx_tiles)
     active = int((np.bincount(routed.reshape(-1), minlength=shape.experts) > 0).sum())
     most_rows = max([plan.capacity] + [tiled.capacity for tiled, _ in tiles.values()])
-    if plan.capacity >= MLX_SORTED_ROWS and not tiles:  # the reference: MLX's tiles
+    sorted_rows = sorted_rows and plan.capacity < MLX_SORTED_ROWS
+    if not sorted_rows and not tiles:  # the reference: MLX's tiles
         tiles = tile_plans(mx.array(routed), shape.experts, (64,))
     rows_out = []
     for projection, (out_dims, in_dims) in projections(shape).items():
@@ -297,7 +308,7 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                                  bits=4, sorted_indices=True)
 
         sides, views = {}, {}
-        if plan.capacity < MLX_SORTED_ROWS:
+        if sorted_rows:
             sides["gather_qmm"], views["gather_qmm"] = theirs, in_entry_order(plan)
         for tile_m, (tiled, _) in tiles.items():
             sides[f"mlx,tile_m={tile_m}"] = lambda i, tile_m=tile_m: theirs_tiled(i, tile_m)
@@ -318,17 +329,19 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                                 medians, touched / (bandwidth * 1e3), busiest)
     rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
                                     tilings if kernel else [], tiles, busiest,
-                                    unfused=kernel))
+                                    unfused=kernel, sorted_rows=sorted_rows))
     return rows_out
 
 
 def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int,
                     bandwidth: float, tilings: list[dict[str, int]], tiles=None,
-                    busiest: float = 1.0, unfused: bool = True) -> list[dict]:
+                    busiest: float = 1.0, unfused: bool = True,
+                    sorted_rows: bool = True) -> list[dict]:
     """The layer's gate, up and activation from the tokens: the fused launch in
     each tiling (lines "fused" for the default, "fused,gated_tiles=1" ...), the
     unfused kernels ("unfused", default tiling) and MLX's tiled gather_qmm at
-    each of `tiles` (`tile_plans`), against MLX's sorted `gather_qmm`."""
+    each of `tiles` (`tile_plans`), against MLX's sorted `gather_qmm`
+    (`sorted_rows`, where it launches; else the first of `tiles`)."""
     from mlx_moe_plan import _backend, _gpu, moe_gather
     from mlx_moe_plan.kernels import launch
 
@@ -368,7 +381,7 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
         return (gate * mx.sigmoid(gate) * up).reshape(tiled.capacity, out_dims)
 
     sides, views = {}, {}
-    if plan.capacity < MLX_SORTED_ROWS:
+    if sorted_rows and plan.capacity < MLX_SORTED_ROWS:
         sides["gather_qmm"], views["gather_qmm"] = theirs, in_entry_order(plan)
     for tile_m, (tiled, tile_experts) in tiles.items():
         sides[f"mlx,tile_m={tile_m}"] = \
@@ -408,6 +421,10 @@ def main(argv=None) -> int:
                         help="routing skew S: experts drawn with probability "
                              "proportional to 1 / (rank + 1) ** S, 0 uniform "
                              "(default: %(default)s)")
+    parser.add_argument("--no-sorted", dest="sorted_rows", action="store_false",
+                        help="leave out MLX's sorted single rows, minutes at prefill sizes: "
+                             "MLX's tiles are the reference, 64 unless --mlx-tiles "
+                             "(default: sorted rows, the reference below 65,535 rows)")
     parser.add_argument("--sides", default="kernel,ceilings",
                         help="comma list of the sides timed beside MLX's gather_qmm: kernel "
                              "(the package's, each tiling, and gate+up unfused), ceilings "
@@ -428,6 +445,7 @@ def main(argv=None) -> int:
         for tokens in (int(t) for t in args.tokens.split(",")):
             for row in measure(name, tokens, args.calls, args.bandwidth, tilings,
                                mlx_tiles=mlx_tiles, skew=args.skew,
+                               sorted_rows=args.sorted_rows,
                                kernel="kernel" in sides, ceilings="ceilings" in sides):
                 print(f"{name:15s} {tokens:4d} {row['projection']:7s} {row['tiling']:18s} "
                       f"{row['active_experts']:7d} {row['ours_us']:8.1f} "

@@ -52,7 +52,7 @@
 #               one load a word and a value (wide_loads=0) beside the wide loads.
 #   grouped-qmm-prefill (not in `bench`) the expert GEMMs at T = 512 to 16384,
 #               every shape: the kernel (its block tiles by default, halved in
-#               rows, in fewer groups, two groups a stage), MLX's sorted and tiled gather_qmm and
+#               rows, in fewer groups, two groups a stage), MLX's tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
@@ -216,7 +216,7 @@ if wanted grouped-qmm-prefill; then
   for skew in 0 0.5; do
     logged "$results/grouped-qmm-prefill-skew$skew.log" python3 -m benchmarks.grouped_qmm \
       --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 \
-      --tokens 512,2048,8192,16384 --mlx-tiles 16,64 --skew "$skew" --calls 8 \
+      --tokens 512,2048,8192,16384 --mlx-tiles 16,64 --skew "$skew" --calls 8 --no-sorted \
       --tilings "default;block_row_tiles=2;block_max_groups=528;block_stage_values=128,block_row_tiles=2"
   done
 fi

@@ -456,8 +456,11 @@ def test_grouped_qmm_prefill_sides(monkeypatch):
         bench_qmm.routed_experts(64, 4, 4096, 0.0, np.random.default_rng(0)), 64)
     # Past MLX_SORTED_ROWS rows, MLX's tiles of 64 are the reference (its sorted
     # single rows fail to launch on CUDA there), given or not.
+    expected = [(projection, "default", "mlx,tile_m=64") for projection in ("gate", "down")
+                ] + [("gate+up", side, "mlx,tile_m=64") for side in ("unfused", "fused")]
+    unsorted = bench_qmm.measure("small", tokens, 2, 4800.0, [{}], sorted_rows=False)
+    assert [(line["projection"], line["tiling"], line["reference"])
+            for line in unsorted] == expected  # --no-sorted: the same
     monkeypatch.setattr(bench_qmm, "MLX_SORTED_ROWS", tokens * shape.top_k)
     past = bench_qmm.measure("small", tokens, 2, 4800.0, [{}])
-    assert [(line["projection"], line["tiling"], line["reference"]) for line in past] == [
-        (projection, "default", "mlx,tile_m=64") for projection in ("gate", "down")
-    ] + [("gate+up", side, "mlx,tile_m=64") for side in ("unfused", "fused")]
+    assert [(line["projection"], line["tiling"], line["reference"]) for line in past] == expected
