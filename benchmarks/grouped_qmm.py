@@ -341,7 +341,7 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
     each tiling (lines "fused" for the default, "fused,gated_tiles=1" ...), the
     unfused kernels ("unfused", default tiling) and MLX's tiled gather_qmm at
     each of `tiles` (`tile_plans`), against MLX's sorted `gather_qmm`
-    (`sorted_rows`, where it launches; else the first of `tiles`)."""
+    (`sorted_rows`, as `measure` decides it; else the first of `tiles`)."""
     from mlx_moe_plan import _backend, _gpu, moe_gather
     from mlx_moe_plan.kernels import launch
 
@@ -381,7 +381,7 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
         return (gate * mx.sigmoid(gate) * up).reshape(tiled.capacity, out_dims)
 
     sides, views = {}, {}
-    if sorted_rows and plan.capacity < MLX_SORTED_ROWS:
+    if sorted_rows:
         sides["gather_qmm"], views["gather_qmm"] = theirs, in_entry_order(plan)
     for tile_m, (tiled, tile_experts) in tiles.items():
         sides[f"mlx,tile_m={tile_m}"] = \

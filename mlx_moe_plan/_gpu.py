@@ -41,11 +41,10 @@ def _mlx_value(value):
     return getattr(mx, value) if isinstance(value, str) else value
 
 
-def _run(backend: str, name: str, arrays: list, kernel_launch: launch.Launch, stream):
-    """Run body `name` on `arrays`, then its `params` array, as `kernel_launch` says."""
-    assert name == kernel_launch.body, (name, kernel_launch.body)
+def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
+    """Run `kernel_launch`'s body on `arrays`, then its `params` array, as it says."""
     extra = {} if POISON is None else {"init_value": POISON}
-    return _kernel(backend, name)(
+    return _kernel(backend, kernel_launch.body)(
         inputs=[*arrays, _params(kernel_launch.params, stream)],
         template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
         grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),
@@ -153,8 +152,7 @@ class GpuBackend:
             # row_weights is a permutation of the weights that carries no gradient
             # (as in the C++ primitive); combine's gradient reaches them directly.
             weights_in = mx.stop_gradient(weights) if has_weights else _unused_weights()
-            plan_data, row_weights = _run(
-                self.backend, "plan", [ids, weights_in], plan_launch, stream)
+            plan_data, row_weights = _run(self.backend, [ids, weights_in], plan_launch, stream)
 
         def field(name: str, shape: tuple[int, ...]) -> mx.array:
             if name == "row_weights":
@@ -252,8 +250,8 @@ def _argsort_slice(backend, values, start, count, stream):
                 mx.zeros((*rows_shape, count), values.dtype))
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
                                                _name(values.dtype))
-    indices, slice_values = _run(backend, "argsort_slice", [_device_buffer(values, stream)],
-                                 slice_launch, stream)
+    indices, slice_values = _run(backend, [_device_buffer(values, stream)], slice_launch,
+                                 stream)
     return indices.reshape(*rows_shape, count), slice_values.reshape(*rows_shape, count)
 
 
@@ -300,7 +298,7 @@ def _gather(backend, src, index, dtype, stream):
     src = _device_buffer(src, stream)
     gather_launch = launch.gather_launch(num_src, hidden, num_rows, _name(src.dtype),
                                          _name(dtype))
-    (out,) = _run(backend, "gather", [src, index], gather_launch, stream)
+    (out,) = _run(backend, [src, index], gather_launch, stream)
     return out
 
 
@@ -314,7 +312,7 @@ def _combine(backend, src, index, weights, dtype, stream):
         num_src, hidden, num_out, fan_in, has_weights, _name(src.dtype), _name(dtype))
     weights_in = weights if has_weights else _unused_weights()
     src = _device_buffer(src, stream)
-    (out,) = _run(backend, "combine", [src, index, weights_in], combine_launch, stream)
+    (out,) = _run(backend, [src, index, weights_in], combine_launch, stream)
     return out
 
 
@@ -371,9 +369,8 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
         tuple(_device_buffer(a, stream) for a in up)
-    (out,) = _run(backend, qmm_launch.body,
-                  [rows, expert_offsets if row_tokens is None else row_tokens, weight, scales,
-                   biases, *up, expert_offsets], qmm_launch, stream)
+    (out,) = _run(backend, [rows, expert_offsets if row_tokens is None else row_tokens, weight,
+                            scales, biases, *up, expert_offsets], qmm_launch, stream)
     return out
 
 

@@ -183,9 +183,9 @@ def _buffer(context: cl.Context, queue: cl.CommandQueue, array: np.ndarray) -> c
     return buffer
 
 
-def run(name: str, arrays: list[np.ndarray], kernel_launch: launch.Launch) -> list[np.ndarray]:
-    """Body `name` on `arrays`, then the params array, as `_gpu._run` runs it."""
-    assert name == kernel_launch.body, (name, kernel_launch.body)
+def run(arrays: list[np.ndarray], kernel_launch: launch.Launch) -> list[np.ndarray]:
+    """`kernel_launch`'s body on `arrays`, then the params array, as `_gpu._run` runs it."""
+    name = kernel_launch.body
     context, queue = _opencl()
     limit = max_group_size(name, kernel_launch.template)
     if kernel_launch.group_size > limit:  # never shrink a group here: the bodies assume their size
@@ -230,7 +230,7 @@ def plan(ids, weights, num_experts: int, tile_m: int, top_k: int) -> ref.Referen
             np.zeros(num_experts + 1, np.int32), empty, 0, 0, 0, **sizes)
     plan_launch = launch.plan_launch(num_entries, num_experts, tile_m, top_k, has_weights)
     weights_in = np.zeros(1, np.float32) if weights is None else np.asarray(weights, np.float32)
-    plan_data, row_weights = run("plan", [flat, weights_in.reshape(-1)], plan_launch)
+    plan_data, row_weights = run([flat, weights_in.reshape(-1)], plan_launch)
     layout, _ = launch.plan_layout(num_entries, num_experts, tile_m)
     fields = {name: plan_data[offset:offset + size] for name, (offset, size) in layout.items()}
     return ref.ReferencePlan(
@@ -264,7 +264,7 @@ def gather(src: np.ndarray, index: np.ndarray, out_dtype: str) -> np.ndarray:
     if num_rows == 0 or hidden == 0:
         return np.zeros((num_rows, hidden), DTYPES[out_dtype][0])
     gather_launch = launch.gather_launch(num_src, hidden, num_rows, dtype_name(src), out_dtype)
-    (out,) = run("gather", [_device_buffer(src), np.asarray(index, np.int32)], gather_launch)
+    (out,) = run([_device_buffer(src), np.asarray(index, np.int32)], gather_launch)
     return out
 
 
@@ -281,7 +281,7 @@ def combine(src: np.ndarray, index: np.ndarray, weights, out_dtype: str) -> np.n
     combine_launch = launch.combine_launch(
         num_src, hidden, num_out, fan_in, has_weights, dtype_name(src), out_dtype)
     weights_in = np.asarray(weights, np.float32) if has_weights else np.zeros(1, np.float32)
-    (out,) = run("combine", [_device_buffer(src), np.asarray(index, np.int32), weights_in],
+    (out,) = run([_device_buffer(src), np.asarray(index, np.int32), weights_in],
                  combine_launch)
     return out
 
@@ -314,7 +314,7 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
         [_device_buffer(a) for a in (np.asarray(up[0], np.uint32), *up[1:])]
     arrays = [rows, offsets if row_tokens is None else np.asarray(row_tokens, np.int32),
               *matrices, *up, offsets]
-    (out,) = run(qmm_launch.body, arrays, qmm_launch)
+    (out,) = run(arrays, qmm_launch)
     return out
 
 
@@ -328,5 +328,5 @@ def argsort_slice(values: np.ndarray, start: int, count: int) -> tuple[np.ndarra
         return np.zeros((0, count), np.uint32), np.zeros((0, count), values.dtype)
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
                                                dtype_name(values))
-    indices, slice_values = run("argsort_slice", [_device_buffer(values)], slice_launch)
+    indices, slice_values = run([_device_buffer(values)], slice_launch)
     return indices, slice_values
