@@ -49,17 +49,18 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ROW_KINDS = ("float32", "float16", "bfloat16")  # the bodies' IN_KIND codes
 
 
+# Both grouped GEMM bodies take the same arguments.
+_GROUPED_QMM_ARGUMENTS = (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
+                           "up_scales", "up_biases", "expert_offsets", "params"), ("out",))
+
 # Each body's arguments, as `_gpu.py` and the OpenCL harness pass them: its
 # input arrays, the last always `params`, then its outputs.
 INPUTS_OUTPUTS = {
     "plan": (("ids", "weights", "params"), ("plan_data", "row_weights")),
     "gather": (("src", "index", "params"), ("out",)),
     "combine": (("src", "index", "weights", "params"), ("out",)),
-    "grouped_qmm": (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
-                     "up_scales", "up_biases", "expert_offsets", "params"), ("out",)),
-    # grouped_qmm.h's GEMM in block tiles, for many rows an expert: its arguments
-    "grouped_qmm_tiles": (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
-                           "up_scales", "up_biases", "expert_offsets", "params"), ("out",)),
+    "grouped_qmm": _GROUPED_QMM_ARGUMENTS,
+    "grouped_qmm_tiles": _GROUPED_QMM_ARGUMENTS,  # grouped_qmm.h's GEMM in block tiles
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
 }
 
