@@ -84,9 +84,10 @@ BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "args
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (
     "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
-    "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT", "MUL_RN", "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16",
-    "UNROLL", "MMA_16x8x16", "PAIR_SUB", "PAIR_FMA", "AND_OR", "SHARED_SPACE", "ASYNC_COPY16",
-    "ASYNC_COMMIT", "ASYNC_WAIT",
+    "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT", "MUL_RN",
+    "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16", "UNROLL", "MMA_16x8x16", "PAIR_SUB", "PAIR_FMA",
+    "AND_OR", "LOW_HALVES", "HIGH_HALVES", "SHARED_SPACE", "ASYNC_COPY16", "ASYNC_COMMIT",
+    "ASYNC_WAIT",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
 

@@ -298,8 +298,8 @@ UNROLL
                 const int from = ((s * ROW_TILES + n) * LANE_WORDS + w) * (VALUES / 2) + m;
                 const unsigned low = halves[from];
                 const unsigned high = halves[from + VALUES / 4];
-                b[2 * n] = (low & 0xFFFFu) | (high << 16);
-                b[2 * n + 1] = (low >> 16) | (high & 0xFFFF0000u);
+                b[2 * n] = LOW_HALVES(low, high);
+                b[2 * n + 1] = HIGH_HALVES(low, high);
                 MMA_16x8x16(&value_sums[4 * n], ones, &b[2 * n], mma_exchange + warp_exchange, lane);
               }
 UNROLL

@@ -228,36 +228,44 @@ UNROLL
     if (step < num_stages) {
       const int buffer = step % STAGES;
       const int group0 = step * STAGE_GROUPS;
+      const int value = step * STAGE_VALUES;
+      const int word = group0 * GROUP_WORDS;
+      SHARED_SPACE unsigned* rows_into = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE;
+      SHARED_SPACE unsigned* words_into = stage_words
+                                          + buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
+      // One branch a stage, not one a copy: the copies then issue back to
+      // back, and a count that THREADS divides needs no bound check.
+      if (vectors) {
 UNROLL
-      for (int i = 0; i < ROW_COPIES; ++i) {
-        if ((int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
-          const int value = step * STAGE_VALUES;
-          SHARED_SPACE unsigned* target = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE
-                                          + row_targets[i];
-          if (vectors) {
-            ASYNC_COPY16(target, row_sources[i] + value);
-          } else {
+        for (int i = 0; i < ROW_COPIES; ++i) {
+          if (ROW_COPIES * THREADS == BLOCK_ROWS * ROW_CHUNKS
+              || (int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
+            ASYNC_COPY16(rows_into + row_targets[i], row_sources[i] + value);
+          }
+        }
+UNROLL
+        for (int i = 0; i < WORD_COPIES; ++i) {
+          if (WORD_COPIES * THREADS == MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS
+              || (int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
+            ASYNC_COPY16(words_into + word_targets[i], word_sources[i] + word);
+          }
+        }
+      } else {
+        for (int i = 0; i < ROW_COPIES; ++i) {
+          if ((int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
 UNROLL
             for (int j = 0; j < 4; ++j) {
-              target[j] = (unsigned)row_sources[i][value + 2 * j]
-                          | ((unsigned)row_sources[i][value + 2 * j + 1] << 16);
+              rows_into[row_targets[i] + j] =
+                  (unsigned)row_sources[i][value + 2 * j]
+                  | ((unsigned)row_sources[i][value + 2 * j + 1] << 16);
             }
           }
         }
-      }
-UNROLL
-      for (int i = 0; i < WORD_COPIES; ++i) {
-        if ((int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
-          const int word = group0 * GROUP_WORDS;
-          SHARED_SPACE unsigned* target = stage_words
-                                          + buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE
-                                          + word_targets[i];
-          if (vectors) {
-            ASYNC_COPY16(target, word_sources[i] + word);
-          } else {
+        for (int i = 0; i < WORD_COPIES; ++i) {
+          if ((int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
 UNROLL
             for (int j = 0; j < 4; ++j) {
-              target[j] = word_sources[i][word + j];
+              words_into[word_targets[i] + j] = word_sources[i][word + j];
             }
           }
         }
@@ -342,8 +350,8 @@ UNROLL
             for (int n = 0; n < ROW_TILES; ++n) {
               const unsigned low = halves[n * (VALUES / 2) + m];
               const unsigned high = halves[n * (VALUES / 2) + m + VALUES / 4];
-              b[2 * n] = (low & 0xFFFFu) | (high << 16);
-              b[2 * n + 1] = (low >> 16) | (high & 0xFFFF0000u);
+              b[2 * n] = LOW_HALVES(low, high);
+              b[2 * n + 1] = HIGH_HALVES(low, high);
             }
 UNROLL
             for (int t = 0; t < TILES; ++t) {

@@ -115,12 +115,14 @@ class GroupedQmmTiling:
     tiles_from_rows: int = 32
     # its block: warps over the rows and over the columns (ROW_WARPS,
     # COLUMN_WARPS), each of block_tiles 16-column tiles (block_gated_tiles
-    # each of gate and up, gated) by block_row_tiles 8-row tiles
-    block_row_warps: int = 2
-    block_column_warps: int = 2
-    block_tiles: int = 4
-    block_gated_tiles: int = 2
-    block_row_tiles: int = 4
+    # each of gate and up, gated) by block_row_tiles 8-row tiles. Every warp
+    # takes all the block's rows: a weight a warp makes 16-bit serves them
+    # all, and no two warps make the same one.
+    block_row_warps: int = 1
+    block_column_warps: int = 4
+    block_tiles: int = 2
+    block_gated_tiles: int = 1
+    block_row_tiles: int = 8
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
     # input values a stage at least, in whole quantization groups that divide
     # the row (STAGE_GROUPS; else one group a stage): fewer barriers, more memory

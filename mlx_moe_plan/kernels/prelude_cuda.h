@@ -71,6 +71,11 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned b
   return d;
 }
 #define AND_OR(a, mask, bits) and_or((a), (mask), (bits))
+// LOW_HALVES(a, b): the pair (a's low 16 bits, b's low 16 bits); HIGH_HALVES
+// the same of the high halves. One byte permute each (two instructions as
+// shifts and masks).
+#define LOW_HALVES(a, b) __byte_perm((a), (b), 0x5410)
+#define HIGH_HALVES(a, b) __byte_perm((a), (b), 0x7632)
 // ASYNC_COPY16: 16 bytes from global to shared memory, asynchronously
 // (cp.async, sm_80 on; both addresses 16-byte aligned), in the group of copies
 // that ASYNC_COMMIT closes; ASYNC_WAIT(n): until at most the newest n such

@@ -89,6 +89,9 @@ inline uint pair_fma(uint a, uint b, uint c) {
 #define PAIR_FMA(a, b, c) pair_fma<IN_KIND>((a), (b), (c))
 // AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
 #define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
+// LOW_HALVES, HIGH_HALVES: the pair of two words' low (high) 16-bit halves.
+#define LOW_HALVES(a, b) (((a) & 0xFFFFu) | ((b) << 16))
+#define HIGH_HALVES(a, b) (((a) >> 16) | ((b) & 0xFFFF0000u))
 // ASYNC_COPY16: 16 bytes from device to threadgroup memory; here a plain
 // copy, done when it returns, so ASYNC_COMMIT and ASYNC_WAIT have nothing to
 // do (the barrier that follows them is still needed).
