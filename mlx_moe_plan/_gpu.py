@@ -12,7 +12,7 @@ in C++.
 from __future__ import annotations
 
 import math
-from functools import cache
+from functools import cache, partial
 from typing import Callable
 
 import mlx.core as mx
@@ -25,9 +25,14 @@ POISON: float | None = None
 
 
 @cache
-def _kernel(backend: str, name: str):
+def _kernel(backend: str, name: str, shared_bytes: int = 0):
+    """Body `name` as MLX's kernel; on CUDA with `shared_bytes` of dynamic
+    shared memory (a kernel object has one size: a kernel a size)."""
     inputs, outputs = launch.INPUTS_OUTPUTS[name]
-    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    if backend == "metal":
+        make = mx.fast.metal_kernel
+    else:
+        make = partial(mx.fast.cuda_kernel, shared_memory=shared_bytes)
     return make(
         name=f"moe_{name}",
         input_names=list(inputs),
@@ -44,7 +49,8 @@ def _mlx_value(value):
 def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
     """Run `kernel_launch`'s body on `arrays`, then its `params` array, as it says."""
     extra = {} if POISON is None else {"init_value": POISON}
-    return _kernel(backend, kernel_launch.body)(
+    shared_bytes = kernel_launch.shared_bytes if backend == "cuda" else 0
+    return _kernel(backend, kernel_launch.body, shared_bytes)(
         inputs=[*arrays, _params(kernel_launch.params, stream)],
         template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
         grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),

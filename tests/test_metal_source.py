@@ -61,7 +61,7 @@ class Launch:
 def _record() -> list[Launch]:
     launches = []
 
-    def fake_kernel(backend, name):
+    def fake_kernel(backend, name, shared_bytes=0):
         def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
             metas = tuple((a.dtype, tuple(a.shape)) for a in inputs)
             launches.append(Launch(name, tuple(template), metas, tuple(output_dtypes),

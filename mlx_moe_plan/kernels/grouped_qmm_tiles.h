@@ -69,10 +69,14 @@ const int STAGE_SCALES = MATRICES * BLOCK_COLUMNS * STAGE_GROUPS;
 // 16-byte copies need 16-byte rows and matrices (in_dims is a multiple of 32
 // values, so their rows are): MLX's fresh arrays are, a view need not be.
 const bool vectors = IS_ALIGNED16(rows) && IS_ALIGNED16(weight) && IS_ALIGNED16(up_weight);
-SHARED unsigned stage_rows[STAGES * BLOCK_ROWS * ROW_STRIDE];
-SHARED unsigned stage_words[STAGES * (1 + GATED) * BLOCK_COLUMNS * WORD_STRIDE];
-// scales, then biases, as pairs (value, value)
-SHARED unsigned stage_scales[STAGES * 2 * (1 + GATED) * BLOCK_COLUMNS * STAGE_GROUPS];
+// The stages: rows, then packed columns, then scales and biases as pairs
+// (value, value); in the launch's dynamic memory on CUDA (SHARED_WORDS).
+SHARED_WORDS(stage_memory, STAGES * (BLOCK_ROWS * ROW_STRIDE + MATRICES * BLOCK_COLUMNS
+                                     * (WORD_STRIDE + 2 * STAGE_GROUPS)));
+SHARED_SPACE unsigned* stage_rows = stage_memory;
+SHARED_SPACE unsigned* stage_words = stage_rows + STAGES * BLOCK_ROWS * ROW_STRIDE;
+SHARED_SPACE unsigned* stage_scales = stage_words
+                                      + STAGES * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
 SHARED int expert_blocks[MAX_EXPERTS];
 SHARED int block_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
@@ -284,7 +288,6 @@ UNROLL
       const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
       const int scales_at = buffer * 2 * STAGE_SCALES;
       const int warp_column = (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
-UNROLL
       for (int group = 0; group < STAGE_GROUPS; ++group) {  // the stage's groups
         // The scale and bias pairs of the lane's columns (as packed, below).
         unsigned scale_pairs[TILES * 2];

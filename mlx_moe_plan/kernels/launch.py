@@ -126,7 +126,7 @@ class GroupedQmmTiling:
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
     # input values a stage at least, in whole quantization groups that divide
     # the row (STAGE_GROUPS; else one group a stage): fewer barriers, more memory
-    block_stage_values: int = 64
+    block_stage_values: int = 128
     block_max_groups: int = 4096
 
     def check(self) -> None:
@@ -225,6 +225,9 @@ class Launch:
     params: PlanParams | GatherParams | CombineParams | GroupedQmmParams | ArgsortSliceParams
     template: tuple[tuple[str, object], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
+    # bytes of the body's SHARED_WORDS, requested at launch where the
+    # backend allocates it (CUDA's dynamic shared memory)
+    shared_bytes: int = 0
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -393,9 +396,12 @@ def grouped_qmm_body(capacity: int, num_experts: int) -> str:
             else "grouped_qmm")
 
 
-# The static shared memory a group may declare: CUDA's 48 KB (more takes a
-# dynamic allocation), Metal's 32 KB. The OpenCL tests run CUDA's sizes.
-SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024, "opencl": 48 * 1024}
+# The shared memory a group of the block tiles may take. Metal's 32 KB. On
+# CUDA, 99 KB, past the 48 KB a group may declare statically (its stages are
+# dynamic, SHARED_WORDS): the least of the sm_80-and-later GPUs' limits a
+# group (sm_86 and sm_89), and two groups an SM on an A100, H100 or H200.
+# The OpenCL tests run CUDA's sizes.
+SHARED_BYTES = {"cuda": 99 * 1024, "metal": 32 * 1024, "opencl": 99 * 1024}
 
 
 def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
@@ -424,18 +430,19 @@ def _grouped_qmm_tiles_launch(
     lane_words = quant_group // (4 * values)
     stage_groups = max(1, tiling.block_stage_values // quant_group)
     stage_groups = stage_groups if (in_dims // quant_group) % stage_groups == 0 else 1
-    stage_values = stage_groups * quant_group
-    row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
-    word_stride = _conflict_free_stride(stage_values // values, lane_words, min(lane_words, 4))
     threads = 32 * tiling.block_row_warps * tiling.block_column_warps
     matrices = 2 if gated else 1
-    # Stages first, then the block's columns, then its rows, until the
-    # shared memory fits (expert_blocks, block_scan, and the emulated
-    # multiply-add's exchange where a prelude uses it).
+    # Stages first, then their values, then the block's columns, then its
+    # rows, until the shared memory fits (expert_blocks, block_scan, and the
+    # emulated multiply-add's exchange where a prelude uses it).
     fixed = 4 * (MAX_EXPERTS + threads + (6 * threads if exchange else 0))
     column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles
     row_tiles, stages = tiling.block_row_tiles, tiling.block_stages
     while True:
+        stage_values = stage_groups * quant_group
+        row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
+        word_stride = _conflict_free_stride(stage_values // values, lane_words,
+                                            min(lane_words, 4))
         block_rows = tiling.block_row_warps * 8 * row_tiles
         block_columns = tiling.block_column_warps * 16 * column_tiles
         stage_bytes = 4 * (block_rows * row_stride + matrices * block_columns * word_stride
@@ -444,6 +451,8 @@ def _grouped_qmm_tiles_launch(
             break
         if stages > 2:
             stages -= 1
+        elif stage_groups % 2 == 0:
+            stage_groups //= 2
         elif column_tiles > 1:
             column_tiles //= 2
         elif row_tiles > 1:
@@ -468,7 +477,22 @@ def _grouped_qmm_tiles_launch(
          ("STAGE_GROUPS", stage_groups), ("STAGES", stages), ("ROW_STRIDE", row_stride),
          ("WORD_STRIDE", word_stride)),
         (((capacity, out_dims), dtype),),
+        _dynamic_shared_bytes(fixed, stages * stage_bytes),
     )
+
+
+# A CUDA group's static and dynamic shared memory together pass 48 KB only
+# where the kernel allows more dynamic memory than that, which MLX's
+# cuda_kernel does when asked for more than 48,000 bytes.
+CUDA_OPT_IN_BYTES = 48_001
+
+
+def _dynamic_shared_bytes(static_bytes: int, dynamic_bytes: int) -> int:
+    """The dynamic shared memory to ask for: `dynamic_bytes`, or
+    CUDA_OPT_IN_BYTES where the two together pass 48 KB."""
+    if static_bytes + dynamic_bytes > 48 * 1024:
+        return max(dynamic_bytes, CUDA_OPT_IN_BYTES)
+    return dynamic_bytes
 
 
 @lru_cache(maxsize=256)

@@ -5,6 +5,10 @@ typedef long long i64;
 #define GLOBAL
 #define SHARED_SPACE
 #define SHARED __shared__
+// SHARED_WORDS(name, words): `words` unsigned in group memory, taken from the
+// launch's dynamic shared memory (launch.Launch.shared_bytes), which may pass
+// the 48 KB a group may declare statically. One a body: such arrays alias.
+#define SHARED_WORDS(name, words) extern __shared__ __align__(16) unsigned name[]
 #define BARRIER() __syncthreads()
 #define SHARED_ATOMIC_UINT unsigned
 #define ATOMIC_ADD(p, v) atomicAdd((p), (v))

@@ -10,6 +10,9 @@ typedef long i64;
 #define GLOBAL device
 #define SHARED threadgroup
 #define SHARED_SPACE threadgroup
+// SHARED_WORDS(name, words): `words` unsigned in group memory (on CUDA the
+// launch's dynamic shared memory).
+#define SHARED_WORDS(name, words) threadgroup unsigned name[words]
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define SHARED_ATOMIC_UINT atomic_uint
 #define ATOMIC_ADD(p, v) atomic_fetch_add_explicit((p), (v), memory_order_relaxed)

@@ -7,6 +7,9 @@ typedef long i64;
 #define GLOBAL __global
 #define SHARED __local
 #define SHARED_SPACE __local
+// SHARED_WORDS(name, words): `words` unsigned in group memory (on CUDA the
+// launch's dynamic shared memory).
+#define SHARED_WORDS(name, words) __local unsigned name[words]
 #define BARRIER() barrier(CLK_LOCAL_MEM_FENCE)
 #define SHARED_ATOMIC_UINT uint
 #define ATOMIC_ADD(p, v) atomic_add((p), (v))
