@@ -324,7 +324,7 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
 
 
 def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True,
-                dense_rows: bool = True) -> int:
+                dense_rows: bool = True, dense: bool = False) -> int:
     """Replace every mlx-lm `SwitchGLU` in `model`, in place, keeping its weights.
 
     Float and quantized layers alike: the projections are kept as they are.
@@ -336,7 +336,10 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     (attention, shared experts, routers, the lm_head) take a decoding batch's
     rows as one matrix where `rules.dense_as_rows` measured that faster
     (`projections.py`); they become instances of a subclass of their own
-    class and of `projections.RowsProjection`.
+    class and of `projections.RowsProjection`. With `dense` (opt-in), the
+    same projections compute a prefill's rows through the grouped kernel as
+    one expert where `rules.dense_as_expert` measured that faster (the
+    lm_head on CUDA).
 
     A model patched already (its layers this package's, its blocks fused and
     projections given rows as asked) is left as it is: the call returns 0 and
@@ -355,6 +358,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
           Default: ``True``.
         dense_rows (bool): Give the dense quantized projections a decoding
           batch's rows as one matrix where measured faster. Default: ``True``.
+        dense (bool): Compute the dense quantized projections' prefill rows
+          by the grouped kernel where measured faster. Default: ``False``.
 
     Returns:
         int: How many layers were replaced.
@@ -374,7 +379,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
                 fused_blocks.fuse(module, entry)
                 fused += 1
     has_layers = any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
-    rows = projections.take_rows(model) if dense_rows and has_layers else 0
+    rows = (projections.take_rows(model, decoding=dense_rows, prefill=dense)
+            if (dense_rows or dense) and has_layers else 0)
     name = type(model).__name__
     if ours_before and formulation is not None:
         warnings.warn(f"patch_model: {name} is patched already ({ours_before} MoE layers "

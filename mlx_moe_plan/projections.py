@@ -15,6 +15,10 @@ is. The layers keep their class's parameters and code (they become instances
 of a subclass of their own class), so checkpoints, `nn.quantize` and
 `load_weights` work as before, and where the rule keeps the input's shape the
 layer computes what mlx-lm's does, op for op.
+
+With `patch_model(dense=True)` (opt-in), the same layers also compute a
+prefill's rows through the grouped kernel as one expert where
+`rules.dense_as_expert` measured that faster (the lm_heads, on CUDA).
 """
 
 from __future__ import annotations
@@ -22,20 +26,26 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import _backend
 from ._backend import on_cuda
-from .rules import dense_as_rows
+from .rules import dense_as_expert, dense_as_rows
 
 
 class RowsProjection:
     """Marks a dense quantized layer whose class `patch_model` swapped for one
-    that hands a decoding batch's rows to its GEMM as one matrix."""
+    that hands a decoding batch's rows to its GEMM as one matrix
+    (`decoding_rows`) and a prefill's rows to the grouped kernel as one expert
+    (`prefill_expert`), each where its rule says so."""
+
+    decoding_rows: bool = True
+    prefill_expert: bool = False
 
 
 def _as_rows(layer: nn.Module, x: mx.array) -> bool:
     """Whether `layer` computes `x` `[..., 1, D]` of several matrices as rows."""
     shape = x.shape
-    if len(shape) < 3 or shape[-2] != 1:  # not a decoding step's [..., 1, D]
-        return False
+    if not layer.decoding_rows or len(shape) < 3 or shape[-2] != 1:
+        return False  # not asked, or not a decoding step's [..., 1, D]
     rows = x.size // shape[-1]
     # One row is one matrix either way (a batch of one). The sizes are asked
     # first and the stream only where they would take rows on CUDA: every
@@ -45,8 +55,39 @@ def _as_rows(layer: nn.Module, x: mx.array) -> bool:
             and on_cuda())
 
 
+def _as_expert(layer: nn.Module, x: mx.array) -> bool:
+    """Whether `layer` computes `x` `[..., D]` through the grouped kernel as one expert."""
+    if not layer.prefill_expert or x.ndim < 2:
+        return False
+    if not (dense_as_expert(layer["weight"].shape[0], x.shape[-1], x.size // x.shape[-1],
+                            layer.bits, x.dtype.size * 8, layer.mode, cuda=True)
+            and layer.get("biases") is not None and layer["scales"].dtype == x.dtype
+            and on_cuda()):
+        return False
+    backend = _backend.implementation(_backend.resolve_stream(None))
+    return backend.grouped_qmm_computes(bits=layer.bits, group_size=layer.group_size,
+                                        dtype=x.dtype)
+
+
+def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
+    """`layer`'s GEMM of `x` by the grouped kernel: every row the one expert's."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    stream = _backend.resolve_stream(None)
+    out = _backend.implementation(stream).grouped_qmm(
+        rows, layer["weight"][None], layer["scales"][None], layer["biases"][None],
+        mx.array([0, count], dtype=mx.int32), mx.zeros((count,), dtype=mx.int32),
+        bits=layer.bits, group_size=layer.group_size, stream=stream)
+    if "bias" in layer:
+        out = out + layer["bias"]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
-    """`call(layer, x)` with `x` reshaped to rows `[n, D]` where the rule says so."""
+    """`call(layer, x)` with `x` reshaped to rows `[n, D]` where the rule says
+    so, or through the grouped kernel where `dense_as_expert` does."""
+    if _as_expert(layer, x):
+        return _one_expert(layer, x)
     if not _as_rows(layer, x):
         return call(layer, x)
     y = call(layer, x.reshape(-1, x.shape[-1]))
@@ -85,17 +126,23 @@ def _takes_rows(module: nn.Module) -> bool:
     return False
 
 
-def take_rows(model: nn.Module) -> int:
+def take_rows(model: nn.Module, *, decoding: bool = True, prefill: bool = False) -> int:
     """Give every dense quantized projection of `model` the rows call, in place.
 
     Args:
         model (Module): A model (or any module tree).
+        decoding (bool): A decoding batch's rows as one matrix where
+          `rules.dense_as_rows` says so. Default: ``True``.
+        prefill (bool): A prefill's rows through the grouped kernel as one
+          expert where `rules.dense_as_expert` says so. Default: ``False``.
 
     Returns:
         int: How many layers were given it (layers that have it already are
-        not counted).
+        not counted, and keep what they were given).
     """
     layers = [module for _, module in model.named_modules() if _takes_rows(module)]
     for module in layers:
         module.__class__ = _rows_class(type(module))
+        module.decoding_rows = decoding
+        module.prefill_expert = prefill
     return len(layers)

@@ -192,3 +192,37 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
             and in_dims % 64 == 0 and rows >= DENSE_ROWS_FROM_ROWS
             and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
             and rows * out_dims >= DENSE_ROWS_FROM_OUTPUTS)
+
+
+# patch_model(dense=True): a prefill's rows of a dense projection through the
+# grouped kernel's block tiles as one expert. Their blocks of 64 rows by 128
+# columns fill the GPU from few rows only for wide projections (the lm_heads'
+# vocabularies): narrower ones pay only from thousands of rows.
+DENSE_EXPERT_FROM_ROWS = 512
+DENSE_EXPERT_FROM_OUT_DIMS = 100_000
+
+
+def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits: int,
+                    mode: str, *, cuda: bool) -> bool:
+    """Whether a dense quantized projection computes a prefill's rows through
+    the grouped kernel as one expert (`patch_model(dense=True)`).
+
+    On CUDA, as measured: 16-bit rows, affine 4 bits, from
+    `DENSE_EXPERT_FROM_ROWS` rows, projections of `DENSE_EXPERT_FROM_OUT_DIMS`
+    output columns and more. Elsewhere never until measured.
+
+    Args:
+        out_dims (int): Output columns N of the projection.
+        in_dims (int): Input dimension D.
+        rows (int): Rows of the input (a prefill's tokens).
+        bits (int): Bits a weight.
+        dtype_bits (int): Bits of an element of the rows.
+        mode (str): The quantization mode (`"affine"`, ...).
+        cuda (bool): Whether the projection runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True for the grouped kernel.
+    """
+    return (cuda and mode == "affine" and bits == 4 and dtype_bits == 16
+            and in_dims % 64 == 0 and rows >= DENSE_EXPERT_FROM_ROWS
+            and out_dims >= DENSE_EXPERT_FROM_OUT_DIMS)

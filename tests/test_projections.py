@@ -167,6 +167,65 @@ def test_rows_call_computes_the_batched_call(rows_always, monkeypatch, shape, as
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("out_dims, rows, bits, dtype_bits, mode, cuda, want", [
+    (151936, 512, 4, 16, "affine", True, True),
+    (rules.DENSE_EXPERT_FROM_OUT_DIMS, rules.DENSE_EXPERT_FROM_ROWS, 4, 16, "affine", True,
+     True),
+    (151936, rules.DENSE_EXPERT_FROM_ROWS - 1, 4, 16, "affine", True, False),
+    (rules.DENSE_EXPERT_FROM_OUT_DIMS - 1, 8192, 4, 16, "affine", True, False),
+    (151936, 8192, 8, 16, "affine", True, False),
+    (151936, 8192, 4, 32, "affine", True, False),
+    (151936, 8192, 4, 16, "mxfp4", True, False),
+    (151936, 8192, 4, 16, "affine", False, False),
+])
+def test_dense_as_expert_rule(out_dims, rows, bits, dtype_bits, mode, cuda, want):
+    assert rules.dense_as_expert(out_dims, 2048, rows, bits, dtype_bits, mode,
+                                 cuda=cuda) is want
+
+
+class OneExpertBackend:
+    """A grouped kernel made of MLX's GEMM, recording its calls: the glue of
+    `projections._one_expert` on any device (the kernel itself is tested on
+    its own)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def grouped_qmm_computes(self, *, bits, group_size, dtype):
+        return True
+
+    def grouped_qmm(self, rows, weight, scales, biases, expert_offsets, row_experts, *,
+                    bits, group_size, stream):
+        self.calls.append((rows.shape, weight.shape, expert_offsets.tolist(),
+                           row_experts.tolist()))
+        return mx.quantized_matmul(rows, weight[0], scales[0], biases[0], transpose=True,
+                                   group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+def test_prefill_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, prefill):
+    """With `prefill` (patch_model's `dense`), a prefill's rows go to the
+    grouped kernel as one expert spanning them all, the layer's own bias
+    added; a decoding step's do not; without it nothing goes there."""
+    backend = OneExpertBackend()
+    monkeypatch.setattr(projections, "dense_as_expert",
+                        lambda out_dims, in_dims, rows, *args, cuda: rows >= 6)
+    monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
+    monkeypatch.setattr(projections._backend, "implementation", lambda stream: backend)
+    tree = small_tree()
+    x = mx.array(np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32))
+    step = x[:, :1]
+    want = [tree.linear(x), tree.embedding.as_linear(x), tree.linear(step)]
+    take_rows(tree, prefill=prefill)
+    got = [tree.linear(x), tree.embedding.as_linear(x), tree.linear(step)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
+    expected = [((6, 64), (1, 256, 8), [0, 6], [0] * 6)] * 2 if prefill else []
+    assert backend.calls == expected
+
+
 # ------------------------------------------------------------------ whole models
 
 
@@ -261,3 +320,19 @@ def test_dense_rows_off_and_models_without_moe(model_dirs):
     dense = nn.Sequential(nn.QuantizedLinear(64, 256, group_size=32, bits=4))
     assert patch_model(dense) == 0
     assert not isinstance(dense.layers[0], RowsProjection)
+
+
+def test_dense_prefill_opt_in_keeps_the_bits_off_cuda(model_dirs):
+    """patch_model(dense=True) marks the projections for the grouped kernel
+    (and dense_rows=False keeps decoding's shape); off CUDA the rule says no,
+    so a prefill's logits are the model patched without it, bit for bit."""
+    without, _ = loaded(model_dirs["qwen3_moe"])
+    patch_model(without)
+    patched, _ = loaded(model_dirs["qwen3_moe"])
+    patch_model(patched, dense=True, dense_rows=False)
+    marked = [m for _, m in patched.named_modules() if isinstance(m, RowsProjection)]
+    assert marked and all(m.prefill_expert and not m.decoding_rows for m in marked)
+    assert not any(m.prefill_expert for _, m in without.named_modules()
+                   if isinstance(m, RowsProjection))
+    tokens = mx.array(np.random.default_rng(2).integers(0, lm_fixtures.VOCAB_SIZE, (1, 512)).astype(np.int32))
+    assert mx.array_equal(patched(tokens), without(tokens))
