@@ -529,6 +529,9 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                 dict(block_column_warps=1, block_tiles=1, block_gated_tiles=1),
                 dict(block_stages=2), dict(block_stages=4, block_row_tiles=1),
                 dict(block_stage_values=256, block_row_tiles=1),
+                dict(block_stage_values=64),
+                dict(block_row_warps=2, block_column_warps=2, block_tiles=4,
+                     block_gated_tiles=2, block_row_tiles=4),
                 dict(block_max_groups=1)]
 
 
@@ -539,6 +542,34 @@ def test_grouped_qmm_tiles_other_blocks(changes):
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **changes):
         check_grouped_qmm(_grouped_qmm, rng, [2, 0, 90, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
         _check_fused(rng, [1, 3, 70], 9, 128, 8, 32, "float16", 0, 5, True, True)
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64),
+                                              (8, 128)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_grouped_qmm_tiles_cuda_memory(bits, group_size, gated):
+    """On CUDA the block's stages fit the group's shared memory with the
+    static arrays, and a launch asks for them as dynamic memory: past 48 KB
+    in all, more than MLX's 48,000-byte threshold, which lets it pass."""
+    tiles = launch.grouped_qmm_launch(128, 2048, 768, 16384, bits, group_size, "bfloat16",
+                                      backend="cuda", gated=gated)
+    template = dict(tiles.template)
+    assert tiles.body == "grouped_qmm_tiles"
+    static = 4 * (MAX_EXPERTS + template["THREADS"])
+    stages = 4 * template["STAGES"] * (
+        template["BLOCK_ROWS"] * template["ROW_STRIDE"]
+        + (1 + gated) * template["BLOCK_COLUMNS"]
+        * (template["WORD_STRIDE"] + 2 * template["STAGE_GROUPS"]))
+    assert tiles.shared_bytes >= stages
+    assert static + tiles.shared_bytes <= launch.SHARED_BYTES["cuda"]
+    if static + stages > 48 * 1024:
+        assert tiles.shared_bytes > 48_000
+
+
+def test_dynamic_shared_bytes():
+    assert launch._dynamic_shared_bytes(4608, 40000) == 40000  # within 48 KB in all
+    assert launch._dynamic_shared_bytes(4608, 46000) == launch.CUDA_OPT_IN_BYTES
+    assert launch._dynamic_shared_bytes(4608, 95232) == 95232
 
 
 # --- argsort_slice: a router's top k, index for index -------------------------------
