@@ -51,8 +51,8 @@
 #               (launch.grouped_qmm_steps), each of them fixed beside it, and
 #               one load a word and a value (wide_loads=0) beside the wide loads.
 #   grouped-qmm-prefill (not in `bench`) the expert GEMMs at T = 512 to 16384,
-#               every shape: the kernel (its block tiles by default, halved in
-#               rows, in fewer groups, two groups a stage), MLX's tiled gather_qmm and
+#               every shape: the kernel (its block tiles by default, in two
+#               stages, in stages of 64 values), MLX's tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
@@ -209,7 +209,7 @@ fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
     --gemms qwen3-30b-a3b/q,qwen3-30b-a3b/kv,qwen3-30b-a3b/o,qwen3-30b-a3b/lm_head,gpt-oss-20b/q,gpt-oss-20b/o,deepseek-v3/shared-up,deepseek-v3/shared-down \
-    --batches 512,2048,8192 --tilings "default;block_row_tiles=2" --max-calls 48 \
+    --batches 512,2048,8192 --tilings default --max-calls 48 \
     --json "$results/dense-prefill.json"
 fi
 if wanted grouped-qmm-prefill; then
@@ -217,7 +217,7 @@ if wanted grouped-qmm-prefill; then
     logged "$results/grouped-qmm-prefill-skew$skew.log" python3 -m benchmarks.grouped_qmm \
       --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 \
       --tokens 512,2048,8192,16384 --mlx-tiles 16,64 --skew "$skew" --calls 8 --no-sorted \
-      --tilings "default;block_row_tiles=2;block_max_groups=528;block_stage_values=128,block_row_tiles=2"
+      --tilings "default;block_stages=2;block_stage_values=64"
   done
 fi
 if wanted projections; then
