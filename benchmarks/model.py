@@ -31,7 +31,9 @@ interleaved one by one (with `--control`, another side: an unpatched copy of
 mlx-lm's model; with `--variant-tile-m M`, another: the model patched with
 `tile_m=M`, a formulation weighed against the rule's in the same run; with
 `--variant-no-dense-rows`, the model patched without dense rows), then
-generate's loop a turn a side. `--processes N`
+generate's loop a turn a side. `--dense` patches with `dense=True` (a
+prefill's lm_head by the grouped kernel, where the last chunk's logits are
+computed). `--processes N`
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
@@ -177,14 +179,14 @@ def set_our_layers(model: nn.Module, **attributes) -> None:
 
 
 def patched_copy(model: nn.Module, tile_m: int | None, no_compile: bool,
-                 dense_rows: bool = True):
-    """A copy of `model` sharing its weights, patched with `tile_m` and
-    `dense_rows` (never compiled with `no_compile`), and how many layers were
-    patched."""
+                 dense_rows: bool = True, dense: bool = False):
+    """A copy of `model` sharing its weights, patched with `tile_m`,
+    `dense_rows` and `dense` (never compiled with `no_compile`), and how many
+    layers were patched."""
     from mlx_moe_plan.nn import patch_model
 
     patched = shared_copy(model)
-    replaced = patch_model(patched, tile_m=tile_m, dense_rows=dense_rows)
+    replaced = patch_model(patched, tile_m=tile_m, dense_rows=dense_rows, dense=dense)
     if no_compile:
         set_our_layers(patched, compile_max_tokens=0)
     return patched, replaced
@@ -209,9 +211,11 @@ def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
                                 group_size=args.group_size)
         describe = {"config": config, "dtype": args.dtype, "bits": args.bits,
                     "group_size": args.group_size}
-    patched, replaced = patched_copy(model, args.tile_m, args.no_compile, args.dense_rows)
+    patched, replaced = patched_copy(model, args.tile_m, args.no_compile, args.dense_rows,
+                                     args.dense)
     describe["patched_layers"] = replaced
     describe["dense_rows"] = args.dense_rows
+    describe["dense"] = args.dense
     describe["weights_gb"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     progress(f"patched {replaced} MoE layers; weights {describe['weights_gb']:.1f} GB")
     return name, model, patched, describe
@@ -628,7 +632,7 @@ def run(args) -> dict:
         if args.variant_tile_m is not None or args.variant_no_dense_rows:
             tile_m = args.tile_m if args.variant_tile_m is None else args.variant_tile_m
             dense_rows = args.dense_rows and not args.variant_no_dense_rows
-            variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows)
+            variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows, args.dense)
             describe["variant_tile_m"] = tile_m
             describe["variant_dense_rows"] = dense_rows
         for batch in (args.batches or batches):
@@ -685,6 +689,10 @@ def parse_args(argv):
     parser.add_argument("--no-dense-rows", dest="dense_rows", action="store_false",
                         help="the patched model's dense quantized projections take a "
                              "decoding batch as mlx-lm's do (patch_model's dense_rows=False)")
+    parser.add_argument("--dense", action="store_true",
+                        help="the patched model's dense quantized projections compute a "
+                             "prefill's rows by the grouped kernel where measured faster "
+                             "(patch_model's dense=True; the lm_head on CUDA)")
     parser.add_argument("--variant-no-dense-rows", action="store_true",
                         help="decode the model patched without dense rows too, interleaved "
                              "with the others (with --variant-tile-m, that variant)")
