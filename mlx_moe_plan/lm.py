@@ -1,8 +1,9 @@
 """mlx-lm's own commands, with every model they load patched by `patch_model`.
 
-    python -m mlx_moe_plan.lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--expert-parallel]
-                              COMMAND [ARGS ...]
-    mlx-moe-lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--expert-parallel] COMMAND [ARGS ...]
+    python -m mlx_moe_plan.lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--dense]
+                              [--expert-parallel] COMMAND [ARGS ...]
+    mlx-moe-lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--dense]
+               [--expert-parallel] COMMAND [ARGS ...]
 
 COMMAND is one of mlx-lm's commands that run a model (`COMMANDS`: generate,
 chat, server, benchmark, ...) and ARGS are that command's own arguments.
@@ -208,7 +209,7 @@ def installed_mlx_lm_version() -> str:
 
 @contextlib.contextmanager
 def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: bool = True,
-                  expert_group: mx.distributed.Group | None = None,
+                  dense: bool = False, expert_group: mx.distributed.Group | None = None,
                   report: Callable[[str], None] = say) -> Iterator[None]:
     """Patch every model mlx-lm loads inside the block with `patch_model`.
 
@@ -223,6 +224,7 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
         tile_m (int, optional): `patch_model`'s `tile_m`. Default: its rule.
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
         dense_rows (bool): `patch_model`'s `dense_rows`. Default: ``True``.
+        dense (bool): `patch_model`'s `dense`. Default: ``False``.
         expert_group (Group, optional): The ranks to split the experts among.
           Default: ``None``, every process keeps every expert.
         report (Callable[[str], None]): Where the messages go. Default: stderr
@@ -246,7 +248,8 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
     @functools.wraps(load_model)
     def patching_load_model(*args, **kwargs):
         model, config = load_model(*args, **kwargs)
-        replaced = patch_model(model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows)
+        replaced = patch_model(model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows,
+                               dense=dense)
         report_once(describe_patch(model, config, replaced, tile_m))
         return model, config
 
@@ -262,7 +265,8 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
         # hold its own.
         bound.arguments["lazy"] = True
         model, config = load_model(*bound.args, **bound.kwargs)
-        replaced = patch_model(model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows)
+        replaced = patch_model(model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows,
+                               dense=dense)
         try:
             shard_experts(model, expert_group)
         except ValueError as error:  # experts that do not divide among the ranks
@@ -374,7 +378,8 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
     commands = "\n".join(f"  {name:<14}{what}" for name, what in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog=prog or _program_name(),
-        usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--expert-parallel] "
+        usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--dense] "
+              "[--expert-parallel] "
               "COMMAND [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one of mlx-lm's commands with every MoE model it loads patched "
@@ -397,6 +402,10 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="keep mlx-lm's shape for the dense quantized projections of a "
                              "decoding batch (default: one matrix of rows where measured "
                              "faster, patch_model's dense_rows)")
+    parser.add_argument("--dense", action="store_true",
+                        help="compute a prefill's rows of the dense quantized projections "
+                             "by the package's grouped kernel where measured faster (the "
+                             "lm_head on CUDA; patch_model's dense, off by default)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="under mlx.launch, split every MoE layer's experts among the "
                              "processes (nn.shard_experts): each holds and computes E/N of "
@@ -439,7 +448,7 @@ def _raised_by_us(tb: types.TracebackType | None) -> bool:
 
 def run_command(command: str, args: list[str], *, patch: bool = True,
                 tile_m: int | None = None, fuse: bool = True, dense_rows: bool = True,
-                expert_group: mx.distributed.Group | None = None,
+                dense: bool = False, expert_group: mx.distributed.Group | None = None,
                 prog: str | None = None) -> None:
     """Run `mlx_lm COMMAND ARGS` through mlx-lm's own dispatch, models patched.
 
@@ -450,6 +459,7 @@ def run_command(command: str, args: list[str], *, patch: bool = True,
         tile_m (int, optional): `patch_model`'s `tile_m`. Default: its rule.
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
         dense_rows (bool): `patch_model`'s `dense_rows`. Default: ``True``.
+        dense (bool): `patch_model`'s `dense`. Default: ``False``.
         expert_group (Group, optional): Split the experts of every model among
           these ranks (`patched_loads`), which all run this same command.
           Default: ``None``, not split.
@@ -469,7 +479,7 @@ def run_command(command: str, args: list[str], *, patch: bool = True,
                 _same_on_every_rank(command, expert_group, stack)
             if patch:
                 stack.enter_context(patched_loads(tile_m=tile_m, fuse=fuse,
-                                                  dense_rows=dense_rows,
+                                                  dense_rows=dense_rows, dense=dense,
                                                   expert_group=expert_group))
             cli.main()
     finally:
@@ -506,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {options.command!r}: expected one of "
                      + ", ".join(COMMANDS))
     if options.no_patch and (options.tile_m is not None or options.no_fuse
-                             or options.no_dense_rows):
-        parser.error("--tile-m, --no-fuse and --no-dense-rows choose how models are "
-                     "patched: not with --no-patch")
+                             or options.no_dense_rows or options.dense):
+        parser.error("--tile-m, --no-fuse, --no-dense-rows and --dense choose how models "
+                     "are patched: not with --no-patch")
     if options.expert_parallel and options.no_patch:
         parser.error("--expert-parallel splits the experts of the patched layers: "
                      "not with --no-patch")
@@ -544,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_command(options.command, options.args, patch=not options.no_patch,
                     tile_m=options.tile_m, fuse=not options.no_fuse,
-                    dense_rows=not options.no_dense_rows,
+                    dense_rows=not options.no_dense_rows, dense=options.dense,
                     expert_group=expert_group, prog=parser.prog)
     except UsageError as error:  # ours, raised inside mlx-lm's command by the hook
         say(f"error: {error}")

@@ -393,6 +393,7 @@ def test_unknown_option_of_ours():
     (["--tile-m", "sixteen", "generate"], "argument --tile-m: expected 0"),
     (["--no-patch", "--no-fuse", "generate"], "not with --no-patch"),
     (["--no-patch", "--no-dense-rows", "generate"], "not with --no-patch"),
+    (["--no-patch", "--dense", "generate"], "not with --no-patch"),
     (["--expert-parallel", "--no-patch", "generate"],
      "--expert-parallel splits the experts of the patched layers: not with --no-patch"),
     (["--expert-parallel", "evaluate"], "mlx-lm's evaluate does not run with "
@@ -486,6 +487,11 @@ def test_patch_options_reach_patch_model(models):
     with lm.patched_loads(dense_rows=False, report=said.append):
         model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
     assert not any(isinstance(module, RowsProjection) for _, module in model.named_modules())
+    with lm.patched_loads(dense_rows=False, dense=True, report=said.append):
+        model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
+    marked = [module for _, module in model.named_modules()
+              if isinstance(module, RowsProjection)]
+    assert marked and all(m.prefill_expert and not m.decoding_rows for m in marked)
 
 
 # --expert-parallel: two processes launched on the loopback (tests/two_ranks.py),
