@@ -521,10 +521,12 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
         kernels.source("other")
 
 
-def test_grouped_gemms_include_their_fields():
-    for name in ("grouped_qmm", "grouped_qmm_tiles"):
-        assert kernels.text(name).count("// include: qmm_fields") == 1
-        assert kernels.text("qmm_fields").strip().splitlines()[-1] in kernels.source(name)
+@pytest.mark.parametrize("name, included", [
+    ("grouped_qmm", "qmm_fields"), ("grouped_qmm_tiles", "qmm_fields"),
+    ("plan", "group_scan"), ("grouped_qmm", "group_scan"), ("grouped_qmm_tiles", "group_scan")])
+def test_bodies_include_their_shared_texts(name, included):
+    assert kernels.text(name).count(f"// include: {included}") == 1
+    assert kernels.text(included).strip().splitlines()[-1] in kernels.source(name)
 
 
 def test_compact_keeps_strings(monkeypatch):

@@ -57,6 +57,9 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
 `qmm_fields.h` -- not a body: a packed word's fields as 16-bit pairs, the
     text both grouped GEMM bodies include (`INCLUDED`)
 
+`group_scan.h` -- not a body: a group's inclusive scan of one count a
+    thread, the text plan.h and both grouped GEMM bodies include (`INCLUDED`)
+
 `argsort_slice.h` -- a router's top k on a GPU (`mlx_moe_plan/routing.py`);
     not a public op
     launch:   `launch.argsort_slice_launch`, `launch.ArgsortSliceParams`
@@ -86,8 +89,8 @@ DIALECT_NAMES = (
     "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
     "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT", "MUL_RN",
     "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16", "UNROLL", "MMA_16x8x16", "PAIR_SUB", "PAIR_FMA",
-    "AND_OR", "LOW_HALVES", "HIGH_HALVES", "SHARED_SPACE", "SHARED_WORDS", "ASYNC_COPY16", "ASYNC_COMMIT",
-    "ASYNC_WAIT",
+    "AND_OR", "LOW_HALVES", "HIGH_HALVES", "SHARED_SPACE", "SHARED_WORDS", "ASYNC_COPY16",
+    "ASYNC_COMMIT", "ASYNC_WAIT",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
 
@@ -103,7 +106,7 @@ def text(name: str) -> str:
 # Texts that bodies share: a body's line `// include: NAME` is replaced by
 # NAME.h before compaction (an included text reads and declares variables of
 # the body around it, as its own comment says).
-INCLUDED = ("qmm_fields",)
+INCLUDED = ("qmm_fields", "group_scan")
 
 
 def source(name: str) -> str:

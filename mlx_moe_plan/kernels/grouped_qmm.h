@@ -95,7 +95,7 @@ const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 const unsigned ONES = IN_KIND == 1 ? 0x3C003C00u : 0x3F803F80u;
 const unsigned ones[4] = {ONES, ONES, ONES, ONES};  // A of the sums of x
 SHARED int active_experts[MAX_EXPERTS];
-SHARED int active_scan[THREADS];
+SHARED int group_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 const int warp_exchange = warp * 32 * 6;  // where this warp's part of it starts
 
@@ -111,15 +111,10 @@ for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
     own_active += min(max(expert_offsets[expert + 1], first), capacity) > first ? 1 : 0;
   }
 }
-active_scan[LOCAL_ID] = own_active;
-BARRIER();
-for (int step = 1; step < THREADS; step *= 2) {  // inclusive scan, Hillis-Steele
-  const int before = LOCAL_ID >= step ? active_scan[LOCAL_ID - step] : 0;
-  BARRIER();
-  active_scan[LOCAL_ID] += before;
-  BARRIER();
-}
-int slot = active_scan[LOCAL_ID] - own_active;
+const int scan_value = own_active;
+const int scan_threads = THREADS;
+// include: group_scan
+int slot = group_scan[LOCAL_ID] - own_active;
 for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
   const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
   if (expert < num_experts) {
@@ -130,7 +125,7 @@ for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
     }
   }
 }
-const int num_active = active_scan[THREADS - 1];
+const int num_active = group_scan[THREADS - 1];
 BARRIER();
 
 // Every branch and loop bound below is the same for the whole group (the

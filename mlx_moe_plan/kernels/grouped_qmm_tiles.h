@@ -78,7 +78,7 @@ SHARED_SPACE unsigned* stage_words = stage_rows + STAGES * BLOCK_ROWS * ROW_STRI
 SHARED_SPACE unsigned* stage_scales = stage_words
                                       + STAGES * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
 SHARED int expert_blocks[MAX_EXPERTS];
-SHARED int block_scan[THREADS];
+SHARED int group_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 const int warp_exchange = warp * 32 * 6;
 
@@ -95,15 +95,10 @@ for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
     own_blocks += (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS;
   }
 }
-block_scan[LOCAL_ID] = own_blocks;
-BARRIER();
-for (int step = 1; step < THREADS; step *= 2) {  // inclusive scan, Hillis-Steele
-  const int before = LOCAL_ID >= step ? block_scan[LOCAL_ID - step] : 0;
-  BARRIER();
-  block_scan[LOCAL_ID] += before;
-  BARRIER();
-}
-int blocks_before = block_scan[LOCAL_ID] - own_blocks;
+const int scan_value = own_blocks;
+const int scan_threads = THREADS;
+// include: group_scan
+int blocks_before = group_scan[LOCAL_ID] - own_blocks;
 for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
   const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
   if (expert < num_experts) {
@@ -113,7 +108,7 @@ for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
     expert_blocks[expert] = blocks_before;
   }
 }
-const int expert_row_blocks = block_scan[THREADS - 1];
+const int expert_row_blocks = group_scan[THREADS - 1];
 const int tail_first = min(max(expert_offsets[num_experts], 0), capacity);
 const int tail_blocks = (capacity - tail_first + BLOCK_ROWS - 1) / BLOCK_ROWS;
 BARRIER();
@@ -172,7 +167,8 @@ UNROLL
   int word_targets[WORD_COPIES];
 UNROLL
   for (int i = 0; i < WORD_COPIES; ++i) {
-    const int chunk = min((int)LOCAL_ID + i * THREADS, MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS - 1);
+    const int chunk = min((int)LOCAL_ID + i * THREADS,
+                          MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS - 1);
     const int column = chunk / COLUMN_CHUNKS;  // matrix column / BLOCK_COLUMNS
     const i64 column_row = (i64)expert * out_dims
                            + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);

@@ -433,7 +433,7 @@ def _grouped_qmm_tiles_launch(
     threads = 32 * tiling.block_row_warps * tiling.block_column_warps
     matrices = 2 if gated else 1
     # Stages first, then their values, then the block's columns, then its
-    # rows, until the shared memory fits (expert_blocks, block_scan, and the
+    # rows, until the shared memory fits (expert_blocks, group_scan, and the
     # emulated multiply-add's exchange where a prelude uses it).
     fixed = 4 * (MAX_EXPERTS + threads + (6 * threads if exchange else 0))
     column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles

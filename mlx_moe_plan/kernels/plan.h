@@ -67,7 +67,7 @@
 //   multiple of BLOCK), HAS_WEIGHTS.
 SHARED SHARED_ATOMIC_UINT counters[MAX_EXPERTS * (BLOCK / 128)];
 SHARED int expert_base[MAX_EXPERTS];
-SHARED int span_scan[BLOCK];
+SHARED int group_scan[BLOCK];
 SHARED int entry_experts[BLOCK];
 SHARED SHARED_ATOMIC_UINT invalid_total[1];
 
@@ -139,20 +139,14 @@ for (int j = 0; j < experts_per_thread; ++j) {
   }
   span_sum += (count[j] + tile_m - 1) / tile_m * tile_m;
 }
-// Inclusive Hillis-Steele scan of the threads' span sums, over the threads
-// that own experts (a group-uniform bound, so every thread meets every barrier).
+// The threads' span sums scanned, over the threads that own experts.
 const int owners = (num_experts + experts_per_thread - 1) / experts_per_thread;
-span_scan[LOCAL_ID] = span_sum;
-BARRIER();
-for (int stride = 1; stride < owners; stride *= 2) {
-  const int add = LOCAL_ID >= stride ? span_scan[LOCAL_ID - stride] : 0;
-  BARRIER();
-  span_scan[LOCAL_ID] += add;
-  BARRIER();
-}
-const int num_rows = span_scan[owners - 1];
+const int scan_value = span_sum;
+const int scan_threads = owners;
+// include: group_scan
+const int num_rows = group_scan[owners - 1];
 const int num_tiles = num_rows / tile_m;
-int offset = span_scan[LOCAL_ID] - span_sum;
+int offset = group_scan[LOCAL_ID] - span_sum;
 for (int j = 0; j < experts_per_thread; ++j) {
   const int e = first_expert + j;
   const int span = (count[j] + tile_m - 1) / tile_m * tile_m;
