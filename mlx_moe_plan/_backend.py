@@ -231,6 +231,19 @@ def on_cuda(stream: mx.Stream | mx.Device | None = None) -> bool:
     return resolve_stream(stream).device.type == mx.gpu and gpu_backend() == "cuda"
 
 
+def grouped_kernel_computes(layer, backend: Backend, dtype: mx.Dtype) -> bool:
+    """Whether `backend`'s grouped kernel computes the quantized matrices of
+    `layer` (a quantized layer of MLX's or mlx-lm's: `scales`, `biases`,
+    `bits`, `group_size`, `mode`) on rows of `dtype`: affine, with biases,
+    its scales in the rows' dtype."""
+    return (getattr(layer, "mode", "affine") == "affine"
+            and getattr(layer, "global_scale", None) is None
+            and layer.get("biases") is not None
+            and layer["scales"].dtype == dtype
+            and backend.grouped_qmm_computes(bits=layer.bits, group_size=layer.group_size,
+                                             dtype=dtype))
+
+
 def implementation(stream: mx.Stream) -> Backend:
     """The backend of `stream`'s device."""
     if stream.device.type == mx.DeviceType.cpu:

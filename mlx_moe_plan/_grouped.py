@@ -75,12 +75,7 @@ def grouped_kernel(projection: nn.Module, rows: mx.array, plan_rows: _PlanRows,
 def _kernel_computes(projection: nn.Module, backend: _backend.Backend, dtype: mx.Dtype) -> bool:
     """Whether `backend`'s grouped kernel computes `projection` on rows of `dtype`."""
     return (isinstance(projection, QuantizedSwitchLinear)
-            and getattr(projection, "mode", "affine") == "affine"
-            and getattr(projection, "global_scale", None) is None
-            and projection.get("biases") is not None
-            and projection.scales.dtype == dtype
-            and backend.grouped_qmm_computes(bits=projection.bits,
-                                             group_size=projection.group_size, dtype=dtype))
+            and _backend.grouped_kernel_computes(projection, backend, dtype))
 
 
 class GroupedExperts:

@@ -61,12 +61,10 @@ def _as_expert(layer: nn.Module, x: mx.array) -> bool:
         return False
     if not (dense_as_expert(layer["weight"].shape[0], x.shape[-1], x.size // x.shape[-1],
                             layer.bits, x.dtype.size * 8, layer.mode, cuda=True)
-            and layer.get("biases") is not None and layer["scales"].dtype == x.dtype
             and on_cuda()):
         return False
     backend = _backend.implementation(_backend.resolve_stream(None))
-    return backend.grouped_qmm_computes(bits=layer.bits, group_size=layer.group_size,
-                                        dtype=x.dtype)
+    return _backend.grouped_kernel_computes(layer, backend, x.dtype)
 
 
 def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:

@@ -117,8 +117,8 @@ def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
     On CUDA, for a layer the grouped kernel can compute, the grouped kernel
     from `GROUPED_FROM_ENTRIES` routed entries until experts average
     `GROUPED_BELOW_ROWS_PER_EXPERT`, and again from
-    `GROUPED_TILES_FROM_ROWS_PER_EXPERT` (its block tiles); otherwise there, tiles once experts
-    average `TILED_FROM_ROWS_PER_EXPERT` (16 rows, 64 from
+    `GROUPED_TILES_FROM_ROWS_PER_EXPERT` (its block tiles); otherwise there,
+    tiles once experts average `TILED_FROM_ROWS_PER_EXPERT` (16 rows, 64 from
     `LARGE_TILES_FROM_ROWS_PER_EXPERT`), mlx-lm's call below, whose host time
     is the least. Elsewhere (the CPU, whose `gather_qmm` pays for every
     padding row of a tile, and Metal, not yet measured) mlx-lm's call below
@@ -156,11 +156,17 @@ def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
 # times as wide: a narrow projection (attention's keys and values, a router)
 # ran no faster as one matrix from 8 rows, and slower at the largest batches;
 # a wide one (queries, the attention's output, the lm_head) faster as one
-# matrix once the batch's outputs fill the GPU (benchmarks/RESULTS.md, "Dense projections of a decoding
-# batch").
+# matrix once the batch's outputs fill the GPU (benchmarks/RESULTS.md,
+# "Dense projections of a decoding batch").
 DENSE_ROWS_FROM_ROWS = 8
 DENSE_ROWS_FROM_OUT_DIMS = 2048
 DENSE_ROWS_FROM_OUTPUTS = 32768
+
+
+def _dense_measured(in_dims: int, bits: int, dtype_bits: int, mode: str, cuda: bool) -> bool:
+    """The dense projections the dense rules were measured on: on CUDA,
+    16-bit rows against affine 4-bit weights, inputs in whole groups of 64."""
+    return cuda and mode == "affine" and bits == 4 and dtype_bits == 16 and in_dims % 64 == 0
 
 
 def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits: int,
@@ -188,9 +194,8 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
     Returns:
         bool: True for one matrix of rows.
     """
-    return (cuda and mode == "affine" and bits == 4 and dtype_bits == 16
-            and in_dims % 64 == 0 and rows >= DENSE_ROWS_FROM_ROWS
-            and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
+    return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
+            and rows >= DENSE_ROWS_FROM_ROWS and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
             and rows * out_dims >= DENSE_ROWS_FROM_OUTPUTS)
 
 
@@ -223,6 +228,5 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
     Returns:
         bool: True for the grouped kernel.
     """
-    return (cuda and mode == "affine" and bits == 4 and dtype_bits == 16
-            and in_dims % 64 == 0 and rows >= DENSE_EXPERT_FROM_ROWS
-            and out_dims >= DENSE_EXPERT_FROM_OUT_DIMS)
+    return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
+            and rows >= DENSE_EXPERT_FROM_ROWS and out_dims >= DENSE_EXPERT_FROM_OUT_DIMS)
