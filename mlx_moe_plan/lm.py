@@ -241,6 +241,8 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
     from .nn import patch_model, shard_experts
 
     load_model = utils.load_model
+    patch = functools.partial(patch_model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows,
+                              dense=dense)
     report_once = _OncePerMessage(report)
     if expert_group is not None and expert_group.size() == 1:
         expert_group = None  # shard_experts is a no-op there
@@ -248,8 +250,7 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
     @functools.wraps(load_model)
     def patching_load_model(*args, **kwargs):
         model, config = load_model(*args, **kwargs)
-        replaced = patch_model(model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows,
-                               dense=dense)
+        replaced = patch(model)
         report_once(describe_patch(model, config, replaced, tile_m))
         return model, config
 
@@ -265,8 +266,7 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
         # hold its own.
         bound.arguments["lazy"] = True
         model, config = load_model(*bound.args, **bound.kwargs)
-        replaced = patch_model(model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows,
-                               dense=dense)
+        replaced = patch(model)
         try:
             shard_experts(model, expert_group)
         except ValueError as error:  # experts that do not divide among the ranks
@@ -379,8 +379,7 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog or _program_name(),
         usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--dense] "
-              "[--expert-parallel] "
-              "COMMAND [ARGS ...]",
+              "[--expert-parallel] COMMAND [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one of mlx-lm's commands with every MoE model it loads patched "
                     "by mlx_moe_plan.nn.patch_model. Options of ours come before COMMAND; "
