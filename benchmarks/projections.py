@@ -112,15 +112,16 @@ def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: l
             return out.reshape(batch, out_dims)
         return call
 
-    layers = [quantized_layer(w, out_dims, in_dims, bits) for w in weight_sets]
-
-    def patched(i, x):
-        return layers[i % len(layers)](x.reshape(batch, 1, in_dims)).reshape(batch, out_dims)
-
-    sides = {"batched": shaped((batch, 1, in_dims)), "matrix": shaped((1, batch, in_dims)),
-             "rows": shaped((batch, in_dims)), "patched": patched}
     if prefill:
-        sides = {"matrix": sides["matrix"]}
+        sides = {"matrix": shaped((1, batch, in_dims))}
+    else:
+        layers = [quantized_layer(w, out_dims, in_dims, bits) for w in weight_sets]
+
+        def patched(i, x):
+            return layers[i % len(layers)](x.reshape(batch, 1, in_dims)).reshape(batch, out_dims)
+
+        sides = {"batched": shaped((batch, 1, in_dims)), "matrix": shaped((1, batch, in_dims)),
+                 "rows": shaped((batch, in_dims)), "patched": patched}
     if not tilings or mx.default_device().type != mx.gpu or not mx.cuda.is_available():
         return sides
     from mlx_moe_plan import _backend, _gpu
@@ -191,9 +192,11 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
     sides = sides_for(out_dims, in_dims, bits, batch, weight_sets, tilings, prefill)
     check_sides({side: lambda i, call=call: call(i, x) for side, call in sides.items()},
                 f"{gemm} B={batch}")  # each against the first, "batched" or "matrix"
-    layer = quantized_layer(weight_sets[0], out_dims, in_dims, bits)
-    rule = "matrix" if prefill else \
-        "rows" if projections._as_rows(layer, x.reshape(batch, 1, in_dims)) else "batched"
+    if prefill:
+        rule = "matrix"
+    else:
+        layer = quantized_layer(weight_sets[0], out_dims, in_dims, bits)
+        rule = "rows" if projections._as_rows(layer, x.reshape(batch, 1, in_dims)) else "batched"
     if ncu:
         profile_marked(f"{gemm.replace('/', '_')}_{batch}", sides, x)
         return {}, rule
