@@ -313,7 +313,8 @@ def test_plan_fields_are_the_plans_attributes():
 # --- kernel parameters: named once, in kernels/launch.py --------------------------------
 
 
-@pytest.mark.parametrize("name", ["plan", "gather", "combine"])
+@pytest.mark.parametrize("name", ["plan", "gather", "combine", "grouped_qmm",
+                                  "grouped_qmm_tiles"])
 def test_bodies_read_params_in_launch_order(name):
     # A body reads its `params` array by position, each value into a constant
     # named as launch.py names it: `const int hidden = params[1];`. Those lines

@@ -60,19 +60,7 @@
 //   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
 //   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above),
 //   WIDE_LOADS (below).
-const int num_experts = params[0];
-const int in_dims = params[1];
-const int out_dims = params[2];
-const int capacity = params[3];
-const int column_blocks = params[4];
-const int num_rows = params[5];
-
-const int row_words = in_dims / VALUES;
-const int row_groups = in_dims / QUANT_GROUP;
-const int lane = LOCAL_ID % 32;
-const int warp = LOCAL_ID / 32;
-const int fragment_row = lane / 4;  // PTX's groupID
-const int fragment_slot = lane % 4;  // PTX's threadID_in_group
+// include: qmm_params
 const bool vectors = IS_ALIGNED16(rows);
 // WIDE_LOADS: a lane's words of a column and group in one load (LANE_WORDS
 // of them, 8 or 16 bytes, aligned so where the matrices are: a column's row
@@ -104,25 +92,26 @@ const int warp_exchange = warp * 32 * 6;  // where this warp's part of it starts
 // counts places them. Offsets out of [0, capacity] would come from a broken
 // plan; clamped here and below, no row outside out is ever touched.
 int own_active = 0;
+bool active[MAX_EXPERTS / THREADS];  // whether this thread's experts have rows
+UNROLL
 for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
   const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+  active[k] = false;
   if (expert < num_experts) {
     const int first = min(max(expert_offsets[expert], 0), capacity);
-    own_active += min(max(expert_offsets[expert + 1], first), capacity) > first ? 1 : 0;
+    active[k] = min(max(expert_offsets[expert + 1], first), capacity) > first;
   }
+  own_active += active[k] ? 1 : 0;
 }
 const int scan_value = own_active;
 const int scan_threads = THREADS;
 // include: group_scan
 int slot = group_scan[LOCAL_ID] - own_active;
+UNROLL
 for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
-  const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
-  if (expert < num_experts) {
-    const int first = min(max(expert_offsets[expert], 0), capacity);
-    if (min(max(expert_offsets[expert + 1], first), capacity) > first) {
-      active_experts[slot] = expert;
-      slot += 1;
-    }
+  if (active[k]) {
+    active_experts[slot] = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+    slot += 1;
   }
 }
 const int num_active = group_scan[THREADS - 1];

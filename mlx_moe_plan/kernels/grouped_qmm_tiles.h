@@ -43,19 +43,7 @@
 // BLOCK_COLUMNS (COLUMN_WARPS * 16 * TILES / (1 + GATED)), STAGE_GROUPS
 // (dividing in_dims / QUANT_GROUP), STAGES (at least 2), ROW_STRIDE,
 // WORD_STRIDE (above).
-const int num_experts = params[0];
-const int in_dims = params[1];
-const int out_dims = params[2];
-const int capacity = params[3];
-const int column_blocks = params[4];
-const int num_rows = params[5];
-
-const int row_groups = in_dims / QUANT_GROUP;
-const int row_words = in_dims / VALUES;
-const int lane = LOCAL_ID % 32;
-const int warp = LOCAL_ID / 32;
-const int fragment_row = lane / 4;
-const int fragment_slot = lane % 4;
+// include: qmm_params
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 const int MATRICES = GATED ? 2 : 1;
 const int STAGE_VALUES = STAGE_GROUPS * QUANT_GROUP;
@@ -87,24 +75,27 @@ const int warp_exchange = warp * 32 * 6;
 // out of [0, capacity] would come from a broken plan; clamped here and
 // below, no row outside out is ever touched.
 int own_blocks = 0;
+int blocks_of[MAX_EXPERTS / THREADS];  // this thread's experts' row blocks
+UNROLL
 for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
   const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+  blocks_of[k] = 0;
   if (expert < num_experts) {
     const int first = min(max(expert_offsets[expert], 0), capacity);
     const int last = min(max(expert_offsets[expert + 1], first), capacity);
-    own_blocks += (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    blocks_of[k] = (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS;
   }
+  own_blocks += blocks_of[k];
 }
 const int scan_value = own_blocks;
 const int scan_threads = THREADS;
 // include: group_scan
 int blocks_before = group_scan[LOCAL_ID] - own_blocks;
+UNROLL
 for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
   const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+  blocks_before += blocks_of[k];
   if (expert < num_experts) {
-    const int first = min(max(expert_offsets[expert], 0), capacity);
-    const int last = min(max(expert_offsets[expert + 1], first), capacity);
-    blocks_before += (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS;
     expert_blocks[expert] = blocks_before;
   }
 }
