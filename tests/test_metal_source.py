@@ -524,6 +524,7 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
 @pytest.mark.parametrize("name, included", [
     ("grouped_qmm", "qmm_fields"), ("grouped_qmm_tiles", "qmm_fields"),
     ("grouped_qmm", "qmm_params"), ("grouped_qmm_tiles", "qmm_params"),
+    ("grouped_qmm", "qmm_store"), ("grouped_qmm_tiles", "qmm_store"),
     ("plan", "group_scan"), ("grouped_qmm", "group_scan"), ("grouped_qmm_tiles", "group_scan")])
 def test_bodies_include_their_shared_texts(name, included):
     assert kernels.text(name).count(f"// include: {included}") == 1

@@ -54,9 +54,10 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
               (grouped_qmm_tiles, fused too, within float tolerance)
 
-`qmm_params.h`, `qmm_fields.h` -- not bodies: the params and a warp's
-    lanes, and a packed word's fields as 16-bit pairs, the texts both grouped
-    GEMM bodies include (`INCLUDED`)
+`qmm_params.h`, `qmm_fields.h`, `qmm_store.h` -- not bodies: the params and
+    a warp's lanes, a packed word's fields as 16-bit pairs, and a warp's sums
+    stored (the fused activation), the texts both grouped GEMM bodies include
+    (`INCLUDED`)
 
 `group_scan.h` -- not a body: a group's inclusive scan of one count a
     thread, the text plan.h and both grouped GEMM bodies include (`INCLUDED`)
@@ -107,7 +108,7 @@ def text(name: str) -> str:
 # Texts that bodies share: a body's line `// include: NAME` is replaced by
 # NAME.h before compaction (an included text reads and declares variables of
 # the body around it, as its own comment says).
-INCLUDED = ("qmm_params", "qmm_fields", "group_scan")
+INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan")
 
 
 def source(name: str) -> str:

@@ -315,17 +315,8 @@ UNROLL
         }
       }
     }
-UNROLL
-    for (int i = 0; i < COLUMN_TILES * ROW_TILES * 4; ++i) {  // the layout of sums, above
-      const int column = column0 + 16 * (i / (4 * ROW_TILES)) + fragment_row + 8 * (i % 4 / 2);
-      const int row = row0 + 8 * (i / 4 % ROW_TILES) + 2 * fragment_slot + i % 2;
-      float value = sums[i];
-      if (GATED) {  // silu(gate) * up, rounded once
-        value = value / (1.0f + exp(-value)) * sums[i + COLUMN_TILES * ROW_TILES * 4];
-      }
-      if (column < out_dims && row < last) {
-        STORE_OUT(out, (i64)row * out_dims + column, value);
-      }
-    }
+    const int warp_row0 = row0;  // the warp's: its columns, this pass's rows
+    const int warp_column0 = column0;
+    // include: qmm_store
   }
 }

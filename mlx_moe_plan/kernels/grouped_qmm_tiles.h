@@ -367,16 +367,5 @@ UNROLL
   }
   const int warp_row0 = row0 + (warp / COLUMN_WARPS) * 8 * ROW_TILES;
   const int warp_column0 = column0 + (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
-UNROLL
-  for (int i = 0; i < COLUMN_TILES * ROW_TILES * 4; ++i) {  // the layout of sums, above
-    const int column = warp_column0 + 16 * (i / (4 * ROW_TILES)) + fragment_row + 8 * (i % 4 / 2);
-    const int row = warp_row0 + 8 * (i / 4 % ROW_TILES) + 2 * fragment_slot + i % 2;
-    float value = sums[i];
-    if (GATED) {  // silu(gate) * up, rounded once
-      value = value / (1.0f + exp(-value)) * sums[i + COLUMN_TILES * ROW_TILES * 4];
-    }
-    if (column < out_dims && row < last) {
-      STORE_OUT(out, (i64)row * out_dims + column, value);
-    }
-  }
+  // include: qmm_store
 }
