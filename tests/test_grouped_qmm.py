@@ -76,6 +76,22 @@ def test_decoding_shapes(tokens, in_dims, out_dims):
     check_grouped_qmm(_run, rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8, 17])
+@pytest.mark.parametrize("in_dims,out_dims,k_splits", [(2048, 4096, None), (2880, 2880, None),
+                                                       (2880, 2880, 2), (4096, 2048, 4)],
+                         ids=["q-auto", "o-uneven-auto", "o-uneven-2", "o-4"])
+def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
+    """A dense projection of a decoding batch as one expert, its warps sharing
+    the rows' quantization groups (K_SPLITS, by the launch where not given):
+    45 groups a row split unevenly, a block of columns past out_dims."""
+    rng = np.random.default_rng(rows)
+    with launch.grouped_qmm_tiling(k_splits=k_splits):
+        qmm = launch.grouped_qmm_launch(1, in_dims, out_dims, rows, 4, 64, "bfloat16",
+                                        backend="cuda")
+        assert qmm.body != "grouped_qmm" or dict(qmm.template)["K_SPLITS"] > 1
+        check_grouped_qmm(_run, rng, [rows], out_dims, in_dims, 4, 64, "bfloat16", 0)
+
+
 @pytest.mark.parametrize("steps", [None, 2, 4])
 @pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048)], ids=["gate", "down"])
 def test_wide_loads_change_no_bit(steps, in_dims, out_dims):

@@ -463,7 +463,10 @@ def test_grouped_qmm_fused_tilings(changes):
 TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=2),
            dict(threads=256, tiles=1), dict(threads=32), dict(max_groups=1),
            dict(steps=3),  # groups of a row not a multiple of STEPS: the last run clamped
-           dict(wide_loads=0), dict(steps=2), dict(steps=4, wide_loads=0)]
+           dict(wide_loads=0), dict(steps=2), dict(steps=4, wide_loads=0),
+           dict(k_splits=1), dict(k_splits=2), dict(k_splits=4, steps=1),
+           # shares of one group and of none (4 groups a row, 8 sets)
+           dict(threads=256, k_splits=8, steps=1)]
 
 
 @pytest.mark.parametrize("changes", TILINGS,
@@ -473,6 +476,42 @@ def test_grouped_qmm_tilings(changes):
     with launch.grouped_qmm_tiling(**changes):
         check_grouped_qmm(_grouped_qmm, rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
         check_grouped_qmm(_grouped_qmm, rng, [1, 3, 17], 9, 128, 8, 32, "float16", 0)
+
+
+@pytest.mark.parametrize("changes", [dict(k_splits=2), dict(k_splits=4), dict(k_splits=4, steps=3),
+                                     dict(threads=256, k_splits=8, row_tiles=2)],
+                         ids=["k_splits=2", "k_splits=4", "k_splits=4,steps=3",
+                              "threads=256,k_splits=8,row_tiles=2"])
+@pytest.mark.parametrize("fusion", ["none", "tokens", "both"])
+def test_grouped_qmm_split_rows(changes, fusion):
+    """Warps sharing a row's quantization groups (K_SPLITS): 45 groups, so the
+    last share is shorter and its last steps lie past the row; the sums added
+    in set order, the tail's zeros shared by the sets."""
+    rng = np.random.default_rng(41)
+    with launch.grouped_qmm_tiling(**changes):
+        if fusion == "none":
+            check_grouped_qmm(_grouped_qmm, rng, [3, 0, 11, 1], 40, 45 * 64, 4, 64,
+                              "bfloat16", 5)
+            check_grouped_qmm(_grouped_qmm, rng, [9], 24, 45 * 32, 8, 32, "float16", 0)
+        else:
+            _check_fused(rng, [2, 0, 9], 17, 45 * 64, 4, 64, "bfloat16", 3, 5, True,
+                         fusion == "both")
+
+
+def test_grouped_qmm_splits_few_items():
+    """The launch splits rows where its items are few: one expert of a dense
+    projection's columns (a decoding batch's rows), and not the layer's
+    experts at the rule's sizes, nor a wide projection."""
+    def splits(experts, in_dims, out_dims, capacity, gated=False):
+        qmm = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, 4, 64, "bfloat16",
+                                        backend="cuda", gated=gated)
+        return dict(qmm.template)["K_SPLITS"]
+
+    assert splits(1, 2048, 4096, 8) == 4 and splits(1, 2880, 512, 16) == 4
+    assert splits(1, 2048, 151936, 8) == 1  # an lm_head: its columns fill the GPU
+    assert splits(128, 2048, 768, 64) == 1 and splits(128, 2048, 768, 64, gated=True) == 1
+    assert splits(1, 256, 4096, 8) == 1  # 4 groups a row: nothing to share
+    assert launch.grouped_qmm_steps(32, False, k_splits=4) == 4
 
 
 # --- grouped_qmm_tiles: the same GEMM in block tiles (prefill sizes) -------------------

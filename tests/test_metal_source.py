@@ -355,8 +355,10 @@ def test_barrier_is_a_threadgroup_barrier():
 @pytest.mark.parametrize("name", BODIES)
 def test_barriers_in_uniform_control_flow(name):
     """Every thread of the group must reach each barrier (MSL 6.9.1): a
-    BARRIER() may sit at the top level or in `for` loops whose header does not
-    depend on the thread (no LOCAL_ID), never under an if/else/while."""
+    BARRIER() may sit at the top level, in `for` loops whose header does not
+    depend on the thread (no LOCAL_ID), or under an `if` on template
+    constants alone (upper-case names and numbers: the same in every
+    thread), never under any other if/else/while."""
     body = _body(name)
     for m in re.finditer(r"\bBARRIER\s*\(", body):
         depth = 0
@@ -368,7 +370,11 @@ def test_barriers_in_uniform_control_flow(name):
                 depth -= 1
             elif char == "{":
                 header = _block_header(body, position)
-                assert header.startswith("for") and "LOCAL_ID" not in header, header
+                if header.startswith("if "):
+                    assert re.fullmatch(r"if \(([A-Z_][A-Z0-9_]*|\d+|[\s<>=!&|()+*/-])*\)",
+                                        header), header
+                else:
+                    assert header.startswith("for") and "LOCAL_ID" not in header, header
 
 
 def _block_header(text: str, brace: int) -> str:

@@ -45,7 +45,7 @@
 //   in_dims / QUANT_GROUP]; up_weight, up_scales, up_biases likewise (read
 //   when GATED only); expert_offsets int32 [E + 1]; params int32, the fields of
 //   launch.py's GroupedQmmParams in order (read below; column_blocks: blocks of
-//   THREADS / 32 * 16 * COLUMN_TILES columns that cover out_dims; num_rows:
+//   COLUMN_WARPS * 16 * COLUMN_TILES columns that cover out_dims; num_rows:
 //   capacity without TOKEN_ROWS).
 // Outputs: out OutT [capacity, out_dims].
 // The body makes pointers into rows and the matrices, so on Metal they must
@@ -55,12 +55,32 @@
 //   8), VALUES (32 / BITS, values a word packs), QUANT_GROUP (values sharing
 //   a scale and bias, 32, 64 or 128), LANE_WORDS (QUANT_GROUP / (4 *
 //   VALUES)), THREADS (the group size, a multiple of 32), MAX_EXPERTS (a
-//   multiple of THREADS, at least E), TILES (16-column tiles a warp; when
+//   multiple of THREADS, at least E), K_SPLITS (below; THREADS / 32 a
+//   multiple of it), TILES (16-column tiles a warp; when
 //   GATED, an even count, the first half the gate's and the second up's of the
 //   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
 //   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above),
 //   WIDE_LOADS (below).
 // include: qmm_params
+// K_SPLITS: the group's warps are K_SPLITS sets of COLUMN_WARPS, each set the
+// same columns, set k summing its share of a row's quantization groups,
+// [k * split_groups, (k + 1) * split_groups) clamped to the row. A warp waits
+// on memory once for each STEPS groups of its share, so where a launch has
+// few items (a dense projection as one expert: a few dozen column blocks) a
+// whole row is a long chain of such waits on few warps; shares make the
+// chains shorter and the warps more. Set 0 adds the others' sums in set order
+// (so the bits are the same on every run) and stores them.
+const int COLUMN_WARPS = THREADS / 32 / K_SPLITS;
+const int column_warp = warp % COLUMN_WARPS;
+const int k_split = warp / COLUMN_WARPS;
+const int split_groups = (row_groups + K_SPLITS - 1) / K_SPLITS;
+const int split_group0 = k_split * split_groups;
+// Sets 1 and on keep sum i of thread LOCAL_ID - 32 * COLUMN_WARPS at
+// i * SPLIT_THREADS. The size is written in the template constants (OpenCL
+// C's const int is no constant expression), one more than that (no array of
+// 0 for one set).
+const int SPLIT_THREADS = (K_SPLITS - 1) * COLUMN_WARPS * 32;
+SHARED float split_sums[(THREADS - THREADS / K_SPLITS) * TILES * ROW_TILES * 4 + 1];
 const bool vectors = IS_ALIGNED16(rows);
 // WIDE_LOADS: a lane's words of a column and group in one load (LANE_WORDS
 // of them, 8 or 16 bytes, aligned so where the matrices are: a column's row
@@ -72,7 +92,8 @@ const bool vectors = IS_ALIGNED16(rows);
 const bool WIDE_WORDS = WIDE_LOADS ? LANE_WORDS % 2 == 0 : false;
 const bool WIDE_SCALES = WIDE_LOADS ? (STEPS == 2 ? true : STEPS == 4) : false;
 const bool word_vectors = WIDE_WORDS ? IS_ALIGNED16(weight) && IS_ALIGNED16(up_weight) : false;
-const bool scale_vectors = WIDE_SCALES && row_groups % STEPS == 0
+const bool scale_vectors = WIDE_SCALES && split_groups % STEPS == 0
+                           && split_groups * K_SPLITS == row_groups
                            ? IS_ALIGNED16(scales) && IS_ALIGNED16(biases)
                              && IS_ALIGNED16(up_scales) && IS_ALIGNED16(up_biases)
                            : false;
@@ -123,12 +144,12 @@ BARRIER();
 for (int item = GROUP_ID; item < (num_active + 1) * column_blocks; item += NUM_GROUPS) {
   const int expert = item / column_blocks < num_active ? active_experts[item / column_blocks]
                                                        : num_experts;
-  const int column0 = ((item % column_blocks) * (THREADS / 32) + warp) * 16 * COLUMN_TILES;
+  const int column0 = ((item % column_blocks) * COLUMN_WARPS + column_warp) * 16 * COLUMN_TILES;
   const int first = min(max(expert_offsets[expert], 0), capacity);
-  if (expert == num_experts) {  // the tail rows: zeros
+  if (expert == num_experts) {  // the tail rows: zeros, each set its rows
     for (int c = 0; c < 16 * COLUMN_TILES; ++c) {
       if (column0 + c < out_dims) {
-        for (int row = first + lane; row < capacity; row += 32) {
+        for (int row = first + k_split * 32 + lane; row < capacity; row += 32 * K_SPLITS) {
           STORE_OUT(out, (i64)row * out_dims + column0 + c, 0.0f);
         }
       }
@@ -171,33 +192,35 @@ UNROLL
     for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
       sums[i] = 0.0f;
     }
-    for (int group0 = 0; group0 < row_groups; group0 += STEPS) {
+    for (int group0 = 0; group0 < split_groups; group0 += STEPS) {
       // Every load of the steps first, then their use. packed: the lane's
-      // words of group group0 + s in its columns; halves: its rows' values of
-      // those words, two to a uint32. A group past the row reads the last
-      // one, and is not used below.
+      // words of its share's group group0 + s in its columns; halves: its
+      // rows' values of those words, two to a uint32. A group past the share
+      // or the row reads the last one of the row, and is not used below.
       unsigned packed[STEPS * TILES * 2 * LANE_WORDS];
       unsigned halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
       float scale[STEPS * TILES * 2];
       float bias[STEPS * TILES * 2];
-      if (scale_vectors) {  // the steps' groups group0, ..., all inside the row
+      if (scale_vectors) {  // the steps' groups, all inside the share
 UNROLL
         for (int i = 0; i < TILES * 2; ++i) {
           unsigned scale_bits[(STEPS + 1) / 2];  // STEPS 2 or 4 here; no array of 0
           unsigned bias_bits[(STEPS + 1) / 2];
           if (STEPS == 2) {
-            scale_bits[0] = ((GLOBAL const unsigned*)(column_scales[i] + group0))[0];
-            bias_bits[0] = ((GLOBAL const unsigned*)(column_biases[i] + group0))[0];
+            scale_bits[0] = ((GLOBAL const unsigned*)(column_scales[i] + split_group0 + group0))[0];
+            bias_bits[0] = ((GLOBAL const unsigned*)(column_biases[i] + split_group0 + group0))[0];
           } else {
-            const uint2 scale_pairs = ((GLOBAL const uint2*)(column_scales[i] + group0))[0];
-            const uint2 bias_pairs = ((GLOBAL const uint2*)(column_biases[i] + group0))[0];
+            const uint2 scale_pairs =
+                ((GLOBAL const uint2*)(column_scales[i] + split_group0 + group0))[0];
+            const uint2 bias_pairs =
+                ((GLOBAL const uint2*)(column_biases[i] + split_group0 + group0))[0];
             scale_bits[0] = scale_pairs.x;
             scale_bits[STEPS / 2 - 1] = scale_pairs.y;
             bias_bits[0] = bias_pairs.x;
             bias_bits[STEPS / 2 - 1] = bias_pairs.y;
           }
 UNROLL
-          for (int s = 0; s < STEPS; ++s) {  // group0 + s: half s % 2 of pair s / 2
+          for (int s = 0; s < STEPS; ++s) {  // group group0 + s: half s % 2 of pair s / 2
             const unsigned scale_half = (scale_bits[s / 2] >> (16 * (s % 2))) & 0xFFFFu;
             const unsigned bias_half = (bias_bits[s / 2] >> (16 * (s % 2))) & 0xFFFFu;
             scale[s * TILES * 2 + i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(scale_half)
@@ -209,7 +232,8 @@ UNROLL
       }
 UNROLL
       for (int s = 0; s < STEPS; ++s) {
-        const int quant_group = STEPS == 1 ? group0 : min(group0 + s, row_groups - 1);
+        const int quant_group = STEPS == 1 && K_SPLITS == 1
+                                ? group0 : min(split_group0 + group0 + s, row_groups - 1);
         const int word0 = quant_group * (QUANT_GROUP / VALUES) + fragment_slot * LANE_WORDS;
 UNROLL
         for (int i = 0; i < TILES * 2; ++i) {
@@ -256,7 +280,7 @@ UNROLL
       }
 UNROLL
       for (int s = 0; s < STEPS; ++s) {
-        if (group0 + s < row_groups) {
+        if (group0 + s < split_groups) {
           float dots[TILES * ROW_TILES * 4];
           float value_sums[ROW_TILES * 4];
 UNROLL
@@ -306,17 +330,40 @@ UNROLL
               }
             }
           }
+          // The last share's steps past the row multiply (every warp of the
+          // group meets the emulated MMA_16x8x16's barriers alike), unused.
+          if (K_SPLITS == 1 || split_group0 + group0 + s < row_groups) {
 UNROLL
-          for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // tile i / (4 * ROW_TILES)
-            const int at = (s * TILES + i / (4 * ROW_TILES)) * 2 + i % 4 / 2;
-            sums[i] += scale[at] * dots[i];
-            sums[i] += bias[at] * value_sums[i % (4 * ROW_TILES)];
+            for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // tile i / (4 * ROW_TILES)
+              const int at = (s * TILES + i / (4 * ROW_TILES)) * 2 + i % 4 / 2;
+              sums[i] += scale[at] * dots[i];
+              sums[i] += bias[at] * value_sums[i % (4 * ROW_TILES)];
+            }
           }
         }
       }
     }
-    const int warp_row0 = row0;  // the warp's: its columns, this pass's rows
-    const int warp_column0 = column0;
-    // include: qmm_store
+    if (K_SPLITS > 1) {  // set 0 adds the other sets' sums, in set order
+      if (k_split > 0) {
+        for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
+          split_sums[i * SPLIT_THREADS + LOCAL_ID - 32 * COLUMN_WARPS] = sums[i];
+        }
+      }
+      BARRIER();
+      if (k_split == 0) {
+        for (int k = 1; k < K_SPLITS; ++k) {
+          for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
+            sums[i] += split_sums[i * SPLIT_THREADS + ((k - 1) * COLUMN_WARPS + column_warp) * 32
+                                  + lane];
+          }
+        }
+      }
+      BARRIER();  // read before the next pass writes
+    }
+    if (k_split == 0) {
+      const int warp_row0 = row0;  // the warp's: its columns, this pass's rows
+      const int warp_column0 = column0;
+      // include: qmm_store
+    }
   }
 }

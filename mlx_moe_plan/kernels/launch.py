@@ -100,6 +100,10 @@ class GroupedQmmTiling:
     rounding; `grouped_qmm_tiling` runs another one (the benchmark compares them)."""
 
     threads: int = 128  # a group's threads, a multiple of the warp's 32: THREADS
+    # sets of the group's warps, each set the block's columns and a share of
+    # a row (K_SPLITS, dividing threads / 32); None: by the launch's items
+    # (grouped_qmm_k_splits)
+    k_splits: int | None = None
     tiles: int = 2  # 16-column tiles a warp: TILES
     gated_tiles: int = 2  # gated (gate and up in one warp): each projection's, TILES twice it
     row_tiles: int = 1  # 8-row tiles a pass: ROW_TILES
@@ -132,11 +136,15 @@ class GroupedQmmTiling:
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
         if min(self.threads, self.tiles, self.gated_tiles, self.row_tiles,
-               1 if self.steps is None else self.steps, self.max_groups, self.block_row_warps,
+               1 if self.steps is None else self.steps, 1 if self.k_splits is None
+               else self.k_splits, self.max_groups, self.block_row_warps,
                self.block_column_warps, self.block_tiles, self.block_gated_tiles,
                self.block_row_tiles, self.block_max_groups, self.block_stage_values) < 1:
             raise ValueError(f"grouped_qmm tiling: every field but wide_loads, tiles_from_rows "
                              f"and block_stages must be at least 1: {self}")
+        if self.k_splits is not None and (self.threads // 32) % self.k_splits:
+            raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
+                             f"threads / 32: {self}")
         if self.tiles_from_rows < 0 or self.block_stages < 2:
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows is at least 0 and "
                              f"block_stages at least 2: {self}")
@@ -153,10 +161,10 @@ class GroupedQmmTiling:
 GROUPED_QMM_TILING = GroupedQmmTiling()
 
 
-def grouped_qmm_steps(row_groups: int, gated: bool) -> int:
+def grouped_qmm_steps(row_groups: int, gated: bool, k_splits: int = 1) -> int:
     """The quantization groups a lane loads ahead (STEPS) where the tiling
-    leaves it to the row: its `row_groups` groups, and whether gate and up
-    are fused (`gated`).
+    leaves it to the row: its `row_groups` groups, whether gate and up are
+    fused (`gated`), and the sets of warps that split the row (`k_splits`).
 
     A warp's loads of one group wait on memory before its multiply-adds, and
     long rows make long chains of such waits: loading several groups first
@@ -164,11 +172,38 @@ def grouped_qmm_steps(row_groups: int, gated: bool) -> int:
     "Loads ahead by the row's length"): the fused gate and up gained most
     from 4 steps on rows longer than 32 groups and a little from 2 on rows of
     32; one projection a launch gained from 4 steps on rows of 64 groups and
-    more, and lost a little with 2 on rows of 32 or fewer.
+    more, and lost a little with 2 on rows of 32 or fewer. A split row is
+    split for want of bytes in flight (`grouped_qmm_k_splits`): up to 4 groups
+    of each share, in one load each where they are 2 or 4.
     """
+    if k_splits > 1:
+        share = -(-row_groups // k_splits)
+        return 4 if share >= 4 else 2 if share >= 2 else 1
     if gated:
         return 2 if row_groups <= 32 else 4
     return 1 if row_groups <= 32 else 4
+
+
+# A launch of fewer warps than this splits its rows (K_SPLITS): a dense
+# projection as one expert has a few dozen column blocks, and each warp's row
+# is a chain of waits on memory. Splitting makes the blocks narrower and the
+# warps more, each with a shorter chain.
+SPLIT_BELOW_WARPS = 1024
+
+
+def grouped_qmm_k_splits(experts: int, out_dims: int, tile_columns: int, warps: int,
+                         row_groups: int) -> int:
+    """The sets of a group's `warps` warps (K_SPLITS) that share a row's
+    `row_groups` quantization groups, where the tiling leaves it to the
+    launch: for at most `experts` experts with rows, of `out_dims` columns, a
+    warp `tile_columns` of them, the fewest sets, doubling, that reach
+    `SPLIT_BELOW_WARPS` warps, each set's share 4 groups or more."""
+    splits = 1
+    while (splits * 2 <= warps and row_groups >= 8 * splits
+           and experts * -(-out_dims // (warps // splits * tile_columns)) * warps
+           < SPLIT_BELOW_WARPS):
+        splits *= 2
+    return splits
 
 
 _grouped_qmm_tiling: ContextVar[GroupedQmmTiling] = ContextVar("grouped_qmm_tiling",
@@ -501,7 +536,11 @@ def _grouped_qmm_launch(
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
 ) -> Launch:
     column_tiles = tiling.gated_tiles if gated else tiling.tiles  # a warp's distinct columns
-    columns = tiling.threads // 32 * 16 * column_tiles
+    row_groups = in_dims // quant_group
+    # Experts with rows at most: as many as rows.
+    k_splits = tiling.k_splits or grouped_qmm_k_splits(
+        min(num_experts, capacity), out_dims, 16 * column_tiles, tiling.threads // 32, row_groups)
+    columns = tiling.threads // 32 // k_splits * 16 * column_tiles
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
     return Launch(
@@ -512,9 +551,9 @@ def _grouped_qmm_launch(
         (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
          ("VALUES", values), ("QUANT_GROUP", quant_group),
          ("LANE_WORDS", quant_group // (4 * values)),
-         ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS),
+         ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS), ("K_SPLITS", k_splits),
          ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
-         ("STEPS", tiling.steps or grouped_qmm_steps(in_dims // quant_group, gated)),
+         ("STEPS", tiling.steps or grouped_qmm_steps(row_groups, gated, k_splits)),
          ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
          ("WIDE_LOADS", bool(tiling.wide_loads))),
         (((capacity, out_dims), dtype),),
