@@ -12,7 +12,7 @@ in C++.
 from __future__ import annotations
 
 import math
-from functools import cache, partial
+from functools import cache, lru_cache, partial
 from typing import Callable
 
 import mlx.core as mx
@@ -46,20 +46,29 @@ def _mlx_value(value):
     return getattr(mx, value) if isinstance(value, str) else value
 
 
-def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
-    """Run `kernel_launch`'s body on `arrays`, then its `params` array, as it says."""
-    extra = {} if POISON is None else {"init_value": POISON}
+@lru_cache(maxsize=1024)
+def _kernel_call(backend: str, kernel_launch: launch.Launch) -> tuple[Callable, dict]:
+    """`kernel_launch`'s kernel object and the arguments of its call but the
+    inputs and stream, made once a launch: a decoding step calls the same
+    launches in every layer, and making the template's MLX values anew each
+    call was most of the host's time for a call."""
     shared_bytes = kernel_launch.shared_bytes if backend == "cuda" else 0
-    return _kernel(backend, kernel_launch.body, shared_bytes)(
-        inputs=[*arrays, _params(kernel_launch.params, stream)],
+    return _kernel(backend, kernel_launch.body, shared_bytes), dict(
         template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
         grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),
         threadgroup=(kernel_launch.group_size, 1, 1),
         output_shapes=[shape for shape, _ in kernel_launch.outputs],
         output_dtypes=[_mlx_value(dtype) for _, dtype in kernel_launch.outputs],
-        stream=stream,
-        **extra,
     )
+
+
+def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
+    """Run `kernel_launch`'s body on `arrays`, then its `params` array, as it says."""
+    kernel, arguments = _kernel_call(backend, kernel_launch)
+    if POISON is not None:
+        arguments = {**arguments, "init_value": POISON}
+    return kernel(inputs=[*arrays, _params(kernel_launch.params, stream)], stream=stream,
+                  **arguments)
 
 
 def _cache_by_stream(make):
@@ -113,8 +122,16 @@ def _unused_weights() -> mx.array:
     return unused
 
 
+_NAMES: dict[mx.Dtype, str] = {}
+
+
 def _name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
+    """"bfloat16" for mx.bfloat16: the dtype's name in launch.py's tables
+    (looked up, not made anew: every call of a kernel asks)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).rsplit(".", 1)[-1]
+    return name
 
 
 class GpuBackend:
