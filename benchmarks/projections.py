@@ -12,8 +12,10 @@ router and shared experts, the lm_head) `[B, 1, D]`, which MLX's
 `quantized_matmul` computes as B GEMMs of one row ("batched", as mlx-lm
 calls it). The same rows are also timed as one matrix `[1, B, D]` ("matrix")
 and `[B, D]` ("rows"), and through the package's projection call, which takes
-one of these by the measured rule (`rules.dense_as_rows`, "patched"). On a
-CUDA GPU the package's grouped kernel (kernels/grouped_qmm.h) can be timed
+one of these by the measured rule (`rules.dense_as_rows`, "patched"); on a
+CUDA GPU also as `patch_model(dense=True)` computes them ("dense": the
+grouped kernel where `rules.dense_decoding_expert` says so). There the
+package's grouped kernel (kernels/grouped_qmm.h) can be timed
 too, as a plan of one expert holding every row, in each of `--tilings`
 (`launch.GroupedQmmTiling`'s fields; a tiling this package does not have is
 skipped). Outputs are checked against "batched" first. Weights are random,
@@ -22,9 +24,12 @@ memory as a model's layer does.
 
 Default: each call's input is the previous call's output plus the tokens (a
 broadcast add), so the calls run one after another as a model's layers do,
-and the wall time of a chain is reported a call (`benchmarks.timing`, each
-side twice in turns), beside "none", the chain's add alone. The last table
-gives, for each projection and batch, the fastest shape and the rule's, and
+and the time of a chain is reported a call (`benchmarks.timing`, each side
+twice in turns), beside "none", the chain's add alone: for a decoding
+batch, building the graph and evaluating it, as a step of generation pays
+both (`--eval-only`: the evaluation alone, the GPU's share); for a prefill,
+the evaluation. The last table
+gives, for each projection and batch, the fastest side and the rule's, and
 a line for each case where the rule's took longer than the fastest by more
 than `--slack`. With `--ncu`: for each side, three calls each evaluated
 alone, after a marker kernel named `gemm_mark_<projection>_<B>_<side index>`
@@ -90,14 +95,16 @@ MARKER = "gemm_mark_"
 SHAPES = ("batched", "matrix", "rows")
 
 
-def quantized_layer(weights: tuple, out_dims: int, in_dims: int, bits: int) -> nn.Module:
+def quantized_layer(weights: tuple, out_dims: int, in_dims: int, bits: int,
+                    expert: bool = False) -> nn.Module:
     """An `nn.QuantizedLinear` holding `weights` (weight, scales, biases),
-    given the package's rows call (`projections.take_rows`)."""
+    given the package's rows call (`projections.take_rows`; `expert`: as
+    `patch_model(dense=True)` gives it)."""
     from mlx_moe_plan import projections
 
     layer = nn.QuantizedLinear(in_dims, out_dims, bias=False, group_size=GROUP_SIZE, bits=bits)
     layer.weight, layer.scales, layer.biases = weights
-    projections.take_rows(layer)
+    projections.take_rows(layer, expert=expert)
     return layer
 
 
@@ -115,13 +122,15 @@ def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: l
     if prefill:
         sides = {"matrix": shaped((1, batch, in_dims))}
     else:
-        layers = [quantized_layer(w, out_dims, in_dims, bits) for w in weight_sets]
-
-        def patched(i, x):
-            return layers[i % len(layers)](x.reshape(batch, 1, in_dims)).reshape(batch, out_dims)
+        def patched(expert):
+            layers = [quantized_layer(w, out_dims, in_dims, bits, expert) for w in weight_sets]
+            return lambda i, x: layers[i % len(layers)](
+                x.reshape(batch, 1, in_dims)).reshape(batch, out_dims)
 
         sides = {"batched": shaped((batch, 1, in_dims)), "matrix": shaped((1, batch, in_dims)),
-                 "rows": shaped((batch, in_dims)), "patched": patched}
+                 "rows": shaped((batch, in_dims)), "patched": patched(False)}
+        if mx.default_device().type == mx.gpu and mx.cuda.is_available():
+            sides["dense"] = patched(True)
     if not tilings or mx.default_device().type != mx.gpu or not mx.cuda.is_available():
         return sides
     from mlx_moe_plan import _backend, _gpu
@@ -171,10 +180,12 @@ def profile_marked(name: str, sides: dict, x: mx.array) -> None:
 
 
 def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dict],
-            max_calls: int, target_s: float, ncu: bool,
-            prefill: bool = False) -> tuple[dict[str, float], str]:
-    """Each side's median microseconds a call of `gemm` at `batch` rows, and
-    the shape the package's call takes ("rows" or "batched"; "matrix" for a
+            max_calls: int, target_s: float, ncu: bool, prefill: bool = False,
+            eval_only: bool = False) -> tuple[dict[str, float], str]:
+    """Each side's median microseconds a call of `gemm` at `batch` rows (built
+    and evaluated; evaluated only for a `prefill` or with `eval_only`), and
+    the shape the package's call takes ("rows" or "batched"; "expert" where
+    `patch_model(dense=True)` takes the grouped kernel; "matrix" for a
     `prefill`)."""
     from mlx_moe_plan import projections
 
@@ -195,8 +206,10 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
     if prefill:
         rule = "matrix"
     else:
-        layer = quantized_layer(weight_sets[0], out_dims, in_dims, bits)
-        rule = "rows" if projections._as_rows(layer, x.reshape(batch, 1, in_dims)) else "batched"
+        layer = quantized_layer(weight_sets[0], out_dims, in_dims, bits, expert=True)
+        step = x.reshape(batch, 1, in_dims)
+        rule = ("expert" if projections._as_expert(layer, step) and "dense" in sides
+                else "rows" if projections._as_rows(layer, step) else "batched")
     if ncu:
         profile_marked(f"{gemm.replace('/', '_')}_{batch}", sides, x)
         return {}, rule
@@ -205,24 +218,29 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
     for _ in range(2):  # each side twice, in turns
         for side, call in sides.items():
             timing = time_calls(chained(call, x), calls, target_s=target_s)
-            samples[side].append(timing.median_s * 1e6)
+            seconds = timing.median_s if prefill or eval_only else timing.wall_median_s
+            samples[side].append(seconds * 1e6)
     return {side: statistics.median(values) for side, values in samples.items()}, rule
 
 
 def rule_rows(results: list[dict], slack: float) -> tuple[list[str], list[str]]:
-    """The last table's lines, and the cases where the patched call took
-    longer than the fastest shape by more than `slack` (a fraction)."""
+    """The last table's lines, and the cases where the package's call under
+    its rule ("dense" where it takes the grouped kernel, else "patched") took
+    longer than the fastest side (a shape, or a tiling of the grouped kernel)
+    by more than `slack` (a fraction)."""
     lines = [f"{'projection':24s} {'dtype':8s} bits {'B':>3s}  fastest   x batched  "
              "rule     x batched"]
     slower = []
     for r in results:
         times = r["us"]
-        fastest = min(SHAPES, key=lambda s: times[s])
+        ruled = "dense" if r["rule"] == "expert" else "patched"
+        fastest = min((s for s in times if s in SHAPES or s.startswith("grouped:")),
+                      key=lambda s: times[s])
         line = (f"{r['gemm']:24s} {r['dtype']:8s} {r['bits']:4d} {r['batch']:3d}  "
                 f"{fastest:8s} {times['batched'] / times[fastest]:7.2f}x  "
-                f"{r['rule']:8s} {times['batched'] / times['patched']:7.2f}x")
+                f"{r['rule']:8s} {times['batched'] / times[ruled]:7.2f}x")
         lines.append(line)
-        if times["patched"] > (1 + slack) * times[fastest]:
+        if times[ruled] > (1 + slack) * times[fastest]:
             slower.append(line)
     return lines, slower
 
@@ -268,9 +286,12 @@ def main(argv=None) -> int:
     parser.add_argument("--target-s", type=float, default=0.05,
                         help="seconds of timed graphs a side and turn (default: %(default)s)")
     parser.add_argument("--slack", type=float, default=0.05,
-                        help="the patched call's allowance over the fastest shape, listed "
+                        help="the rule's call's allowance over the fastest side, listed "
                              "past it (default: %(default)s)")
     parser.add_argument("--ncu", action="store_true", help="marked calls for Nsight Compute")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="time a decoding batch's evaluation alone, not its graph's "
+                             "building too (default: both, as a step of generation)")
     parser.add_argument("--prefill", action="store_true",
                         help="--batches are a prefill's rows: [1, T, D] against the grouped "
                              "kernel's --tilings (default: a decoding batch's shapes)")
@@ -285,7 +306,7 @@ def main(argv=None) -> int:
                 for batch in (int(b) for b in args.batches.split(",")):
                     times, rule = measure(gemm, batch, getattr(mx, dtype_name), bits,
                                           tilings, args.max_calls, args.target_s, args.ncu,
-                                          args.prefill)
+                                          args.prefill, args.eval_only)
                     if not times:
                         continue
                     results.append({"gemm": gemm, "dtype": dtype_name, "bits": bits,
@@ -302,7 +323,7 @@ def main(argv=None) -> int:
     elif results:
         lines, slower = rule_rows(results, args.slack)
         print("\n".join(lines))
-        print(f"patched slower than the fastest shape by over {args.slack:.0%}: "
+        print(f"the rule's call slower than the fastest side by over {args.slack:.0%}: "
               f"{len(slower)} of {len(results)}")
         print("\n".join(slower))
     return 0

@@ -402,9 +402,9 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "decoding batch (default: one matrix of rows where measured "
                              "faster, patch_model's dense_rows)")
     parser.add_argument("--dense", action="store_true",
-                        help="compute a prefill's rows of the dense quantized projections "
-                             "by the package's grouped kernel where measured faster (the "
-                             "lm_head on CUDA; patch_model's dense, off by default)")
+                        help="compute the dense quantized projections' rows by the "
+                             "package's grouped kernel where its GEMM was measured faster "
+                             "(on CUDA; patch_model's dense, off by default)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="under mlx.launch, split every MoE layer's experts among the "
                              "processes (nn.shard_experts): each holds and computes E/N of "

@@ -337,9 +337,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     rows as one matrix where `rules.dense_as_rows` measured that faster
     (`projections.py`); they become instances of a subclass of their own
     class and of `projections.RowsProjection`. With `dense` (opt-in), the
-    same projections compute a prefill's rows through the grouped kernel as
-    one expert where `rules.dense_as_expert` measured that faster (the
-    lm_head on CUDA).
+    same projections compute a decoding batch's rows and a prefill's through
+    the grouped kernel as one expert where its GEMM was measured faster
+    (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA).
 
     A model patched already (its layers this package's, its blocks fused and
     projections given rows as asked) is left as it is: the call returns 0 and
@@ -358,8 +358,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
           Default: ``True``.
         dense_rows (bool): Give the dense quantized projections a decoding
           batch's rows as one matrix where measured faster. Default: ``True``.
-        dense (bool): Compute the dense quantized projections' prefill rows
-          by the grouped kernel where measured faster. Default: ``False``.
+        dense (bool): Compute the dense quantized projections' rows by the
+          grouped kernel where its GEMM was measured faster. Default:
+          ``False``.
 
     Returns:
         int: How many layers were replaced.
@@ -379,7 +380,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
                 fused_blocks.fuse(module, entry)
                 fused += 1
     has_layers = any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
-    rows = (projections.take_rows(model, decoding=dense_rows, prefill=dense)
+    rows = (projections.take_rows(model, decoding=dense_rows, expert=dense)
             if (dense_rows or dense) and has_layers else 0)
     name = type(model).__name__
     if ours_before and formulation is not None:

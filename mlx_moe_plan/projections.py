@@ -16,74 +16,101 @@ of a subclass of their own class), so checkpoints, `nn.quantize` and
 `load_weights` work as before, and where the rule keeps the input's shape the
 layer computes what mlx-lm's does, op for op.
 
-With `patch_model(dense=True)` (opt-in), the same layers also compute a
-prefill's rows through the grouped kernel as one expert where
-`rules.dense_as_expert` measured that faster (the lm_heads, on CUDA).
+With `patch_model(dense=True)` (opt-in), the same layers compute rows
+through the package's grouped kernel as one expert where its GEMM was
+measured faster than MLX's: a decoding batch's where
+`rules.dense_decoding_expert` says so, a prefill's where
+`rules.dense_as_expert` does. Opt-in, because those measurements time the
+GPU's work and a call of the grouped kernel costs the host several times
+what one of `quantized_matmul` does (benchmarks/RESULTS.md, "Dense
+projections of a decoding batch"): a whole model has yet to show it faster.
 """
 
 from __future__ import annotations
+
+import functools
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import _backend
 from ._backend import on_cuda
-from .rules import dense_as_expert, dense_as_rows
+from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
 
 
 class RowsProjection:
     """Marks a dense quantized layer whose class `patch_model` swapped for one
     that hands a decoding batch's rows to its GEMM as one matrix
-    (`decoding_rows`) and a prefill's rows to the grouped kernel as one expert
-    (`prefill_expert`), each where its rule says so."""
+    (`decoding_rows`) and rows to the grouped kernel as one expert
+    (`dense_expert`), each where its rule says so."""
 
     decoding_rows: bool = True
-    prefill_expert: bool = False
+    dense_expert: bool = False
+
+
+def _step_rows(x: mx.array) -> int:
+    """The rows of `x` where it is a decoding step's `[..., 1, D]`, else 0."""
+    shape = x.shape
+    return x.size // shape[-1] if len(shape) >= 3 and shape[-2] == 1 else 0
 
 
 def _as_rows(layer: nn.Module, x: mx.array) -> bool:
     """Whether `layer` computes `x` `[..., 1, D]` of several matrices as rows."""
-    shape = x.shape
-    if not layer.decoding_rows or len(shape) < 3 or shape[-2] != 1:
-        return False  # not asked, or not a decoding step's [..., 1, D]
-    rows = x.size // shape[-1]
+    rows = _step_rows(x) if layer.decoding_rows else 0
     # One row is one matrix either way (a batch of one). The sizes are asked
     # first and the stream only where they would take rows on CUDA: every
     # projection of a batched step passes here, outside any compiled trace.
-    return (rows > 1 and dense_as_rows(layer["weight"].shape[0], shape[-1], rows, layer.bits,
+    return (rows > 1 and dense_as_rows(layer["weight"].shape[0], x.shape[-1], rows, layer.bits,
                                        x.dtype.size * 8, layer.mode, cuda=True)
             and on_cuda())
 
 
 def _as_expert(layer: nn.Module, x: mx.array) -> bool:
-    """Whether `layer` computes `x` `[..., D]` through the grouped kernel as one expert."""
-    if not layer.prefill_expert or x.ndim < 2:
+    """Whether `layer` computes `x` through the grouped kernel as one expert
+    (`dense_expert`): a decoding step's `[..., 1, D]` where
+    `dense_decoding_expert` says so, a prefill's `[..., D]` where
+    `dense_as_expert` does."""
+    if not layer.dense_expert or x.ndim < 2:
         return False
-    if not (dense_as_expert(layer["weight"].shape[0], x.shape[-1], x.size // x.shape[-1],
-                            layer.bits, x.dtype.size * 8, layer.mode, cuda=True)
-            and on_cuda()):
+    out_dims, in_dims, rows = layer["weight"].shape[0], x.shape[-1], x.size // x.shape[-1]
+    rule = dense_decoding_expert if _step_rows(x) else dense_as_expert
+    if not rule(out_dims, in_dims, rows, layer.bits, x.dtype.size * 8, layer.mode, cuda=True):
+        return False
+    if not on_cuda():
         return False
     backend = _backend.implementation(_backend.resolve_stream(None))
     return _backend.grouped_kernel_computes(layer, backend, x.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _one_expert_plan(count: int, stream: mx.Stream) -> tuple[mx.array, mx.array]:
+    """The plan of one expert holding `count` rows: its spans `[0, count]`
+    and every row's expert, 0; made once a count and stream (a decoding
+    step's projections all take the same), in the stream's memory by an op
+    on it (MLX's CUDA backend keeps arrays made on the host in managed
+    memory, which kernels read remotely)."""
+    plan = (mx.add(mx.array([0, count], dtype=mx.int32), 0, stream=stream),
+            mx.zeros((count,), dtype=mx.int32, stream=stream))
+    mx.eval(plan)
+    return plan
+
+
 def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     """`layer`'s GEMM of `x` by the grouped kernel: every row the one expert's."""
     rows = x.reshape(-1, x.shape[-1])
-    count = rows.shape[0]
     stream = _backend.resolve_stream(None)
     out = _backend.implementation(stream).grouped_qmm(
         rows, layer["weight"][None], layer["scales"][None], layer["biases"][None],
-        mx.array([0, count], dtype=mx.int32), mx.zeros((count,), dtype=mx.int32),
-        bits=layer.bits, group_size=layer.group_size, stream=stream)
+        *_one_expert_plan(rows.shape[0], stream), bits=layer.bits,
+        group_size=layer.group_size, stream=stream)
     if "bias" in layer:
         out = out + layer["bias"]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
-    """`call(layer, x)` with `x` reshaped to rows `[n, D]` where the rule says
-    so, or through the grouped kernel where `dense_as_expert` does."""
+    """`call(layer, x)` through the grouped kernel where `_as_expert` says so,
+    else with `x` reshaped to rows `[n, D]` where `_as_rows` does."""
     if _as_expert(layer, x):
         return _one_expert(layer, x)
     if not _as_rows(layer, x):
@@ -124,15 +151,17 @@ def _takes_rows(module: nn.Module) -> bool:
     return False
 
 
-def take_rows(model: nn.Module, *, decoding: bool = True, prefill: bool = False) -> int:
+def take_rows(model: nn.Module, *, decoding: bool = True, expert: bool = False) -> int:
     """Give every dense quantized projection of `model` the rows call, in place.
 
     Args:
         model (Module): A model (or any module tree).
         decoding (bool): A decoding batch's rows as one matrix where
           `rules.dense_as_rows` says so. Default: ``True``.
-        prefill (bool): A prefill's rows through the grouped kernel as one
-          expert where `rules.dense_as_expert` says so. Default: ``False``.
+        expert (bool): Rows through the grouped kernel as one expert where
+          `rules.dense_decoding_expert` (a decoding batch's) or
+          `rules.dense_as_expert` (a prefill's) says so, before the above.
+          Default: ``False``.
 
     Returns:
         int: How many layers were given it (layers that have it already are
@@ -142,5 +171,5 @@ def take_rows(model: nn.Module, *, decoding: bool = True, prefill: bool = False)
     for module in layers:
         module.__class__ = _rows_class(type(module))
         module.decoding_rows = decoding
-        module.prefill_expert = prefill
+        module.dense_expert = expert
     return len(layers)

@@ -4,8 +4,9 @@ Each rule is a pure function of sizes and of facts about the backend, whose
 thresholds come from the runs recorded in benchmarks/RESULTS.md and
 benchmarks/HISTORY.md; the layer (`nn.SwitchGLU`, `projections.py`) gathers
 the facts and applies the choice. The rules here are the expert GEMMs' formulation
-(`formulation_for`) and the shape in which a dense quantized projection
-takes a decoding batch (`dense_as_rows`).
+(`formulation_for`), and how a dense quantized projection computes a
+decoding batch (`dense_decoding_expert`, else `dense_as_rows`) and, opted
+in, a prefill (`dense_as_expert`).
 
 A formulation is a `Formulation`. The layer's public `tile_m` names one as an
 int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
@@ -197,6 +198,60 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
     return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
             and rows >= DENSE_ROWS_FROM_ROWS and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
             and rows * out_dims >= DENSE_ROWS_FROM_OUTPUTS)
+
+
+# A decoding batch's rows of a dense projection through the grouped kernel as
+# one expert (kernels/grouped_qmm.h, its warps sharing each row where the
+# columns are few: launch.grouped_qmm_k_splits; its block tiles from 32 rows).
+# Its call costs tens of microseconds at any size, so it pays where MLX's CUDA
+# quantized_matmul is slow: below 8 rows its matrix-vector products read a
+# wide projection (an lm_head) once a row; from 8 rows its GEMM runs each tile
+# of 128 columns through the whole input, a long chain where the input is
+# long; from 64 rows the block tiles pass it on wide projections too
+# (benchmarks/RESULTS.md, "Dense projections of a decoding batch").
+DENSE_DECODING_WIDE_OUT_DIMS = 100_000
+DENSE_DECODING_WIDE_BELOW_ROWS = 8
+DENSE_DECODING_WIDE_FROM_ROWS = 64
+DENSE_DECODING_FROM_ROWS = 8
+DENSE_DECODING_FROM_IN_DIMS = 2880
+DENSE_DECODING_TILES_FROM_ROWS = 32
+DENSE_DECODING_TILES_FROM_IN_DIMS = 4096
+
+
+def dense_decoding_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits: int,
+                          mode: str, *, cuda: bool) -> bool:
+    """Whether a dense quantized projection computes a decoding batch's rows
+    `[rows, 1, in_dims]` through the grouped kernel as one expert.
+
+    On CUDA, as measured (16-bit rows, affine 4 bits): a projection of
+    `DENSE_DECODING_WIDE_OUT_DIMS` columns and more below
+    `DENSE_DECODING_WIDE_BELOW_ROWS` rows and from `DENSE_DECODING_WIDE_FROM_ROWS`;
+    any other from `DENSE_DECODING_FROM_ROWS` rows where its input has
+    `DENSE_DECODING_FROM_IN_DIMS` values and more, and from
+    `DENSE_DECODING_TILES_FROM_ROWS` rows (the block tiles) where it has
+    `DENSE_DECODING_TILES_FROM_IN_DIMS`. Elsewhere never until measured.
+
+    Args:
+        out_dims (int): Output columns N of the projection.
+        in_dims (int): Input dimension D.
+        rows (int): Rows of the batch (sequences decoding together).
+        bits (int): Bits a weight.
+        dtype_bits (int): Bits of an element of the rows.
+        mode (str): The quantization mode (`"affine"`, ...).
+        cuda (bool): Whether the projection runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True for the grouped kernel.
+    """
+    if not _dense_measured(in_dims, bits, dtype_bits, mode, cuda) or rows < 1:
+        return False
+    if out_dims >= DENSE_DECODING_WIDE_OUT_DIMS:
+        return rows < DENSE_DECODING_WIDE_BELOW_ROWS or rows >= DENSE_DECODING_WIDE_FROM_ROWS
+    if rows < DENSE_DECODING_FROM_ROWS:
+        return False
+    if rows < DENSE_DECODING_TILES_FROM_ROWS:
+        return in_dims >= DENSE_DECODING_FROM_IN_DIMS
+    return in_dims >= DENSE_DECODING_TILES_FROM_IN_DIMS
 
 
 # patch_model(dense=True): a prefill's rows of a dense projection through the

@@ -277,7 +277,8 @@ def test_projections_chains_and_checks_each_side(capsys):
 
     assert projections.main(["--gemms", "mixtral/router", "--batches", "8,9", "--max-calls",
                              "2", "--target-s", "0"]) == 0
-    out, slower = capsys.readouterr().out.split("patched slower than the fastest shape by over 5%:")
+    out, slower = capsys.readouterr().out.split(
+        "the rule's call slower than the fastest side by over 5%:")
     lines = [line for line in out.splitlines() if line.startswith("mixtral/router ")]
     assert len(lines) == 4 and "B=  9" in lines[1]
     for line in lines[:2]:

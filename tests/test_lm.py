@@ -491,7 +491,7 @@ def test_patch_options_reach_patch_model(models):
         model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
     marked = [module for _, module in model.named_modules()
               if isinstance(module, RowsProjection)]
-    assert marked and all(m.prefill_expert and not m.decoding_rows for m in marked)
+    assert marked and all(m.dense_expert and not m.decoding_rows for m in marked)
 
 
 # --expert-parallel: two processes launched on the loopback (tests/two_ranks.py),

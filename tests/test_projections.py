@@ -202,28 +202,72 @@ class OneExpertBackend:
                                    group_size=group_size, bits=bits)
 
 
-@pytest.mark.parametrize("prefill", [True, False])
-def test_prefill_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, prefill):
-    """With `prefill` (patch_model's `dense`), a prefill's rows go to the
-    grouped kernel as one expert spanning them all, the layer's own bias
-    added; a decoding step's do not; without it nothing goes there."""
+@pytest.mark.parametrize("expert", [True, False])
+def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, expert):
+    """With `expert` (patch_model's `dense`), a prefill's rows go to the
+    grouped kernel as one expert spanning them all where `dense_as_expert`
+    says so (here from 6 rows), the layer's own bias added, and a decoding
+    step's `[B, 1, D]` where `dense_decoding_expert` does (here from 2 rows),
+    its plan made once a batch size; a batch of one does not; without it
+    nothing goes there."""
     backend = OneExpertBackend()
     monkeypatch.setattr(projections, "dense_as_expert",
                         lambda out_dims, in_dims, rows, *args, cuda: rows >= 6)
+    monkeypatch.setattr(projections, "dense_decoding_expert",
+                        lambda out_dims, in_dims, rows, *args, cuda: rows >= 2)
     monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: False)
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     monkeypatch.setattr(projections._backend, "implementation", lambda stream: backend)
     tree = small_tree()
     x = mx.array(np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32))
-    step = x[:, :1]
-    want = [tree.linear(x), tree.embedding.as_linear(x), tree.linear(step)]
-    take_rows(tree, prefill=prefill)
-    got = [tree.linear(x), tree.embedding.as_linear(x), tree.linear(step)]
+    step = mx.array(np.random.default_rng(2).standard_normal((3, 1, 64)).astype(np.float32))
+    single = step[:1]
+    calls = [lambda: tree.linear(x), lambda: tree.embedding.as_linear(x),
+             lambda: tree.linear(step), lambda: tree.embedding.as_linear(step),
+             lambda: tree.linear(single)]
+    want = [call() for call in calls]
+    take_rows(tree, expert=expert)
+    got = [call() for call in calls]
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
-    expected = [((6, 64), (1, 256, 8), [0, 6], [0] * 6)] * 2 if prefill else []
-    assert backend.calls == expected
+    prefill = ((6, 64), (1, 256, 8), [0, 6], [0] * 6)
+    decoding = ((3, 64), (1, 256, 8), [0, 3], [0] * 3)
+    assert backend.calls == ([prefill, prefill, decoding, decoding] if expert else [])
+    if expert:
+        stream = projections._backend.resolve_stream(None)
+        assert (projections._one_expert_plan(3, stream)
+                is projections._one_expert_plan(3, stream))
+
+
+@pytest.mark.parametrize("out_dims, in_dims, rows, bits, dtype_bits, mode, cuda, want", [
+    # lm_heads: below 8 rows (one too) and from 64
+    (151936, 2048, 1, 4, 16, "affine", True, True),
+    (rules.DENSE_DECODING_WIDE_OUT_DIMS, 2048, rules.DENSE_DECODING_WIDE_BELOW_ROWS - 1, 4, 16,
+     "affine", True, True),
+    (151936, 2048, rules.DENSE_DECODING_WIDE_BELOW_ROWS, 4, 16, "affine", True, False),
+    (151936, 2048, 32, 4, 16, "affine", True, False),
+    (201088, 2880, rules.DENSE_DECODING_WIDE_FROM_ROWS, 4, 16, "affine", True, True),
+    # others: long inputs from 8 rows, the longest from 32
+    (4096, 2048, 4, 4, 16, "affine", True, False),
+    (4096, 2048, 8, 4, 16, "affine", True, False),
+    (512, rules.DENSE_DECODING_FROM_IN_DIMS, rules.DENSE_DECODING_FROM_ROWS, 4, 16, "affine", True,
+     True),
+    (4096, 2880, rules.DENSE_DECODING_FROM_ROWS - 1, 4, 16, "affine", True, False),
+    (4096, 2880, rules.DENSE_DECODING_TILES_FROM_ROWS, 4, 16, "affine", True, False),
+    (2048, rules.DENSE_DECODING_TILES_FROM_IN_DIMS, rules.DENSE_DECODING_TILES_FROM_ROWS, 4, 16,
+     "affine", True, True),
+    (2048, 4096, 64, 4, 16, "affine", True, True),
+    # what was not measured
+    (2048, 4096, 16, 8, 16, "affine", True, False),
+    (2048, 4096, 16, 4, 32, "affine", True, False),
+    (2048, 4096, 16, 4, 16, "mxfp4", True, False),
+    (2048, 4096, 16, 4, 16, "affine", False, False),
+])
+def test_dense_decoding_expert_rule(out_dims, in_dims, rows, bits, dtype_bits, mode, cuda,
+                                   want):
+    assert rules.dense_decoding_expert(out_dims, in_dims, rows, bits, dtype_bits, mode,
+                                       cuda=cuda) is want
 
 
 # ------------------------------------------------------------------ whole models
@@ -331,8 +375,8 @@ def test_dense_prefill_opt_in_keeps_the_bits_off_cuda(model_dirs):
     patched, _ = loaded(model_dirs["qwen3_moe"])
     patch_model(patched, dense=True, dense_rows=False)
     marked = [m for _, m in patched.named_modules() if isinstance(m, RowsProjection)]
-    assert marked and all(m.prefill_expert and not m.decoding_rows for m in marked)
-    assert not any(m.prefill_expert for _, m in without.named_modules()
+    assert marked and all(m.dense_expert and not m.decoding_rows for m in marked)
+    assert not any(m.dense_expert for _, m in without.named_modules()
                    if isinstance(m, RowsProjection))
     tokens = mx.array(np.random.default_rng(2).integers(0, lm_fixtures.VOCAB_SIZE, (1, 512)).astype(np.int32))
     assert mx.array_equal(patched(tokens), without(tokens))
