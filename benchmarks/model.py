@@ -30,10 +30,11 @@ prefill, each side in turn, `--rounds` times; decode, at each batch size
 interleaved one by one (with `--control`, another side: an unpatched copy of
 mlx-lm's model; with `--variant-tile-m M`, another: the model patched with
 `tile_m=M`, a formulation weighed against the rule's in the same run; with
-`--variant-no-dense-rows`, the model patched without dense rows), then
-generate's loop a turn a side. `--dense` patches with `dense=True` (a
-prefill's lm_head by the grouped kernel, where the last chunk's logits are
-computed). `--processes N`
+`--variant-no-dense-rows`, the model patched without dense rows; with
+`--variant-dense`, patched with `dense=True`), then generate's loop a turn a
+side. `--dense` patches with `dense=True` (dense projections by the grouped
+kernel where its rules say so: a decoding batch's, and a prefill's lm_head,
+where the last chunk's logits are computed). `--processes N`
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
@@ -554,7 +555,8 @@ def format_tables(result: dict) -> str:
             describe = entry["describe"]
             lines.append(f"  variant: mlx-lm's speed over the model patched with tile_m="
                          f"{describe.get('variant_tile_m')}, dense rows "
-                         f"{'on' if describe.get('variant_dense_rows', True) else 'off'}, "
+                         f"{'on' if describe.get('variant_dense_rows', True) else 'off'}"
+                         f"{', dense=True' if describe.get('variant_dense') else ''}, "
                          "decoded with the others")
     return "\n".join(lines)
 
@@ -629,12 +631,14 @@ def run(args) -> dict:
             entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
         control = shared_copy(model) if args.control else None
         variant = None
-        if args.variant_tile_m is not None or args.variant_no_dense_rows:
+        if args.variant_tile_m is not None or args.variant_no_dense_rows or args.variant_dense:
             tile_m = args.tile_m if args.variant_tile_m is None else args.variant_tile_m
             dense_rows = args.dense_rows and not args.variant_no_dense_rows
-            variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows, args.dense)
+            dense = args.dense or args.variant_dense
+            variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows, dense)
             describe["variant_tile_m"] = tile_m
             describe["variant_dense_rows"] = dense_rows
+            describe["variant_dense"] = dense
         for batch in (args.batches or batches):
             progress(f"{name}: decode at batch {batch}")
             entry["decode"].append(measure_decode(
@@ -690,12 +694,16 @@ def parse_args(argv):
                         help="the patched model's dense quantized projections take a "
                              "decoding batch as mlx-lm's do (patch_model's dense_rows=False)")
     parser.add_argument("--dense", action="store_true",
-                        help="the patched model's dense quantized projections compute a "
-                             "prefill's rows by the grouped kernel where measured faster "
-                             "(patch_model's dense=True; the lm_head on CUDA)")
+                        help="the patched model's dense quantized projections compute "
+                             "rows by the grouped kernel where its GEMM measured faster "
+                             "(patch_model's dense=True; on CUDA)")
     parser.add_argument("--variant-no-dense-rows", action="store_true",
                         help="decode the model patched without dense rows too, interleaved "
                              "with the others (with --variant-tile-m, that variant)")
+    parser.add_argument("--variant-dense", action="store_true",
+                        help="decode the model patched with dense=True too, interleaved with "
+                             "the others (with --variant-tile-m or --variant-no-dense-rows, "
+                             "that variant)")
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,

@@ -58,12 +58,17 @@
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
 #               stall reasons, the schedulers' issue, the instruction mix.
+#   dense-decode (not in `bench`) whole models decoding at batch 1 to 64 with
+#               patch_model(dense=True) beside the default patch (--variant-dense),
+#               Qwen3-30B-A3B and gpt-oss-20b, three processes after an untimed
+#               one: whether dense=True may become the default;
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
 #   projections every model's dense projections at batch 1 to 64, each shape of a
-#               decoding batch, bfloat16 and float16, 4 and 8 bits: the rule
-#               rules.dense_as_rows against the fastest shape (long: an hour
+#               decoding batch and the grouped kernel, built and evaluated,
+#               bfloat16 and float16, 4 and 8 bits: the rules rules.dense_as_rows
+#               and rules.dense_decoding_expert against the fastest side (long: an hour
 #               and more; name fewer with benchmarks.projections --gemms).
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
 #               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
@@ -206,6 +211,11 @@ if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
     python3 -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b --tokens 8192 --calls 2 \
     --sides kernel
 fi
+if wanted dense-decode; then
+  logged "$results/dense-decode.log" python3 -m benchmarks.model \
+    --models qwen3-30b-a3b,gpt-oss-20b --prompt 0 --batches 1,2,4,8,16,32,64 --no-pipelined \
+    --processes 3 --warm-process --variant-dense --json "$results/dense-decode.json"
+fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
     --gemms qwen3-30b-a3b/q,qwen3-30b-a3b/kv,qwen3-30b-a3b/o,qwen3-30b-a3b/lm_head,gpt-oss-20b/q,gpt-oss-20b/o,deepseek-v3/shared-up,deepseek-v3/shared-down \
@@ -222,7 +232,8 @@ if wanted grouped-qmm-prefill; then
 fi
 if wanted projections; then
   logged "$results/projections.log" python3 -m benchmarks.projections \
-    --dtypes bfloat16,float16 --bits 4,8 --max-calls 200 --json "$results/projections.json"
+    --dtypes bfloat16,float16 --bits 4,8 --max-calls 200 --tilings default \
+    --json "$results/projections.json"
 fi
 two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
   local name=$1

@@ -413,6 +413,21 @@ def test_model_benchmark_variant(tmp_path, capsys):
     assert "control: mlx-lm's speed over an unpatched copy" in printed
 
 
+def test_model_benchmark_variant_dense(tmp_path, capsys):
+    # --variant-dense: the model patched with dense=True decodes beside the
+    # default patch (on the CPU its rules keep MLX's calls: the same bits).
+    out = tmp_path / "model.json"
+    assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "2", "--context", "8",
+                       "--steps", "2", "--warmup", "1", "--decode-rounds", "1",
+                       "--variant-dense", "--ops", "off", "--json", str(out)]) == 0
+    entry = json.loads(out.read_text())["models"][0]
+    assert entry["describe"]["variant_dense"] is True
+    row = entry["decode"][0]
+    assert row["variant_wall_ms"] >= row["variant_build_ms"] > 0
+    assert row["variant_logits_rel_diff"] == 0
+    assert ", dense=True, decoded with the others" in capsys.readouterr().out
+
+
 class ParserCaught(Exception):
     """Raised with the parser in place of parsing: what a benchmark's main would parse."""
 
