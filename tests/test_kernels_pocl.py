@@ -514,6 +514,17 @@ def test_grouped_qmm_splits_few_items():
     assert launch.grouped_qmm_steps(32, False, k_splits=4) == 4
 
 
+def test_grouped_qmm_split_sums_fit_group_memory():
+    """A tiling whose sets' sums would pass a backend's group memory is
+    refused by name, before any kernel is built (Metal's 32 KB here)."""
+    with launch.grouped_qmm_tiling(threads=256, k_splits=8, gated_tiles=2, row_tiles=2):
+        launch.grouped_qmm_launch(4, 2048, 512, 64, 4, 64, "bfloat16", backend="cuda",
+                                  gated=True)
+        with pytest.raises(ValueError, match="k_splits=8.*group memory gated"):
+            launch.grouped_qmm_launch(4, 2048, 512, 64, 4, 64, "bfloat16", backend="metal",
+                                      gated=True)
+
+
 # --- grouped_qmm_tiles: the same GEMM in block tiles (prefill sizes) -------------------
 # Forced here at any size (tiles_from_rows=0): the block's row and column
 # edges, experts of no row and of more than a block, the tail, every bit

@@ -419,7 +419,8 @@ def grouped_qmm_launch(
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
-                               dtype, num_rows, gated, tiling)
+                               dtype, num_rows, gated, tiling,
+                               min(SHARED_BYTES[backend], STATIC_SHARED_BYTES))
 
 
 def grouped_qmm_body(capacity: int, num_experts: int) -> str:
@@ -431,6 +432,9 @@ def grouped_qmm_body(capacity: int, num_experts: int) -> str:
             else "grouped_qmm")
 
 
+# The shared memory a group may declare in its body (grouped_qmm.h's arrays):
+# CUDA's limit for static shared memory.
+STATIC_SHARED_BYTES = 48 * 1024
 # The shared memory a group of the block tiles may take. Metal's 32 KB. On
 # CUDA, 99 KB, past the 48 KB a group may declare statically (its stages are
 # dynamic, SHARED_WORDS): the least of the sm_80-and-later GPUs' limits a
@@ -534,12 +538,20 @@ def _dynamic_shared_bytes(static_bytes: int, dynamic_bytes: int) -> int:
 def _grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
+    shared_bytes: int,
 ) -> Launch:
     column_tiles = tiling.gated_tiles if gated else tiling.tiles  # a warp's distinct columns
     row_groups = in_dims // quant_group
     # Experts with rows at most: as many as rows.
     k_splits = tiling.k_splits or grouped_qmm_k_splits(
         min(num_experts, capacity), out_dims, 16 * column_tiles, tiling.threads // 32, row_groups)
+    # The body's arrays: active_experts, group_scan, mma_exchange, split_sums.
+    threads, tiles = tiling.threads, column_tiles * (2 if gated else 1)
+    memory = 4 * (MAX_EXPERTS + 7 * threads
+                  + (threads - threads // k_splits) * tiles * tiling.row_tiles * 4 + 1)
+    if memory > shared_bytes:
+        raise ValueError(f"grouped_qmm tiling: {tiling} needs {memory} bytes of group memory"
+                         f"{' gated' if gated else ''}, over the backend's {shared_bytes}")
     columns = tiling.threads // 32 // k_splits * 16 * column_tiles
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
