@@ -71,11 +71,12 @@ def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
                   **arguments)
 
 
-def _cache_by_stream(make):
+def cache_by_stream(make):
     """Caches `make(*args, stream)` by `args` and the stream's text.
 
     `functools.cache` would key on the Stream object, and Stream objects hash
-    by identity: every call would miss and the cache grow without bound.
+    by identity (`resolve_stream` makes a new one each call): every call
+    would miss and the cache grow without bound.
     """
     made = {}
 
@@ -92,7 +93,7 @@ def _cache_by_stream(make):
 _PARAMS_SIZE = 8
 
 
-@_cache_by_stream
+@cache_by_stream
 def _params(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
     """The small int32 array of run-time sizes a kernel reads, in GPU memory.
 
@@ -278,7 +279,7 @@ def _argsort_slice(backend, values, start, count, stream):
     return indices.reshape(*rows_shape, count), slice_values.reshape(*rows_shape, count)
 
 
-@_cache_by_stream
+@cache_by_stream
 def _argsort_slice_function(backend, start, count, stream):
     @mx.custom_function
     def argsort_slice(values):
@@ -339,7 +340,7 @@ def _combine(backend, src, index, weights, dtype, stream):
     return out
 
 
-@_cache_by_stream
+@cache_by_stream
 def _gather_function(backend, dtype, stream):
     @mx.custom_function
     def gather(src, index, inverse):
@@ -356,7 +357,7 @@ def _gather_function(backend, dtype, stream):
     return gather
 
 
-@_cache_by_stream
+@cache_by_stream
 def _combine_function(backend, dtype, has_weights, stream):
     def combine_impl(src, index, inverse, weights=None):
         return _combine(backend, src, index, weights, dtype, stream)
@@ -397,7 +398,7 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     return out
 
 
-@_cache_by_stream
+@cache_by_stream
 def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, stream):
     @mx.custom_function
     def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts, *extra):

@@ -28,12 +28,11 @@ projections of a decoding batch"): a whole model has yet to show it faster.
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import _backend
+from ._gpu import cache_by_stream
 from ._backend import on_cuda
 from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
 
@@ -82,7 +81,7 @@ def _as_expert(layer: nn.Module, x: mx.array) -> bool:
     return _backend.grouped_kernel_computes(layer, backend, x.dtype)
 
 
-@functools.lru_cache(maxsize=64)
+@cache_by_stream
 def _one_expert_plan(count: int, stream: mx.Stream) -> tuple[mx.array, mx.array]:
     """The plan of one expert holding `count` rows: its spans `[0, count]`
     and every row's expert, 0; made once a count and stream (a decoding

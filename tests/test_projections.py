@@ -234,10 +234,10 @@ def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, expert):
     prefill = ((6, 64), (1, 256, 8), [0, 6], [0] * 6)
     decoding = ((3, 64), (1, 256, 8), [0, 3], [0] * 3)
     assert backend.calls == ([prefill, prefill, decoding, decoding] if expert else [])
-    if expert:
-        stream = projections._backend.resolve_stream(None)
-        assert (projections._one_expert_plan(3, stream)
-                is projections._one_expert_plan(3, stream))
+    if expert:  # streams alike, each a new object, find the same plan
+        resolve = projections._backend.resolve_stream
+        assert projections._one_expert_plan(3, resolve(None)) is \
+            projections._one_expert_plan(3, resolve(None))
 
 
 @pytest.mark.parametrize("out_dims, in_dims, rows, bits, dtype_bits, mode, cuda, want", [
