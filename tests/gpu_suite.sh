@@ -58,6 +58,12 @@
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
 #               stall reasons, the schedulers' issue, the instruction mix.
+#   dense-ncu   (not in `bench`; ncu on the PATH) the decode body (grouped_qmm.h) as
+#               one expert, Qwen3-30B-A3B's queries at B = 8, its warps sharing
+#               rows and not, under Nsight Compute with source-level stall
+#               sampling (a report a tiling, for `ncu --import`): what holds a
+#               launch of few items at tens of us where its weights take about
+#               1.5 us to read;
 #   dense-decode (not in `bench`) whole models decoding at batch 1 to 64 with
 #               patch_model(dense=True) beside the default patch (--variant-dense),
 #               Qwen3-30B-A3B and gpt-oss-20b, three processes after an untimed
@@ -210,6 +216,15 @@ if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
     --section MemoryWorkloadAnalysis \
     python3 -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b --tokens 8192 --calls 2 \
     --sides kernel
+fi
+if wanted dense-ncu && command -v ncu >/dev/null; then
+  for splits in 4 1; do
+    logged "$results/dense-ncu-$splits.log" ncu --kernel-name regex:moe_grouped_qmm \
+      --launch-skip 4 --launch-count 1 --set full --import-source yes \
+      --export "$results/dense-ncu-$splits" --force-overwrite \
+      python3 -m benchmarks.projections --gemms qwen3-30b-a3b/q --batches 8 --eval-only \
+      --tilings "k_splits=$splits" --max-calls 8 --target-s 0
+  done
 fi
 if wanted dense-decode; then
   logged "$results/dense-decode.log" python3 -m benchmarks.model \
