@@ -218,12 +218,15 @@ if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
     --sides kernel
 fi
 if wanted dense-ncu && command -v ncu >/dev/null; then
-  for splits in 4 1; do
-    logged "$results/dense-ncu-$splits.log" ncu --kernel-name regex:moe_grouped_qmm \
+  # 4 sets loading 4 groups ahead (the default), 4 sets one group at a time
+  # (half the code), one set (the launch before the sets)
+  for tiling in k_splits=4 k_splits=4,steps=1 k_splits=1; do
+    name=dense-ncu-${tiling//[=,]/-}
+    logged "$results/$name.log" ncu --kernel-name regex:moe_grouped_qmm \
       --launch-skip 4 --launch-count 1 --set full --import-source yes \
-      --export "$results/dense-ncu-$splits" --force-overwrite \
+      --export "$results/$name" --force-overwrite \
       python3 -m benchmarks.projections --gemms qwen3-30b-a3b/q --batches 8 --eval-only \
-      --tilings "k_splits=$splits" --max-calls 8 --target-s 0
+      --tilings "$tiling" --max-calls 8 --target-s 0
   done
 fi
 if wanted dense-decode; then
