@@ -13,6 +13,7 @@ import pytest
 from conftest import (_NO_GPU, assert_gemm_close, check_grouped_qmm, grouped_qmm_by_mlx_ops,
                       grouped_qmm_case, grouped_qmm_cases, quantized_experts, token_rows)
 from hypothesis import given
+from hypothesis import strategies as st
 from mlx.utils import tree_map
 
 from mlx_moe_plan import MAX_EXPERTS, _backend, _gpu, moe_plan
@@ -56,6 +57,14 @@ def test_prefill_shapes(tokens, in_dims, out_dims):
     counts = np.bincount(routed.reshape(-1), minlength=128)
     assert launch.grouped_qmm_body(tokens * 8, 128) == "grouped_qmm_tiles"
     check_grouped_qmm(_run, rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
+
+
+@given(case=grouped_qmm_cases(), k_splits=st.sampled_from([2, 4]))
+def test_split_rows_match_reference(case, k_splits):
+    """Warps sharing rows (K_SPLITS), every case of test_matches_reference."""
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(k_splits=k_splits):
+        check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
 @given(case=grouped_qmm_cases())

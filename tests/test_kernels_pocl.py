@@ -355,6 +355,16 @@ def test_grouped_qmm_matches_reference(case):
     check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
 
 
+@given(case=grouped_qmm_cases(), k_splits=st.sampled_from([2, 4]),
+       steps=st.sampled_from([None, 1, 3]))
+def test_grouped_qmm_split_matches_reference(case, k_splits, steps):
+    """Warps sharing rows (K_SPLITS) over the same cases: rows of 1 to 4
+    quantization groups, so shares of none, one or two groups."""
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(k_splits=k_splits, steps=steps):
+        check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
+
+
 @pytest.mark.parametrize("active", [1, 300, MAX_EXPERTS])
 def test_grouped_qmm_more_items_than_groups(active):
     """Every expert count up to MAX_EXPERTS, more (expert, columns) items than
