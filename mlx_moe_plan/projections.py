@@ -28,10 +28,13 @@ projections of a decoding batch"): a whole model has yet to show it faster.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import _backend
+from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small
 from ._gpu import cache_by_stream
 from ._backend import on_cuda
 from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
@@ -108,10 +111,13 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
 
 
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
-    """`call(layer, x)` through the grouped kernel where `_as_expert` says so,
-    else with `x` reshaped to rows `[n, D]` where `_as_rows` does."""
+    """`call(layer, x)` through the grouped kernel where `_as_expert` says so
+    (compiled for small batches, as the MoE layers are: a call of the kernel
+    costs the host far more than one of `quantized_matmul` to build), else
+    with `x` reshaped to rows `[n, D]` where `_as_rows` does."""
     if _as_expert(layer, x):
-        return _one_expert(layer, x)
+        return compiled_if_small(layer, functools.partial(_one_expert, layer), x,
+                                 max_tokens=COMPILE_MAX_TOKENS, key=("dense_expert",))
     if not _as_rows(layer, x):
         return call(layer, x)
     y = call(layer, x.reshape(-1, x.shape[-1]))

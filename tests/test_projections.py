@@ -202,14 +202,24 @@ class OneExpertBackend:
                                    group_size=group_size, bits=bits)
 
 
+@pytest.fixture
+def fresh_traces():
+    """No compiled forward from before, none left after: a trace holds the
+    answers of the rules and the backend it was made with."""
+    _compiled._SHARED_FORWARDS.clear()
+    yield
+    _compiled._SHARED_FORWARDS.clear()
+
+
 @pytest.mark.parametrize("expert", [True, False])
-def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, expert):
+def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, fresh_traces, expert):
     """With `expert` (patch_model's `dense`), a prefill's rows go to the
     grouped kernel as one expert spanning them all where `dense_as_expert`
     says so (here from 6 rows), the layer's own bias added, and a decoding
     step's `[B, 1, D]` where `dense_decoding_expert` does (here from 2 rows),
     its plan made once a batch size; a batch of one does not; without it
-    nothing goes there."""
+    nothing goes there. Small batches run compiled: traced once, replayed,
+    the trace shared by a layer alike with weights of its own."""
     backend = OneExpertBackend()
     monkeypatch.setattr(projections, "dense_as_expert",
                         lambda out_dims, in_dims, rows, *args, cuda: rows >= 6)
@@ -234,10 +244,23 @@ def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, expert):
     prefill = ((6, 64), (1, 256, 8), [0, 6], [0] * 6)
     decoding = ((3, 64), (1, 256, 8), [0, 3], [0] * 3)
     assert backend.calls == ([prefill, prefill, decoding, decoding] if expert else [])
-    if expert:  # streams alike, each a new object, find the same plan
-        resolve = projections._backend.resolve_stream
-        assert projections._one_expert_plan(3, resolve(None)) is \
-            projections._one_expert_plan(3, resolve(None))
+    if not expert:
+        return
+    # streams alike, each a new object, find the same plan
+    resolve = projections._backend.resolve_stream
+    assert projections._one_expert_plan(3, resolve(None)) is \
+        projections._one_expert_plan(3, resolve(None))
+    # replayed: the same sums, no new trace
+    again = [call() for call in calls]
+    assert len(backend.calls) == 4
+    for g, w in zip(again, want):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
+    other = small_tree()  # new weights, the same structure
+    other_want = other.linear(step)
+    take_rows(other, expert=True)
+    np.testing.assert_allclose(np.array(other.linear(step)), np.array(other_want),
+                               rtol=1e-5, atol=1e-5)
+    assert len(backend.calls) == 4 and not np.allclose(np.array(other_want), np.array(want[2]))
 
 
 @pytest.mark.parametrize("out_dims, in_dims, rows, bits, dtype_bits, mode, cuda, want", [
