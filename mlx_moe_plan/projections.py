@@ -34,9 +34,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import _backend
+from ._backend import on_cuda
 from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small
 from ._gpu import cache_by_stream
-from ._backend import on_cuda
 from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
 
 
@@ -78,10 +78,10 @@ def _as_expert(layer: nn.Module, x: mx.array) -> bool:
     rule = dense_decoding_expert if _step_rows(x) else dense_as_expert
     if not rule(out_dims, in_dims, rows, layer.bits, x.dtype.size * 8, layer.mode, cuda=True):
         return False
-    if not on_cuda():
+    stream = _backend.resolve_stream(None)
+    if not on_cuda(stream):
         return False
-    backend = _backend.implementation(_backend.resolve_stream(None))
-    return _backend.grouped_kernel_computes(layer, backend, x.dtype)
+    return _backend.grouped_kernel_computes(layer, _backend.implementation(stream), x.dtype)
 
 
 @cache_by_stream

@@ -443,6 +443,13 @@ STATIC_SHARED_BYTES = 48 * 1024
 SHARED_BYTES = {"cuda": 99 * 1024, "metal": 32 * 1024, "opencl": 99 * 1024}
 
 
+def _scan_memory_bytes(threads: int, exchange: bool) -> int:
+    """The group memory both GEMM bodies declare before their own: the
+    experts' list (MAX_EXPERTS ints), the group's scan (`threads`), and the
+    emulated multiply-add's exchange (6 words a thread) where `exchange`."""
+    return 4 * (MAX_EXPERTS + threads + (6 * threads if exchange else 0))
+
+
 def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
     """The least stride of at least `least` 4-byte words, a multiple of 4 (the
     16-byte copies' alignment), at which one load of grouped_qmm_tiles.h's
@@ -474,7 +481,7 @@ def _grouped_qmm_tiles_launch(
     # Stages first, then their values, then the block's columns, then its
     # rows, until the shared memory fits (expert_blocks, group_scan, and the
     # emulated multiply-add's exchange where a prelude uses it).
-    fixed = 4 * (MAX_EXPERTS + threads + (6 * threads if exchange else 0))
+    fixed = _scan_memory_bytes(threads, exchange)
     column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles
     row_tiles, stages = tiling.block_row_tiles, tiling.block_stages
     while True:
@@ -545,10 +552,11 @@ def _grouped_qmm_launch(
     # Experts with rows at most: as many as rows.
     k_splits = tiling.k_splits or grouped_qmm_k_splits(
         min(num_experts, capacity), out_dims, 16 * column_tiles, tiling.threads // 32, row_groups)
-    # The body's arrays: active_experts, group_scan, mma_exchange, split_sums.
+    # The body's arrays: active_experts, group_scan, mma_exchange (declared on
+    # every backend) and split_sums.
     threads, tiles = tiling.threads, column_tiles * (2 if gated else 1)
-    memory = 4 * (MAX_EXPERTS + 7 * threads
-                  + (threads - threads // k_splits) * tiles * tiling.row_tiles * 4 + 1)
+    memory = _scan_memory_bytes(threads, exchange=True) + 4 * (
+        (threads - threads // k_splits) * tiles * tiling.row_tiles * 4 + 1)
     if memory > shared_bytes:
         raise ValueError(f"grouped_qmm tiling: {tiling} needs {memory} bytes of group memory"
                          f"{' gated' if gated else ''}, over the backend's {shared_bytes}")
