@@ -90,25 +90,37 @@ def cache_by_stream(make):
     return get
 
 
-_PARAMS_SIZE = 8
+# MLX's CUDA allocator takes an array of 8 bytes or less from a pool of
+# managed memory, which a kernel reads remotely, and which the host touches
+# whenever it makes such a scalar there: a page of it can move between host
+# and GPU within a decoding step. What a kernel reads is padded past that.
+_DEVICE_MIN_INTS = 8
+
+
+def device_ints(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
+    """int32 `values` in device memory, made by an op on `stream` and evaluated.
+
+    The array is a view of the first `len(values)` ints of one of at least
+    `_DEVICE_MIN_INTS` (32 bytes): an array of 8 bytes or less would be
+    managed memory, read remotely by every launch that takes it. Nsight
+    Compute found most of the warps' stalls of the grouped kernel as one
+    expert waiting on its spans `[0, count]` when they were 8 bytes
+    (benchmarks/HISTORY.md, "The one-expert plan in device memory").
+    """
+    padded = list(values) + [0] * (_DEVICE_MIN_INTS - len(values))
+    on_device = mx.add(mx.array(padded, dtype=mx.int32), 0, stream=stream)[:len(values)]
+    mx.eval(on_device)
+    return on_device
 
 
 @cache_by_stream
 def _params(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
-    """The small int32 array of run-time sizes a kernel reads, in GPU memory.
-
-    MLX's CUDA backend keeps arrays made on the host, and any of 8 bytes or
-    less, in managed memory that kernels read remotely, which costs every
-    launch microseconds. So the sizes are padded to 8 ints (32 bytes) and
-    copied once by an op on the kernel's stream into device memory; cached,
-    since the same sizes recur in every layer of a model (32 bytes for each
-    distinct set). Sizes as template constants would compile a kernel per
-    prompt length instead.
+    """The small int32 array of run-time sizes a kernel reads, in device
+    memory (`device_ints`); cached, since the same sizes recur in every layer
+    of a model (32 bytes for each distinct set). Sizes as template constants
+    would compile a kernel per prompt length instead.
     """
-    padded = list(values) + [0] * (_PARAMS_SIZE - len(values))
-    on_device = mx.add(mx.array(padded, dtype=mx.int32), 0, stream=stream)
-    mx.eval(on_device)
-    return on_device
+    return device_ints(values, stream)
 
 
 @cache

@@ -36,7 +36,7 @@ import mlx.nn as nn
 from . import _backend
 from ._backend import on_cuda
 from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small
-from ._gpu import cache_by_stream
+from ._gpu import cache_by_stream, device_ints
 from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
 
 
@@ -88,11 +88,10 @@ def _as_expert(layer: nn.Module, x: mx.array) -> bool:
 def _one_expert_plan(count: int, stream: mx.Stream) -> tuple[mx.array, mx.array]:
     """The plan of one expert holding `count` rows: its spans `[0, count]`
     and every row's expert, 0; made once a count and stream (a decoding
-    step's projections all take the same), in the stream's memory by an op
-    on it (MLX's CUDA backend keeps arrays made on the host in managed
-    memory, which kernels read remotely)."""
-    plan = (mx.add(mx.array([0, count], dtype=mx.int32), 0, stream=stream),
-            mx.zeros((count,), dtype=mx.int32, stream=stream))
+    step's projections all take the same), in device memory (`device_ints`:
+    the spans are 8 bytes, which MLX's CUDA backend would keep in managed
+    memory, read remotely by the kernel at every call)."""
+    plan = (device_ints((0, count), stream), mx.zeros((count,), dtype=mx.int32, stream=stream))
     mx.eval(plan)
     return plan
 
