@@ -248,8 +248,9 @@ def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, fresh_traces, e
         return
     # streams alike, each a new object, find the same plan
     resolve = projections._backend.resolve_stream
-    assert projections._one_expert_plan(3, resolve(None)) is \
-        projections._one_expert_plan(3, resolve(None))
+    offsets, row_experts = projections._one_expert_plan(3, resolve(None))
+    assert projections._one_expert_plan(3, resolve(None))[0] is offsets
+    assert (offsets.dtype, offsets.tolist(), row_experts.tolist()) == (mx.int32, [0, 3], [0] * 3)
     # replayed: the same sums, no new trace
     again = [call() for call in calls]
     assert len(backend.calls) == 4
@@ -402,4 +403,6 @@ def test_dense_prefill_opt_in_keeps_the_bits_off_cuda(model_dirs):
     assert not any(m.dense_expert for _, m in without.named_modules()
                    if isinstance(m, RowsProjection))
     tokens = mx.array(np.random.default_rng(2).integers(0, lm_fixtures.VOCAB_SIZE, (1, 512)).astype(np.int32))
-    assert mx.array_equal(patched(tokens), without(tokens))
+    want = without(tokens)
+    assert mx.array_equal(without(tokens), want), "the same model, twice: not the same bits"
+    assert mx.array_equal(patched(tokens), want)
