@@ -509,7 +509,9 @@ def measure_decode(model, patched, batch: int, context: int, steps: int, warmup:
     if variant is not None:
         row["variant_logits_rel_diff"] = relative_difference(
             logits["variant"], logits["mlx-lm"]) if "mlx-lm" in logits else None
-    progress(f"  decode batch {batch}: mlx-lm {_ms(theirs)} ms/step, patched {_ms(ours)} "
+    extras = "".join(f", {extra} {_ms(row.get(f'{extra}_wall_ms'))}" for extra in Sides.EXTRA
+                     if extra in sides.models)
+    progress(f"  decode batch {batch}: mlx-lm {_ms(theirs)} ms/step, patched {_ms(ours)}{extras} "
              f"(build {_ms(row['mlx-lm_build_ms'])} / {_ms(row['patched_build_ms'])})")
     return row
 

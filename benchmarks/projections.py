@@ -133,13 +133,14 @@ def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: l
             sides["dense"] = patched(True)
     if not tilings or mx.default_device().type != mx.gpu or not mx.cuda.is_available():
         return sides
-    from mlx_moe_plan import _backend, _gpu
+    from mlx_moe_plan import _backend, _gpu, projections
     from mlx_moe_plan.kernels import launch
 
     gpu = _gpu.for_backend(_backend.gpu_backend())
     stream = mx.default_stream(mx.gpu)
-    offsets = mx.array([0, batch], dtype=mx.int32)  # one expert, every row
-    row_experts = mx.zeros((batch,), dtype=mx.int32)
+    # one expert, every row: the plan patch_model(dense=True) hands the kernel
+    # (in device memory: an 8-byte array made here would be managed memory)
+    offsets, row_experts = projections._one_expert_plan(batch, stream)
 
     def grouped(i, x, changes):
         weight, scales, biases = weight_sets[i % len(weight_sets)]
