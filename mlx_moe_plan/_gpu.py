@@ -102,10 +102,11 @@ def device_ints(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
 
     The array is a view of the first `len(values)` ints of one of at least
     `_DEVICE_MIN_INTS` (32 bytes): an array of 8 bytes or less would be
-    managed memory, read remotely by every launch that takes it. Nsight
-    Compute found most of the warps' stalls of the grouped kernel as one
-    expert waiting on its spans `[0, count]` when they were 8 bytes
-    (benchmarks/HISTORY.md, "The one-expert plan in device memory").
+    managed memory, read remotely by every launch that takes it. While the
+    grouped kernel as one expert took its spans `[0, count]` in 8 bytes,
+    Nsight Compute put most of its warps' stall samples on the load of them
+    and on the barrier behind it (benchmarks/HISTORY.md, "The one-expert
+    plan in device memory").
     """
     padded = list(values) + [0] * (_DEVICE_MIN_INTS - len(values))
     on_device = mx.add(mx.array(padded, dtype=mx.int32), 0, stream=stream)[:len(values)]
