@@ -90,11 +90,7 @@ def cache_by_stream(make):
     return get
 
 
-# MLX's CUDA allocator takes an array of 8 bytes or less from a pool of
-# managed memory, which a kernel reads remotely, and which the host touches
-# whenever it makes such a scalar there: a page of it can move between host
-# and GPU within a decoding step. What a kernel reads is padded past that.
-_DEVICE_MIN_INTS = 8
+_DEVICE_MIN_INTS = 8  # 32 bytes: past the 8 that MLX's CUDA allocator keeps in managed memory
 
 
 def device_ints(values: tuple[int, ...], stream: mx.Stream) -> mx.array:
