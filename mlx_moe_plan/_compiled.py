@@ -33,17 +33,30 @@ from mlx.utils import tree_flatten
 COMPILE_MAX_TOKENS = 256
 
 
-class _CompiledForwards(dict):
-    """A module's compiled forwards, by what their trace depends on.
+class ModuleCache(dict):
+    """What the package keeps on a module for the host's sake: its compiled
+    forwards (`compiled_call`), its projections' routes
+    (`projections._route`).
 
-    Each captures the module it was made for, so a copy of the module starts
-    with none of them."""
+    Each entry may capture the module it was made for, or answer for its
+    arrays as they were, so a copy of the module starts with none. Nor is it
+    part of the module's structure (`_structure`), which would change as it
+    fills."""
 
     def __deepcopy__(self, memo):
-        return _CompiledForwards()
+        return ModuleCache()
 
     def __copy__(self):
-        return _CompiledForwards()
+        return ModuleCache()
+
+
+def module_cache(module: nn.Module, name: str) -> ModuleCache:
+    """The `ModuleCache` named `name` on `module`, made empty on first use."""
+    cache = module.__dict__.get(name)
+    if cache is None:
+        cache = ModuleCache()
+        object.__setattr__(module, name, cache)  # not a parameter, nor a child module
+    return cache
 
 
 # Set while a compiled forward is traced: nothing inside it compiles again.
@@ -63,7 +76,7 @@ def compiles(max_tokens: int, x: mx.array) -> bool:
 class _CompiledForward:
     """One compiled forward of a module, holding no reference to the module.
 
-    The module keeps its compiled forwards (`_CompiledForwards`). Were they to
+    The module keeps its compiled forwards (a `ModuleCache`). Were they to
     hold the module in turn, as `mx.compile(forward, inputs=module)` does
     through both arguments, a module and its weights would be a reference
     cycle, freed only when Python's cyclic collector runs: a dropped patched
@@ -131,7 +144,7 @@ def _structure(module: nn.Module) -> tuple | None:
     outside the parameters): such a module's traces are its own."""
     try:
         parts = tuple((path, type(m), _plain({name: value for name, value in vars(m).items()
-                                              if name != "_compiled_forwards"}))
+                                              if not isinstance(value, ModuleCache)}))
                       for path, m in module.named_modules())
     except TypeError:
         return None
@@ -159,10 +172,7 @@ def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: 
     later are not seen unless the key names them. MLX keeps one trace per key
     for each shape and dtype of the inputs.
     """
-    forwards = module.__dict__.get("_compiled_forwards")
-    if forwards is None:
-        forwards = _CompiledForwards()
-        object.__setattr__(module, "_compiled_forwards", forwards)
+    forwards = module_cache(module, "_compiled_forwards")
     key = (*key, str(mx.default_stream(mx.default_device())))
     # id(module): a shallow copy shares this dict, but may differ in structure.
     slot = (id(module), *key)

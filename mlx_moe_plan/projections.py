@@ -35,7 +35,7 @@ import mlx.nn as nn
 
 from . import _backend
 from ._backend import on_cuda
-from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small
+from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small, module_cache
 from ._gpu import cache_by_stream, device_ints
 from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
 
@@ -109,16 +109,34 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _route(layer: nn.Module, x: mx.array) -> str:
+    """How `layer` computes `x`: "expert" where `_as_expert` says so, "rows"
+    where `_as_rows` does, else "plain". Asked once for each shape and dtype
+    of `x`, dtype of the scales and kind of device, then kept on the layer:
+    every projection of a decoding step asks at every step, and the answer
+    cost the host more than MLX's call of the GEMM."""
+    key = (id(layer), x.shape, x.dtype, layer["scales"].dtype, mx.default_device().type,
+           layer.decoding_rows, layer.dense_expert)  # id: a shallow copy shares the cache
+    routes = module_cache(layer, "_projection_routes")
+    route = routes.get(key)
+    if route is None:
+        route = routes[key] = ("expert" if _as_expert(layer, x) else
+                               "rows" if _as_rows(layer, x) else "plain")
+    return route
+
+
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
-    """`call(layer, x)` through the grouped kernel where `_as_expert` says so
-    (compiled for small batches, as the MoE layers are: a call of the kernel
-    costs the host far more than one of `quantized_matmul` to build), else
-    with `x` reshaped to rows `[n, D]` where `_as_rows` does."""
-    if _as_expert(layer, x):
+    """`call(layer, x)` through the grouped kernel where `_route` says
+    "expert" (compiled for small batches, as the MoE layers are: a call of
+    the kernel costs the host far more than one of `quantized_matmul` to
+    build), with `x` reshaped to rows `[n, D]` where it says "rows", else as
+    it is."""
+    route = _route(layer, x)
+    if route == "plain":
+        return call(layer, x)
+    if route == "expert":
         return compiled_if_small(layer, functools.partial(_one_expert, layer), x,
                                  max_tokens=COMPILE_MAX_TOKENS, key=("dense_expert",))
-    if not _as_rows(layer, x):
-        return call(layer, x)
     y = call(layer, x.reshape(-1, x.shape[-1]))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -10,6 +10,8 @@ check MLX's GEMM of rows against its B GEMMs of one row.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -96,6 +98,37 @@ def test_rows_need_the_sizes_and_a_cuda_stream(monkeypatch, sizes_say, on_cuda, 
     x = mx.random.normal((8, 1, 64)).astype(mx.float16)
     assert projections._as_rows(layer, x) is want
     assert asked == [((256, 64, 8, 8, 16, "affine"), True)]
+
+
+def test_the_route_is_asked_once_a_shape_and_dtype(monkeypatch):
+    """A layer asks its rules once for each shape and dtype of its input and
+    dtype of its scales and keeps the answer, outside its structure as a
+    compiled trace sees it; a copy of it starts with no answers."""
+    asked = []
+    monkeypatch.setattr(projections, "dense_as_rows",
+                        lambda *args, cuda: asked.append(args) or True)
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
+    layer = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
+    plain = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
+    plain.update(layer.parameters())
+    take_rows(layer)
+    structure = _compiled._structure(layer)
+    rng = np.random.default_rng(3)
+    step = mx.array(rng.standard_normal((8, 1, 64)).astype(np.float32))
+    for _ in range(3):
+        np.testing.assert_allclose(np.array(layer(step)), np.array(plain(step)),
+                                   rtol=1e-5, atol=1e-5)
+    assert len(asked) == 1
+    layer(step[:4])
+    assert len(asked) == 2
+    layer.set_dtype(mx.float16)
+    layer(step.astype(mx.float16))
+    assert [args[4] for args in asked] == [32, 32, 16]
+    assert _compiled._structure(layer) == structure
+    copied = copy.deepcopy(layer)
+    assert not copied.__dict__.get("_projection_routes")
+    copied(step.astype(mx.float16))
+    assert len(asked) == 4
 
 
 # ------------------------------------------------------------------ the layers
