@@ -31,10 +31,11 @@ interleaved one by one (with `--control`, another side: an unpatched copy of
 mlx-lm's model; with `--variant-tile-m M`, another: the model patched with
 `tile_m=M`, a formulation weighed against the rule's in the same run; with
 `--variant-no-dense-rows`, the model patched without dense rows; with
-`--variant-dense`, patched with `dense=True`), then generate's loop a turn a
-side. `--dense` patches with `dense=True` (dense projections by the grouped
-kernel where its rules say so: a decoding batch's, and a prefill's lm_head,
-where the last chunk's logits are computed). `--processes N`
+`--variant-no-dense`, patched with `dense=False`), then generate's loop a turn
+a side. `--no-dense` patches with `dense=False` (dense projections by MLX's
+GEMM, not by the grouped kernel where its rules say so: a decoding batch's,
+and a prefill's lm_head, where the last chunk's logits are computed).
+`--processes N`
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
@@ -180,7 +181,7 @@ def set_our_layers(model: nn.Module, **attributes) -> None:
 
 
 def patched_copy(model: nn.Module, tile_m: int | None, no_compile: bool,
-                 dense_rows: bool = True, dense: bool = False):
+                 dense_rows: bool = True, dense: bool = True):
     """A copy of `model` sharing its weights, patched with `tile_m`,
     `dense_rows` and `dense` (never compiled with `no_compile`), and how many
     layers were patched."""
@@ -558,7 +559,7 @@ def format_tables(result: dict) -> str:
             lines.append(f"  variant: mlx-lm's speed over the model patched with tile_m="
                          f"{describe.get('variant_tile_m')}, dense rows "
                          f"{'on' if describe.get('variant_dense_rows', True) else 'off'}"
-                         f"{', dense=True' if describe.get('variant_dense') else ''}, "
+                         f"{'' if describe.get('variant_dense', True) else ', dense=False'}, "
                          "decoded with the others")
     return "\n".join(lines)
 
@@ -633,10 +634,10 @@ def run(args) -> dict:
             entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
         control = shared_copy(model) if args.control else None
         variant = None
-        if args.variant_tile_m is not None or args.variant_no_dense_rows or args.variant_dense:
+        if args.variant_tile_m is not None or args.variant_no_dense_rows or args.variant_no_dense:
             tile_m = args.tile_m if args.variant_tile_m is None else args.variant_tile_m
             dense_rows = args.dense_rows and not args.variant_no_dense_rows
-            dense = args.dense or args.variant_dense
+            dense = args.dense and not args.variant_no_dense
             variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows, dense)
             describe["variant_tile_m"] = tile_m
             describe["variant_dense_rows"] = dense_rows
@@ -695,17 +696,17 @@ def parse_args(argv):
     parser.add_argument("--no-dense-rows", dest="dense_rows", action="store_false",
                         help="the patched model's dense quantized projections take a "
                              "decoding batch as mlx-lm's do (patch_model's dense_rows=False)")
-    parser.add_argument("--dense", action="store_true",
-                        help="the patched model's dense quantized projections compute "
-                             "rows by the grouped kernel where its GEMM measured faster "
-                             "(patch_model's dense=True; on CUDA)")
+    parser.add_argument("--no-dense", dest="dense", action="store_false",
+                        help="the patched model's dense quantized projections keep MLX's "
+                             "GEMM where the grouped kernel's measured faster "
+                             "(patch_model's dense=False; the kernel runs on CUDA only)")
     parser.add_argument("--variant-no-dense-rows", action="store_true",
                         help="decode the model patched without dense rows too, interleaved "
                              "with the others (with --variant-tile-m, that variant)")
-    parser.add_argument("--variant-dense", action="store_true",
-                        help="decode the model patched with dense=True too, interleaved with "
-                             "the others (with --variant-tile-m or --variant-no-dense-rows, "
-                             "that variant)")
+    parser.add_argument("--variant-no-dense", action="store_true",
+                        help="decode the model patched with dense=False too, interleaved "
+                             "with the others (with --variant-tile-m or "
+                             "--variant-no-dense-rows, that variant)")
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,

@@ -12,9 +12,10 @@ router and shared experts, the lm_head) `[B, 1, D]`, which MLX's
 `quantized_matmul` computes as B GEMMs of one row ("batched", as mlx-lm
 calls it). The same rows are also timed as one matrix `[1, B, D]` ("matrix")
 and `[B, D]` ("rows"), and through the package's projection call, which takes
-one of these by the measured rule (`rules.dense_as_rows`, "patched"); on a
-CUDA GPU also as `patch_model(dense=True)` computes them ("dense": the
-grouped kernel where `rules.dense_decoding_expert` says so). There the
+one of these by the measured rule (`rules.dense_as_rows`, "patched", as
+`patch_model(dense=False)` computes them); on a CUDA GPU also as
+`patch_model` computes them by default ("dense": the grouped kernel where
+`rules.dense_decoding_expert` says so). There the
 package's grouped kernel (kernels/grouped_qmm.h) can be timed
 too, as a plan of one expert holding every row, in each of `--tilings`
 (`launch.GroupedQmmTiling`'s fields; a tiling this package does not have is

@@ -1,8 +1,8 @@
 """mlx-lm's own commands, with every model they load patched by `patch_model`.
 
-    python -m mlx_moe_plan.lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--dense]
+    python -m mlx_moe_plan.lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--no-dense]
                               [--expert-parallel] COMMAND [ARGS ...]
-    mlx-moe-lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--dense]
+    mlx-moe-lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--no-dense]
                [--expert-parallel] COMMAND [ARGS ...]
 
 COMMAND is one of mlx-lm's commands that run a model (`COMMANDS`: generate,
@@ -209,7 +209,7 @@ def installed_mlx_lm_version() -> str:
 
 @contextlib.contextmanager
 def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: bool = True,
-                  dense: bool = False, expert_group: mx.distributed.Group | None = None,
+                  dense: bool = True, expert_group: mx.distributed.Group | None = None,
                   report: Callable[[str], None] = say) -> Iterator[None]:
     """Patch every model mlx-lm loads inside the block with `patch_model`.
 
@@ -224,7 +224,7 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
         tile_m (int, optional): `patch_model`'s `tile_m`. Default: its rule.
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
         dense_rows (bool): `patch_model`'s `dense_rows`. Default: ``True``.
-        dense (bool): `patch_model`'s `dense`. Default: ``False``.
+        dense (bool): `patch_model`'s `dense`. Default: ``True``.
         expert_group (Group, optional): The ranks to split the experts among.
           Default: ``None``, every process keeps every expert.
         report (Callable[[str], None]): Where the messages go. Default: stderr
@@ -378,7 +378,7 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
     commands = "\n".join(f"  {name:<14}{what}" for name, what in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog=prog or _program_name(),
-        usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--dense] "
+        usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--no-dense] "
               "[--expert-parallel] COMMAND [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one of mlx-lm's commands with every MoE model it loads patched "
@@ -401,10 +401,10 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="keep mlx-lm's shape for the dense quantized projections of a "
                              "decoding batch (default: one matrix of rows where measured "
                              "faster, patch_model's dense_rows)")
-    parser.add_argument("--dense", action="store_true",
-                        help="compute the dense quantized projections' rows by the "
-                             "package's grouped kernel where its GEMM was measured faster "
-                             "(on CUDA; patch_model's dense, off by default)")
+    parser.add_argument("--no-dense", action="store_true",
+                        help="keep MLX's GEMM for the dense quantized projections (default: "
+                             "the package's grouped kernel where its GEMM was measured "
+                             "faster, on CUDA; patch_model's dense)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="under mlx.launch, split every MoE layer's experts among the "
                              "processes (nn.shard_experts): each holds and computes E/N of "
@@ -447,7 +447,7 @@ def _raised_by_us(tb: types.TracebackType | None) -> bool:
 
 def run_command(command: str, args: list[str], *, patch: bool = True,
                 tile_m: int | None = None, fuse: bool = True, dense_rows: bool = True,
-                dense: bool = False, expert_group: mx.distributed.Group | None = None,
+                dense: bool = True, expert_group: mx.distributed.Group | None = None,
                 prog: str | None = None) -> None:
     """Run `mlx_lm COMMAND ARGS` through mlx-lm's own dispatch, models patched.
 
@@ -458,7 +458,7 @@ def run_command(command: str, args: list[str], *, patch: bool = True,
         tile_m (int, optional): `patch_model`'s `tile_m`. Default: its rule.
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
         dense_rows (bool): `patch_model`'s `dense_rows`. Default: ``True``.
-        dense (bool): `patch_model`'s `dense`. Default: ``False``.
+        dense (bool): `patch_model`'s `dense`. Default: ``True``.
         expert_group (Group, optional): Split the experts of every model among
           these ranks (`patched_loads`), which all run this same command.
           Default: ``None``, not split.
@@ -515,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {options.command!r}: expected one of "
                      + ", ".join(COMMANDS))
     if options.no_patch and (options.tile_m is not None or options.no_fuse
-                             or options.no_dense_rows or options.dense):
-        parser.error("--tile-m, --no-fuse, --no-dense-rows and --dense choose how models "
+                             or options.no_dense_rows or options.no_dense):
+        parser.error("--tile-m, --no-fuse, --no-dense-rows and --no-dense choose how models "
                      "are patched: not with --no-patch")
     if options.expert_parallel and options.no_patch:
         parser.error("--expert-parallel splits the experts of the patched layers: "
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_command(options.command, options.args, patch=not options.no_patch,
                     tile_m=options.tile_m, fuse=not options.no_fuse,
-                    dense_rows=not options.no_dense_rows, dense=options.dense,
+                    dense_rows=not options.no_dense_rows, dense=not options.no_dense,
                     expert_group=expert_group, prog=parser.prog)
     except UsageError as error:  # ours, raised inside mlx-lm's command by the hook
         say(f"error: {error}")

@@ -324,7 +324,7 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
 
 
 def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True,
-                dense_rows: bool = True, dense: bool = False) -> int:
+                dense_rows: bool = True, dense: bool = True) -> int:
     """Replace every mlx-lm `SwitchGLU` in `model`, in place, keeping its weights.
 
     Float and quantized layers alike: the projections are kept as they are.
@@ -336,9 +336,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     (attention, shared experts, routers, the lm_head) take a decoding batch's
     rows as one matrix where `rules.dense_as_rows` measured that faster
     (`projections.py`); they become instances of a subclass of their own
-    class and of `projections.RowsProjection`. With `dense` (opt-in), the
-    same projections compute a decoding batch's rows and a prefill's through
-    the grouped kernel as one expert where its GEMM was measured faster
+    class and of `projections.RowsProjection`. With `dense`, the same
+    projections compute a decoding batch's rows and a prefill's through the
+    grouped kernel as one expert where its GEMM was measured faster
     (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA).
 
     A model patched already (its layers this package's, its blocks fused and
@@ -360,7 +360,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
           batch's rows as one matrix where measured faster. Default: ``True``.
         dense (bool): Compute the dense quantized projections' rows by the
           grouped kernel where its GEMM was measured faster. Default:
-          ``False``.
+          ``True``.
 
     Returns:
         int: How many layers were replaced.

@@ -16,14 +16,15 @@ of a subclass of their own class), so checkpoints, `nn.quantize` and
 `load_weights` work as before, and where the rule keeps the input's shape the
 layer computes what mlx-lm's does, op for op.
 
-With `patch_model(dense=True)` (opt-in), the same layers compute rows
+With `patch_model(dense=True)` (the default), the same layers compute rows
 through the package's grouped kernel as one expert where its GEMM was
 measured faster than MLX's: a decoding batch's where
 `rules.dense_decoding_expert` says so, a prefill's where
-`rules.dense_as_expert` does. Opt-in, because those measurements time the
-GPU's work and a call of the grouped kernel costs the host several times
-what one of `quantized_matmul` does (benchmarks/RESULTS.md, "Dense
-projections of a decoding batch"): a whole model has yet to show it faster.
+`rules.dense_as_expert` does. Those rules time the GPU's work; a call of
+the grouped kernel costs the host more than one of `quantized_matmul`, so
+it runs compiled and its route is asked once a shape (`_route`), and whole
+models decoded faster with it than without at every batch measured
+(benchmarks/RESULTS.md, "Whole models on the H200").
 """
 
 from __future__ import annotations

@@ -64,13 +64,14 @@
 #               sampling (a report a tiling, for `ncu --import`): what holds a
 #               launch of few items at tens of us where its weights take about
 #               1.5 us to read;
-#   dense-decode (not in `bench`) whole models decoding at batch 1, 8, 32 and 64
-#               with patch_model(dense=True) beside the default patch
-#               (--variant-dense), Qwen3-30B-A3B and gpt-oss-20b, three
-#               processes (about 6 minutes): whether dense=True may become the
+#   dense-decode (not in `bench`) whole models decoding at batch 1, 8, 32 and 64,
+#               the default patch beside patch_model(dense=False)
+#               (--variant-no-dense), Qwen3-30B-A3B and gpt-oss-20b, three
+#               processes (about 4 minutes): what the grouped kernel as one
+#               expert gains a step, the measurement that made dense=True the
 #               default. On a fresh machine run dense-decode-warm first, alone:
 #               the same in one untimed process, which compiles MLX's kernels
-#               into its disk cache (about 8 minutes there);
+#               into its disk cache (about 6.5 minutes there);
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
@@ -233,7 +234,7 @@ if wanted dense-ncu && command -v ncu >/dev/null; then
   done
 fi
 dense_decode=(--models qwen3-30b-a3b,gpt-oss-20b --prompt 0 --batches 1,8,32,64 --no-pipelined
-              --variant-dense)
+              --variant-no-dense)
 if wanted dense-decode-warm; then
   logged "$results/dense-decode-warm.log" python3 -m benchmarks.model "${dense_decode[@]}"
 fi

@@ -144,16 +144,17 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
-def test_model_benchmark_dense(tmp_path):
-    # --dense: patch_model(dense=True), said in the description; off CUDA its
-    # rule says no, so prefill's logits stay bit for bit.
+@pytest.mark.parametrize("flags, dense", [([], True), (["--no-dense"], False)])
+def test_model_benchmark_dense(tmp_path, flags, dense):
+    # patch_model(dense=True) by default, --no-dense: False, said in the
+    # description; off CUDA its rule says no, so prefill's logits stay bit for bit.
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "20", "--batches", "1", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--rounds", "1", "--decode-rounds",
-                       "1", "--ops", "off", "--no-pipelined", "--dense",
+                       "1", "--ops", "off", "--no-pipelined", *flags,
                        "--json", str(out)]) == 0
     (entry,) = json.loads(out.read_text())["models"]
-    assert entry["describe"]["dense"] is True
+    assert entry["describe"]["dense"] is dense
     assert entry["prefill"]["logits_rel_diff"] == 0
 
 
@@ -413,19 +414,19 @@ def test_model_benchmark_variant(tmp_path, capsys):
     assert "control: mlx-lm's speed over an unpatched copy" in printed
 
 
-def test_model_benchmark_variant_dense(tmp_path, capsys):
-    # --variant-dense: the model patched with dense=True decodes beside the
-    # default patch (on the CPU its rules keep MLX's calls: the same bits).
+def test_model_benchmark_variant_no_dense(tmp_path, capsys):
+    # --variant-no-dense: the model patched with dense=False decodes beside the
+    # default patch (on the CPU the rules keep MLX's calls: the same bits).
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "2", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "1",
-                       "--variant-dense", "--ops", "off", "--json", str(out)]) == 0
+                       "--variant-no-dense", "--ops", "off", "--json", str(out)]) == 0
     entry = json.loads(out.read_text())["models"][0]
-    assert entry["describe"]["variant_dense"] is True
+    assert entry["describe"]["variant_dense"] is False
     row = entry["decode"][0]
     assert row["variant_wall_ms"] >= row["variant_build_ms"] > 0
     assert row["variant_logits_rel_diff"] == 0
-    assert ", dense=True, decoded with the others" in capsys.readouterr().out
+    assert ", dense=False, decoded with the others" in capsys.readouterr().out
 
 
 class ParserCaught(Exception):

@@ -393,7 +393,7 @@ def test_unknown_option_of_ours():
     (["--tile-m", "sixteen", "generate"], "argument --tile-m: expected 0"),
     (["--no-patch", "--no-fuse", "generate"], "not with --no-patch"),
     (["--no-patch", "--no-dense-rows", "generate"], "not with --no-patch"),
-    (["--no-patch", "--dense", "generate"], "not with --no-patch"),
+    (["--no-patch", "--no-dense", "generate"], "not with --no-patch"),
     (["--expert-parallel", "--no-patch", "generate"],
      "--expert-parallel splits the experts of the patched layers: not with --no-patch"),
     (["--expert-parallel", "evaluate"], "mlx-lm's evaluate does not run with "
@@ -484,10 +484,10 @@ def test_patch_options_reach_patch_model(models):
     assert {module.tile_m for _, module in model.named_modules()
             if isinstance(module, SwitchGLU)} == {16}
     assert any(isinstance(module, RowsProjection) for _, module in model.named_modules())
-    with lm.patched_loads(dense_rows=False, report=said.append):
+    with lm.patched_loads(dense_rows=False, dense=False, report=said.append):
         model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
     assert not any(isinstance(module, RowsProjection) for _, module in model.named_modules())
-    with lm.patched_loads(dense_rows=False, dense=True, report=said.append):
+    with lm.patched_loads(dense_rows=False, report=said.append):
         model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
     marked = [module for _, module in model.named_modules()
               if isinstance(module, RowsProjection)]

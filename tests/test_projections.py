@@ -345,6 +345,17 @@ def relative_error(got: mx.array, want: mx.array) -> float:
     return float(mx.linalg.norm(got - want) / mx.linalg.norm(want))
 
 
+def finite_or_skip(mlx_lms: mx.array) -> mx.array:
+    """`mlx_lms`, logits of mlx-lm's unpatched model, where they are finite;
+    else the test is skipped, having nothing to compare with. MLX 0.32.4's
+    CUDA backend computes NaN logits for the bfloat16 qwen3_moe test model
+    at every token and for gpt_oss's at some of 512 (benchmarks/HISTORY.md,
+    "Dense projections by default")."""
+    if not mx.all(mx.isfinite(mlx_lms)).item():
+        pytest.skip(f"mlx-lm's own logits are not finite on {mx.default_device()}")
+    return mlx_lms
+
+
 @pytest.mark.parametrize("name", [*MOE_MODELS, "qwen3_moe-tied"])
 def test_rows_keep_the_logits(model_dirs, rows_always, monkeypatch, name):
     """bfloat16 activations, the rows call on every projection: against the
@@ -353,7 +364,7 @@ def test_rows_keep_the_logits(model_dirs, rows_always, monkeypatch, name):
     same weights, no further than mlx-lm's unpatched model is."""
     model, _ = loaded(model_dirs[name])
     without, _ = loaded(model_dirs[name])
-    assert patch_model(without, dense_rows=False) == 2
+    assert patch_model(without, dense_rows=False, dense=False) == 2
     patched, _ = loaded(model_dirs[name])
     assert patch_model(patched) == 2
     assert sum(isinstance(m, RowsProjection) for _, m in patched.named_modules()) > 0
@@ -376,8 +387,8 @@ def test_rows_keep_the_logits(model_dirs, rows_always, monkeypatch, name):
         # both shapes alike, so only the shapes show it).
         assert ((batch, 64) in shapes) is (batch > 1), batch
         reference = decode_logits(exact, batch, vocab)
+        mlx_lms = relative_error(finite_or_skip(decode_logits(model, batch, vocab)), reference)
         assert relative_error(got, decode_logits(without, batch, vocab)) < 1e-2, batch
-        mlx_lms = relative_error(decode_logits(model, batch, vocab), reference)
         assert relative_error(got, reference) <= 1.1 * mlx_lms + 1e-3, batch
 
 
@@ -385,7 +396,7 @@ def test_rule_keeps_the_bits_on_the_cpu(model_dirs):
     """Where the rule keeps mlx-lm's shape (everywhere on the CPU), the
     projections compute what they compute unpatched, bit for bit."""
     model, _ = loaded(model_dirs["qwen3_moe"])
-    patch_model(model, dense_rows=False)
+    patch_model(model, dense_rows=False, dense=False)
     patched, _ = loaded(model_dirs["qwen3_moe"])
     patch_model(patched)
     assert sum(isinstance(m, RowsProjection) for _, m in patched.named_modules()) > 0
@@ -415,7 +426,7 @@ def test_batch_generate_matches_unpatched(model_dirs, request, name, rows):
 
 def test_dense_rows_off_and_models_without_moe(model_dirs):
     patched, _ = loaded(model_dirs["mixtral"])
-    patch_model(patched, dense_rows=False)
+    patch_model(patched, dense_rows=False, dense=False)
     assert any(isinstance(m, SwitchGLU) for _, m in patched.named_modules())
     assert not any(isinstance(m, RowsProjection) for _, m in patched.named_modules())
     dense = nn.Sequential(nn.QuantizedLinear(64, 256, group_size=32, bits=4))
@@ -423,19 +434,19 @@ def test_dense_rows_off_and_models_without_moe(model_dirs):
     assert not isinstance(dense.layers[0], RowsProjection)
 
 
-def test_dense_prefill_opt_in_keeps_the_bits_off_cuda(model_dirs):
-    """patch_model(dense=True) marks the projections for the grouped kernel
+def test_dense_prefill_keeps_the_bits_of_narrow_projections(model_dirs):
+    """patch_model marks the projections for the grouped kernel by default
     (and dense_rows=False keeps decoding's shape); off CUDA the rule says no,
-    so a prefill's logits are the model patched without it, bit for bit."""
+    and on it for projections this narrow, so a prefill's logits are the model
+    patched without it, bit for bit."""
     without, _ = loaded(model_dirs["qwen3_moe"])
-    patch_model(without)
+    patch_model(without, dense=False)
     patched, _ = loaded(model_dirs["qwen3_moe"])
-    patch_model(patched, dense=True, dense_rows=False)
+    patch_model(patched, dense_rows=False)
     marked = [m for _, m in patched.named_modules() if isinstance(m, RowsProjection)]
     assert marked and all(m.dense_expert and not m.decoding_rows for m in marked)
     assert not any(m.dense_expert for _, m in without.named_modules()
                    if isinstance(m, RowsProjection))
     tokens = mx.array(np.random.default_rng(2).integers(0, lm_fixtures.VOCAB_SIZE, (1, 512)).astype(np.int32))
-    want = without(tokens)
-    assert mx.array_equal(without(tokens), want), "the same model, twice: not the same bits"
-    assert mx.array_equal(patched(tokens), want)
+    finite_or_skip(loaded(model_dirs["qwen3_moe"])[0](tokens))
+    assert mx.array_equal(patched(tokens), without(tokens))
