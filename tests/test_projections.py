@@ -129,6 +129,13 @@ def test_the_route_is_asked_once_a_shape_and_dtype(monkeypatch):
     assert not copied.__dict__.get("_projection_routes")
     copied(step.astype(mx.float16))
     assert len(asked) == 4
+    # More rows than compile (a prefill's): asked at every call, nothing kept.
+    kept = len(layer._projection_routes)
+    prefill = mx.array(rng.standard_normal((1, _compiled.COMPILE_MAX_TOKENS + 1, 64))
+                       .astype(np.float16))
+    layer(prefill)
+    layer(prefill)
+    assert len(layer._projection_routes) == kept
 
 
 # ------------------------------------------------------------------ the layers
