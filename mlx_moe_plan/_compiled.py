@@ -39,9 +39,10 @@ class ModuleCache(dict):
     (`projections._route`).
 
     Each entry may capture the module it was made for, or answer for its
-    arrays as they were, so a copy of the module starts with none. Nor is it
-    part of the module's structure (`_structure`), which would change as it
-    fills."""
+    arrays as they were, so a deep copy of the module starts with none; a
+    shallow copy shares the cache, and its entries are keyed by the module's
+    id. Nor is it part of the module's structure (`_structure`), which would
+    change as it fills."""
 
     def __deepcopy__(self, memo):
         return ModuleCache()

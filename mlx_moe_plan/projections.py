@@ -23,8 +23,9 @@ measured faster than MLX's: a decoding batch's where
 `rules.dense_as_expert` does. Those rules time the GPU's work; a call of
 the grouped kernel costs the host more than one of `quantized_matmul`, so
 it runs compiled and its route is asked once a shape (`_route`). Whole
-models decoded faster with it than without from 8 sequences, and as fast
-with one (benchmarks/RESULTS.md, "Whole models on the H200").
+models decoded faster with it than without at batches of 8, 32 and 64
+sequences, and within the noise at one (benchmarks/RESULTS.md, "Whole
+models on the H200").
 """
 
 from __future__ import annotations
@@ -114,13 +115,16 @@ def _route(layer: nn.Module, x: mx.array) -> str:
     """How `layer` computes `x`: "expert" where `_as_expert` says so, "rows"
     where `_as_rows` does, else "plain". For up to `COMPILE_MAX_TOKENS` rows
     (a decoding step's, a small batch's), asked once for each shape and dtype
-    of `x`, dtype of the scales and kind of device, then kept on the layer:
-    every projection of a decoding step asks at every step, and the answer
-    cost the host more than MLX's call of the GEMM. Larger inputs ask every
-    time, so that a server's many prompt lengths add nothing to keep."""
+    of `x`, of the layer's quantized matrices and its quantization, and kind
+    of device, then kept on the layer: every projection of a decoding step
+    asks at every step, and the answer cost the host more than MLX's call of
+    the GEMM. Larger inputs ask every time, so that a server's many prompt
+    lengths add nothing to keep."""
     if x.size > COMPILE_MAX_TOKENS * x.shape[-1]:
         return _asked_route(layer, x)
-    key = (id(layer), x.shape, x.dtype, layer["scales"].dtype, mx.default_device().type,
+    scales = layer["scales"]
+    key = (id(layer), x.shape, x.dtype, layer["weight"].shape, scales.shape, scales.dtype,
+           layer.bits, layer.mode, "biases" in layer, mx.default_device().type,
            layer.decoding_rows, layer.dense_expert)  # id: a shallow copy shares the cache
     routes = module_cache(layer, "_projection_routes")
     route = routes.get(key)

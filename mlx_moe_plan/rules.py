@@ -5,8 +5,8 @@ thresholds come from the runs recorded in benchmarks/RESULTS.md and
 benchmarks/HISTORY.md; the layer (`nn.SwitchGLU`, `projections.py`) gathers
 the facts and applies the choice. The rules here are the expert GEMMs' formulation
 (`formulation_for`), and how a dense quantized projection computes a
-decoding batch (`dense_decoding_expert`, else `dense_as_rows`) and, opted
-in, a prefill (`dense_as_expert`).
+decoding batch (`dense_decoding_expert`, else `dense_as_rows`) and a
+prefill (`dense_as_expert`).
 
 A formulation is a `Formulation`. The layer's public `tile_m` names one as an
 int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is

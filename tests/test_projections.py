@@ -131,11 +131,22 @@ def test_the_route_is_asked_once_a_shape_and_dtype(monkeypatch):
     assert len(asked) == 4
     # More rows than compile (a prefill's): asked at every call, nothing kept.
     kept = len(layer._projection_routes)
+    routes = []
+    asked_route = projections._asked_route
+    monkeypatch.setattr(projections, "_asked_route",
+                        lambda *args: routes.append(asked_route(*args)) or routes[-1])
     prefill = mx.array(rng.standard_normal((1, _compiled.COMPILE_MAX_TOKENS + 1, 64))
                        .astype(np.float16))
     layer(prefill)
     layer(prefill)
-    assert len(layer._projection_routes) == kept
+    assert routes == ["plain", "plain"] and len(layer._projection_routes) == kept
+    # Requantized in place (another width of group): asked anew.
+    layer.update(dict(zip(("weight", "scales", "biases"),
+                          mx.quantize(mx.array(rng.standard_normal((256, 64)).astype(np.float16)),
+                                      group_size=64, bits=8))))
+    layer.group_size = 64
+    layer(step.astype(mx.float16))
+    assert len(routes) == 3
 
 
 # ------------------------------------------------------------------ the layers
