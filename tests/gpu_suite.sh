@@ -54,6 +54,12 @@
 #               every shape: the kernel (its block tiles by default, in two
 #               stages, in stages of 64 values), MLX's tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
+#   grouped-qmm-decode (not in `bench`) the expert GEMMs at a decoding step's
+#               T = 8 and 32, Qwen3-30B-A3B and gpt-oss-20b: the default (the
+#               decode body, which reads each column's row 32 to 64 bytes at a
+#               time) beside the block tiles of 8 rows staging 128 to 2048 values
+#               of every column's row a stage: whether reading the rows in
+#               longer runs brings the GEMM nearer its weight-read floor.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -212,6 +218,12 @@ if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
     --tilings "default;wide_loads=0;steps=1;steps=2;steps=2,wide_loads=0;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
+fi
+if wanted grouped-qmm-decode; then
+  runs="tiles_from_rows=0,block_row_tiles=1"
+  logged "$results/grouped-qmm-decode.log" python3 -m benchmarks.grouped_qmm \
+    --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 8,32 --calls 16 --sides kernel \
+    --tilings "default;$runs;$runs,block_stage_values=512;$runs,block_stage_values=1024,block_column_warps=2;$runs,block_stage_values=2048,block_column_warps=1,block_tiles=1,block_stages=2"
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \

@@ -589,7 +589,7 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                 dict(block_column_warps=1, block_tiles=1, block_gated_tiles=1),
                 dict(block_stages=2), dict(block_stages=4, block_row_tiles=1),
                 dict(block_stage_values=256, block_row_tiles=1),
-                dict(block_stage_values=64),
+                dict(block_stage_values=64), dict(block_stage_values=192),
                 dict(block_row_warps=2, block_column_warps=2, block_tiles=4,
                      block_gated_tiles=2, block_row_tiles=4),
                 dict(block_max_groups=1)]
@@ -602,6 +602,28 @@ def test_grouped_qmm_tiles_other_blocks(changes):
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **changes):
         check_grouped_qmm(_grouped_qmm, rng, [2, 0, 90, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
         _check_fused(rng, [1, 3, 70], 9, 128, 8, 32, "float16", 0, 5, True, True)
+
+
+def test_grouped_qmm_tiles_odd_stage_groups():
+    """Three quantization groups a stage, the whole row: an odd count."""
+    rng = np.random.default_rng(47)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_stage_values=192):
+        assert dict(launch.grouped_qmm_launch(4, 192, 40, 76, 4, 64, "bfloat16",
+                                              backend="opencl").template)["STAGE_GROUPS"] == 3
+        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 70, 1], 40, 192, 4, 64, "bfloat16", 3)
+
+
+@pytest.mark.parametrize("stage_values, in_dims, want", [
+    (128, 2048, 2), (512, 768, 6), (512, 2880, 5), (64, 768, 1), (32, 768, 1), (768, 384, 6)])
+def test_grouped_qmm_tiles_stage_groups(stage_values, in_dims, want):
+    """A stage holds the most whole quantization groups, up to the tiling's
+    values, that divide the row (groups of 64 here: 12 in 768, 45 in 2880, 6
+    in 384)."""
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_row_tiles=1,
+                                   block_stage_values=stage_values):
+        tiles = launch.grouped_qmm_launch(128, in_dims, 768, 256, 4, 64, "bfloat16",
+                                          backend="cuda")
+    assert dict(tiles.template)["STAGE_GROUPS"] == want
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64),

@@ -128,8 +128,9 @@ class GroupedQmmTiling:
     block_gated_tiles: int = 1
     block_row_tiles: int = 8
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
-    # input values a stage at least, in whole quantization groups that divide
-    # the row (STAGE_GROUPS; else one group a stage): fewer barriers, more memory
+    # input values a stage at most, in whole quantization groups: the most that
+    # divide the row (STAGE_GROUPS): fewer barriers, longer runs of each
+    # column's row read at a time, more memory
     block_stage_values: int = 128
     block_max_groups: int = 4096
 
@@ -474,8 +475,10 @@ def _grouped_qmm_tiles_launch(
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`."""
     values = 32 // bits
     lane_words = quant_group // (4 * values)
-    stage_groups = max(1, tiling.block_stage_values // quant_group)
-    stage_groups = stage_groups if (in_dims // quant_group) % stage_groups == 0 else 1
+    row_groups = in_dims // quant_group
+    wanted_groups = min(max(1, tiling.block_stage_values // quant_group), row_groups)
+    # The most groups up to the wanted count that divide the row (1 divides any).
+    stage_groups = max(g for g in range(1, wanted_groups + 1) if row_groups % g == 0)
     threads = 32 * tiling.block_row_warps * tiling.block_column_warps
     matrices = 2 if gated else 1
     # Stages first, then their values, then the block's columns, then its
@@ -497,8 +500,9 @@ def _grouped_qmm_tiles_launch(
             break
         if stages > 2:
             stages -= 1
-        elif stage_groups % 2 == 0:
-            stage_groups //= 2
+        elif stage_groups > 1:  # the next smaller count that divides the row
+            stage_groups = stage_groups // 2 if stage_groups % 2 == 0 else \
+                max(g for g in range(1, stage_groups) if row_groups % g == 0)
         elif column_tiles > 1:
             column_tiles //= 2
         elif row_tiles > 1:
