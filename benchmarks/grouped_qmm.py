@@ -144,13 +144,35 @@ def checked_medians(sides: dict, calls: int, what: str,
 MLX_SORTED_ROWS = 65535
 
 
+def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
+                changes: dict[str, int], *, num_rows: int | None = None,
+                gated: bool = False) -> str:
+    """What a tiling launches at these sizes (4 bits, groups of 64, bfloat16):
+    the decode body, or the block tiles and their block and stages as they
+    fit the shared memory, so that a tiling the launch falls back from shows."""
+    from mlx_moe_plan import _backend
+    from mlx_moe_plan.kernels import launch
+
+    with launch.grouped_qmm_tiling(**changes):
+        run = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, 4, 64, "bfloat16",
+                                        backend=_backend.gpu_backend(), num_rows=num_rows,
+                                        gated=gated)
+    template = dict(run.template)
+    if run.body == "grouped_qmm_tiles":
+        return (f"tiles {template['BLOCK_ROWS']}x{template['BLOCK_COLUMNS']}, "
+                f"{template['STAGE_GROUPS'] * 64} values x {template['STAGES']} stages")
+    return f"decode body, {template['STEPS']} steps, {template['K_SPLITS']} sets"
+
+
 def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,
                 active: int, medians: dict[str, float], floor_us: float,
-                busiest: float = 1.0) -> list[dict]:
+                busiest: float = 1.0, launches: dict[str, str] | None = None) -> list[dict]:
     """One line a side of `checked_medians` but its first (MLX's sorted
     gather_qmm, or past MLX_SORTED_ROWS its tiled one: `reference`), which each
     line carries as `gather_qmm_us`; TFLOP/s of the routed entries' work
-    (padding is not work), `tflops` the side's, `gather_qmm_tflops` MLX's."""
+    (padding is not work), `tflops` the side's, `gather_qmm_tflops` MLX's;
+    `launch`, the kernel's launch of the side (`launches`), else empty."""
+    launches = launches or {}
     reference, *ours = medians
     projections = 2 if projection == "gate+up" else 1
     flops = 2 * tokens * shape.top_k * projections * out_dims * in_dims
@@ -159,7 +181,7 @@ def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims:
              "ours_us": medians[side], "gather_qmm_us": medians[reference], "floor_us": floor_us,
              "tflops": flops / medians[side] / 1e6,
              "gather_qmm_tflops": flops / medians[reference] / 1e6, "busiest": busiest,
-             "reference": reference}
+             "reference": reference, "launch": launches.get(side, "")}
             for side in ours]
 
 
@@ -313,11 +335,14 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
         for tile_m, (tiled, _) in tiles.items():
             sides[f"mlx,tile_m={tile_m}"] = lambda i, tile_m=tile_m: theirs_tiled(i, tile_m)
             views[f"mlx,tile_m={tile_m}"] = in_entry_order(tiled)
+        launches = {}
         if kernel:
             for changes in tilings:
                 side = tiling_name(changes)
                 sides[side] = lambda i, changes=changes: ours(i, changes)
                 views[side] = in_entry_order(plan)
+                launches[side] = launch_text(shape.experts, in_dims, out_dims, plan.capacity,
+                                             changes)
         if ceilings:
             entries = x[mx.array(np.repeat(np.arange(tokens), shape.top_k))]
             mx.eval(entries)
@@ -326,7 +351,7 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                 sides[side], views[side] = call, None
         medians = checked_medians(sides, graph_calls, what, views)
         rows_out += result_rows(name, tokens, projection, out_dims, in_dims, shape, active,
-                                medians, touched / (bandwidth * 1e3), busiest)
+                                medians, touched / (bandwidth * 1e3), busiest, launches)
     rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
                                     tilings if kernel else [], tiles, busiest,
                                     unfused=kernel, sorted_rows=sorted_rows))
@@ -389,13 +414,16 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
         views[f"mlx,tile_m={tile_m}"] = in_entry_order(tiled)
     if unfused:
         sides["unfused"], views["unfused"] = unfused_kernels, in_entry_order(plan)
+    launches = {}
     for changes in tilings:
         side = "fused" if not changes else f"fused,{tiling_name(changes)}"
         sides[side] = lambda i, changes=changes: fused(i, changes)
         views[side] = in_entry_order(plan)
+        launches[side] = launch_text(shape.experts, in_dims, out_dims, plan.capacity, changes,
+                                     num_rows=tokens, gated=True)
     medians = checked_medians(sides, graph_calls, f"{name} T={tokens} gate+up", views)
     return result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
-                       touched / (bandwidth * 1e3), busiest)
+                       touched / (bandwidth * 1e3), busiest, launches)
 
 
 def main(argv=None) -> int:
@@ -440,7 +468,7 @@ def main(argv=None) -> int:
         raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
     print(f"{'shape':15s} {'T':>4s} {'proj':7s} {'tiling':18s} {'experts':>7s} "
           f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s} "
-          f"{'TFLOP/s':>7s} {'gather TF':>9s} {'busiest':>7s}")
+          f"{'TFLOP/s':>7s} {'gather TF':>9s} {'busiest':>7s}  launch")
     for name in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             for row in measure(name, tokens, args.calls, args.bandwidth, tilings,
@@ -453,7 +481,7 @@ def main(argv=None) -> int:
                       f"{row['gather_qmm_us'] / row['ours_us']:8.2f}x "
                       f"{row['ours_us'] / row['floor_us']:7.1f}x "
                       f"{row['tflops']:7.2f} {row['gather_qmm_tflops']:9.2f} "
-                      f"{row['busiest']:6.2f}x", flush=True)
+                      f"{row['busiest']:6.2f}x  {row['launch']}", flush=True)
     return 0
 
 

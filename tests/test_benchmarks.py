@@ -353,6 +353,11 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
         ("gate+up", "unfused"), ("gate+up", "fused"), ("gate+up", "fused,tiles=1")]
     active = lines[0]["active_experts"]
     assert 0 < active <= 3 * shape.top_k
+    # the launch each tiling runs: the decode body at these few rows by default
+    assert [line["launch"].split(",")[0] for line in lines] == [
+        "decode body"] * 4 + ["", "decode body", "decode body"]
+    forced = bench_qmm.launch_text(16, 128, 64, 12, {"tiles_from_rows": 0})
+    assert forced.startswith("tiles 64x128, 128 values x ")
     for line in lines:
         assert line["ours_us"] > 0 and line["gather_qmm_us"] > 0
         projections = 2 if line["projection"] == "gate+up" else 1
