@@ -451,6 +451,12 @@ def _scan_memory_bytes(threads: int, exchange: bool) -> int:
     return 4 * (MAX_EXPERTS + threads + (6 * threads if exchange else 0))
 
 
+def _most_groups_dividing(row_groups: int, at_most: int) -> int:
+    """The most quantization groups, up to `at_most`, that divide a row of
+    `row_groups` (1 divides any): a block tile's stage."""
+    return max(g for g in range(1, max(1, min(at_most, row_groups)) + 1) if row_groups % g == 0)
+
+
 def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
     """The least stride of at least `least` 4-byte words, a multiple of 4 (the
     16-byte copies' alignment), at which one load of grouped_qmm_tiles.h's
@@ -476,9 +482,7 @@ def _grouped_qmm_tiles_launch(
     values = 32 // bits
     lane_words = quant_group // (4 * values)
     row_groups = in_dims // quant_group
-    wanted_groups = min(max(1, tiling.block_stage_values // quant_group), row_groups)
-    # The most groups up to the wanted count that divide the row (1 divides any).
-    stage_groups = max(g for g in range(1, wanted_groups + 1) if row_groups % g == 0)
+    stage_groups = _most_groups_dividing(row_groups, tiling.block_stage_values // quant_group)
     threads = 32 * tiling.block_row_warps * tiling.block_column_warps
     matrices = 2 if gated else 1
     # Stages first, then their values, then the block's columns, then its
@@ -502,7 +506,7 @@ def _grouped_qmm_tiles_launch(
             stages -= 1
         elif stage_groups > 1:  # the next smaller count that divides the row
             stage_groups = stage_groups // 2 if stage_groups % 2 == 0 else \
-                max(g for g in range(1, stage_groups) if row_groups % g == 0)
+                _most_groups_dividing(row_groups, stage_groups - 1)
         elif column_tiles > 1:
             column_tiles //= 2
         elif row_tiles > 1:
