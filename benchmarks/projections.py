@@ -120,6 +120,7 @@ def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: l
             return out.reshape(batch, out_dims)
         return call
 
+    cuda = mx.default_device().type == mx.gpu and mx.cuda.is_available()
     if prefill:
         sides = {"matrix": shaped((1, batch, in_dims))}
     else:
@@ -130,9 +131,9 @@ def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: l
 
         sides = {"batched": shaped((batch, 1, in_dims)), "matrix": shaped((1, batch, in_dims)),
                  "rows": shaped((batch, in_dims)), "patched": patched(False)}
-        if mx.default_device().type == mx.gpu and mx.cuda.is_available():
+        if cuda:
             sides["dense"] = patched(True)
-    if not tilings or mx.default_device().type != mx.gpu or not mx.cuda.is_available():
+    if not tilings or not cuda:
         return sides
     from mlx_moe_plan import _backend, _gpu, projections
     from mlx_moe_plan.kernels import launch
