@@ -161,7 +161,8 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
     if run.body == "grouped_qmm_tiles":
         return (f"tiles {template['BLOCK_ROWS']}x{template['BLOCK_COLUMNS']}, "
                 f"{template['STAGE_GROUPS'] * 64} values x {template['STAGES']} stages")
-    return f"decode body, {template['STEPS']} steps, {template['K_SPLITS']} sets"
+    ahead = ", loads ahead" if template["LOADS_AHEAD"] else ""
+    return f"decode body, {template['STEPS']} steps{ahead}, {template['K_SPLITS']} sets"
 
 
 def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,

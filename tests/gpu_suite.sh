@@ -47,19 +47,18 @@
 #   grouped-qmm the grouped GEMM kernel against MLX's gather_qmm on the same
 #               sorted rows, and the weight-read floor, every shape, T = 1 to 64,
 #               in several tilings (launch.GroupedQmmTiling): the default loads
-#               1, 2 or 4 quantization groups ahead by the row's length
-#               (launch.grouped_qmm_steps), each of them fixed beside it, and
+#               1 or 2 quantization groups a pass, on long rows the next pass's
+#               first (launch.grouped_qmm_loads), fixed steps beside it, and
 #               one load a word and a value (wide_loads=0) beside the wide loads.
 #   grouped-qmm-prefill (not in `bench`) the expert GEMMs at T = 512 to 16384,
 #               every shape: the kernel (its block tiles by default, in two
 #               stages, in stages of 64 values), MLX's tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
 #   grouped-qmm-decode (not in `bench`) the expert GEMMs at a decoding step's
-#               T = 8 and 32, Qwen3-30B-A3B and gpt-oss-20b: the default (the
-#               decode body, which reads each column's row 32 to 64 bytes at a
-#               time) beside the block tiles of 8 rows staging 128 to 2048 values
-#               of every column's row a stage: whether reading the rows in
-#               longer runs brings the GEMM nearer its weight-read floor.
+#               T = 8 and 32, Qwen3-30B-A3B, gpt-oss-20b, Mixtral and
+#               DeepSeek-V3: the default (launch.grouped_qmm_loads) beside
+#               loads a pass ahead on every row and beside the 4 groups a pass,
+#               waited for, that rows of more than 32 groups took before.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -217,13 +216,12 @@ fi
 if wanted grouped-qmm; then
   logged "$results/grouped-qmm.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,deepseek-v3,mixtral --tokens 1,8,32,64 \
-    --tilings "default;wide_loads=0;steps=1;steps=2;steps=2,wide_loads=0;steps=4;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
+    --tilings "default;wide_loads=0;steps=1;steps=2;steps=2,wide_loads=0;steps=4;steps=2,loads_ahead=1;tiles=1;tiles=4;row_tiles=2;threads=256,tiles=1;max_groups=1024;max_groups=2048;gated_tiles=1;gated_tiles=1,steps=2"
 fi
 if wanted grouped-qmm-decode; then
-  runs="tiles_from_rows=0,block_row_tiles=1"
   logged "$results/grouped-qmm-decode.log" python3 -m benchmarks.grouped_qmm \
-    --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 8,32 --calls 16 --sides kernel \
-    --tilings "default;$runs;$runs,block_stage_values=512;$runs,block_stage_values=1024,block_column_warps=2;$runs,block_stage_values=2048,block_column_warps=1,block_tiles=1,block_stages=2"
+    --shapes qwen3-30b-a3b,gpt-oss-20b,mixtral,deepseek-v3 --tokens 8,32 --calls 16 \
+    --sides kernel --tilings "default;loads_ahead=1;steps=4,loads_ahead=0"
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \

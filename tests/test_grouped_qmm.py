@@ -101,22 +101,27 @@ def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
         check_grouped_qmm(_run, rng, [rows], out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 
-@pytest.mark.parametrize("steps", [None, 2, 4])
-@pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048)], ids=["gate", "down"])
-def test_wide_loads_change_no_bit(steps, in_dims, out_dims):
-    """A lane's words and its steps' scales read in one load each (the
-    tiling's `wide_loads`) or one by one: the same values, the same sums, the
-    same bits (Qwen3-30B-A3B's projections at batch 32, rows of 32 and 12
-    groups, which 2 and 4 steps cover evenly; a row they do not, where the
-    scales load one by one, is test_kernels_pocl.py's
-    test_grouped_qmm_fused_wide_rows, 33 groups and 4 steps)."""
+@pytest.mark.parametrize("field,steps", [("wide_loads", None), ("wide_loads", 2),
+                                         ("wide_loads", 4), ("loads_ahead", 1),
+                                         ("loads_ahead", 2)])
+@pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048), (2880, 2880)],
+                         ids=["gate", "down", "gpt-oss"])
+def test_tiling_fields_change_no_bit(field, steps, in_dims, out_dims):
+    """A lane's words and its steps' scales read in one load each or one by
+    one (the tiling's `wide_loads`), a pass's loads issued for the next pass
+    before its multiply-adds or for its own (`loads_ahead`): the same values,
+    the same sums, the same bits. Qwen3-30B-A3B's projections at batch 32
+    (rows of 32 and 12 groups, which 2 and 4 steps cover evenly) and
+    gpt-oss-20b's (45 groups; a row the steps do not cover, where the scales
+    load one by one, is also test_kernels_pocl.py's
+    test_grouped_qmm_fused_wide_rows, 33 groups)."""
     rng = np.random.default_rng(steps or 1)
     routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(32)])
     counts = np.bincount(routed.reshape(-1), minlength=128)
     case = grouped_qmm_case(rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 3)
     outs = []
-    for wide_loads in (0, 1):
-        with launch.grouped_qmm_tiling(steps=steps, wide_loads=wide_loads):
+    for value in (0, 1):
+        with launch.grouped_qmm_tiling(steps=steps, **{field: value}):
             outs.append(ref.to_numpy(_run(*case, 4, 64, "bfloat16")))
     assert np.array_equal(outs[0], outs[1])
     offsets, weight, scales, biases, rows, _ = case

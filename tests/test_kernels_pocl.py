@@ -385,6 +385,24 @@ def test_grouped_qmm_unaligned_rows(name):
         check_grouped_qmm(_grouped_qmm, rng, [1, 3, 17], 9, 128, 8, 32, name, 0)
 
 
+@pytest.mark.parametrize("steps,wide_loads", [(1, 1), (2, 1), (4, 0)])
+def test_grouped_qmm_loads_ahead_change_no_bit(steps, wide_loads):
+    """The next pass's loads issued before a pass's multiply-adds
+    (`loads_ahead`) or a pass's own loads waited for: the same values in the
+    same sums, the same bits, in one or several passes of a row (12 groups),
+    with the scales in pairs and one by one."""
+    rng = np.random.default_rng(steps)
+    case = grouped_qmm_case(rng, [3, 0, 11, 1], 40, 12 * 64, 4, 64, "bfloat16", 3)
+    outs = []
+    for loads_ahead in (0, 1):
+        with launch.grouped_qmm_tiling(steps=steps, wide_loads=wide_loads,
+                                       loads_ahead=loads_ahead):
+            outs.append(_grouped_qmm(*case, 4, 64, "bfloat16"))
+    assert outs[1].shape == outs[0].shape and outs[1].tobytes() == outs[0].tobytes()
+    offsets, weight, scales, biases, rows, _ = case
+    assert_gemm_close(outs[1], rows, weight, scales, biases, offsets, 4, 64, "bfloat16")
+
+
 @pytest.mark.parametrize("bits", launch.GROUPED_QMM_BITS)
 def test_grouped_qmm_wide_rows(bits):
     """A row of many quantization groups, loaded STEPS at a time."""
@@ -438,11 +456,14 @@ def test_grouped_qmm_fused_matches_reference(counts, out_dims, in_groups, bits, 
 @pytest.mark.parametrize("gated", [False, True], ids=["tokens", "gated"])
 def test_grouped_qmm_fused_wide_rows(gated):
     """Rows of more than 32 quantization groups, where the default tiling
-    loads 4 groups ahead (launch.grouped_qmm_steps), 33 of them: the last
-    run of loads clamped into the row."""
+    loads 2 groups a pass, the next pass's before this one's multiply-adds
+    (launch.grouped_qmm_loads), 33 of them: the last pass clamped into the
+    row; from 64 groups, 4 a pass, waited for."""
     in_dims = 33 * 64
-    steps = launch.grouped_qmm_steps(in_dims // 64, gated)
-    assert steps == 4 and launch.GROUPED_QMM_TILING.steps is None
+    assert launch.grouped_qmm_loads(in_dims // 64, gated) == (2, True)
+    assert launch.grouped_qmm_loads(64, gated) == (4, False)
+    assert launch.grouped_qmm_loads(32, gated) == (2 if gated else 1, False)
+    assert launch.GROUPED_QMM_TILING.steps is None
     _check_fused(np.random.default_rng(37), [2, 0, 5], 17, in_dims, 4, 64, "bfloat16", 2, 3,
                  True, gated)
 
@@ -458,9 +479,11 @@ def test_grouped_qmm_token_rows_stay_inside():
 @pytest.mark.parametrize("changes", [dict(gated_tiles=1),
                                      dict(gated_tiles=3, row_tiles=2, steps=2),
                                      dict(threads=32, max_groups=1), dict(wide_loads=0),
-                                     dict(steps=4)],
+                                     dict(steps=4), dict(loads_ahead=1, steps=1),
+                                     dict(loads_ahead=1, steps=4, wide_loads=0)],
                          ids=["gated_tiles=1", "gated_tiles=3,row_tiles=2,steps=2",
-                              "threads=32,max_groups=1", "wide_loads=0", "steps=4"])
+                              "threads=32,max_groups=1", "wide_loads=0", "steps=4",
+                              "loads_ahead=1,steps=1", "loads_ahead=1,steps=4,wide_loads=0"])
 def test_grouped_qmm_fused_tilings(changes):
     rng = np.random.default_rng(31)
     with launch.grouped_qmm_tiling(**changes):
@@ -476,7 +499,9 @@ TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=
            dict(wide_loads=0), dict(steps=2), dict(steps=4, wide_loads=0),
            dict(k_splits=1), dict(k_splits=2), dict(k_splits=4, steps=1),
            # shares of one group and of none (4 groups a row, 8 sets)
-           dict(threads=256, k_splits=8, steps=1)]
+           dict(threads=256, k_splits=8, steps=1),
+           # the next pass's loads first: one group a pass, and 3 (the last clamped)
+           dict(loads_ahead=1), dict(loads_ahead=1, steps=3), dict(loads_ahead=1, k_splits=4)]
 
 
 @pytest.mark.parametrize("changes", TILINGS,
@@ -489,9 +514,11 @@ def test_grouped_qmm_tilings(changes):
 
 
 @pytest.mark.parametrize("changes", [dict(k_splits=2), dict(k_splits=4), dict(k_splits=4, steps=3),
-                                     dict(threads=256, k_splits=8, row_tiles=2)],
+                                     dict(threads=256, k_splits=8, row_tiles=2),
+                                     dict(k_splits=4, steps=2, loads_ahead=1)],
                          ids=["k_splits=2", "k_splits=4", "k_splits=4,steps=3",
-                              "threads=256,k_splits=8,row_tiles=2"])
+                              "threads=256,k_splits=8,row_tiles=2",
+                              "k_splits=4,steps=2,loads_ahead=1"])
 @pytest.mark.parametrize("fusion", ["none", "tokens", "both"])
 def test_grouped_qmm_split_rows(changes, fusion):
     """Warps sharing a row's quantization groups (K_SPLITS): 45 groups, so the
@@ -521,7 +548,7 @@ def test_grouped_qmm_splits_few_items():
     assert splits(1, 2048, 151936, 8) == 1  # an lm_head: its columns fill the GPU
     assert splits(128, 2048, 768, 64) == 1 and splits(128, 2048, 768, 64, gated=True) == 1
     assert splits(1, 256, 4096, 8) == 1  # 4 groups a row: nothing to share
-    assert launch.grouped_qmm_steps(32, False, k_splits=4) == 4
+    assert launch.grouped_qmm_loads(32, False, k_splits=4) == (4, False)
 
 
 def test_grouped_qmm_split_sums_fit_group_memory():

@@ -60,7 +60,7 @@
 //   GATED, an even count, the first half the gate's and the second up's of the
 //   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
 //   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above),
-//   WIDE_LOADS (below).
+//   WIDE_LOADS, LOADS_AHEAD (below).
 // include: qmm_params
 // K_SPLITS: the group's warps are K_SPLITS sets of COLUMN_WARPS, each set the
 // same columns, set k summing its share of a row's quantization groups,
@@ -192,87 +192,132 @@ UNROLL
     for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
       sums[i] = 0.0f;
     }
-    for (int group0 = 0; group0 < split_groups; group0 += STEPS) {
-      // Every load of the steps first, then their use. packed: the lane's
-      // words of its share's group group0 + s in its columns; halves: its
-      // rows' values of those words, two to a uint32. A group past the share
-      // or the row reads the last one of the row, and is not used below.
-      unsigned packed[STEPS * TILES * 2 * LANE_WORDS];
-      unsigned halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
-      float scale[STEPS * TILES * 2];
-      float bias[STEPS * TILES * 2];
-      if (scale_vectors) {  // the steps' groups, all inside the share
+    // The landing set: the words, row values and scale and bias bits that a
+    // pass's loads fetch, groups load0 + s of the share (a group past the
+    // share or the row reads the last one of the row, and is not used);
+    // use_packed and the other use_ arrays are the copy that the
+    // multiply-adds read. The scales and biases stay bits until their use,
+    // so no conversion waits on memory among a pass's loads.
+    // LOADS_AHEAD: without it a pass loads its own groups, then waits for
+    // them; with it a pass loads the next pass's groups first, and they
+    // arrive during its multiply-adds. Each warp of the decode body waits on
+    // its first use of each pass's loads for much of its time, but loads
+    // ahead cost a second set of registers, and pay only on some rows
+    // (launch.grouped_qmm_loads). The values and sums are the same either
+    // way, in the same order.
+    // scale_bits, bias_bits: with scale_vectors, the pairs of groups (2m,
+    // 2m + 1) of column i at m * TILES * 2 + i, loaded whole; else group s's
+    // bits at s * TILES * 2 + i, one load each.
+    unsigned packed[STEPS * TILES * 2 * LANE_WORDS];
+    unsigned halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
+    unsigned scale_bits[STEPS * TILES * 2];
+    unsigned bias_bits[STEPS * TILES * 2];
+    if (LOADS_AHEAD) {  // the first pass copies them before any load: defined values
 UNROLL
-        for (int i = 0; i < TILES * 2; ++i) {
-          unsigned scale_bits[(STEPS + 1) / 2];  // STEPS 2 or 4 here; no array of 0
-          unsigned bias_bits[(STEPS + 1) / 2];
-          if (STEPS == 2) {
-            scale_bits[0] = ((GLOBAL const unsigned*)(column_scales[i] + split_group0 + group0))[0];
-            bias_bits[0] = ((GLOBAL const unsigned*)(column_biases[i] + split_group0 + group0))[0];
-          } else {
-            const uint2 scale_pairs =
-                ((GLOBAL const uint2*)(column_scales[i] + split_group0 + group0))[0];
-            const uint2 bias_pairs =
-                ((GLOBAL const uint2*)(column_biases[i] + split_group0 + group0))[0];
-            scale_bits[0] = scale_pairs.x;
-            scale_bits[STEPS / 2 - 1] = scale_pairs.y;
-            bias_bits[0] = bias_pairs.x;
-            bias_bits[STEPS / 2 - 1] = bias_pairs.y;
-          }
-UNROLL
-          for (int s = 0; s < STEPS; ++s) {  // group group0 + s: half s % 2 of pair s / 2
-            const unsigned scale_half = (scale_bits[s / 2] >> (16 * (s % 2))) & 0xFFFFu;
-            const unsigned bias_half = (bias_bits[s / 2] >> (16 * (s % 2))) & 0xFFFFu;
-            scale[s * TILES * 2 + i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(scale_half)
-                                                    : BITS_TO_FLOAT(scale_half << 16);
-            bias[s * TILES * 2 + i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(bias_half)
-                                                   : BITS_TO_FLOAT(bias_half << 16);
-          }
-        }
+      for (int i = 0; i < STEPS * TILES * 2 * LANE_WORDS; ++i) {
+        packed[i] = 0u;
       }
 UNROLL
-      for (int s = 0; s < STEPS; ++s) {
-        const int quant_group = STEPS == 1 && K_SPLITS == 1
-                                ? group0 : min(split_group0 + group0 + s, row_groups - 1);
-        const int word0 = quant_group * (QUANT_GROUP / VALUES) + fragment_slot * LANE_WORDS;
+      for (int i = 0; i < STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2); ++i) {
+        halves[i] = 0u;
+      }
 UNROLL
-        for (int i = 0; i < TILES * 2; ++i) {
-          const int at = s * TILES * 2 + i;
-          if (!scale_vectors) {
-            scale[at] = LOAD_IN(column_scales[i], quant_group);
-            bias[at] = LOAD_IN(column_biases[i], quant_group);
+      for (int i = 0; i < STEPS * TILES * 2; ++i) {
+        scale_bits[i] = 0u;
+        bias_bits[i] = 0u;
+      }
+    }
+    for (int load0 = 0; load0 < split_groups + LOADS_AHEAD * STEPS; load0 += STEPS) {
+      const int group0 = load0 - LOADS_AHEAD * STEPS;  // the groups this pass multiplies
+      unsigned use_packed[STEPS * TILES * 2 * LANE_WORDS];
+      unsigned use_halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
+      unsigned use_scale_bits[STEPS * TILES * 2];
+      unsigned use_bias_bits[STEPS * TILES * 2];
+      // One copy text for both orders: before the loads with LOADS_AHEAD,
+      // after them without.
+UNROLL
+      for (int copy = 0; copy < 2; ++copy) {
+        if (copy == (LOADS_AHEAD ? 0 : 1)) {
+UNROLL
+          for (int i = 0; i < STEPS * TILES * 2 * LANE_WORDS; ++i) {
+            use_packed[i] = packed[i];
           }
-          if (word_vectors) {
 UNROLL
-            for (int w = 0; w < LANE_WORDS; w += 2) {
-              const uint2 pair = ((GLOBAL const uint2*)(column_words[i] + word0 + w))[0];
-              packed[at * LANE_WORDS + w] = pair.x;
-              packed[at * LANE_WORDS + w + 1] = pair.y;
-            }
-          } else {
+          for (int i = 0; i < STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2); ++i) {
+            use_halves[i] = halves[i];
+          }
 UNROLL
-            for (int w = 0; w < LANE_WORDS; ++w) {
-              packed[at * LANE_WORDS + w] = column_words[i][word0 + w];
-            }
+          for (int i = 0; i < STEPS * TILES * 2; ++i) {
+            use_scale_bits[i] = scale_bits[i];
+            use_bias_bits[i] = bias_bits[i];
           }
         }
+        if (copy == 0 && load0 < split_groups) {  // every load of the steps
+          if (scale_vectors) {  // the steps' groups, all inside the share
 UNROLL
-        for (int n = 0; n < ROW_TILES; ++n) {
+            for (int i = 0; i < TILES * 2; ++i) {
+              if (STEPS == 2) {
+                scale_bits[i] =
+                    ((GLOBAL const unsigned*)(column_scales[i] + split_group0 + load0))[0];
+                bias_bits[i] =
+                    ((GLOBAL const unsigned*)(column_biases[i] + split_group0 + load0))[0];
+              } else {
+                const uint2 scale_pairs =
+                    ((GLOBAL const uint2*)(column_scales[i] + split_group0 + load0))[0];
+                const uint2 bias_pairs =
+                    ((GLOBAL const uint2*)(column_biases[i] + split_group0 + load0))[0];
+                scale_bits[i] = scale_pairs.x;
+                scale_bits[(STEPS / 2 - 1) * TILES * 2 + i] = scale_pairs.y;
+                bias_bits[i] = bias_pairs.x;
+                bias_bits[(STEPS / 2 - 1) * TILES * 2 + i] = bias_pairs.y;
+              }
+            }
+          }
 UNROLL
-          for (int w = 0; w < LANE_WORDS; ++w) {
-            const int value0 = (word0 + w) * VALUES;
-            const int into = ((s * ROW_TILES + n) * LANE_WORDS + w) * (VALUES / 2);
-            if (vectors && VALUES == 8) {
-              const uint4 raw = ((GLOBAL const uint4*)row_values[n])[value0 / 8];
-              halves[into] = raw.x;
-              halves[into + 1] = raw.y;
-              halves[into + 2] = raw.z;
-              halves[into + 3] = raw.w;
-            } else {
+          for (int s = 0; s < STEPS; ++s) {
+            const int quant_group = STEPS == 1 && K_SPLITS == 1
+                                    ? load0 : min(split_group0 + load0 + s, row_groups - 1);
+            const int word0 = quant_group * (QUANT_GROUP / VALUES) + fragment_slot * LANE_WORDS;
 UNROLL
-              for (int j = 0; j < VALUES / 2; ++j) {
-                halves[into + j] = (unsigned)row_values[n][value0 + 2 * j]
-                                   | ((unsigned)row_values[n][value0 + 2 * j + 1] << 16);
+            for (int i = 0; i < TILES * 2; ++i) {
+              const int at = s * TILES * 2 + i;
+              if (!scale_vectors) {
+                scale_bits[at] = ((GLOBAL const unsigned short*)column_scales[i])[quant_group];
+                bias_bits[at] = ((GLOBAL const unsigned short*)column_biases[i])[quant_group];
+              }
+              if (word_vectors) {
+UNROLL
+                for (int w = 0; w < LANE_WORDS; w += 2) {
+                  const uint2 pair = ((GLOBAL const uint2*)(column_words[i] + word0 + w))[0];
+                  packed[at * LANE_WORDS + w] = pair.x;
+                  packed[at * LANE_WORDS + w + 1] = pair.y;
+                }
+              } else {
+UNROLL
+                for (int w = 0; w < LANE_WORDS; ++w) {
+                  packed[at * LANE_WORDS + w] = column_words[i][word0 + w];
+                }
+              }
+            }
+UNROLL
+            for (int n = 0; n < ROW_TILES; ++n) {
+UNROLL
+              for (int w = 0; w < LANE_WORDS; ++w) {
+                const int value0 = (word0 + w) * VALUES;
+                const int into = ((s * ROW_TILES + n) * LANE_WORDS + w) * (VALUES / 2);
+                if (vectors && VALUES == 8) {
+                  const uint4 raw = ((GLOBAL const uint4*)row_values[n])[value0 / 8];
+                  halves[into] = raw.x;
+                  halves[into + 1] = raw.y;
+                  halves[into + 2] = raw.z;
+                  halves[into + 3] = raw.w;
+                } else {
+UNROLL
+                  for (int j = 0; j < VALUES / 2; ++j) {
+                    halves[into + j] = (unsigned)row_values[n][value0 + 2 * j]
+                                       | ((unsigned)row_values[n][value0 + 2 * j + 1] << 16);
+                  }
+                }
               }
             }
           }
@@ -280,7 +325,7 @@ UNROLL
       }
 UNROLL
       for (int s = 0; s < STEPS; ++s) {
-        if (group0 + s < split_groups) {
+        if (group0 >= 0 && group0 + s < split_groups) {
           float dots[TILES * ROW_TILES * 4];
           float value_sums[ROW_TILES * 4];
 UNROLL
@@ -304,8 +349,8 @@ UNROLL
 UNROLL
               for (int n = 0; n < ROW_TILES; ++n) {
                 const int from = ((s * ROW_TILES + n) * LANE_WORDS + w) * (VALUES / 2) + m;
-                const unsigned low = halves[from];
-                const unsigned high = halves[from + VALUES / 4];
+                const unsigned low = use_halves[from];
+                const unsigned high = use_halves[from + VALUES / 4];
                 b[2 * n] = LOW_HALVES(low, high);
                 b[2 * n + 1] = HIGH_HALVES(low, high);
                 MMA_16x8x16(&value_sums[4 * n], ones, &b[2 * n], mma_exchange + warp_exchange, lane);
@@ -317,7 +362,7 @@ UNROLL
                 unsigned a[4];
 UNROLL
                 for (int i = 0; i < 4; ++i) {
-                  const unsigned word = packed[((s * TILES + t) * 2 + i % 2) * LANE_WORDS + w];
+                  const unsigned word = use_packed[((s * TILES + t) * 2 + i % 2) * LANE_WORDS + w];
                   const int shift_bits = (2 * m + i / 2) * BITS;
                   // include: qmm_fields
                   a[i] = field_pair;
@@ -333,9 +378,25 @@ UNROLL
           // The last share's steps past the row multiply (every warp of the
           // group meets the emulated MMA_16x8x16's barriers alike), unused.
           if (K_SPLITS == 1 || split_group0 + group0 + s < row_groups) {
+            // Group s's scale and bias of column i (tile i / 2, h = i % 2).
+            float scale[TILES * 2];
+            float bias[TILES * 2];
+UNROLL
+            for (int i = 0; i < TILES * 2; ++i) {
+              const unsigned pair_scale = use_scale_bits[(s / 2) * TILES * 2 + i];
+              const unsigned pair_bias = use_bias_bits[(s / 2) * TILES * 2 + i];
+              const unsigned scale_half = scale_vectors ? (pair_scale >> (16 * (s % 2))) & 0xFFFFu
+                                                        : use_scale_bits[s * TILES * 2 + i];
+              const unsigned bias_half = scale_vectors ? (pair_bias >> (16 * (s % 2))) & 0xFFFFu
+                                                       : use_bias_bits[s * TILES * 2 + i];
+              scale[i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(scale_half)
+                                      : BITS_TO_FLOAT(scale_half << 16);
+              bias[i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(bias_half)
+                                     : BITS_TO_FLOAT(bias_half << 16);
+            }
 UNROLL
             for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // tile i / (4 * ROW_TILES)
-              const int at = (s * TILES + i / (4 * ROW_TILES)) * 2 + i % 4 / 2;
+              const int at = (i / (4 * ROW_TILES)) * 2 + i % 4 / 2;
               sums[i] += scale[at] * dots[i];
               sums[i] += bias[at] * value_sums[i % (4 * ROW_TILES)];
             }

@@ -108,12 +108,16 @@ class GroupedQmmTiling:
     gated_tiles: int = 2  # gated (gate and up in one warp): each projection's, TILES twice it
     row_tiles: int = 1  # 8-row tiles a pass: ROW_TILES
     # quantization groups a lane loads before using any: STEPS; None: by the
-    # row's length and the fusion (grouped_qmm_steps)
+    # row's length and the fusion (grouped_qmm_loads)
     steps: int | None = None
     max_groups: int = 512  # groups at most, sharing the items
     # a lane's words of a column, and its steps' scales, in one load each
     # where the matrices allow it (1), or one load a word and a value (0): WIDE_LOADS
     wide_loads: int = 1
+    # a pass's loads are the next pass's, issued before its multiply-adds (1),
+    # or its own, waited for first (0): LOADS_AHEAD; None: by the row, as
+    # steps, where steps is None too (else 0)
+    loads_ahead: int | None = None
     # grouped_qmm_tiles.h, from this many rows an expert on average (the
     # plan's capacity over its experts; 0: always, a large value: never)
     tiles_from_rows: int = 32
@@ -141,8 +145,8 @@ class GroupedQmmTiling:
                else self.k_splits, self.max_groups, self.block_row_warps,
                self.block_column_warps, self.block_tiles, self.block_gated_tiles,
                self.block_row_tiles, self.block_max_groups, self.block_stage_values) < 1:
-            raise ValueError(f"grouped_qmm tiling: every field but wide_loads, tiles_from_rows "
-                             f"and block_stages must be at least 1: {self}")
+            raise ValueError(f"grouped_qmm tiling: every field but wide_loads, loads_ahead, "
+                             f"tiles_from_rows and block_stages must be at least 1: {self}")
         if self.k_splits is not None and (self.threads // 32) % self.k_splits:
             raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
                              f"threads / 32: {self}")
@@ -152,8 +156,8 @@ class GroupedQmmTiling:
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
-        if self.wide_loads not in (0, 1):
-            raise ValueError(f"grouped_qmm tiling: wide_loads is 0 or 1: {self}")
+        if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1):
+            raise ValueError(f"grouped_qmm tiling: wide_loads and loads_ahead are 0 or 1: {self}")
         if self.threads % 32 or MAX_EXPERTS % self.threads:
             raise ValueError(f"grouped_qmm tiling: threads must be a multiple of 32 that "
                              f"divides MAX_EXPERTS ({MAX_EXPERTS}): {self}")
@@ -162,27 +166,37 @@ class GroupedQmmTiling:
 GROUPED_QMM_TILING = GroupedQmmTiling()
 
 
-def grouped_qmm_steps(row_groups: int, gated: bool, k_splits: int = 1) -> int:
-    """The quantization groups a lane loads ahead (STEPS) where the tiling
-    leaves it to the row: its `row_groups` groups, whether gate and up are
-    fused (`gated`), and the sets of warps that split the row (`k_splits`).
+def grouped_qmm_loads(row_groups: int, gated: bool, k_splits: int = 1) -> tuple[int, bool]:
+    """How a lane loads a row where the tiling leaves it to the row: the
+    quantization groups it loads before using any (STEPS), and whether a
+    pass loads the next pass's groups before its multiply-adds
+    (LOADS_AHEAD), for a row of `row_groups` groups, gate and up fused or
+    not (`gated`), split among `k_splits` sets of warps.
 
     A warp's loads of one group wait on memory before its multiply-adds, and
-    long rows make long chains of such waits: loading several groups first
-    keeps more bytes in flight. Measured on the H200 (benchmarks/HISTORY.md,
-    "Loads ahead by the row's length"): the fused gate and up gained most
-    from 4 steps on rows longer than 32 groups and a little from 2 on rows of
-    32; one projection a launch gained from 4 steps on rows of 64 groups and
-    more, and lost a little with 2 on rows of 32 or fewer. A split row is
-    split for want of bytes in flight (`grouped_qmm_k_splits`): up to 4 groups
-    of each share, in one load each where they are 2 or 4.
+    long rows make long chains of such waits: more groups a pass, or the
+    next pass's loads in flight during this pass's multiply-adds, keep more
+    bytes in flight. Measured on the H200 (benchmarks/HISTORY.md, "Loads
+    ahead by the row's length" and "Loads a pass ahead"):
+    - rows of up to 32 groups: one group a pass for one projection, 2 for
+      the fused gate and up, waited for; loads ahead gained nothing;
+    - rows of 33 to 63 groups (gpt-oss-20b's 45): 2 groups a pass loaded
+      ahead, 7% to 23% faster than 4 waited for;
+    - rows of 64 groups and more (Mixtral's, DeepSeek-V3's): 4 groups a pass
+      waited for, 5% to 12% faster than 2 loaded ahead. 4 loaded ahead need
+      more registers than a thread has.
+    A split row is split for want of bytes in flight (`grouped_qmm_k_splits`):
+    up to 4 groups of each share, in one load each where they are 2 or 4,
+    waited for.
     """
     if k_splits > 1:
         share = -(-row_groups // k_splits)
-        return 4 if share >= 4 else 2 if share >= 2 else 1
-    if gated:
-        return 2 if row_groups <= 32 else 4
-    return 1 if row_groups <= 32 else 4
+        return (4 if share >= 4 else 2 if share >= 2 else 1), False
+    if row_groups >= 64:
+        return 4, False
+    if row_groups > 32:
+        return 2, True
+    return (2 if gated else 1), False
 
 
 # A launch of fewer warps than this splits its rows (K_SPLITS): a dense
@@ -571,6 +585,11 @@ def _grouped_qmm_launch(
     columns = tiling.threads // 32 // k_splits * 16 * column_tiles
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
+    steps, loads_ahead = grouped_qmm_loads(row_groups, gated, k_splits)
+    if tiling.steps is not None:  # the row's loads ahead go with the row's steps only
+        steps, loads_ahead = tiling.steps, False
+    if tiling.loads_ahead is not None:
+        loads_ahead = bool(tiling.loads_ahead)
     return Launch(
         "grouped_qmm", min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
@@ -581,9 +600,8 @@ def _grouped_qmm_launch(
          ("LANE_WORDS", quant_group // (4 * values)),
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS), ("K_SPLITS", k_splits),
          ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
-         ("STEPS", tiling.steps or grouped_qmm_steps(row_groups, gated, k_splits)),
-         ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
-         ("WIDE_LOADS", bool(tiling.wide_loads))),
+         ("STEPS", steps), ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
+         ("WIDE_LOADS", bool(tiling.wide_loads)), ("LOADS_AHEAD", loads_ahead)),
         (((capacity, out_dims), dtype),),
     )
 
