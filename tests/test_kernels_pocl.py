@@ -551,6 +551,23 @@ def test_grouped_qmm_splits_few_items():
     assert launch.grouped_qmm_loads(32, False, k_splits=4) == (4, False)
 
 
+def test_grouped_qmm_loads_by_row():
+    """The launch loads by the row's length (launch.grouped_qmm_loads): 2
+    groups a pass loaded ahead on gpt-oss-20b's 45, 1 waited for on 32 and 4
+    on 64; a tiling's steps take the row's loads ahead away, its loads_ahead
+    sets them."""
+    def loads(in_dims, experts=32, **changes):
+        with launch.grouped_qmm_tiling(**changes):
+            qmm = launch.grouped_qmm_launch(experts, in_dims, 2880, 64, 4, 64, "bfloat16",
+                                            backend="cuda")
+        template = dict(qmm.template)
+        return template["STEPS"], template["LOADS_AHEAD"]
+
+    assert loads(2880) == (2, True) and loads(2048) == (1, False) and loads(4096) == (4, False)
+    assert loads(2880, steps=4) == (4, False) and loads(2880, steps=4, loads_ahead=1) == (4, True)
+    assert loads(2048, loads_ahead=1) == (1, True) and loads(2880, loads_ahead=0) == (2, False)
+
+
 def test_grouped_qmm_split_sums_fit_group_memory():
     """A tiling whose sets' sums would pass a backend's group memory is
     refused by name, before any kernel is built (Metal's 32 KB here)."""
