@@ -365,6 +365,16 @@ def test_grouped_qmm_split_matches_reference(case, k_splits, steps):
         check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
 
 
+@given(case=grouped_qmm_cases(), steps=st.sampled_from([1, 2, 3]))
+def test_grouped_qmm_loads_ahead_match_reference(case, steps):
+    """A pass's loads issued for the next pass (`loads_ahead`) over the same
+    cases: every group size, bits and dtype, rows of 1 to 4 groups, so one
+    pass or several, the last clamped."""
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(loads_ahead=1, steps=steps):
+        check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
+
+
 @pytest.mark.parametrize("active", [1, 300, MAX_EXPERTS])
 def test_grouped_qmm_more_items_than_groups(active):
     """Every expert count up to MAX_EXPERTS, more (expert, columns) items than
