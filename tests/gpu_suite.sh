@@ -59,6 +59,12 @@
 #               DeepSeek-V3: the default (launch.grouped_qmm_loads) beside
 #               loads a pass ahead on every row and beside the 4 groups a pass,
 #               waited for, that rows of more than 32 groups took before.
+#   load-patterns (not in `bench`; CUDA) the decode body's loads alone against
+#               longer runs of each column and runs staged in shared memory
+#               (benchmarks.load_patterns), 1200 to 4800 warps, beside the
+#               decode body at T = 8 and 32 with its warps sharing rows, one
+#               column tile a warp and groups of 2 warps: what caps the
+#               expert GEMM at a decoding step, its loads' pattern or their count.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -222,6 +228,13 @@ if wanted grouped-qmm-decode; then
   logged "$results/grouped-qmm-decode.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,gpt-oss-20b,mixtral,deepseek-v3 --tokens 8,32 --calls 16 \
     --sides kernel --tilings "default;loads_ahead=1;steps=4,loads_ahead=0"
+fi
+if wanted load-patterns; then
+  logged "$results/load-patterns.log" python3 -m benchmarks.load_patterns \
+    --warps 1200,2400,4800 --repeats 2
+  logged "$results/load-patterns-decode.log" python3 -m benchmarks.grouped_qmm \
+    --shapes qwen3-30b-a3b --tokens 8,32 --calls 16 --sides kernel \
+    --tilings "default;k_splits=2;k_splits=4;tiles=1,gated_tiles=1;threads=64"
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \

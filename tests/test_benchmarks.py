@@ -25,7 +25,7 @@ from mlx_lm.models import switch_layers  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import benchmarks  # noqa: E402
-from benchmarks import model as bench  # noqa: E402
+from benchmarks import load_patterns, model as bench  # noqa: E402
 from benchmarks import timing  # noqa: E402
 from benchmarks.workloads import LAYER_SHAPES, MODELS, layer_shape, with_layers  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
@@ -459,6 +459,14 @@ def test_every_benchmark_option_gives_its_default(name, monkeypatch):
     assert options, f"benchmarks.{name}: no option found"
     for action in options:
         assert "(default: " in (action.help or ""), (name, action.option_strings)
+
+
+def test_load_patterns_says_where_it_runs(capsys):
+    # CUDA text of its own: elsewhere it says so and fails, without a traceback.
+    if load_patterns._backend.gpu_backend() == "cuda":
+        pytest.skip("on CUDA it runs: tests/gpu_suite.sh load-patterns")
+    assert load_patterns.main(["--warps", "32", "--repeats", "1"]) == 1
+    assert "CUDA only" in capsys.readouterr().err
 
 
 def test_grouped_qmm_prefill_sides(monkeypatch):

@@ -73,3 +73,25 @@ def test_nvcc_compiles_every_launch(name, tmp_path):
          "-o", str(tmp_path / "out.o")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
+
+
+def test_nvcc_compiles_the_load_patterns(tmp_path):
+    # benchmarks.load_patterns' kernels, CUDA text of their own on the prelude,
+    # as its `mx.fast.cuda_kernel` calls make them: each pattern a function.
+    from benchmarks.load_patterns import PATTERNS, ROW_BYTES
+
+    functions = []
+    for i, (_, source, constants, _, _) in enumerate(PATTERNS):
+        lines = [_template_line(name, value)
+                 for name, value in [("ROW", ROW_BYTES), *constants.items()]]
+        functions.append("\n".join([f"__global__ void load_pattern_{i}(const uint32_t* weights, "
+                                    "const int32_t* regions, uint32_t* out) {", *lines,
+                                    source, "}"]))
+    path = tmp_path / "load_patterns.cu"
+    path.write_text(HEADER + kernels.prelude("cuda") + "namespace mlx::core::cu {\n"
+                    + "\n".join(functions) + "\n}  // namespace mlx::core::cu\n")
+    result = subprocess.run(
+        [NVCC, "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / "out.o")],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
