@@ -162,7 +162,8 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
         return (f"tiles {template['BLOCK_ROWS']}x{template['BLOCK_COLUMNS']}, "
                 f"{template['STAGE_GROUPS'] * 64} values x {template['STAGES']} stages")
     ahead = ", loads ahead" if template["LOADS_AHEAD"] else ""
-    return f"decode body, {template['STEPS']} steps{ahead}, {template['K_SPLITS']} sets"
+    ring = f", words in a ring of {template['WORD_STAGES']}" if template["WORD_STAGES"] else ""
+    return f"decode body, {template['STEPS']} steps{ahead}{ring}, {template['K_SPLITS']} sets"
 
 
 def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,

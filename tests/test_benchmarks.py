@@ -358,6 +358,8 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
         "decode body"] * 4 + ["", "decode body", "decode body"]
     forced = bench_qmm.launch_text(16, 128, 64, 12, {"tiles_from_rows": 0})
     assert forced.startswith("tiles 64x128, 128 values x ")
+    ring = bench_qmm.launch_text(16, 2048, 768, 12, {"word_stages": 3})
+    assert ring == "decode body, 4 steps, words in a ring of 3, 1 sets"
     for line in lines:
         assert line["ours_us"] > 0 and line["gather_qmm_us"] > 0
         projections = 2 if line["projection"] == "gate+up" else 1

@@ -101,27 +101,30 @@ def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
         check_grouped_qmm(_run, rng, [rows], out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 
-@pytest.mark.parametrize("field,steps", [("wide_loads", None), ("wide_loads", 2),
-                                         ("wide_loads", 4), ("loads_ahead", 1),
-                                         ("loads_ahead", 2)])
+@pytest.mark.parametrize("field,steps,value", [("wide_loads", None, 1), ("wide_loads", 2, 1),
+                                               ("wide_loads", 4, 1), ("loads_ahead", 1, 1),
+                                               ("loads_ahead", 2, 1), ("word_stages", 4, 3),
+                                               ("word_stages", 2, 2)])
 @pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048), (2880, 2880)],
                          ids=["gate", "down", "gpt-oss"])
-def test_tiling_fields_change_no_bit(field, steps, in_dims, out_dims):
+def test_tiling_fields_change_no_bit(field, steps, value, in_dims, out_dims):
     """A lane's words and its steps' scales read in one load each or one by
     one (the tiling's `wide_loads`), a pass's loads issued for the next pass
-    before its multiply-adds or for its own (`loads_ahead`): the same values,
-    the same sums, the same bits. Qwen3-30B-A3B's projections at batch 32
-    (rows of 32 and 12 groups, which 2 and 4 steps cover evenly) and
-    gpt-oss-20b's (45 groups; a row the steps do not cover, where the scales
-    load one by one, is also test_kernels_pocl.py's
+    before its multiply-adds or for its own (`loads_ahead`), the words
+    through a warp's ring in group memory or the lanes' own loads
+    (`word_stages`): the same values, the same sums, the same bits.
+    Qwen3-30B-A3B's projections at batch 32 (rows of 32 and 12 groups, which
+    2 and 4 steps cover evenly) and gpt-oss-20b's (45 groups; a row the steps
+    do not cover, where the scales load one by one and the ring's last stage
+    lies partly past the row, is also test_kernels_pocl.py's
     test_grouped_qmm_fused_wide_rows, 33 groups)."""
     rng = np.random.default_rng(steps or 1)
     routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(32)])
     counts = np.bincount(routed.reshape(-1), minlength=128)
     case = grouped_qmm_case(rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 3)
     outs = []
-    for value in (0, 1):
-        with launch.grouped_qmm_tiling(steps=steps, **{field: value}):
+    for changes in ({field: 0}, {field: value}):
+        with launch.grouped_qmm_tiling(steps=steps, **changes):
             outs.append(ref.to_numpy(_run(*case, 4, 64, "bfloat16")))
     assert np.array_equal(outs[0], outs[1])
     offsets, weight, scales, biases, rows, _ = case

@@ -375,6 +375,18 @@ def test_grouped_qmm_loads_ahead_match_reference(case, steps):
         check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
 
 
+@given(case=grouped_qmm_cases(), stages=st.sampled_from([2, 3]),
+       steps=st.sampled_from([None, 1, 3]))
+def test_grouped_qmm_word_ring_matches_reference(case, stages, steps):
+    """The words through a warp's ring in group memory (`word_stages`) over the
+    same cases: every group size, bits and dtype, rows of 1 to 4 groups, so
+    rows shorter than the ring's passes ahead, and a last stage partly past
+    the row."""
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(word_stages=stages, steps=steps):
+        check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
+
+
 @pytest.mark.parametrize("active", [1, 300, MAX_EXPERTS])
 def test_grouped_qmm_more_items_than_groups(active):
     """Every expert count up to MAX_EXPERTS, more (expert, columns) items than
@@ -391,8 +403,10 @@ def test_grouped_qmm_unaligned_rows(name):
     value by value, word by word."""
     rng = np.random.default_rng(23)
     with ocl.unaligned_buffers():
-        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, name, 3)
-        check_grouped_qmm(_grouped_qmm, rng, [1, 3, 17], 9, 128, 8, 32, name, 0)
+        for changes in ({}, {"word_stages": 2}):  # the ring's copies word by word
+            with launch.grouped_qmm_tiling(**changes):
+                check_grouped_qmm(_grouped_qmm, rng, [2, 0, 9, 1, 5], 40, 256, 4, 64, name, 3)
+                check_grouped_qmm(_grouped_qmm, rng, [1, 3, 17], 9, 128, 8, 32, name, 0)
 
 
 @pytest.mark.parametrize("steps,wide_loads", [(1, 1), (2, 1), (4, 0)])
@@ -411,6 +425,23 @@ def test_grouped_qmm_loads_ahead_change_no_bit(steps, wide_loads):
     assert outs[1].shape == outs[0].shape and outs[1].tobytes() == outs[0].tobytes()
     offsets, weight, scales, biases, rows, _ = case
     assert_gemm_close(outs[1], rows, weight, scales, biases, offsets, 4, 64, "bfloat16")
+
+
+@pytest.mark.parametrize("steps,stages", [(1, 2), (3, 3), (None, 4)])
+def test_grouped_qmm_word_ring_over_passes(steps, stages):
+    """The words through a warp's ring in group memory (`word_stages`) over a
+    row of 12 groups: more passes than stages, so every stage is refilled,
+    one group a pass, 3 (the last stage past the row), or a line of each
+    column (4). Against the reference: PoCL's float sums of the same terms
+    in the same order still differ between some code shapes in their last
+    bits (one tile a warp in groups of 32 threads does too), so bits are
+    compared on the GPU (tests/test_grouped_qmm.py)."""
+    rng = np.random.default_rng(stages)
+    case = grouped_qmm_case(rng, [3, 0, 11, 1], 40, 12 * 64, 4, 64, "bfloat16", 3)
+    with launch.grouped_qmm_tiling(word_stages=stages, steps=steps):
+        out = _grouped_qmm(*case, 4, 64, "bfloat16")
+    offsets, weight, scales, biases, rows, _ = case
+    assert_gemm_close(out, rows, weight, scales, biases, offsets, 4, 64, "bfloat16")
 
 
 @pytest.mark.parametrize("bits", launch.GROUPED_QMM_BITS)
@@ -490,10 +521,12 @@ def test_grouped_qmm_token_rows_stay_inside():
                                      dict(gated_tiles=3, row_tiles=2, steps=2),
                                      dict(threads=32, max_groups=1), dict(wide_loads=0),
                                      dict(steps=4), dict(loads_ahead=1, steps=1),
-                                     dict(loads_ahead=1, steps=4, wide_loads=0)],
+                                     dict(loads_ahead=1, steps=4, wide_loads=0),
+                                     dict(word_stages=2), dict(word_stages=3, gated_tiles=1)],
                          ids=["gated_tiles=1", "gated_tiles=3,row_tiles=2,steps=2",
                               "threads=32,max_groups=1", "wide_loads=0", "steps=4",
-                              "loads_ahead=1,steps=1", "loads_ahead=1,steps=4,wide_loads=0"])
+                              "loads_ahead=1,steps=1", "loads_ahead=1,steps=4,wide_loads=0",
+                              "word_stages=2", "word_stages=3,gated_tiles=1"])
 def test_grouped_qmm_fused_tilings(changes):
     rng = np.random.default_rng(31)
     with launch.grouped_qmm_tiling(**changes):
@@ -511,7 +544,11 @@ TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=
            # shares of one group and of none (4 groups a row, 8 sets)
            dict(threads=256, k_splits=8, steps=1),
            # the next pass's loads first: one group a pass, and 3 (the last clamped)
-           dict(loads_ahead=1), dict(loads_ahead=1, steps=3), dict(loads_ahead=1, k_splits=4)]
+           dict(loads_ahead=1), dict(loads_ahead=1, steps=3), dict(loads_ahead=1, k_splits=4),
+           # the words through a ring in group memory: a line a column's stage,
+           # 3 groups a stage (the last clamped), one tile (16 columns) a warp
+           dict(word_stages=2), dict(word_stages=3, steps=3), dict(word_stages=4, tiles=1),
+           dict(word_stages=3, row_tiles=2, threads=64)]
 
 
 @pytest.mark.parametrize("changes", TILINGS,
@@ -525,10 +562,10 @@ def test_grouped_qmm_tilings(changes):
 
 @pytest.mark.parametrize("changes", [dict(k_splits=2), dict(k_splits=4), dict(k_splits=4, steps=3),
                                      dict(threads=256, k_splits=8, row_tiles=2),
-                                     dict(k_splits=4, steps=2, loads_ahead=1)],
+                                     dict(k_splits=4, steps=2, loads_ahead=1), dict(word_stages=3)],
                          ids=["k_splits=2", "k_splits=4", "k_splits=4,steps=3",
                               "threads=256,k_splits=8,row_tiles=2",
-                              "k_splits=4,steps=2,loads_ahead=1"])
+                              "k_splits=4,steps=2,loads_ahead=1", "word_stages=3"])
 @pytest.mark.parametrize("fusion", ["none", "tokens", "both"])
 def test_grouped_qmm_split_rows(changes, fusion):
     """Warps sharing a row's quantization groups (K_SPLITS): 45 groups, so the
@@ -543,6 +580,30 @@ def test_grouped_qmm_split_rows(changes, fusion):
         else:
             _check_fused(rng, [2, 0, 9], 17, 45 * 64, 4, 64, "bfloat16", 3, 5, True,
                          fusion == "both")
+
+
+def test_grouped_qmm_word_ring_fits_the_backend():
+    """The ring (`word_stages`) takes a line of each column a stage where the
+    tiling leaves steps to the launch, and gives up stages, then length,
+    until it fits the backend's group memory; where none fits, each lane
+    loads its own words. It takes rows unsplit, and nothing else ahead."""
+    def ring(backend, gated=False, bits=4, group=64, **changes):
+        with launch.grouped_qmm_tiling(word_stages=3, **changes):
+            qmm = launch.grouped_qmm_launch(128, 2048, 768, 64, bits, group, "bfloat16",
+                                            backend=backend, gated=gated)
+        template = dict(qmm.template)
+        assert template["K_SPLITS"] == 1 and not template["LOADS_AHEAD"]
+        return template["WORD_STAGES"], template["STEPS"], qmm.shared_bytes
+
+    # A line: 4 groups of 32 bytes; 3 stages of 32 columns, strides of 40 words.
+    assert ring("cuda") == (3, 4, 4 * 4 * 3 * 32 * 40)
+    assert ring("cuda", gated=True)[:2] == (2, 4)  # 64 columns: 2 stages fit 99 KB
+    assert ring("cuda", steps=2)[:2] == (3, 2)  # the tiling's steps stay
+    assert ring("metal")[:2] == (2, 2)  # 32 KB: 2 stages of 2 groups
+    assert ring("metal", bits=8, group=128) == (0, 1, 0)  # none fits: the lanes' own loads
+    for wrong in (dict(word_stages=1), dict(word_stages=2, k_splits=2)):
+        with pytest.raises(ValueError, match="word_stages"):
+            launch.GroupedQmmTiling(**wrong).check()
 
 
 def test_grouped_qmm_splits_few_items():

@@ -24,7 +24,7 @@ import pytest
 from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
 
 from mlx_moe_plan import MAX_EXPERTS, _gpu, kernels
-from mlx_moe_plan.kernels.launch import GROUPED_QMM_TILING, INPUTS_OUTPUTS
+from mlx_moe_plan.kernels.launch import GROUPED_QMM_TILING, INPUTS_OUTPUTS, grouped_qmm_tiling
 
 ROW_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
@@ -111,6 +111,14 @@ def _record() -> list[Launch]:
                 rows = mx.zeros((5 if row_tokens is None else 3, in_dims), src_dtype)
                 gpu.grouped_qmm(rows, *matrices, *plan_arrays, bits=bits, group_size=group_size,
                                 stream=None, row_tokens=row_tokens, up=up)
+            # The words through a warp's ring in group memory (`word_stages`),
+            # one projection and the fused form.
+            with grouped_qmm_tiling(word_stages=2):
+                gpu.grouped_qmm(mx.zeros((5, in_dims), src_dtype), *matrices, *plan_arrays,
+                                bits=bits, group_size=group_size, stream=None)
+                gpu.grouped_qmm(mx.zeros((3, in_dims), src_dtype), *matrices, *plan_arrays,
+                                bits=bits, group_size=group_size, stream=None,
+                                row_tokens=mx.zeros((5,), mx.int32), up=matrices)
             # A prefill's rows (block tiles, grouped_qmm_tiles.h), each fusion.
             rows_per_expert = GROUPED_QMM_TILING.tiles_from_rows
             capacity = experts * rows_per_expert

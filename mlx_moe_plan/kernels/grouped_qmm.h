@@ -60,7 +60,7 @@
 //   GATED, an even count, the first half the gate's and the second up's of the
 //   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
 //   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above),
-//   WIDE_LOADS, LOADS_AHEAD (below).
+//   WIDE_LOADS, LOADS_AHEAD, WORD_STAGES, WORD_STRIDE (below).
 // include: qmm_params
 // K_SPLITS: the group's warps are K_SPLITS sets of COLUMN_WARPS, each set the
 // same columns, set k summing its share of a row's quantization groups,
@@ -107,6 +107,24 @@ SHARED int active_experts[MAX_EXPERTS];
 SHARED int group_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 const int warp_exchange = warp * 32 * 6;  // where this warp's part of it starts
+// WORD_STAGES (0, or 2 and more): a warp's words come through a ring of that
+// many stages of its own in group memory, each stage a pass's STEPS groups of
+// the warp's TILES * 16 columns (ring column 16 t + c: tile t's column c,
+// WORD_STRIDE words apart, which launch.py pads off the banks of the next).
+// The lanes' own loads take 8 bytes from each of 8 columns 1 KB apart an
+// instruction, a pattern memory serves at a cap that more loads in flight do
+// not raise (benchmarks/RESULTS.md, "Loads alone"); the ring's copies take
+// each column's STEPS groups in one run of 16-byte chunks (asynchronous where
+// the prelude has them, ASYNC_COPY16), WORD_STAGES - 1 passes ahead, and the
+// multiply-adds read the fragment's words back from there: the same words in
+// the same sums.
+const int GROUP_WORDS = QUANT_GROUP / VALUES;  // a column's words of a group
+const int STAGE_CHUNKS = STEPS * GROUP_WORDS / 4;  // 16-byte chunks of a column a stage
+const int RING_COLUMNS = TILES * 16;
+const int RING_STAGES = WORD_STAGES > 0 ? WORD_STAGES : 1;  // a modulus even where off
+// One word more than the ring: no array of 0 words where it is off.
+SHARED_WORDS(word_ring, THREADS / 32 * WORD_STAGES * TILES * 16 * WORD_STRIDE + 1);
+const bool ring_vectors = IS_ALIGNED16(weight) && IS_ALIGNED16(up_weight);
 
 // The experts with rows, in order: thread t looks at experts
 // [t * MAX_EXPERTS / THREADS, (t + 1) * MAX_EXPERTS / THREADS), a scan of the
@@ -227,8 +245,49 @@ UNROLL
         bias_bits[i] = 0u;
       }
     }
-    for (int load0 = 0; load0 < split_groups + LOADS_AHEAD * STEPS; load0 += STEPS) {
-      const int group0 = load0 - LOADS_AHEAD * STEPS;  // the groups this pass multiplies
+    // Passes whose loads run ahead of their multiply-adds: LOADS_AHEAD's one,
+    // or the ring's WORD_STAGES - 1 (its words; the rest load as without it).
+    const int AHEAD = LOADS_AHEAD ? 1 : WORD_STAGES > 1 ? WORD_STAGES - 1 : 0;
+    for (int load0 = 0; load0 < split_groups + AHEAD * STEPS; load0 += STEPS) {
+      const int group0 = load0 - AHEAD * STEPS;  // the groups this pass multiplies
+      // The groups of this pass's loads into registers: with the ring, those
+      // it multiplies (only its words run ahead).
+      const int fetch0 = WORD_STAGES > 0 ? group0 : load0;
+      const int read_stage = group0 >= 0 ? group0 / STEPS % RING_STAGES : 0;
+      if (WORD_STAGES > 0) {
+        WARP_BARRIER();  // every lane has read the stage the copies below refill
+        if (load0 < split_groups) {
+          SHARED_SPACE unsigned* stage = word_ring + (warp * WORD_STAGES + load0 / STEPS % RING_STAGES)
+                                                     * RING_COLUMNS * WORD_STRIDE;
+UNROLL
+          for (int j = 0; j < (RING_COLUMNS * STAGE_CHUNKS + 31) / 32; ++j) {
+            const int chunk = lane + 32 * j;
+            if (chunk < RING_COLUMNS * STAGE_CHUNKS) {
+              // Ring column chunk / STAGE_CHUNKS: tile column / 16 (up's from
+              // COLUMN_TILES on when GATED). Words past the row (a last stage's
+              // groups past it) read the row's last chunk, never used.
+              const int column = chunk / STAGE_CHUNKS;
+              const int word = min(load0 * GROUP_WORDS + chunk % STAGE_CHUNKS * 4, row_words - 4);
+              const bool up_tile = GATED ? column / 16 >= COLUMN_TILES : false;
+              const i64 column_row = (i64)expert * out_dims
+                                     + min(column0 + 16 * (column / 16 % COLUMN_TILES) + column % 16,
+                                           out_dims - 1);
+              GLOBAL const unsigned* from = (up_tile ? up_weight : weight) + column_row * row_words + word;
+              SHARED_SPACE unsigned* to = stage + column * WORD_STRIDE + chunk % STAGE_CHUNKS * 4;
+              if (ring_vectors) {
+                ASYNC_COPY16(to, from);
+              } else {
+                for (int w = 0; w < 4; ++w) {
+                  to[w] = from[w];
+                }
+              }
+            }
+          }
+        }
+        ASYNC_COMMIT();  // a group of copies a pass, empty past the row: each wait counts passes
+        ASYNC_WAIT(WORD_STAGES > 1 ? WORD_STAGES - 1 : 0);  // group0's stage has landed
+        WARP_BARRIER();  // ... for every lane
+      }
       unsigned use_packed[STEPS * TILES * 2 * LANE_WORDS];
       unsigned use_halves[STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2)];
       unsigned use_scale_bits[STEPS * TILES * 2];
@@ -252,20 +311,20 @@ UNROLL
             use_bias_bits[i] = bias_bits[i];
           }
         }
-        if (copy == 0 && load0 < split_groups) {  // every load of the steps
+        if (copy == 0 && fetch0 >= 0 && fetch0 < split_groups) {  // every load of the steps
           if (scale_vectors) {  // the steps' groups, all inside the share
 UNROLL
             for (int i = 0; i < TILES * 2; ++i) {
               if (STEPS == 2) {
                 scale_bits[i] =
-                    ((GLOBAL const unsigned*)(column_scales[i] + split_group0 + load0))[0];
+                    ((GLOBAL const unsigned*)(column_scales[i] + split_group0 + fetch0))[0];
                 bias_bits[i] =
-                    ((GLOBAL const unsigned*)(column_biases[i] + split_group0 + load0))[0];
+                    ((GLOBAL const unsigned*)(column_biases[i] + split_group0 + fetch0))[0];
               } else {
                 const uint2 scale_pairs =
-                    ((GLOBAL const uint2*)(column_scales[i] + split_group0 + load0))[0];
+                    ((GLOBAL const uint2*)(column_scales[i] + split_group0 + fetch0))[0];
                 const uint2 bias_pairs =
-                    ((GLOBAL const uint2*)(column_biases[i] + split_group0 + load0))[0];
+                    ((GLOBAL const uint2*)(column_biases[i] + split_group0 + fetch0))[0];
                 scale_bits[i] = scale_pairs.x;
                 scale_bits[(STEPS / 2 - 1) * TILES * 2 + i] = scale_pairs.y;
                 bias_bits[i] = bias_pairs.x;
@@ -276,7 +335,7 @@ UNROLL
 UNROLL
           for (int s = 0; s < STEPS; ++s) {
             const int quant_group = STEPS == 1 && K_SPLITS == 1
-                                    ? load0 : min(split_group0 + load0 + s, row_groups - 1);
+                                    ? fetch0 : min(split_group0 + fetch0 + s, row_groups - 1);
             const int word0 = quant_group * (QUANT_GROUP / VALUES) + fragment_slot * LANE_WORDS;
 UNROLL
             for (int i = 0; i < TILES * 2; ++i) {
@@ -285,14 +344,14 @@ UNROLL
                 scale_bits[at] = ((GLOBAL const unsigned short*)column_scales[i])[quant_group];
                 bias_bits[at] = ((GLOBAL const unsigned short*)column_biases[i])[quant_group];
               }
-              if (word_vectors) {
+              if (WORD_STAGES == 0 && word_vectors) {  // the words: the ring has them where on
 UNROLL
                 for (int w = 0; w < LANE_WORDS; w += 2) {
                   const uint2 pair = ((GLOBAL const uint2*)(column_words[i] + word0 + w))[0];
                   packed[at * LANE_WORDS + w] = pair.x;
                   packed[at * LANE_WORDS + w + 1] = pair.y;
                 }
-              } else {
+              } else if (WORD_STAGES == 0) {
 UNROLL
                 for (int w = 0; w < LANE_WORDS; ++w) {
                   packed[at * LANE_WORDS + w] = column_words[i][word0 + w];
@@ -336,6 +395,33 @@ UNROLL
           for (int i = 0; i < ROW_TILES * 4; ++i) {
             value_sums[i] = 0.0f;
           }
+          // Group s's words of column i (tile i / 2, h = i % 2): the pass's
+          // loads, or with the ring its stage's, read here, a group at a time,
+          // so they take registers for one group only.
+          unsigned group_words[TILES * 2 * LANE_WORDS];
+UNROLL
+          for (int i = 0; i < TILES * 2; ++i) {
+            SHARED_SPACE unsigned* ring_words =
+                word_ring + ((warp * WORD_STAGES + read_stage) * RING_COLUMNS
+                             + 16 * (i / 2) + fragment_row + 8 * (i % 2)) * WORD_STRIDE
+                + s * GROUP_WORDS + fragment_slot * LANE_WORDS;
+UNROLL
+            for (int w = 0; w < LANE_WORDS; w += LANE_WORDS % 2 == 0 ? 2 : 1) {
+              const int at = i * LANE_WORDS + w;
+              if (WORD_STAGES == 0) {
+                group_words[at] = use_packed[s * TILES * 2 * LANE_WORDS + at];
+                if (LANE_WORDS % 2 == 0) {
+                  group_words[at + 1] = use_packed[s * TILES * 2 * LANE_WORDS + at + 1];
+                }
+              } else if (LANE_WORDS % 2 == 0) {  // 8-byte aligned: strides, offsets even
+                const uint2 pair = ((SHARED_SPACE uint2*)(ring_words + w))[0];
+                group_words[at] = pair.x;
+                group_words[at + 1] = pair.y;
+              } else {
+                group_words[at] = ring_words[w];
+              }
+            }
+          }
           // A word holds VALUES / 2 field pairs, 2 a multiply-add: pairs
           // (2m, 2m + 1) of word w are multiply-add m of the word.
 UNROLL
@@ -362,7 +448,7 @@ UNROLL
                 unsigned a[4];
 UNROLL
                 for (int i = 0; i < 4; ++i) {
-                  const unsigned word = use_packed[((s * TILES + t) * 2 + i % 2) * LANE_WORDS + w];
+                  const unsigned word = group_words[(t * 2 + i % 2) * LANE_WORDS + w];
                   const int shift_bits = (2 * m + i / 2) * BITS;
                   // include: qmm_fields
                   a[i] = field_pair;

@@ -118,6 +118,12 @@ class GroupedQmmTiling:
     # or its own, waited for first (0): LOADS_AHEAD; None: by the row, as
     # steps, where steps is None too (else 0)
     loads_ahead: int | None = None
+    # a warp's words through a ring of this many stages of its own in shared
+    # memory, copied in runs of each column (WORD_STAGES; 0: each lane loads
+    # its own, as the fragment holds them); with it, rows are not split
+    # (k_splits 1), nothing is loaded a pass ahead but the words, and steps,
+    # where not given, make a column's run a stage RING_RUN_BYTES long
+    word_stages: int = 0
     # grouped_qmm_tiles.h, from this many rows an expert on average (the
     # plan's capacity over its experts; 0: always, a large value: never)
     tiles_from_rows: int = 32
@@ -158,6 +164,10 @@ class GroupedQmmTiling:
                              f"({MAX_EXPERTS}): {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1):
             raise ValueError(f"grouped_qmm tiling: wide_loads and loads_ahead are 0 or 1: {self}")
+        if self.word_stages == 1 or self.word_stages < 0 or (
+                self.word_stages and (self.k_splits or 1) > 1):
+            raise ValueError(f"grouped_qmm tiling: word_stages is 0 or at least 2, and takes "
+                             f"rows unsplit (k_splits 1): {self}")
         if self.threads % 32 or MAX_EXPERTS % self.threads:
             raise ValueError(f"grouped_qmm tiling: threads must be a multiple of 32 that "
                              f"divides MAX_EXPERTS ({MAX_EXPERTS}): {self}")
@@ -434,8 +444,7 @@ def grouped_qmm_launch(
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
-                               dtype, num_rows, gated, tiling,
-                               min(SHARED_BYTES[backend], STATIC_SHARED_BYTES))
+                               dtype, num_rows, gated, tiling, SHARED_BYTES[backend])
 
 
 def grouped_qmm_body(capacity: int, num_experts: int) -> str:
@@ -450,6 +459,10 @@ def grouped_qmm_body(capacity: int, num_experts: int) -> str:
 # The shared memory a group may declare in its body (grouped_qmm.h's arrays):
 # CUDA's limit for static shared memory.
 STATIC_SHARED_BYTES = 48 * 1024
+# grouped_qmm.h's word ring (`word_stages`): a column's bytes a stage where the
+# tiling leaves its steps to the launch, a whole line (benchmarks/RESULTS.md,
+# "Loads alone": memory rewards runs of 128 bytes of a column and more).
+RING_RUN_BYTES = 128
 # The shared memory a group of the block tiles may take. Metal's 32 KB. On
 # CUDA, 99 KB, past the 48 KB a group may declare statically (its stages are
 # dynamic, SHARED_WORDS): the least of the sm_80-and-later GPUs' limits a
@@ -572,16 +585,17 @@ def _grouped_qmm_launch(
     column_tiles = tiling.gated_tiles if gated else tiling.tiles  # a warp's distinct columns
     row_groups = in_dims // quant_group
     # Experts with rows at most: as many as rows.
-    k_splits = tiling.k_splits or grouped_qmm_k_splits(
+    k_splits = 1 if tiling.word_stages else tiling.k_splits or grouped_qmm_k_splits(
         min(num_experts, capacity), out_dims, 16 * column_tiles, tiling.threads // 32, row_groups)
     # The body's arrays: active_experts, group_scan, mma_exchange (declared on
     # every backend) and split_sums.
     threads, tiles = tiling.threads, column_tiles * (2 if gated else 1)
     memory = _scan_memory_bytes(threads, exchange=True) + 4 * (
         (threads - threads // k_splits) * tiles * tiling.row_tiles * 4 + 1)
-    if memory > shared_bytes:
+    if memory > min(shared_bytes, STATIC_SHARED_BYTES):
         raise ValueError(f"grouped_qmm tiling: {tiling} needs {memory} bytes of group memory"
-                         f"{' gated' if gated else ''}, over the backend's {shared_bytes}")
+                         f"{' gated' if gated else ''}, over the backend's "
+                         f"{min(shared_bytes, STATIC_SHARED_BYTES)}")
     columns = tiling.threads // 32 // k_splits * 16 * column_tiles
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
@@ -590,6 +604,25 @@ def _grouped_qmm_launch(
         steps, loads_ahead = tiling.steps, False
     if tiling.loads_ahead is not None:
         loads_ahead = bool(tiling.loads_ahead)
+    word_stages, word_stride, ring_bytes = 0, 4, 0
+    if tiling.word_stages:
+        word_stages, loads_ahead = tiling.word_stages, False
+        if tiling.steps is None:
+            steps = min(max(1, RING_RUN_BYTES * 8 // (quant_group * bits)), row_groups)
+        while True:  # fewer stages, then shorter runs, until the ring fits
+            lane_words = quant_group // (4 * values)  # read 2 at a time where even
+            word_stride = _conflict_free_stride(steps * quant_group // values, lane_words,
+                                                2 if lane_words % 2 == 0 else 1)
+            ring_bytes = 4 * threads // 32 * word_stages * tiles * 16 * word_stride
+            if memory + ring_bytes <= shared_bytes:
+                break
+            if word_stages > 2:
+                word_stages -= 1
+            elif steps > 1 and tiling.steps is None:
+                steps //= 2
+            else:  # no ring fits: each lane loads its own
+                word_stages, word_stride, ring_bytes = 0, 4, 0
+                break
     return Launch(
         "grouped_qmm", min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
@@ -601,8 +634,10 @@ def _grouped_qmm_launch(
          ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS), ("K_SPLITS", k_splits),
          ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
          ("STEPS", steps), ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
-         ("WIDE_LOADS", bool(tiling.wide_loads)), ("LOADS_AHEAD", loads_ahead)),
+         ("WIDE_LOADS", bool(tiling.wide_loads)), ("LOADS_AHEAD", loads_ahead),
+         ("WORD_STAGES", word_stages), ("WORD_STRIDE", word_stride)),
         (((capacity, out_dims), dtype),),
+        _dynamic_shared_bytes(memory, ring_bytes),
     )
 
 

@@ -10,6 +10,9 @@ typedef long long i64;
 // the 48 KB a group may declare statically. One a body: such arrays alias.
 #define SHARED_WORDS(name, words) extern __shared__ __align__(16) unsigned name[]
 #define BARRIER() __syncthreads()
+// WARP_BARRIER: the warp's lanes meet, and what each wrote to group memory
+// before it is the others' after it.
+#define WARP_BARRIER() __syncwarp()
 #define SHARED_ATOMIC_UINT unsigned
 #define ATOMIC_ADD(p, v) atomicAdd((p), (v))
 #define ATOMIC_LOAD(p) (*(volatile unsigned*)(p))

@@ -14,6 +14,9 @@ typedef long i64;
 // launch's dynamic shared memory).
 #define SHARED_WORDS(name, words) threadgroup unsigned name[words]
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+// WARP_BARRIER: the SIMD group's 32 lanes (the warp) meet, threadgroup memory
+// ordered across it.
+#define WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define SHARED_ATOMIC_UINT atomic_uint
 #define ATOMIC_ADD(p, v) atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
 #define ATOMIC_LOAD(p) atomic_load_explicit((p), memory_order_relaxed)

@@ -11,6 +11,9 @@ typedef long i64;
 // launch's dynamic shared memory).
 #define SHARED_WORDS(name, words) __local unsigned name[words]
 #define BARRIER() barrier(CLK_LOCAL_MEM_FENCE)
+// WARP_BARRIER: the warp's lanes meet (the bodies' control flow is the same
+// for the whole group, so the group's barrier serves the emulated warp).
+#define WARP_BARRIER() barrier(CLK_LOCAL_MEM_FENCE)
 #define SHARED_ATOMIC_UINT uint
 #define ATOMIC_ADD(p, v) atomic_add((p), (v))
 #define ATOMIC_LOAD(p) (*(volatile __local uint*)(p))
