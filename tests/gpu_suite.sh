@@ -63,8 +63,10 @@
 #               longer runs of each column and runs staged in shared memory
 #               (benchmarks.load_patterns), 1200 to 4800 warps, beside the
 #               decode body at T = 8 and 32 with its warps sharing rows, one
-#               column tile a warp and groups of 2 warps: what caps the
-#               expert GEMM at a decoding step, its loads' pattern or their count.
+#               column tile a warp, groups of 2 warps and the words through a
+#               ring in shared memory (word_stages): what caps the expert GEMM at
+#               a decoding step, its loads' pattern or their count, and whether
+#               the ring lifts it.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -234,7 +236,7 @@ if wanted load-patterns; then
     --warps 1200,2400,4800 --repeats 2
   logged "$results/load-patterns-decode.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b --tokens 8,32 --calls 16 --sides kernel \
-    --tilings "default;k_splits=2;k_splits=4;tiles=1,gated_tiles=1;threads=64"
+    --tilings "default;k_splits=2;k_splits=4;tiles=1,gated_tiles=1;threads=64;word_stages=3;word_stages=2;word_stages=3,steps=2"
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \
