@@ -236,7 +236,7 @@ if wanted load-patterns; then
     --warps 1200,2400,4800 --repeats 2
   logged "$results/load-patterns-decode.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b --tokens 8,32 --calls 16 --sides kernel \
-    --tilings "default;k_splits=2;k_splits=4;tiles=1,gated_tiles=1;threads=64;word_stages=3;word_stages=2;word_stages=3,steps=2"
+    --tilings "default;k_splits=2;k_splits=4;tiles=1,gated_tiles=1;threads=64;word_stages=3;word_stages=2;word_stages=3,steps=2;word_stages=3,steps=2,loads_ahead=1"
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \

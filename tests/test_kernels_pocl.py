@@ -376,14 +376,14 @@ def test_grouped_qmm_loads_ahead_match_reference(case, steps):
 
 
 @given(case=grouped_qmm_cases(), stages=st.sampled_from([2, 3]),
-       steps=st.sampled_from([None, 1, 3]))
-def test_grouped_qmm_word_ring_matches_reference(case, stages, steps):
-    """The words through a warp's ring in group memory (`word_stages`) over the
-    same cases: every group size, bits and dtype, rows of 1 to 4 groups, so
-    rows shorter than the ring's passes ahead, and a last stage partly past
-    the row."""
+       steps=st.sampled_from([None, 1, 3]), loads_ahead=st.sampled_from([None, 1]))
+def test_grouped_qmm_word_ring_matches_reference(case, stages, steps, loads_ahead):
+    """The words through a warp's ring in group memory (`word_stages`), rows
+    and scales a pass ahead or not, over the same cases: every group size,
+    bits and dtype, rows of 1 to 4 groups, so rows shorter than the ring's
+    passes ahead, and a last stage partly past the row."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(word_stages=stages, steps=steps):
+    with launch.grouped_qmm_tiling(word_stages=stages, steps=steps, loads_ahead=loads_ahead):
         check_grouped_qmm(_grouped_qmm, np.random.default_rng(seed), *arguments)
 
 
@@ -548,7 +548,9 @@ TILINGS = [dict(tiles=1), dict(steps=1), dict(tiles=4, steps=4), dict(row_tiles=
            # the words through a ring in group memory: a line a column's stage,
            # 3 groups a stage (the last clamped), one tile (16 columns) a warp
            dict(word_stages=2), dict(word_stages=3, steps=3), dict(word_stages=4, tiles=1),
-           dict(word_stages=3, row_tiles=2, threads=64)]
+           dict(word_stages=3, row_tiles=2, threads=64),
+           # ... and rows and scales a pass ahead too
+           dict(word_stages=2, loads_ahead=1), dict(word_stages=3, loads_ahead=1, steps=3)]
 
 
 @pytest.mark.parametrize("changes", TILINGS,
@@ -592,7 +594,7 @@ def test_grouped_qmm_word_ring_fits_the_backend():
             qmm = launch.grouped_qmm_launch(128, 2048, 768, 64, bits, group, "bfloat16",
                                             backend=backend, gated=gated)
         template = dict(qmm.template)
-        assert template["K_SPLITS"] == 1 and not template["LOADS_AHEAD"]
+        assert template["K_SPLITS"] == 1 and not template["LOADS_AHEAD"]  # unless asked
         return template["WORD_STAGES"], template["STEPS"], qmm.shared_bytes
 
     # A line: 4 groups of 32 bytes; 3 stages of 32 columns, strides of 40 words.

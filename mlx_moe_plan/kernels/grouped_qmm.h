@@ -245,14 +245,14 @@ UNROLL
         bias_bits[i] = 0u;
       }
     }
-    // Passes whose loads run ahead of their multiply-adds: LOADS_AHEAD's one,
-    // or the ring's WORD_STAGES - 1 (its words; the rest load as without it).
-    const int AHEAD = LOADS_AHEAD ? 1 : WORD_STAGES > 1 ? WORD_STAGES - 1 : 0;
+    // Passes whose loads run ahead of their multiply-adds: the ring's
+    // WORD_STAGES - 1 (its words), else LOADS_AHEAD's one.
+    const int AHEAD = WORD_STAGES > 1 ? WORD_STAGES - 1 : LOADS_AHEAD ? 1 : 0;
     for (int load0 = 0; load0 < split_groups + AHEAD * STEPS; load0 += STEPS) {
       const int group0 = load0 - AHEAD * STEPS;  // the groups this pass multiplies
       // The groups of this pass's loads into registers: with the ring, those
-      // it multiplies (only its words run ahead).
-      const int fetch0 = WORD_STAGES > 0 ? group0 : load0;
+      // it multiplies, or with LOADS_AHEAD the next pass's.
+      const int fetch0 = WORD_STAGES > 0 ? group0 + LOADS_AHEAD * STEPS : load0;
       const int read_stage = group0 >= 0 ? group0 / STEPS % RING_STAGES : 0;
       if (WORD_STAGES > 0) {
         WARP_BARRIER();  // every lane has read the stage the copies below refill

@@ -121,8 +121,9 @@ class GroupedQmmTiling:
     # a warp's words through a ring of this many stages of its own in shared
     # memory, copied in runs of each column (WORD_STAGES; 0: each lane loads
     # its own, as the fragment holds them); with it, rows are not split
-    # (k_splits 1), nothing is loaded a pass ahead but the words, and steps,
-    # where not given, make a column's run a stage RING_RUN_BYTES long
+    # (k_splits 1), rows and scales load a pass ahead only where loads_ahead
+    # says 1, and steps, where not given, make a column's run a stage
+    # RING_RUN_BYTES long
     word_stages: int = 0
     # grouped_qmm_tiles.h, from this many rows an expert on average (the
     # plan's capacity over its experts; 0: always, a large value: never)
@@ -606,7 +607,7 @@ def _grouped_qmm_launch(
         loads_ahead = bool(tiling.loads_ahead)
     word_stages, word_stride, ring_bytes = 0, 4, 0
     if tiling.word_stages:
-        word_stages, loads_ahead = tiling.word_stages, False
+        word_stages, loads_ahead = tiling.word_stages, bool(tiling.loads_ahead)
         if tiling.steps is None:
             steps = min(max(1, RING_RUN_BYTES * 8 // (quant_group * bits)), row_groups)
         while True:  # fewer stages, then shorter runs, until the ring fits
