@@ -563,6 +563,30 @@ def _grouped_qmm_tiles_launch(
     )
 
 
+def _word_ring(tiling: GroupedQmmTiling, threads: int, tiles: int, quant_group: int, bits: int,
+               row_groups: int, free_bytes: int) -> tuple[int, int, int, int] | None:
+    """grouped_qmm.h's word ring for `tiling.word_stages`: (WORD_STAGES, STEPS,
+    WORD_STRIDE, bytes) of a group of `threads` whose warps take `tiles` tiles
+    of 16 columns, within `free_bytes`; fewer stages, then shorter runs, until
+    it fits; None where none does."""
+    values = 32 // bits
+    lane_words = quant_group // (4 * values)  # read 2 at a time where even
+    stages = tiling.word_stages
+    steps = tiling.steps or min(max(1, RING_RUN_BYTES * 8 // (quant_group * bits)), row_groups)
+    while True:
+        stride = _conflict_free_stride(steps * quant_group // values, lane_words,
+                                       2 if lane_words % 2 == 0 else 1)
+        ring_bytes = 4 * threads // 32 * stages * tiles * 16 * stride
+        if ring_bytes <= free_bytes:
+            return stages, steps, stride, ring_bytes
+        if stages > 2:
+            stages -= 1
+        elif steps > 1 and tiling.steps is None:
+            steps //= 2
+        else:
+            return None
+
+
 # A CUDA group's static and dynamic shared memory together pass 48 KB only
 # where the kernel allows more dynamic memory than that, which MLX's
 # cuda_kernel does when asked for more than 48,000 bytes.
@@ -606,24 +630,11 @@ def _grouped_qmm_launch(
     if tiling.loads_ahead is not None:
         loads_ahead = bool(tiling.loads_ahead)
     word_stages, word_stride, ring_bytes = 0, 4, 0
-    if tiling.word_stages:
-        word_stages, loads_ahead = tiling.word_stages, bool(tiling.loads_ahead)
-        if tiling.steps is None:
-            steps = min(max(1, RING_RUN_BYTES * 8 // (quant_group * bits)), row_groups)
-        while True:  # fewer stages, then shorter runs, until the ring fits
-            lane_words = quant_group // (4 * values)  # read 2 at a time where even
-            word_stride = _conflict_free_stride(steps * quant_group // values, lane_words,
-                                                2 if lane_words % 2 == 0 else 1)
-            ring_bytes = 4 * threads // 32 * word_stages * tiles * 16 * word_stride
-            if memory + ring_bytes <= shared_bytes:
-                break
-            if word_stages > 2:
-                word_stages -= 1
-            elif steps > 1 and tiling.steps is None:
-                steps //= 2
-            else:  # no ring fits: each lane loads its own
-                word_stages, word_stride, ring_bytes = 0, 4, 0
-                break
+    ring = tiling.word_stages and _word_ring(tiling, threads, tiles, quant_group, bits,
+                                             row_groups, shared_bytes - memory)
+    if ring:  # else none fits: each lane loads its own words, as without it
+        word_stages, steps, word_stride, ring_bytes = ring
+        loads_ahead = bool(tiling.loads_ahead)
     return Launch(
         "grouped_qmm", min((num_experts + 1) * column_blocks, tiling.max_groups), tiling.threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
