@@ -8,8 +8,9 @@ typedef long i64;
 #define SHARED __local
 #define SHARED_SPACE __local
 // SHARED_WORDS(name, words): `words` unsigned in group memory (on CUDA the
-// launch's dynamic shared memory).
-#define SHARED_WORDS(name, words) __local unsigned name[words]
+// launch's dynamic shared memory), 16-byte aligned: the bodies copy 16 bytes
+// at a time into it (ASYNC_COPY16, a uint4 store here).
+#define SHARED_WORDS(name, words) __local unsigned name[words] __attribute__((aligned(16)))
 #define BARRIER() barrier(CLK_LOCAL_MEM_FENCE)
 // WARP_BARRIER: the warp's lanes meet (the bodies' control flow is the same
 // for the whole group, so the group's barrier serves the emulated warp).
