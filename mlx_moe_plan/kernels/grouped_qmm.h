@@ -299,7 +299,9 @@ UNROLL
         if (copy == (LOADS_AHEAD ? 0 : 1)) {
 UNROLL
           for (int i = 0; i < STEPS * TILES * 2 * LANE_WORDS; ++i) {
-            use_packed[i] = packed[i];
+            if (WORD_STAGES == 0) {  // with the ring, packed is never loaded: nothing to copy
+              use_packed[i] = packed[i];
+            }
           }
 UNROLL
           for (int i = 0; i < STEPS * ROW_TILES * LANE_WORDS * (VALUES / 2); ++i) {
@@ -336,7 +338,7 @@ UNROLL
           for (int s = 0; s < STEPS; ++s) {
             const int quant_group = STEPS == 1 && K_SPLITS == 1
                                     ? fetch0 : min(split_group0 + fetch0 + s, row_groups - 1);
-            const int word0 = quant_group * (QUANT_GROUP / VALUES) + fragment_slot * LANE_WORDS;
+            const int word0 = quant_group * GROUP_WORDS + fragment_slot * LANE_WORDS;
 UNROLL
             for (int i = 0; i < TILES * 2; ++i) {
               const int at = s * TILES * 2 + i;

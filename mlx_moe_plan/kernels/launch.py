@@ -617,10 +617,10 @@ def _grouped_qmm_launch(
     threads, tiles = tiling.threads, column_tiles * (2 if gated else 1)
     memory = _scan_memory_bytes(threads, exchange=True) + 4 * (
         (threads - threads // k_splits) * tiles * tiling.row_tiles * 4 + 1)
-    if memory > min(shared_bytes, STATIC_SHARED_BYTES):
+    static_bytes = min(shared_bytes, STATIC_SHARED_BYTES)  # the arrays are declared, not dynamic
+    if memory > static_bytes:
         raise ValueError(f"grouped_qmm tiling: {tiling} needs {memory} bytes of group memory"
-                         f"{' gated' if gated else ''}, over the backend's "
-                         f"{min(shared_bytes, STATIC_SHARED_BYTES)}")
+                         f"{' gated' if gated else ''}, over the backend's {static_bytes}")
     columns = tiling.threads // 32 // k_splits * 16 * column_tiles
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
