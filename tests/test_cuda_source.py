@@ -53,6 +53,21 @@ def cuda_function(launch, function_name: str) -> str:
                       kernels.body(launch.name, "cuda"), "}"])
 
 
+def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...] = ()) -> None:
+    """`functions` on the CUDA prelude, in MLX's namespace as its cuda_kernel
+    puts them, written to `path` and compiled by nvcc for sm_90: no error and,
+    but the `suppress`ed diagnostics, no warning."""
+    path.write_text(HEADER + kernels.prelude("cuda") + "namespace mlx::core::cu {\n"
+                    "namespace cg = cooperative_groups;\n" + "\n".join(functions)
+                    + "\n}  // namespace mlx::core::cu\n")
+    flags = [flag for number in suppress for flag in ("-diag-suppress", number)]
+    result = subprocess.run(
+        [NVCC, "-arch=sm_90", "-std=c++17", *flags, "-c", str(path),
+         "-o", str(path.with_suffix(".o"))], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
+
+
 @pytest.mark.parametrize("name", INPUTS_OUTPUTS)
 def test_nvcc_compiles_every_launch(name, tmp_path):
     # One file a body: each recorded launch of it (its template arguments and
@@ -61,18 +76,10 @@ def test_nvcc_compiles_every_launch(name, tmp_path):
     assert launches, f"no launch of {name} was recorded"
     functions = [cuda_function(launch, f"custom_kernel_moe_{name}_{i}")
                  for i, launch in enumerate(launches)]
-    source = tmp_path / f"{name}.cu"
-    source.write_text(HEADER + kernels.prelude("cuda") + "namespace mlx::core::cu {\n"
-                      "namespace cg = cooperative_groups;\n" + "\n".join(functions)
-                      + "\n}  // namespace mlx::core::cu\n")
     # Every warning but #177, declared but never referenced: the prologue
     # declares every thread index, and grouped_qmm.h the exchange buffer that
     # only the OpenCL prelude's emulated multiply-add uses.
-    result = subprocess.run(
-        [NVCC, "-arch=sm_90", "-std=c++17", "-diag-suppress", "177", "-c", str(source),
-         "-o", str(tmp_path / "out.o")], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-6000:]
-    assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
+    assert_nvcc_compiles(functions, tmp_path / f"{name}.cu", suppress=("177",))
 
 
 def test_nvcc_compiles_the_load_patterns(tmp_path):
@@ -87,11 +94,4 @@ def test_nvcc_compiles_the_load_patterns(tmp_path):
         functions.append("\n".join([f"__global__ void load_pattern_{i}(const uint32_t* weights, "
                                     "const int32_t* regions, uint32_t* out) {", *lines,
                                     source, "}"]))
-    path = tmp_path / "load_patterns.cu"
-    path.write_text(HEADER + kernels.prelude("cuda") + "namespace mlx::core::cu {\n"
-                    + "\n".join(functions) + "\n}  // namespace mlx::core::cu\n")
-    result = subprocess.run(
-        [NVCC, "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / "out.o")],
-        capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-6000:]
-    assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
+    assert_nvcc_compiles(functions, tmp_path / "load_patterns.cu")
