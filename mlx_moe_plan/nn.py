@@ -50,6 +50,7 @@ the installing (`patch_model`, `shard_experts`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -82,7 +83,7 @@ FusedMoEBlock = fused_blocks.FusedMoEBlock
 
 
 def default_tile_m(num_entries: int, num_experts: int, stream=None, *,
-                   grouped: bool = False) -> int:
+                   grouped: bool = False, out_dims: Sequence[int] = ()) -> int:
     """The GEMM formulation the layer uses unless told: the measured rule
     (`rules.formulation_for`), as the layer's public `tile_m`.
 
@@ -93,12 +94,15 @@ def default_tile_m(num_entries: int, num_experts: int, stream=None, *,
           the default device's stream.
         grouped (bool): Whether the layer's projections and rows are ones
           the backend's grouped kernel computes (`SwitchGLU` knows). Default: no.
+        out_dims (Sequence[int]): Output columns of the layer's projections
+          (`rules.formulation_for`). Default: none.
 
     Returns:
         int: `MLX_LM` (0), `GROUPED` (-1), 1, 16 or 64.
     """
     cuda = _backend.on_cuda(stream)
-    return rules.formulation_for(num_entries, num_experts, cuda=cuda, grouped=grouped).tile_m
+    return rules.formulation_for(num_entries, num_experts, cuda=cuda, grouped=grouped,
+                                 out_dims=out_dims).tile_m
 
 
 def _row_strided(rows: mx.array) -> mx.array:
@@ -180,13 +184,18 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
     def num_experts(self) -> int:
         return self.gate_proj.num_experts
 
+    def _out_dims(self) -> tuple[int, int]:
+        """Output columns of the gate and up projections, and of the down one."""
+        return self.gate_proj.weight.shape[1], self.down_proj.weight.shape[1]
+
     def _formulation(self, x: mx.array, indices: mx.array) -> Formulation:
         """The formulation of a call on `x` routed by `indices`."""
         formulation = self.formulation
         if formulation is None:
             formulation = rules.formulation_for(indices.size, self.num_experts,
                                                 cuda=_backend.on_cuda(),
-                                                grouped=self._can_group(x.dtype))
+                                                grouped=self._can_group(x.dtype),
+                                                out_dims=self._out_dims())
         elif formulation is GROUPED_ROWS and not self._can_group(x.dtype):
             formulation = SORTED_ROWS
         # mlx-lm's call would hand the skipped ids (-1) to gather_qmm unchecked.

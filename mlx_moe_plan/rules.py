@@ -17,6 +17,7 @@ multiple of its rows (`Formulation.plan_tile_m`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The public names of the formulations that are not a tile height.
@@ -42,6 +43,15 @@ GROUPED_BELOW_ROWS_PER_EXPERT = 16
 # "The expert GEMM at prefill sizes"); between 16 and this, MLX's tiles stay
 # until measured.
 GROUPED_TILES_FROM_ROWS_PER_EXPERT = LARGE_TILES_FROM_ROWS_PER_EXPERT
+# MLX's CUDA gather_qmm computes mlx-lm's unsorted call (one row a matrix)
+# from 8 entries by tensor cores only where a projection's output columns
+# are a multiple of `MLX_TENSOR_CORE_COLUMNS`, and elsewhere (gpt-oss's 2880)
+# by a naive kernel, a tile of at least 16 rows for each row: there the grouped kernel
+# won from 16 entries (gpt-oss-20b decoding 4 and 8 sequences; at 2, 8
+# entries, MLX's call was still the faster, and below 8 it computes
+# matrix-vector products: benchmarks/RESULTS.md, "Whole models on the H200").
+MLX_TENSOR_CORE_COLUMNS = 128
+GROUPED_OFF_TENSOR_CORES_FROM_ENTRIES = 16
 
 
 @dataclass(frozen=True)
@@ -112,11 +122,13 @@ _SMALL_TILES, _LARGE_TILES = tiles(16), tiles(64)
 
 
 def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
-                    grouped: bool) -> Formulation:
+                    grouped: bool, out_dims: Sequence[int] = ()) -> Formulation:
     """The expert GEMMs' formulation the measurements favour.
 
     On CUDA, for a layer the grouped kernel can compute, the grouped kernel
-    from `GROUPED_FROM_ENTRIES` routed entries until experts average
+    from `GROUPED_FROM_ENTRIES` routed entries
+    (`GROUPED_OFF_TENSOR_CORES_FROM_ENTRIES` where a projection's output
+    columns are not a multiple of `MLX_TENSOR_CORE_COLUMNS`) until experts average
     `GROUPED_BELOW_ROWS_PER_EXPERT`, and again from
     `GROUPED_TILES_FROM_ROWS_PER_EXPERT` (its block tiles); otherwise there,
     tiles once experts average `TILED_FROM_ROWS_PER_EXPERT` (16 rows, 64 from
@@ -131,13 +143,19 @@ def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
         num_experts (int): Number of experts E.
         cuda (bool): Whether the layer runs on MLX's CUDA backend.
         grouped (bool): Whether the grouped kernel can compute the layer there.
+        out_dims (Sequence[int]): Output columns of the layer's projections
+          (the hidden dimension, the model's). Default: none, taken as
+          multiples of `MLX_TENSOR_CORE_COLUMNS`.
 
     Returns:
         Formulation: `MLX_LM_CALL`, `GROUPED_ROWS`, `SORTED_ROWS`, `tiles(16)`
         or `tiles(64)`.
     """
     if cuda:
-        if grouped and (GROUPED_FROM_ENTRIES <= num_entries
+        from_entries = GROUPED_FROM_ENTRIES
+        if any(dims % MLX_TENSOR_CORE_COLUMNS for dims in out_dims):
+            from_entries = GROUPED_OFF_TENSOR_CORES_FROM_ENTRIES
+        if grouped and (from_entries <= num_entries
                         < GROUPED_BELOW_ROWS_PER_EXPERT * num_experts
                         or num_entries >= GROUPED_TILES_FROM_ROWS_PER_EXPERT * num_experts):
             return GROUPED_ROWS

@@ -585,6 +585,18 @@ def test_default_formulation_is_the_measured_rule(monkeypatch):
                (63, 8): 16}
     for (entries, experts), tile_m in grouped.items():
         assert moe_nn.default_tile_m(entries, experts, grouped=True) == tile_m, (entries, experts)
+        assert moe_nn.default_tile_m(entries, experts, grouped=True,
+                                     out_dims=(768, 2048)) == tile_m, (entries, experts)
+    # Where a projection's columns are not a multiple of 128 (gpt-oss's 2880),
+    # MLX's call runs its naive kernel from 8 entries: GROUPED from 16.
+    off_tensor_cores = {(8, 32): 0, (15, 32): 0, (16, 32): -1, (32, 32): -1, (63, 32): -1,
+                        (511, 32): -1, (512, 32): 16, (2048, 32): -1, (16, 8): -1}
+    for (entries, experts), tile_m in off_tensor_cores.items():
+        for out_dims in ((2880, 2880), (768, 2880), (2880, 2048)):
+            assert moe_nn.default_tile_m(entries, experts, grouped=True,
+                                         out_dims=out_dims) == tile_m, (entries, out_dims)
+    # Not for a layer the grouped kernel cannot compute.
+    assert moe_nn.default_tile_m(16, 32, out_dims=(2880, 2880)) == 0
 
 
 def compiled_forwards(model) -> int:
@@ -748,3 +760,18 @@ def test_grouped_kernel_computes_the_layer_where_the_backend_says(monkeypatch):
     theirs.set_dtype(mx.bfloat16)
     ours = SwitchGLU.from_mlx_lm(theirs)
     assert ours._can_group(mx.bfloat16) and not ours._can_group(mx.float16)
+
+
+@pytest.mark.parametrize("hidden_dims,tile_m", [(128, 0), (96, -1)])
+def test_layer_formulation_sees_its_projections_columns(monkeypatch, hidden_dims, tile_m):
+    # The rule's out_dims from the layer itself, on a stand-in CUDA stream: 16
+    # entries over 32 experts run mlx-lm's call, unless a projection's columns
+    # (here the hidden dimension) keep MLX's gather_qmm off its tensor cores.
+    cuda_stream = types.SimpleNamespace(device=types.SimpleNamespace(type=mx.gpu))
+    monkeypatch.setattr(moe_nn._backend, "resolve_stream", lambda stream: cuda_stream)
+    monkeypatch.setattr(moe_nn._backend, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(SwitchGLU, "_can_group", lambda self, dtype: True)
+    ours = SwitchGLU(256, hidden_dims, 32)
+    assert ours._out_dims() == (hidden_dims, 256)
+    indices = mx.zeros((4, 4), dtype=mx.uint32)
+    assert ours._formulation(mx.zeros((4, 256)), indices).tile_m == tile_m
