@@ -67,6 +67,13 @@
 #               ring in shared memory (word_stages): what caps the expert GEMM at
 #               a decoding step, its loads' pattern or their count, and whether
 #               the ring lifts it.
+#   small-batches (not in `bench`) gpt-oss-20b decoding at batch 1 to 16, three
+#               processes after an untimed one, beside mlx-lm's call at every
+#               batch (--variant-tile-m 0): the grouped kernel from 16 routed
+#               entries where MLX's gather_qmm runs its naive kernel
+#               (rules.GROUPED_OFF_TENSOR_CORES_FROM_ENTRIES), as the default;
+#               then the MoE routers (8 bits, 8 to 512 columns, MLX's naive
+#               kernel below 128) as a decoding batch's rows and as one matrix.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -237,6 +244,14 @@ if wanted load-patterns; then
   logged "$results/load-patterns-decode.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b --tokens 8,32 --calls 16 --sides kernel \
     --tilings "default;k_splits=2;k_splits=4;tiles=1,gated_tiles=1;threads=64;word_stages=3;word_stages=2;word_stages=3,steps=2;word_stages=3,steps=2,loads_ahead=1"
+fi
+if wanted small-batches; then
+  logged "$results/small-batches.log" python3 -m benchmarks.model --models gpt-oss-20b \
+    --prompt 0 --batches 1,2,4,8,16 --no-pipelined --variant-tile-m 0 --processes 3 \
+    --warm-process --json "$results/small-batches.json"
+  logged "$results/routers.log" python3 -m benchmarks.projections \
+    --gemms gpt-oss-20b/router,qwen3-30b-a3b/router,qwen3-next/router,mixtral/router \
+    --batches 1,2,4,8,16,32,64 --json "$results/routers.json"
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \
