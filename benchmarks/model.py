@@ -358,11 +358,16 @@ def restore(cache, saved: list[dict]) -> None:
         c.__dict__.update({k: _fresh(v) for k, v in state.items()})
 
 
+def build_step(model, cache, y: mx.array) -> tuple[mx.array, mx.array]:
+    """A step's graph, unevaluated: the next token (greedy) and the logits."""
+    logits = model(y, cache=cache)[:, -1, :]
+    return mx.argmax(logits, axis=-1)[:, None], logits
+
+
 def decode_step(model, cache, y: mx.array) -> tuple[mx.array, mx.array, float, float]:
     """One step, one eval: the next token, the logits, and the build and wall seconds."""
     start = time.perf_counter()
-    logits = model(y, cache=cache)[:, -1, :]
-    next_y = mx.argmax(logits, axis=-1)[:, None]
+    next_y, logits = build_step(model, cache, y)
     built = time.perf_counter()
     mx.eval(next_y, logits)  # the logits are computed for the token anyway
     return next_y, logits, built - start, time.perf_counter() - start

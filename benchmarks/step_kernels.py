@@ -16,20 +16,28 @@ that step's kernels and nothing else, and `--summarize` splits its CSV at the
 markers and sums each step's kernels by name. Nsight Compute runs the kernels
 one at a time with cold caches: the sums are larger than the same kernels
 take in a step, and are for comparing kernels, not for the step's time.
+
+`--build-profile N` builds N more steps under Python's profiler, evaluating
+each outside it, and prints where the building went by function, own time
+first: the host's part of a step (the model's calls, the layers' rules and
+launches), which the GPU waits for.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import csv
+import io
+import pstats
 import re
 import statistics
 import sys
 
 import mlx.core as mx
 
-from .model import decode_step, decode_steps, fill_context, patched_copy, random_model
+from .model import build_step, decode_step, decode_steps, fill_context, patched_copy, random_model
 from .timing import profiled
 from .workloads import MODELS, with_layers
 
@@ -72,6 +80,19 @@ def summarize(path: str, top: int) -> str:
     return "\n".join(out)
 
 
+def profile_builds(model, cache, y: mx.array, steps: int, top: int) -> str:
+    """`steps` decoding steps, their building under cProfile (each evaluated
+    outside it): the `top` functions by own time. MLX's ops, C++ functions
+    the profiler does not see, count in their Python callers' own time."""
+    profile = cProfile.Profile()
+    for _ in range(steps):
+        y, logits = profile.runcall(build_step, model, cache, y)
+        mx.eval(y, logits)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_kernels",
                                      description=__doc__.split("\n\n")[0])
@@ -91,6 +112,9 @@ def main(argv=None) -> int:
                         help="tokens in the cache (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16",
                         help="activations and unquantized weights (default: %(default)s)")
+    parser.add_argument("--build-profile", type=int, default=0, metavar="N",
+                        help="profile N more steps a batch by Python function, own time "
+                             "(default: %(default)s, none)")
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize, args.top))
@@ -108,6 +132,8 @@ def main(argv=None) -> int:
               f"build {statistics.median(builds) * 1e3:.3f} ms", flush=True)
         if cuda:  # one step more, from the cache as the timed ones left it
             profiled(f"{MARKER}{batch}", lambda: decode_step(side, cache, y))
+        if args.build_profile:
+            print(profile_builds(side, cache, y, args.build_profile, args.top), flush=True)
     if not cuda:
         print("no CUDA device: no step was profiled", file=sys.stderr)
     return 0

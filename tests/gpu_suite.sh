@@ -74,6 +74,10 @@
 #               (rules.GROUPED_OFF_TENSOR_CORES_FROM_ENTRIES), as the default;
 #               then the MoE routers (8 bits, 8 to 512 columns, MLX's naive
 #               kernel below 128) as a decoding batch's rows and as one matrix.
+#   build-profile (not in `bench`) where a decoding step's host time goes: eight
+#               Qwen3-30B-A3B layers at batch 8 and 32, mlx-lm's and patched,
+#               five steps' building under Python's profiler
+#               (benchmarks.step_kernels --build-profile).
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -252,6 +256,12 @@ if wanted small-batches; then
   logged "$results/routers.log" python3 -m benchmarks.projections \
     --gemms gpt-oss-20b/router,qwen3-30b-a3b/router,qwen3-next/router,mixtral/router \
     --batches 1,2,4,8,16,32,64 --json "$results/routers.json"
+fi
+if wanted build-profile; then
+  for side in mlx-lm patched; do
+    logged "$results/build-profile-$side.log" python3 -m benchmarks.step_kernels --side "$side" \
+      --layers 8 --batches 8,32 --build-profile 5 --top 40
+  done
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \

@@ -376,6 +376,15 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(": ")[0] for line in lines] == [
         "small-qwen3-moe 1 layers, patched, batch 1", "small-qwen3-moe 1 layers, patched, batch 3"]
+    # The build profile: 2 steps' building by function, the patched layer's among them.
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches", "2",
+                              "--context", "8", "--dtype", "float32", "--build-profile", "2",
+                              "--top", "400"]) == 0
+    profile = capsys.readouterr().out
+    calls = {line.split()[-1]: line.split()[0] for line in profile.splitlines()
+             if line.strip()[:1].isdigit() and "(" in line}
+    assert [count for name, count in calls.items() if name.endswith("(build_step)")] == ["2"]
+    assert any("fused_blocks.py:" in name for name in calls)
     # Nsight Compute's CSV: log lines, the table; kernels before the first
     # marker are another step's and not counted; units as the tool gives them.
     header = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"')
