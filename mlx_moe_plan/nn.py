@@ -185,17 +185,21 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
         return self.gate_proj.num_experts
 
     def _out_dims(self) -> tuple[int, int]:
-        """Output columns of the gate and up projections, and of the down one."""
+        """Output columns of the gate and up projections, and of the down one
+        (their matrices `[E, N, ...]`, as mlx-lm's SwitchLinear keeps them)."""
         return self.gate_proj.weight.shape[1], self.down_proj.weight.shape[1]
 
     def _formulation(self, x: mx.array, indices: mx.array) -> Formulation:
         """The formulation of a call on `x` routed by `indices`."""
         formulation = self.formulation
         if formulation is None:
+            # The columns matter only where the grouped kernel can run, and
+            # only its projections are known to hold their weights (not a
+            # LoRA adapter's wrapper).
+            grouped = self._can_group(x.dtype)
             formulation = rules.formulation_for(indices.size, self.num_experts,
-                                                cuda=_backend.on_cuda(),
-                                                grouped=self._can_group(x.dtype),
-                                                out_dims=self._out_dims())
+                                                cuda=_backend.on_cuda(), grouped=grouped,
+                                                out_dims=self._out_dims() if grouped else ())
         elif formulation is GROUPED_ROWS and not self._can_group(x.dtype):
             formulation = SORTED_ROWS
         # mlx-lm's call would hand the skipped ids (-1) to gather_qmm unchecked.
