@@ -45,11 +45,12 @@ GROUPED_BELOW_ROWS_PER_EXPERT = 16
 GROUPED_TILES_FROM_ROWS_PER_EXPERT = LARGE_TILES_FROM_ROWS_PER_EXPERT
 # MLX's CUDA gather_qmm computes mlx-lm's unsorted call (one row a matrix)
 # from 8 entries by tensor cores only where a projection's output columns
-# are a multiple of `MLX_TENSOR_CORE_COLUMNS`, and elsewhere (gpt-oss's 2880)
-# by a naive kernel, a tile of at least 16 rows for each row: there the grouped kernel
-# won from 16 entries (gpt-oss-20b decoding 4 and 8 sequences; at 2, 8
-# entries, MLX's call was still the faster, and below 8 it computes
-# matrix-vector products: benchmarks/RESULTS.md, "Whole models on the H200").
+# are a multiple of `MLX_TENSOR_CORE_COLUMNS`, and elsewhere (gpt-oss's
+# 2880) by a naive kernel, a tile of at least 16 rows for each row: there
+# the grouped kernel won from 16 entries (gpt-oss-20b decoding 4 and 8
+# sequences; at 2, 8 entries, MLX's call was still the faster, and below 8
+# it computes matrix-vector products: benchmarks/RESULTS.md, "Whole models
+# on the H200").
 MLX_TENSOR_CORE_COLUMNS = 128
 GROUPED_OFF_TENSOR_CORES_FROM_ENTRIES = 16
 
