@@ -563,18 +563,18 @@ def _grouped_qmm_tiles_launch(
     )
 
 
-def _word_ring(tiling: GroupedQmmTiling, threads: int, tiles: int, quant_group: int, bits: int,
-               row_groups: int, free_bytes: int) -> tuple[int, int, int, int] | None:
+def _word_ring(tiling: GroupedQmmTiling, threads: int, tiles: int, group_words: int,
+               lane_words: int, row_groups: int,
+               free_bytes: int) -> tuple[int, int, int, int] | None:
     """grouped_qmm.h's word ring for `tiling.word_stages`: (WORD_STAGES, STEPS,
     WORD_STRIDE, bytes) of a group of `threads` whose warps take `tiles` tiles
-    of 16 columns, within `free_bytes`; fewer stages, then shorter runs, until
-    it fits; None where none does."""
-    values = 32 // bits
-    lane_words = quant_group // (4 * values)  # read 2 at a time where even
+    of 16 columns, a column's quantization group `group_words` words of which
+    a lane reads `lane_words` (2 at a time where even), within `free_bytes`;
+    fewer stages, then shorter runs, until it fits; None where none does."""
     stages = tiling.word_stages
-    steps = tiling.steps or min(max(1, RING_RUN_BYTES * 8 // (quant_group * bits)), row_groups)
+    steps = tiling.steps or min(max(1, RING_RUN_BYTES // (4 * group_words)), row_groups)
     while True:
-        stride = _conflict_free_stride(steps * quant_group // values, lane_words,
+        stride = _conflict_free_stride(steps * group_words, lane_words,
                                        2 if lane_words % 2 == 0 else 1)
         ring_bytes = 4 * threads // 32 * stages * tiles * 16 * stride
         if ring_bytes <= free_bytes:
@@ -624,14 +624,15 @@ def _grouped_qmm_launch(
     columns = tiling.threads // 32 // k_splits * 16 * column_tiles
     column_blocks = -(-out_dims // columns)
     values = 32 // bits
+    lane_words = quant_group // (4 * values)
     steps, loads_ahead = grouped_qmm_loads(row_groups, gated, k_splits)
     if tiling.steps is not None:  # the row's loads ahead go with the row's steps only
         steps, loads_ahead = tiling.steps, False
     if tiling.loads_ahead is not None:
         loads_ahead = bool(tiling.loads_ahead)
     word_stages, word_stride, ring_bytes = 0, 4, 0
-    ring = tiling.word_stages and _word_ring(tiling, threads, tiles, quant_group, bits,
-                                             row_groups, shared_bytes - memory)
+    ring = tiling.word_stages and _word_ring(tiling, threads, tiles, quant_group // values,
+                                             lane_words, row_groups, shared_bytes - memory)
     if ring:  # else none fits: each lane loads its own words, as without it
         word_stages, steps, word_stride, ring_bytes = ring
         loads_ahead = bool(tiling.loads_ahead)
@@ -641,10 +642,9 @@ def _grouped_qmm_launch(
                          capacity=capacity, column_blocks=column_blocks,
                          num_rows=capacity if num_rows is None else num_rows),
         (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
-         ("VALUES", values), ("QUANT_GROUP", quant_group),
-         ("LANE_WORDS", quant_group // (4 * values)),
-         ("THREADS", tiling.threads), ("MAX_EXPERTS", MAX_EXPERTS), ("K_SPLITS", k_splits),
-         ("TILES", column_tiles * (2 if gated else 1)), ("ROW_TILES", tiling.row_tiles),
+         ("VALUES", values), ("QUANT_GROUP", quant_group), ("LANE_WORDS", lane_words),
+         ("THREADS", threads), ("MAX_EXPERTS", MAX_EXPERTS), ("K_SPLITS", k_splits),
+         ("TILES", tiles), ("ROW_TILES", tiling.row_tiles),
          ("STEPS", steps), ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
          ("WIDE_LOADS", bool(tiling.wide_loads)), ("LOADS_AHEAD", loads_ahead),
          ("WORD_STAGES", word_stages), ("WORD_STRIDE", word_stride)),
