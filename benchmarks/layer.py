@@ -65,7 +65,7 @@ def routing(tokens: int, shape: LayerShape):
 
 def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: list[int]):
     """One row per formulation in `tile_ms`, each against the same mlx-lm timing."""
-    from mlx_moe_plan.nn import SwitchGLU, default_tile_m
+    from mlx_moe_plan.nn import SwitchGLU
 
     theirs = make_layers(shape, layers)
     inputs = [routing(tokens, shape) for _ in range(layers)]
@@ -119,15 +119,12 @@ def measure(name: str, shape: LayerShape, tokens: int, layers: int, tile_ms: lis
 
     mlx_lm_wall, mlx_lm_eval = median(mlx_lm_samples, 0), median(mlx_lm_samples, 1)
     rows = []
-    # What the rule picks for this layer here: its facts as the layer gathers them.
-    grouped = SwitchGLU.from_mlx_lm(theirs[0])._can_group(mx.bfloat16)
+    # What the rule picks for the first layer's call here, as the layer asks it.
+    ruled = SwitchGLU.from_mlx_lm(theirs[0])._formulation(x, indices).tile_m
     for tile_m in tile_ms:
         samples, error, _ = ours_samples[tile_m]
         ours_wall, ours_eval = median(samples, 0), median(samples, 1)
-        used = tile_m
-        if used is None:
-            used = default_tile_m(tokens * shape.top_k, shape.experts, grouped=grouped,
-                                  out_dims=(shape.intermediate, shape.hidden))
+        used = ruled if tile_m is None else tile_m
         rows.append({"model": name, "tokens": tokens, **shape.__dict__, "tile_m": tile_m,
                      "tile_m_used": used, "max_abs_diff": error, "mlx-lm_error": mlx_lm_error,
                      "mlx-lm_wall_us": mlx_lm_wall, "ours_wall_us": ours_wall,
