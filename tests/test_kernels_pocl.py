@@ -722,25 +722,46 @@ def test_grouped_qmm_tiles_other_blocks(changes):
 
 
 def test_grouped_qmm_tiles_odd_stage_groups():
-    """Three quantization groups a stage, the whole row: an odd count."""
+    """Three quantization groups a stage, an odd count: the whole row, and by
+    the default tiling a row of 9 groups in 3 stages (as gpt-oss-20b's 45)."""
     rng = np.random.default_rng(47)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_stage_values=192):
         assert dict(launch.grouped_qmm_launch(4, 192, 40, 76, 4, 64, "bfloat16",
                                               backend="opencl").template)["STAGE_GROUPS"] == 3
         check_grouped_qmm(_grouped_qmm, rng, [2, 0, 70, 1], 40, 192, 4, 64, "bfloat16", 3)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        assert dict(launch.grouped_qmm_launch(4, 576, 40, 76, 4, 64, "bfloat16",
+                                              backend="opencl").template)["STAGE_GROUPS"] == 3
+        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 70, 1], 40, 576, 4, 64, "float16", 3)
+        _check_fused(rng, [1, 3, 70], 9, 576, 4, 64, "bfloat16", 0, 5, True, True)
 
 
 @pytest.mark.parametrize("stage_values, in_dims, want", [
-    (128, 2048, 2), (512, 768, 6), (512, 2880, 5), (64, 768, 1), (32, 768, 1), (768, 384, 6)])
+    (128, 2048, 2), (512, 768, 6), (512, 2880, 5), (64, 768, 1), (32, 768, 1), (768, 384, 6),
+    (128, 2880, 3), (128, 2240, 1), (256, 2880, 3), (256, 2240, 5)])
 def test_grouped_qmm_tiles_stage_groups(stage_values, in_dims, want):
     """A stage holds the most whole quantization groups, up to the tiling's
-    values, that divide the row (groups of 64 here: 12 in 768, 45 in 2880, 6
-    in 384)."""
+    values, that divide the row, and where those are at most half the values,
+    the fewest above that divide it, up to twice the values (groups of 64
+    here: 12 in 768, 45 in 2880, 6 in 384, 35 in 2240)."""
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_row_tiles=1,
                                    block_stage_values=stage_values):
         tiles = launch.grouped_qmm_launch(128, in_dims, 768, 256, 4, 64, "bfloat16",
                                           backend="cuda")
     assert dict(tiles.template)["STAGE_GROUPS"] == want
+
+
+def test_grouped_qmm_tiles_stage_above_values_falls_back():
+    """A stage above the values wanted that does not fit the shared memory in
+    2 stages goes back to the groups up to them, in all the tiling's stages:
+    8 bits, 45 groups of 64, where 3 a stage fit 4 bits' 2 stages."""
+    def stages(bits):
+        template = dict(launch.grouped_qmm_launch(32, 2880, 2880, 8192, bits, 64, "bfloat16",
+                                                  backend="cuda").template)
+        return template["STAGE_GROUPS"], template["STAGES"]
+
+    assert stages(4) == (3, 2)
+    assert stages(8) == (1, launch.GroupedQmmTiling().block_stages)
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64),

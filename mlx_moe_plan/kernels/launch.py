@@ -139,9 +139,9 @@ class GroupedQmmTiling:
     block_gated_tiles: int = 1
     block_row_tiles: int = 8
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
-    # input values a stage at most, in whole quantization groups: the most that
-    # divide the row (STAGE_GROUPS): fewer barriers, longer runs of each
-    # column's row read at a time, more memory
+    # input values a stage, in whole quantization groups: the count that
+    # divides the row nearest it (STAGE_GROUPS, _stage_groups): more, fewer
+    # barriers and longer runs of each column's row read at a time, more memory
     block_stage_values: int = 128
     block_max_groups: int = 4096
 
@@ -481,8 +481,22 @@ def _scan_memory_bytes(threads: int, exchange: bool) -> int:
 
 def _most_groups_dividing(row_groups: int, at_most: int) -> int:
     """The most quantization groups, up to `at_most`, that divide a row of
-    `row_groups` (1 divides any): a block tile's stage."""
+    `row_groups` (1 divides any)."""
     return max(g for g in range(1, max(1, min(at_most, row_groups)) + 1) if row_groups % g == 0)
+
+
+def _stage_groups(row_groups: int, wanted: int) -> int:
+    """A block tile's stage: the most quantization groups, up to `wanted`, that
+    divide a row of `row_groups`; where those are at most half of `wanted`,
+    the fewest above it that divide the row, up to twice `wanted`. A stage far
+    below the values wanted pays a barrier and a round of copies for each few
+    values (gpt-oss-20b's 45 groups of 64 against 2 wanted: 3 a stage in 2
+    stages ran 1.07x to 1.11x faster than 1 in 3, benchmarks/HISTORY.md)."""
+    below = _most_groups_dividing(row_groups, wanted)
+    if 2 * below > wanted:
+        return below
+    return next((g for g in range(wanted + 1, min(2 * wanted, row_groups) + 1)
+                 if row_groups % g == 0), below)
 
 
 def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
@@ -510,7 +524,8 @@ def _grouped_qmm_tiles_launch(
     values = 32 // bits
     lane_words = quant_group // (4 * values)
     row_groups = in_dims // quant_group
-    stage_groups = _most_groups_dividing(row_groups, tiling.block_stage_values // quant_group)
+    groups_wanted = tiling.block_stage_values // quant_group
+    stage_groups = _stage_groups(row_groups, groups_wanted)
     threads = 32 * tiling.block_row_warps * tiling.block_column_warps
     matrices = 2 if gated else 1
     # Stages first, then their values, then the block's columns, then its
@@ -532,6 +547,9 @@ def _grouped_qmm_tiles_launch(
             break
         if stages > 2:
             stages -= 1
+        elif stage_groups > groups_wanted:  # above the values wanted: those, all stages
+            stage_groups, stages = _most_groups_dividing(row_groups, groups_wanted), \
+                tiling.block_stages
         elif stage_groups > 1:  # the next smaller count that divides the row
             stage_groups = stage_groups // 2 if stage_groups % 2 == 0 else \
                 _most_groups_dividing(row_groups, stage_groups - 1)
