@@ -74,6 +74,18 @@ def test_tiles_match_reference(case):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_tiles_odd_stage_groups(name):
+    """Block tiles over gpt-oss-20b's rows of 45 quantization groups of 64,
+    which the default launch stages 3 at a time in 2 stages."""
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        template = dict(launch.grouped_qmm_launch(4, 2880, 200, 204, 4, 64, name,
+                                                  backend="cuda").template)
+        assert (template["STAGE_GROUPS"], template["STAGES"]) == (3, 2)
+        check_grouped_qmm(_run, np.random.default_rng(5), [70, 0, 130, 1], 200, 2880, 4, 64,
+                          name, 3)
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32])
 @pytest.mark.parametrize("in_dims,out_dims", [(2048, 768), (768, 2048)], ids=["gate", "down"])
 def test_decoding_shapes(tokens, in_dims, out_dims):
