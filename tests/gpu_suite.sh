@@ -55,10 +55,10 @@
 #               stages, in stages of 64 values), MLX's tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
 #   stage-groups (not in `bench`) the block tiles on gpt-oss-20b's rows of 45
-#               quantization groups, T = 2048 and 8192: the default (one group
-#               a stage, as 2 does not divide 45) beside 3 groups a stage in 2 stages
-#               (block_stage_values=192: 48 bytes of registers spill), and
-#               Qwen3-30B-A3B, whose 32 groups it leaves at 2 a stage, a control.
+#               quantization groups, T = 2048 and 8192: the default (3 groups a
+#               stage in 2 stages, launch._stage_groups) beside one group a stage
+#               in 3 (block_stage_values=64), the default before c828d4d; and
+#               Qwen3-30B-A3B's rows of 32 groups, 2 a stage against 1.
 #   grouped-qmm-decode (not in `bench`) the expert GEMMs at a decoding step's
 #               T = 8 and 32, Qwen3-30B-A3B, gpt-oss-20b, Mixtral and
 #               DeepSeek-V3: the default (launch.grouped_qmm_loads) beside
@@ -314,7 +314,7 @@ fi
 if wanted stage-groups; then
   logged "$results/stage-groups.log" python3 -m benchmarks.grouped_qmm \
     --shapes gpt-oss-20b,qwen3-30b-a3b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
-    --tilings "default;block_stage_values=192"
+    --tilings "default;block_stage_values=64"
 fi
 if wanted projections; then
   logged "$results/projections.log" python3 -m benchmarks.projections \
