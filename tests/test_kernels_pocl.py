@@ -764,6 +764,17 @@ def test_grouped_qmm_tiles_stage_above_values_falls_back():
     assert stages(8) == (1, launch.GroupedQmmTiling().block_stages)
 
 
+def test_grouped_qmm_tiles_stage_below_one_group():
+    """A tiling asking fewer values a stage than a quantization group holds
+    stages one group, also where memory is short (Metal's 32 KB, 8 bits in
+    groups of 128): the fit's fewer stages and blocks, not a larger stage."""
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_stage_values=32):
+        for backend, bits, group_size in (("metal", 8, 128), ("cuda", 4, 64)):
+            tiles = launch.grouped_qmm_launch(128, 2048, 768, 8192, bits, group_size,
+                                              "bfloat16", backend=backend)
+            assert dict(tiles.template)["STAGE_GROUPS"] == 1
+
+
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64),
                                               (8, 128)])
 @pytest.mark.parametrize("gated", [False, True])

@@ -139,9 +139,9 @@ class GroupedQmmTiling:
     block_gated_tiles: int = 1
     block_row_tiles: int = 8
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
-    # input values a stage, in whole quantization groups: the count that
-    # divides the row nearest it (STAGE_GROUPS, _stage_groups): more, fewer
-    # barriers and longer runs of each column's row read at a time, more memory
+    # input values wanted a stage, in whole quantization groups that divide the
+    # row (STAGE_GROUPS, _stage_groups): more, fewer barriers and longer runs
+    # of each column's row read at a time, more memory
     block_stage_values: int = 128
     block_max_groups: int = 4096
 
@@ -526,6 +526,7 @@ def _grouped_qmm_tiles_launch(
     row_groups = in_dims // quant_group
     groups_wanted = tiling.block_stage_values // quant_group
     stage_groups = _stage_groups(row_groups, groups_wanted)
+    groups_up_to_wanted = _most_groups_dividing(row_groups, groups_wanted)
     threads = 32 * tiling.block_row_warps * tiling.block_column_warps
     matrices = 2 if gated else 1
     # Stages first, then their values, then the block's columns, then its
@@ -547,9 +548,8 @@ def _grouped_qmm_tiles_launch(
             break
         if stages > 2:
             stages -= 1
-        elif stage_groups > groups_wanted:  # above the values wanted: those, all stages
-            stage_groups, stages = _most_groups_dividing(row_groups, groups_wanted), \
-                tiling.block_stages
+        elif stage_groups > groups_up_to_wanted:  # above the values wanted: those, all stages
+            stage_groups, stages = groups_up_to_wanted, tiling.block_stages
         elif stage_groups > 1:  # the next smaller count that divides the row
             stage_groups = stage_groups // 2 if stage_groups % 2 == 0 else \
                 _most_groups_dividing(row_groups, stage_groups - 1)
