@@ -33,7 +33,8 @@
 // quantization group, the group's 4 * LANE_WORDS words across the four lanes
 // of a fragment row (so every multiply-add's 16 inputs share one scale), and
 // takes a word's fields as pairs (v, v + VALUES / 2): its low bits up, as
-// MLX's affine quantization packs them, a shift and a mask apart.
+// MLX's affine quantization packs them, a shift and a mask apart, and the
+// rows' values paired to match (LOW_HALVES, HIGH_HALVES).
 // Two fusions (template constants), which the layer's gate and up projections
 // use: TOKEN_ROWS reads row r from rows[row_tokens[r]], the tokens themselves,
 // so no gathered copy of them is made; GATED computes two projections of the
@@ -451,7 +452,11 @@ UNROLL
 UNROLL
                 for (int i = 0; i < 4; ++i) {
                   const unsigned word = group_words[(t * 2 + i % 2) * LANE_WORDS + w];
-                  const int shift_bits = (2 * m + i / 2) * BITS;
+                  // Fields v and v + VALUES / 2 at each half's low bits: a
+                  // shift (grouped_qmm_tiles.h pairs neighbours instead, which
+                  // costs a byte permute a pair and saves the rows' two a row
+                  // tile: a win over its 8 row tiles, a loss over one).
+                  const unsigned fields = word >> ((2 * m + i / 2) * BITS);
                   // include: qmm_fields
                   a[i] = field_pair;
                 }

@@ -21,7 +21,7 @@
 // layout (its comments say why): A the weights of 16 columns, B the rows'
 // values of 8 rows, lane (r = lane / 4, slot = lane % 4) holding the slot-th
 // quarter of a quantization group's inputs, a word's fields taken as pairs
-// (v, v + VALUES / 2) (qmm_fields.h). But where grouped_qmm.h applies each
+// of neighbours (2p, 2p + 1), as the rows' values lie (qmm_fields.h). But where grouped_qmm.h applies each
 // group's scale and bias to float sums of the exact fields, which costs two
 // accumulators a sum and a multiply-add with ones a row tile, here the
 // weight itself goes in: scale * q + bias, rounded once to the rows' 16-bit
@@ -333,30 +333,28 @@ UNROLL
               halves[n * (VALUES / 2) + 1] = pair.y;
             }
           }
+          // Multiply-add m of word w takes its field pairs 2m (a[0], a[1]) and
+          // 2m + 1 (a[2], a[3]), the rows' halves 2m and 2m + 1 as they are.
 UNROLL
           for (int m = 0; m < VALUES / 4; ++m) {
-            unsigned b[ROW_TILES * 2];
-UNROLL
-            for (int n = 0; n < ROW_TILES; ++n) {
-              const unsigned low = halves[n * (VALUES / 2) + m];
-              const unsigned high = halves[n * (VALUES / 2) + m + VALUES / 4];
-              b[2 * n] = LOW_HALVES(low, high);
-              b[2 * n + 1] = HIGH_HALVES(low, high);
-            }
 UNROLL
             for (int t = 0; t < TILES; ++t) {
               unsigned a[4];
 UNROLL
               for (int i = 0; i < 4; ++i) {
                 const unsigned word = packed[(t * 2 + i % 2) * LANE_WORDS + w];
-                const int shift_bits = (2 * m + i / 2) * BITS;
+                // Fields 2p and 2p + 1 (p = 2m + i / 2) at each half's low
+                // bits: for 4 bits, byte p and its high nibble; for 8, bytes
+                // 2p and 2p + 1.
+                const int pair_byte = (2 * m + i / 2) * BITS / 4;
+                const unsigned fields = BYTE_PAIR(word, word >> BITS, pair_byte);
                 // include: qmm_fields
                 // The weight itself, scale * q + bias, rounded once to 16 bits.
                 a[i] = PAIR_FMA(field_pair, scale_pairs[t * 2 + i % 2], bias_pairs[t * 2 + i % 2]);
               }
 UNROLL
               for (int n = 0; n < ROW_TILES; ++n) {
-                MMA_16x8x16(&sums[(t * ROW_TILES + n) * 4], a, &b[2 * n],
+                MMA_16x8x16(&sums[(t * ROW_TILES + n) * 4], a, &halves[n * (VALUES / 2) + 2 * m],
                             mma_exchange + warp_exchange, lane);
               }
             }

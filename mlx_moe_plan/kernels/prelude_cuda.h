@@ -83,6 +83,10 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned b
 // shifts and masks).
 #define LOW_HALVES(a, b) __byte_perm((a), (b), 0x5410)
 #define HIGH_HALVES(a, b) __byte_perm((a), (b), 0x7632)
+// BYTE_PAIR(a, b, k): byte k of a in the low 16-bit half, byte k of b in the
+// high half, each as its half's low byte (the halves' high bytes are left
+// undefined: callers mask them). One byte permute.
+#define BYTE_PAIR(a, b, k) __byte_perm((a), (b), (k) * 0x1111 + 0x4400)
 // ASYNC_COPY16: 16 bytes from global to shared memory, asynchronously
 // (cp.async, sm_80 on; both addresses 16-byte aligned), in the group of copies
 // that ASYNC_COMMIT closes; ASYNC_WAIT(n): until at most the newest n such

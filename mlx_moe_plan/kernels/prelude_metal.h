@@ -98,6 +98,9 @@ inline uint pair_fma(uint a, uint b, uint c) {
 // LOW_HALVES, HIGH_HALVES: the pair of two words' low (high) 16-bit halves.
 #define LOW_HALVES(a, b) (((a) & 0xFFFFu) | ((b) << 16))
 #define HIGH_HALVES(a, b) (((a) >> 16) | ((b) & 0xFFFF0000u))
+// BYTE_PAIR(a, b, k): byte k of a as the low 16-bit half's low byte, byte k
+// of b as the high half's (the halves' high bytes undefined, as on CUDA).
+#define BYTE_PAIR(a, b, k) ((((a) >> (8 * (k))) & 0xFFu) | (((b) >> (8 * (k))) << 16))
 // ASYNC_COPY16: 16 bytes from device to threadgroup memory; here a plain
 // copy, done when it returns, so ASYNC_COMMIT and ASYNC_WAIT have nothing to
 // do (the barrier that follows them is still needed).
