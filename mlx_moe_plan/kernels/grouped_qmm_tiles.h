@@ -314,32 +314,17 @@ UNROLL
         }
 UNROLL
         for (int w = 0; w < LANE_WORDS; ++w) {
-          // halves: the lane's rows' values of word w, two to a uint32.
-          unsigned halves[ROW_TILES * (VALUES / 2)];
-UNROLL
-          for (int n = 0; n < ROW_TILES; ++n) {
-            const int from = rows_at + (8 * n + fragment_row) * ROW_STRIDE
-                             + (group * QUANT_GROUP + fragment_slot * (QUANT_GROUP / 4)
-                                + w * VALUES) / 2;
-            if (VALUES == 8) {
-              const uint4 quad = ((SHARED_SPACE uint4*)(stage_rows + from))[0];
-              halves[n * 4] = quad.x;
-              halves[n * 4 + 1] = quad.y;
-              halves[n * 4 + 2] = quad.z;
-              halves[n * 4 + 3] = quad.w;
-            } else {
-              const uint2 pair = ((SHARED_SPACE uint2*)(stage_rows + from))[0];
-              halves[n * (VALUES / 2)] = pair.x;
-              halves[n * (VALUES / 2) + 1] = pair.y;
-            }
-          }
-          // Multiply-add m of word w takes its field pairs 2m (a[0], a[1]) and
-          // 2m + 1 (a[2], a[3]), the rows' halves 2m and 2m + 1 as they are.
+          // a: word w's weights, every multiply-add m's and tile t's A at (m *
+          // TILES + t) * 4, made once for all the row tiles. Multiply-add m
+          // takes the word's field pairs 2m (a[0], a[1]) and 2m + 1 (a[2],
+          // a[3]), the rows' halves 2m and 2m + 1 as they are. The rows' values
+          // are then loaded a row tile at a time: a warp's registers hold its
+          // sums, these and one row tile's halves, not every row tile's.
+          unsigned a[(VALUES / 4) * TILES * 4];
 UNROLL
           for (int m = 0; m < VALUES / 4; ++m) {
 UNROLL
             for (int t = 0; t < TILES; ++t) {
-              unsigned a[4];
 UNROLL
               for (int i = 0; i < 4; ++i) {
                 const unsigned word = packed[(t * 2 + i % 2) * LANE_WORDS + w];
@@ -350,12 +335,35 @@ UNROLL
                 const unsigned fields = BYTE_PAIR(word, word >> BITS, pair_byte);
                 // include: qmm_fields
                 // The weight itself, scale * q + bias, rounded once to 16 bits.
-                a[i] = PAIR_FMA(field_pair, scale_pairs[t * 2 + i % 2], bias_pairs[t * 2 + i % 2]);
+                a[(m * TILES + t) * 4 + i] = PAIR_FMA(field_pair, scale_pairs[t * 2 + i % 2],
+                                                      bias_pairs[t * 2 + i % 2]);
               }
+            }
+          }
 UNROLL
-              for (int n = 0; n < ROW_TILES; ++n) {
-                MMA_16x8x16(&sums[(t * ROW_TILES + n) * 4], a, &halves[n * (VALUES / 2) + 2 * m],
-                            mma_exchange + warp_exchange, lane);
+          for (int n = 0; n < ROW_TILES; ++n) {
+            // halves: the lane's row's values of word w, two to a uint32.
+            unsigned halves[VALUES / 2];
+            const int from = rows_at + (8 * n + fragment_row) * ROW_STRIDE
+                             + (group * QUANT_GROUP + fragment_slot * (QUANT_GROUP / 4)
+                                + w * VALUES) / 2;
+            if (VALUES == 8) {
+              const uint4 quad = ((SHARED_SPACE uint4*)(stage_rows + from))[0];
+              halves[0] = quad.x;
+              halves[1] = quad.y;
+              halves[2] = quad.z;
+              halves[3] = quad.w;
+            } else {
+              const uint2 pair = ((SHARED_SPACE uint2*)(stage_rows + from))[0];
+              halves[0] = pair.x;
+              halves[1] = pair.y;
+            }
+UNROLL
+            for (int m = 0; m < VALUES / 4; ++m) {
+UNROLL
+              for (int t = 0; t < TILES; ++t) {
+                MMA_16x8x16(&sums[(t * ROW_TILES + n) * 4], &a[(m * TILES + t) * 4],
+                            &halves[2 * m], mma_exchange + warp_exchange, lane);
               }
             }
           }
