@@ -775,6 +775,33 @@ def test_grouped_qmm_tiles_stage_below_one_group():
             assert dict(tiles.template)["STAGE_GROUPS"] == 1
 
 
+def test_grouped_qmm_tiles_tall_gated_blocks():
+    """The gated launch takes blocks of 16 row tiles (128 rows) from 512 rows
+    an expert of capacity, 4 bits in groups of 64, on CUDA and OpenCL; not
+    below, nor other quantizations, one projection, or Metal. Forced at any
+    size, they match the reference, float16 and bfloat16."""
+    def block_rows(capacity, bits=4, group_size=64, gated=True, backend="cuda"):
+        tiles = launch.grouped_qmm_launch(128, 2048, 768, capacity, bits, group_size,
+                                          "bfloat16", backend=backend, gated=gated,
+                                          num_rows=capacity // 8)
+        return dict(tiles.template)["BLOCK_ROWS"]
+
+    assert block_rows(512 * 128) == 128
+    assert block_rows(512 * 128, backend="opencl") == 128
+    assert block_rows(512 * 128 - 1) == 64
+    assert block_rows(512 * 128, bits=8) == 64
+    assert block_rows(512 * 128, group_size=128) == 64
+    assert block_rows(512 * 128, gated=False) == 64
+    assert block_rows(512 * 128, backend="metal") < 128
+    rng = np.random.default_rng(53)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0):
+        for name in launch.GROUPED_QMM_DTYPES:
+            tiles = launch.grouped_qmm_launch(3, 192, 70, 200, 4, 64, name, backend="opencl",
+                                              gated=True, num_rows=5)
+            assert dict(tiles.template)["BLOCK_ROWS"] == 128
+            _check_fused(rng, [1, 0, 140], 70, 192, 4, 64, name, 3, 5, True, True)
+
+
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64),
                                               (8, 128)])
 @pytest.mark.parametrize("gated", [False, True])

@@ -138,6 +138,11 @@ class GroupedQmmTiling:
     block_tiles: int = 2
     block_gated_tiles: int = 1
     block_row_tiles: int = 8
+    # gated blocks of this many 8-row tiles from block_gated_tall_rows rows an
+    # expert on average (the plan's capacity over its experts), 4 bits in
+    # groups of 64 (_tall_gated_blocks says why only there)
+    block_gated_row_tiles: int = 16
+    block_gated_tall_rows: int = 512
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
     # input values wanted a stage, in whole quantization groups that divide the
     # row (STAGE_GROUPS, _stage_groups): more, fewer barriers and longer runs
@@ -151,15 +156,17 @@ class GroupedQmmTiling:
                1 if self.steps is None else self.steps, 1 if self.k_splits is None
                else self.k_splits, self.max_groups, self.block_row_warps,
                self.block_column_warps, self.block_tiles, self.block_gated_tiles,
-               self.block_row_tiles, self.block_max_groups, self.block_stage_values) < 1:
+               self.block_row_tiles, self.block_gated_row_tiles, self.block_max_groups,
+               self.block_stage_values) < 1:
             raise ValueError(f"grouped_qmm tiling: every field but wide_loads, loads_ahead, "
-                             f"tiles_from_rows and block_stages must be at least 1: {self}")
+                             f"tiles_from_rows, block_gated_tall_rows and block_stages must be "
+                             f"at least 1: {self}")
         if self.k_splits is not None and (self.threads // 32) % self.k_splits:
             raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
                              f"threads / 32: {self}")
-        if self.tiles_from_rows < 0 or self.block_stages < 2:
-            raise ValueError(f"grouped_qmm tiling: tiles_from_rows is at least 0 and "
-                             f"block_stages at least 2: {self}")
+        if min(self.tiles_from_rows, self.block_gated_tall_rows) < 0 or self.block_stages < 2:
+            raise ValueError(f"grouped_qmm tiling: tiles_from_rows and block_gated_tall_rows "
+                             f"are at least 0 and block_stages at least 2: {self}")
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
@@ -439,9 +446,11 @@ def grouped_qmm_launch(
     tiling's gated_tiles (block_gated_tiles)."""
     tiling = _grouped_qmm_tiling.get()
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
+        tall = gated and backend != "metal" and _tall_gated_blocks(
+            bits, quant_group, capacity, num_experts, tiling)
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
-                                          SHARED_BYTES[backend], backend != "cuda")
+                                          SHARED_BYTES[backend], backend != "cuda", tall)
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
@@ -455,6 +464,26 @@ def grouped_qmm_body(capacity: int, num_experts: int) -> str:
     tiling = _grouped_qmm_tiling.get()
     return ("grouped_qmm_tiles" if capacity >= tiling.tiles_from_rows * num_experts
             else "grouped_qmm")
+
+
+def _tall_gated_blocks(bits: int, quant_group: int, capacity: int, num_experts: int,
+                       tiling: GroupedQmmTiling) -> bool:
+    """Whether grouped_qmm_tiles.h's gated launch takes the tiling's
+    `block_gated_row_tiles` (tall blocks): from `block_gated_tall_rows` rows
+    an expert on average, 4 bits in groups of 64.
+
+    Twice the rows a block (128 by 64 columns of gate and up, against 64 by
+    64) make each weight made 16-bit serve twice the rows. Measured on the
+    H200 (benchmarks/HISTORY.md, "Neighbour pairs and tall gated blocks"):
+    1.13x and 1.23x faster at a capacity of 575 and 1088 rows an expert
+    (Qwen3-30B-A3B's and gpt-oss-20b's T = 8192), 0.97x and 0.98x at 191 and
+    320 (T = 2048), where more blocks are part empty. The sums then take half
+    a warp's registers: ptxas (sm_90)
+    fits 4 bits in groups of 64 and 8 bits in groups of 64 without spills,
+    and spills groups of 32 (56 bytes) and 128 (284); only the first was
+    timed. Metal keeps its blocks (none measured there)."""
+    return ((bits, quant_group) == (4, 64)
+            and capacity >= tiling.block_gated_tall_rows * num_experts)
 
 
 # The shared memory a group may declare in its body (grouped_qmm.h's arrays):
@@ -518,9 +547,10 @@ def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
 def _grouped_qmm_tiles_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
-    shared_bytes: int, exchange: bool,
+    shared_bytes: int, exchange: bool, tall: bool,
 ) -> Launch | None:
-    """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`."""
+    """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
+    `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks)."""
     values = 32 // bits
     lane_words = quant_group // (4 * values)
     row_groups = in_dims // quant_group
@@ -534,7 +564,8 @@ def _grouped_qmm_tiles_launch(
     # emulated multiply-add's exchange where a prelude uses it).
     fixed = _scan_memory_bytes(threads, exchange)
     column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles
-    row_tiles, stages = tiling.block_row_tiles, tiling.block_stages
+    row_tiles = tiling.block_gated_row_tiles if tall else tiling.block_row_tiles
+    stages = tiling.block_stages
     while True:
         stage_values = stage_groups * quant_group
         row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
