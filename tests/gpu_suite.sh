@@ -59,6 +59,11 @@
 #               stage in 2 stages, launch._stage_groups) beside one group a stage
 #               in 3 (block_stage_values=64), the default before c828d4d; and
 #               Qwen3-30B-A3B's rows of 32 groups, 2 a stage against 1.
+#   tall-gated  (not in `bench`) the fused gate and up in block tiles,
+#               Qwen3-30B-A3B and gpt-oss-20b, T = 2048 and 8192: the default
+#               (blocks of 128 rows from 512 rows an expert,
+#               launch._tall_gated_blocks) beside blocks of 64 rows at every
+#               size (block_gated_tall_rows=1000000).
 #   grouped-qmm-decode (not in `bench`) the expert GEMMs at a decoding step's
 #               T = 8 and 32, Qwen3-30B-A3B, gpt-oss-20b, Mixtral and
 #               DeepSeek-V3: the default (launch.grouped_qmm_loads) beside
@@ -315,6 +320,11 @@ if wanted stage-groups; then
   logged "$results/stage-groups.log" python3 -m benchmarks.grouped_qmm \
     --shapes gpt-oss-20b,qwen3-30b-a3b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
     --tilings "default;block_stage_values=64"
+fi
+if wanted tall-gated; then
+  logged "$results/tall-gated.log" python3 -m benchmarks.grouped_qmm \
+    --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
+    --tilings "default;block_gated_tall_rows=1000000"
 fi
 if wanted projections; then
   logged "$results/projections.log" python3 -m benchmarks.projections \
