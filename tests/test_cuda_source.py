@@ -2,7 +2,8 @@
 # H200's sm_90 where nvcc is installed, without a GPU: a CUDA error in a body
 # or the prelude shows on every commit, not first on a lent GPU.
 #
-# The launches are test_metal_source's, recorded from the GPU backend itself.
+# The launches are test_metal_source's, recorded from the GPU backend itself,
+# for Metal and for CUDA (whose block tiles take larger stages and blocks).
 # The source is built as MLX 0.32.4's `mx.fast.cuda_kernel` builds it
 # (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`): the header (the
 # prelude), then in namespace mlx::core::cu a `__global__ void` of the
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from functools import cache
 
 import mlx.core as mx
 import pytest
-from test_metal_source import LAUNCHES
+from test_metal_source import LAUNCHES, _record
 
 from mlx_moe_plan import kernels
 from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
@@ -68,11 +70,19 @@ def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...
     assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
 
 
+@cache
+def _every_launch() -> list:
+    unique = {}
+    for launch in LAUNCHES + _record("cuda"):
+        unique.setdefault(launch.id, launch)
+    return list(unique.values())
+
+
 @pytest.mark.parametrize("name", INPUTS_OUTPUTS)
 def test_nvcc_compiles_every_launch(name, tmp_path):
     # One file a body: each recorded launch of it (its template arguments and
     # input dtypes) as a function of its own.
-    launches = [launch for launch in LAUNCHES if launch.name == name]
+    launches = [launch for launch in _every_launch() if launch.name == name]
     assert launches, f"no launch of {name} was recorded"
     functions = [cuda_function(launch, f"custom_kernel_moe_{name}_{i}")
                  for i, launch in enumerate(launches)]
@@ -80,6 +90,15 @@ def test_nvcc_compiles_every_launch(name, tmp_path):
     # declares every thread index, and grouped_qmm.h the exchange buffer that
     # only the OpenCL prelude's emulated multiply-add uses.
     assert_nvcc_compiles(functions, tmp_path / f"{name}.cu", suppress=("177",))
+
+
+def test_cuda_launches_include_their_own_blocks():
+    """CUDA's block tiles differ from Metal's (99 KB of stages against 32, the
+    gated launch's tall blocks), so the compiled launches hold CUDA's own."""
+    templates = [dict(launch.template) for launch in _every_launch()
+                 if launch.name == "grouped_qmm_tiles"]
+    assert any(t["GATED"] and t["BLOCK_ROWS"] == 128 for t in templates)
+    assert any(t["STAGES"] == 3 and t["STAGE_GROUPS"] == 2 for t in templates)
 
 
 def test_nvcc_compiles_the_load_patterns(tmp_path):

@@ -58,7 +58,9 @@ class Launch:
         return re.search(r"\[\[kernel\]\] void custom_kernel_moe_(\w+)", self.source()).group(1)
 
 
-def _record() -> list[Launch]:
+def _record(backend: str = "metal") -> list[Launch]:
+    """Every launch the GPU backend makes for `backend` over the shapes below,
+    its kernels replaced by a recorder."""
     launches = []
 
     def fake_kernel(backend, name, shared_bytes=0):
@@ -69,7 +71,7 @@ def _record() -> list[Launch]:
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return call
 
-    gpu = _gpu.GpuBackend("metal")
+    gpu = _gpu.GpuBackend(backend)
     with mock.patch.object(_gpu, "_kernel", fake_kernel):
         # plan: tiny arrays (constant address space) up to the expert limit;
         # int32 ids, and uint32 ones as routers give them.
@@ -119,20 +121,27 @@ def _record() -> list[Launch]:
                 gpu.grouped_qmm(mx.zeros((3, in_dims), src_dtype), *matrices, *plan_arrays,
                                 bits=bits, group_size=group_size, stream=None,
                                 row_tokens=mx.zeros((5,), mx.int32), up=matrices)
-            # A prefill's rows (block tiles, grouped_qmm_tiles.h), each fusion.
-            rows_per_expert = GROUPED_QMM_TILING.tiles_from_rows
-            capacity = experts * rows_per_expert
-            prefill_arrays = (mx.zeros((experts + 1,), mx.int32), mx.zeros((capacity,), mx.int32))
-            for row_tokens, up in [(None, None), (mx.zeros((capacity,), mx.int32), matrices),
-                                   (mx.zeros((capacity,), mx.int32), None), (None, matrices)]:
-                rows = mx.zeros((capacity, in_dims), src_dtype)
-                gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
-                                group_size=group_size, stream=None, row_tokens=row_tokens, up=up)
+            # A prefill's rows (block tiles, grouped_qmm_tiles.h), each fusion;
+            # and as many as take the gated launch's tall blocks.
+            for rows_per_expert in (GROUPED_QMM_TILING.tiles_from_rows,
+                                    GROUPED_QMM_TILING.block_gated_tall_rows):
+                capacity = experts * rows_per_expert
+                prefill_arrays = (mx.zeros((experts + 1,), mx.int32),
+                                  mx.zeros((capacity,), mx.int32))
+                for row_tokens, up in [(None, None), (mx.zeros((capacity,), mx.int32), matrices),
+                                       (mx.zeros((capacity,), mx.int32), None), (None, matrices)]:
+                    rows = mx.zeros((capacity, in_dims), src_dtype)
+                    gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
+                                    group_size=group_size, stream=None, row_tokens=row_tokens,
+                                    up=up)
         # argsort_slice: a tiny row (constant), a router's rows, the longest.
         for dtype in ROW_DTYPES:
             for rows, row_size, start, count in [(1, 3, 2, 1), (4, 128, 120, 8),
                                                  (2, MAX_EXPERTS, 0, 10)]:
                 gpu.argsort_slice(mx.zeros((rows, row_size), dtype), start, count, stream=None)
+    # The backend caches a launch's kernel object: drop the recorder's, so a
+    # test on the GPU that makes the same launch makes the real kernel.
+    _gpu._kernel_call.cache_clear()
     unique = {}
     for launch in launches:
         unique.setdefault(launch.id, launch)
