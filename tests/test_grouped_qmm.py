@@ -236,6 +236,34 @@ def test_fused_gate_up_from_tokens(tokens):
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_tall_gated_blocks(name):
+    """The fused gate and up in blocks of 128 rows (the launch's from 512 rows
+    an expert, launch._tall_gated_blocks), forced at a smaller size: experts
+    past one block and inside one, an empty one, the tail; rows from tokens."""
+    rng = np.random.default_rng(61)
+    counts, tokens = [300, 0, 140, 1], 90
+    offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
+        rng, counts, 200, 2048, 4, 64, name, 5)
+    up = quantized_experts(rng, len(counts), 200, 2048, 4, 64, name)
+    row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
+                                 np.full(5, -1)]).astype(np.int32)
+    values = ref.from_float32(0.1 * rng.standard_normal((tokens, 2048)).astype(np.float32), name)
+    gpu = _gpu.for_backend(_backend.gpu_backend())
+    up_mx = tuple(_as_mlx(a, name) if a.dtype != np.uint32 else mx.array(a) for a in up)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0):
+        template = dict(launch.grouped_qmm_launch(len(counts), 2048, 200, len(row_tokens), 4,
+                                                  64, name, backend="cuda", gated=True,
+                                                  num_rows=tokens).template)
+        assert template["BLOCK_ROWS"] == 128
+        out = gpu.grouped_qmm(_as_mlx(values, name), mx.array(weight), _as_mlx(scales, name),
+                              _as_mlx(biases, name), mx.array(offsets), mx.array(row_experts),
+                              bits=4, group_size=64, stream=mx.default_stream(mx.gpu),
+                              row_tokens=mx.array(row_tokens), up=up_mx)
+        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
+                          biases, offsets, 4, 64, name, up=up)
+
+
 @pytest.mark.parametrize("share", [0.0, 0.3])
 def test_expert_parallel_rows_past_the_static_share(share):
     # An expert-parallel layer with static_share hands the rows past that share
