@@ -21,9 +21,10 @@
 // layout (its comments say why): A the weights of 16 columns, B the rows'
 // values of 8 rows, lane (r = lane / 4, slot = lane % 4) holding the slot-th
 // quarter of a quantization group's inputs, a word's fields taken as pairs
-// of neighbours (2p, 2p + 1), as the rows' values lie (qmm_fields.h). But where grouped_qmm.h applies each
-// group's scale and bias to float sums of the exact fields, which costs two
-// accumulators a sum and a multiply-add with ones a row tile, here the
+// of neighbours (2p, 2p + 1), as the rows' values lie (qmm_fields.h; below).
+// But where grouped_qmm.h applies each group's scale and bias to float sums
+// of the exact fields, which costs two accumulators a sum and a
+// multiply-add with ones a row tile, here the
 // weight itself goes in: scale * q + bias, rounded once to the rows' 16-bit
 // format (PAIR_FMA), as MLX's own quantized GEMMs dequantize; float sums over
 // the whole row. A warp computes TILES tiles of 16 columns (when GATED, the

@@ -478,10 +478,10 @@ def _tall_gated_blocks(bits: int, quant_group: int, capacity: int, num_experts: 
     1.13x and 1.23x faster at a capacity of 575 and 1088 rows an expert
     (Qwen3-30B-A3B's and gpt-oss-20b's T = 8192), 0.97x and 0.98x at 191 and
     320 (T = 2048), where more blocks are part empty. The sums then take half
-    a warp's registers: ptxas (sm_90)
-    fits 4 bits in groups of 64 and 8 bits in groups of 64 without spills,
-    and spills groups of 32 (56 bytes) and 128 (284); only the first was
-    timed. Metal keeps its blocks (none measured there)."""
+    a warp's registers: ptxas (sm_90) fits 4 and 8 bits in groups of 64
+    without spills, and spills 4 bits in groups of 32 (56 bytes) and of 128
+    (284); only 4 bits in groups of 64 were timed. Metal keeps its blocks
+    (none measured there)."""
     return ((bits, quant_group) == (4, 64)
             and capacity >= tiling.block_gated_tall_rows * num_experts)
 
