@@ -41,6 +41,18 @@ def _run(offsets, weight, scales, biases, rows, row_experts, bits, group_size, n
                            bits=bits, group_size=group_size, stream=mx.default_stream(mx.gpu))
 
 
+def _run_fused(x, offsets, weight, scales, biases, row_experts, row_tokens, up, name):
+    """The layer's fused form through _gpu.py: rows from the tokens `x` (an
+    MLX array) by `row_tokens`, silu(gate) * up of `up`'s (weight, scales,
+    biases); the rest as `_run` takes them."""
+    gpu = _gpu.for_backend(_backend.gpu_backend())
+    up_mx = tuple(mx.array(a) if a.dtype == np.uint32 else _as_mlx(a, name) for a in up)
+    return gpu.grouped_qmm(x, mx.array(weight), _as_mlx(scales, name), _as_mlx(biases, name),
+                           mx.array(offsets), mx.array(row_experts), bits=4, group_size=64,
+                           stream=mx.default_stream(mx.gpu), row_tokens=mx.array(row_tokens),
+                           up=up_mx)
+
+
 @given(case=grouped_qmm_cases())
 def test_matches_reference(case):
     seed, *arguments = case
@@ -203,15 +215,11 @@ def test_fused_gate_up_from_tokens(tokens):
     order = np.argsort(routed.reshape(-1), kind="stable")
     row_tokens = np.concatenate([order // 8, np.full(5, -1)]).astype(np.int32)
     values = ref.from_float32(rng.standard_normal((tokens, 2048)).astype(np.float32), "bfloat16")
-    gpu = _gpu.for_backend(_backend.gpu_backend())
     up_mx = tuple(_as_mlx(a, "bfloat16") if a.dtype != np.uint32 else mx.array(a) for a in up)
 
     def forward(x):
-        return gpu.grouped_qmm(x, mx.array(weight), _as_mlx(scales, "bfloat16"),
-                               _as_mlx(biases, "bfloat16"), mx.array(offsets),
-                               mx.array(row_experts), bits=4, group_size=64,
-                               stream=mx.default_stream(mx.gpu),
-                               row_tokens=mx.array(row_tokens), up=up_mx)
+        return _run_fused(x, offsets, weight, scales, biases, row_experts, row_tokens, up,
+                          "bfloat16")
 
     x = _as_mlx(values, "bfloat16")
     out = forward(x)
@@ -249,17 +257,13 @@ def test_tall_gated_blocks(name):
     row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
                                  np.full(5, -1)]).astype(np.int32)
     values = ref.from_float32(0.1 * rng.standard_normal((tokens, 2048)).astype(np.float32), name)
-    gpu = _gpu.for_backend(_backend.gpu_backend())
-    up_mx = tuple(_as_mlx(a, name) if a.dtype != np.uint32 else mx.array(a) for a in up)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0):
         template = dict(launch.grouped_qmm_launch(len(counts), 2048, 200, len(row_tokens), 4,
                                                   64, name, backend="cuda", gated=True,
                                                   num_rows=tokens).template)
         assert template["BLOCK_ROWS"] == 128
-        out = gpu.grouped_qmm(_as_mlx(values, name), mx.array(weight), _as_mlx(scales, name),
-                              _as_mlx(biases, name), mx.array(offsets), mx.array(row_experts),
-                              bits=4, group_size=64, stream=mx.default_stream(mx.gpu),
-                              row_tokens=mx.array(row_tokens), up=up_mx)
+        out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
+                         row_tokens, up, name)
         assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
                           biases, offsets, 4, 64, name, up=up)
 
