@@ -21,7 +21,7 @@ from functools import cache
 
 import mlx.core as mx
 import pytest
-from test_metal_source import LAUNCHES, _record
+from test_metal_source import LAUNCHES, record_launches, unique_launches
 
 from mlx_moe_plan import kernels
 from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
@@ -72,10 +72,7 @@ def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...
 
 @cache
 def _every_launch() -> list:
-    unique = {}
-    for launch in LAUNCHES + _record("cuda"):
-        unique.setdefault(launch.id, launch)
-    return list(unique.values())
+    return unique_launches(LAUNCHES + record_launches("cuda"))
 
 
 @pytest.mark.parametrize("name", INPUTS_OUTPUTS)

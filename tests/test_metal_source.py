@@ -58,9 +58,9 @@ class Launch:
         return re.search(r"\[\[kernel\]\] void custom_kernel_moe_(\w+)", self.source()).group(1)
 
 
-def _record(backend: str = "metal") -> list[Launch]:
+def record_launches(backend: str = "metal") -> list[Launch]:
     """Every launch the GPU backend makes for `backend` over the shapes below,
-    its kernels replaced by a recorder."""
+    its kernels replaced by a recorder, repeats included."""
     launches = []
 
     def fake_kernel(backend, name, shared_bytes=0):
@@ -142,13 +142,18 @@ def _record(backend: str = "metal") -> list[Launch]:
     # The backend caches a launch's kernel object: drop the recorder's, so a
     # test on the GPU that makes the same launch makes the real kernel.
     _gpu._kernel_call.cache_clear()
+    return launches
+
+
+def unique_launches(launches: list[Launch]) -> list[Launch]:
+    """`launches` without repeats: the first of each kernel text."""
     unique = {}
     for launch in launches:
         unique.setdefault(launch.id, launch)
     return list(unique.values())
 
 
-LAUNCHES = _record()
+LAUNCHES = unique_launches(record_launches())
 launch_params = pytest.mark.parametrize("launch", LAUNCHES, ids=[launch.id for launch in LAUNCHES])
 
 
