@@ -17,6 +17,14 @@ markers and sums each step's kernels by name. Nsight Compute runs the kernels
 one at a time with cold caches: the sums are larger than the same kernels
 take in a step, and are for comparing kernels, not for the step's time.
 
+`--variants` compares instead: mlx-lm's model, the patched one as it is,
+and the patched one under each variant of the measured rules
+(`mlx_moe_plan.rules` constants, upper case) and of the grouped kernel's
+tiling (`GroupedQmmTiling` fields, lower case), their turns of 20 steps
+alternated `--rounds` times at each batch, the median step of each turn,
+then the median turn. A variant's compiled forwards and projection routes
+are dropped when its turn starts, so each traces under its own rules.
+
 `--build-profile N` builds N more steps under Python's profiler, evaluating
 each outside it, and prints where the building went by function, own time
 first: the host's part of a step (the model's calls, the layers' rules and
@@ -93,6 +101,77 @@ def profile_builds(model, cache, y: mx.array, steps: int, top: int) -> str:
     return out.getvalue()
 
 
+def parse_variants(text: str) -> dict[str, tuple[dict, dict]]:
+    """`name:KEY=VALUE,key=VALUE;...` as {name: (rules' constants, tiling fields)}."""
+    from mlx_moe_plan import rules
+    from mlx_moe_plan.kernels import launch
+
+    variants = {}
+    for entry in filter(None, text.split(";")):
+        name, _, settings = entry.partition(":")
+        constants, tiling = {}, {}
+        for setting in filter(None, settings.split(",")):
+            key, _, value = setting.partition("=")
+            if key.isupper() and isinstance(getattr(rules, key, None), int):
+                constants[key] = int(value)
+            elif key in launch.GroupedQmmTiling.__dataclass_fields__:
+                tiling[key] = int(value)
+            else:
+                raise SystemExit(f"--variants: {key!r} is neither an int constant of "
+                                 f"mlx_moe_plan.rules nor a GroupedQmmTiling field")
+        variants[name.strip()] = constants, tiling
+    return variants
+
+
+def compare_variants(model, patched, config: dict, args) -> str:
+    """mlx-lm's model, the patched one, and the patched one under each of
+    `args.variants`, turns alternated (the order reversed every other round):
+    each side's median step of each turn, and the median turn, a batch."""
+    from mlx_moe_plan import _compiled, rules
+    from mlx_moe_plan.kernels import launch
+
+    sides = {"mlx-lm": (model, {}, {}), "patched": (patched, {}, {}),
+             **{name: (patched, *changes) for name, changes in
+                parse_variants(args.variants).items()}}
+    defaults = {key: getattr(rules, key) for _, constants, _ in sides.values()
+                for key in constants}
+
+    def forget():  # the traces and routes made under another side's rules
+        _compiled._SHARED_FORWARDS.clear()
+        for _, module in patched.named_modules():
+            module.__dict__.pop("_compiled_forwards", None)
+            module.__dict__.pop("_projection_routes", None)
+
+    lines = [f"{args.models}, {args.layers} layers, context {args.context}: the median of "
+             f"{args.rounds} turns of {TIMED_STEPS} steps; wall ms, build ms, speedup over mlx-lm"]
+    try:
+        for batch in (int(b) for b in args.batches.split(",")):
+            cache, y = fill_context(patched, batch, args.context, config["vocab_size"])
+            turns = {name: [] for name in sides}
+            for round_ in range(args.rounds):
+                for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
+                    side, constants, tiling = sides[name]
+                    for key, value in defaults.items():
+                        setattr(rules, key, constants.get(key, value))
+                    forget()
+                    with launch.grouped_qmm_tiling(**tiling):
+                        builds, walls, _ = decode_steps(side, cache, y, TIMED_STEPS,
+                                                        UNTIMED_STEPS)
+                    turns[name].append((statistics.median(walls), statistics.median(builds)))
+            reference = statistics.median(wall for wall, _ in turns["mlx-lm"])
+            for name, measured in turns.items():
+                wall = statistics.median(w for w, _ in measured)
+                build = statistics.median(b for _, b in measured)
+                lines.append(f"batch {batch:<3} {name:<12} wall {wall * 1e3:8.3f}  build "
+                             f"{build * 1e3:7.3f}  {reference / wall:5.2f}x  turns "
+                             + " ".join(f"{w * 1e3:.2f}" for w, _ in measured))
+    finally:
+        for key, value in defaults.items():
+            setattr(rules, key, value)
+        forget()
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_kernels",
                                      description=__doc__.split("\n\n")[0])
@@ -115,6 +194,13 @@ def main(argv=None) -> int:
     parser.add_argument("--build-profile", type=int, default=0, metavar="N",
                         help="profile N more steps a batch by Python function, own time "
                              "(default: %(default)s, none)")
+    parser.add_argument("--variants", metavar="NAME:KEY=V,...;...",
+                        help="compare mlx-lm's model, the patched one and the patched one "
+                             "under these rule constants and tiling fields, alternated, "
+                             "instead of one side (default: none)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="turns of each side a batch with --variants "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize, args.top))
@@ -122,6 +208,9 @@ def main(argv=None) -> int:
     config = with_layers(MODELS[args.models], args.layers)
     model, _ = random_model(config, dtype=getattr(mx, args.dtype), bits=4, group_size=64)
     patched, _ = patched_copy(model, tile_m=None, no_compile=False)
+    if args.variants is not None:
+        print(compare_variants(model, patched, config, args), flush=True)
+        return 0
     side = patched if args.side == "patched" else model
     cuda = mx.default_device().type == mx.gpu and mx.cuda.is_available()
     for batch in (int(b) for b in args.batches.split(",")):

@@ -385,6 +385,21 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
              if line.strip()[:1].isdigit() and "(" in line}
     assert [count for name, count in calls.items() if name.endswith("(build_step)")] == ["2"]
     assert any("fused_blocks.py:" in name for name in calls)
+    # --variants: every side a batch, the rules as they were afterwards, and
+    # a key that is neither a rule's constant nor a tiling field refused.
+    from mlx_moe_plan import rules
+
+    threshold = rules.DENSE_DECODING_FROM_IN_DIMS
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches", "2",
+                              "--context", "8", "--dtype", "float32", "--rounds", "2",
+                              "--variants", "all:DENSE_DECODING_FROM_IN_DIMS=0;"
+                              "body:tiles_from_rows=65"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines[1:]] == ["mlx-lm", "patched", "all", "body"]
+    assert all(len(line.split("turns")[1].split()) == 2 for line in lines[1:])
+    assert rules.DENSE_DECODING_FROM_IN_DIMS == threshold
+    with pytest.raises(SystemExit, match="neither"):
+        step_kernels.parse_variants("bad:NOT_A_RULE=1")
     # Nsight Compute's CSV: log lines, the table; kernels before the first
     # marker are another step's and not counted; units as the tool gives them.
     header = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"')
