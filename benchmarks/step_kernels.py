@@ -136,12 +136,6 @@ def compare_variants(model, patched, config: dict, args) -> str:
     defaults = {key: getattr(rules, key) for _, constants, _ in sides.values()
                 for key in constants}
 
-    def forget():  # the traces and routes made under another side's rules
-        _compiled._SHARED_FORWARDS.clear()
-        for _, module in patched.named_modules():
-            module.__dict__.pop("_compiled_forwards", None)
-            module.__dict__.pop("_projection_routes", None)
-
     lines = [f"{args.models}, {args.layers} layers, context {args.context}: the median of "
              f"{args.rounds} turns of {TIMED_STEPS} steps; wall ms, build ms, speedup over mlx-lm"]
     try:
@@ -153,7 +147,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
                     side, constants, tiling = sides[name]
                     for key, value in defaults.items():
                         setattr(rules, key, constants.get(key, value))
-                    forget()
+                    _compiled.forget(patched)  # another side's traces and routes
                     with launch.grouped_qmm_tiling(**tiling):
                         builds, walls, _ = decode_steps(side, cache, y, TIMED_STEPS,
                                                         UNTIMED_STEPS)
@@ -168,7 +162,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
     finally:
         for key, value in defaults.items():
             setattr(rules, key, value)
-        forget()
+        _compiled.forget(patched)
     return "\n".join(lines)
 
 

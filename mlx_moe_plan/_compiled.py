@@ -161,6 +161,20 @@ def _forward_for(module: nn.Module, key: tuple) -> _CompiledForward:
         return _SHARED_FORWARDS.setdefault((structure, *key), _CompiledForward())
 
 
+def forget(model: nn.Module) -> None:
+    """Drop what the package keeps for the host's sake: every `ModuleCache` of
+    `model`'s modules (their compiled forwards, their projections' routes)
+    and the traces layers share. The next call traces and asks its rules
+    anew, as it must after a rule or the kernels' tiling changed for the
+    same shapes (a benchmark comparing them)."""
+    with _SHARED_LOCK:
+        _SHARED_FORWARDS.clear()
+    for _, module in model.named_modules():
+        for value in vars(module).values():
+            if isinstance(value, ModuleCache):
+                value.clear()
+
+
 def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):
     """`forward(*arrays)`, compiled with the module's arrays as implicit inputs.
 

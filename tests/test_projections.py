@@ -147,6 +147,13 @@ def test_the_route_is_asked_once_a_shape_and_dtype(monkeypatch):
     layer.group_size = 64
     layer(step.astype(mx.float16))
     assert len(routes) == 3
+    # Forgotten (a benchmark changing the rules): every kept answer dropped,
+    # and the next call asks again.
+    assert layer._projection_routes
+    _compiled.forget(layer)
+    assert not layer._projection_routes
+    layer(step.astype(mx.float16))
+    assert len(routes) == 4 and len(layer._projection_routes) == 1
 
 
 # ------------------------------------------------------------------ the layers
