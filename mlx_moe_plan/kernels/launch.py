@@ -446,8 +446,8 @@ def grouped_qmm_launch(
     tiling's gated_tiles (block_gated_tiles)."""
     tiling = _grouped_qmm_tiling.get()
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
-        tall = gated and backend != "metal" and _tall_gated_blocks(
-            bits, quant_group, capacity, num_experts, tiling)
+        tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
+                                  tiling)
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
                                           SHARED_BYTES[backend], backend != "cuda", tall)
@@ -466,11 +466,11 @@ def grouped_qmm_body(capacity: int, num_experts: int) -> str:
             else "grouped_qmm")
 
 
-def _tall_gated_blocks(bits: int, quant_group: int, capacity: int, num_experts: int,
-                       tiling: GroupedQmmTiling) -> bool:
-    """Whether grouped_qmm_tiles.h's gated launch takes the tiling's
-    `block_gated_row_tiles` (tall blocks): from `block_gated_tall_rows` rows
-    an expert on average, 4 bits in groups of 64.
+def _tall_gated_blocks(gated: bool, backend: str, bits: int, quant_group: int, capacity: int,
+                       num_experts: int, tiling: GroupedQmmTiling) -> bool:
+    """Whether grouped_qmm_tiles.h's launch takes the tiling's
+    `block_gated_row_tiles` (tall blocks): gated, not on Metal, from
+    `block_gated_tall_rows` rows an expert on average, 4 bits in groups of 64.
 
     Twice the rows a block (128 by 64 columns of gate and up, against 64 by
     64) make each weight made 16-bit serve twice the rows. Measured on the
@@ -482,7 +482,7 @@ def _tall_gated_blocks(bits: int, quant_group: int, capacity: int, num_experts: 
     without spills, and spills 4 bits in groups of 32 (56 bytes) and of 128
     (284); only 4 bits in groups of 64 were timed. Metal keeps its blocks
     (none measured there)."""
-    return ((bits, quant_group) == (4, 64)
+    return (gated and backend != "metal" and (bits, quant_group) == (4, 64)
             and capacity >= tiling.block_gated_tall_rows * num_experts)
 
 
