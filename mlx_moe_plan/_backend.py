@@ -37,14 +37,19 @@ class GroupedQmm(Protocol):
         stream: mx.Stream,
         row_tokens: mx.array | None = None,
         up: tuple[mx.array, mx.array, mx.array] | None = None,
+        bias: mx.array | None = None,
+        up_bias: mx.array | None = None,
+        clamped_swiglu: tuple[float, float] | None = None,
     ) -> mx.array:
-        """`out[r] = rows[r] @ dequantize(weight[e]).T` for the rows of expert
-        e's span, zeros on the tail rows. With `row_tokens`, `rows` are the
-        tokens and row r is `rows[row_tokens[r]]`; with `up`, the result is
-        `silu(out) * up_out`, `up_out` the same GEMM with `up`'s matrices
-        (mlx-lm's SwiGLU of a gate and an up projection). Differentiable with
-        respect to `rows` (through MLX's `gather_qmm`, `row_experts` naming
-        each row's expert); quantized weights get no gradient, as in MLX.
+        """`out[r] = rows[r] @ dequantize(weight[e]).T (+ bias[e])` for the
+        rows of expert e's span, zeros on the tail rows. With `row_tokens`,
+        `rows` are the tokens and row r is `rows[row_tokens[r]]`; with `up`,
+        the result is `silu(out) * up_out`, `up_out` the same GEMM with `up`'s
+        matrices (and `up_bias`): mlx-lm's SwiGLU of a gate and an up
+        projection, or with `clamped_swiglu` gpt-oss's clamped one.
+        Differentiable with respect to `rows` (through MLX's `gather_qmm`,
+        `row_experts` naming each row's expert) and the biases; quantized
+        weights get no gradient, as in MLX.
 
         Args:
             rows (array): `[capacity, D]`, or `[T, D]` with `row_tokens`, of a
@@ -63,6 +68,13 @@ class GroupedQmm(Protocol):
                 outside `[0, T)` reads the nearest one inside.
             up (tuple, optional): weight, scales and biases of the up
                 projection, shaped and typed as `weight`, `scales` and `biases`.
+            bias (array, optional): `[E, N]` in the rows' dtype, the
+                projection's own bias (mlx-lm's `SwitchLinear.bias`).
+            up_bias (array, optional): The up projection's, with `up` and `bias`.
+            clamped_swiglu (tuple, optional): With `up`, `(alpha, limit)`:
+                `(clip(up_out, -limit, limit) + 1) * g * sigmoid(alpha * g)`
+                of `g = min(out, limit)` (mlx-lm's `swiglu_oai`) in place of
+                silu's.
 
         Returns:
             array: `[capacity, N]` in the rows' dtype.

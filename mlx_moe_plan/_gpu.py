@@ -253,6 +253,9 @@ class GpuBackend:
         stream: mx.Stream,
         row_tokens: mx.array | None = None,
         up: tuple[mx.array, mx.array, mx.array] | None = None,
+        bias: mx.array | None = None,
+        up_bias: mx.array | None = None,
+        clamped_swiglu: tuple[float, float] | None = None,
     ) -> mx.array:
         """`_backend.GroupedQmm` by kernels/grouped_qmm.h: rows of
         `launch.GROUPED_QMM_DTYPES`, `launch.GROUPED_QMM_BITS` bits, quant
@@ -269,9 +272,22 @@ class GpuBackend:
                 if (mine.dtype, mine.shape) != (theirs.dtype, theirs.shape):
                     raise ValueError(f"up: its {name} must be {theirs.dtype} {theirs.shape} "
                                      f"as the gate's, got {mine.dtype} {mine.shape}")
+        if up_bias is not None and (up is None or bias is None):
+            raise ValueError("up_bias: the up projection's bias, given with up and bias only")
+        if up is not None and bias is not None and up_bias is None:
+            raise ValueError("up_bias: needed with up and bias (both projections' biases)")
+        if clamped_swiglu is not None and up is None:
+            raise ValueError("clamped_swiglu: the gated form's, given with up only")
+        for name, array in (("bias", bias), ("up_bias", up_bias)):
+            if array is not None and (array.dtype, array.shape) != (rows.dtype,
+                                                                     weight.shape[:2]):
+                raise ValueError(f"{name}: expected {rows.dtype} {weight.shape[:2]} (the "
+                                 f"rows' dtype, [E, N]), got {array.dtype} {array.shape}")
+        clamped = None if clamped_swiglu is None else tuple(map(float, clamped_swiglu))
         function = _grouped_qmm_function(self.backend, bits, group_size, row_tokens is not None,
-                                         up is not None, stream)
-        extra = ([] if row_tokens is None else [row_tokens]) + ([] if up is None else list(up))
+                                         up is not None, bias is not None, clamped, stream)
+        extra = ([] if row_tokens is None else [row_tokens]) + ([] if up is None else list(up)) \
+            + [b for b in (bias, up_bias) if b is not None]
         return function(rows, weight, scales, biases, expert_offsets, row_experts, *extra)
 
 
@@ -387,8 +403,8 @@ def _combine_function(backend, dtype, has_weights, stream):
     return combine
 
 
-def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up, bits,
-                 group_size, stream):
+def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up,
+                 out_bias, clamped, bits, group_size, stream):
     num_rows, in_dims = rows.shape
     capacity = num_rows if row_tokens is None else row_tokens.shape[0]
     num_experts, out_dims, _ = weight.shape
@@ -397,24 +413,44 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
         backend=backend, num_rows=None if row_tokens is None else num_rows,
-        gated=up is not None)
+        gated=up is not None, out_bias=out_bias is not None, clamped_swiglu=clamped)
     # The body's arguments are fixed: an absent input is another it never reads.
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
         tuple(_device_buffer(a, stream) for a in up)
+    out_bias = (scales, scales) if out_bias is None else \
+        tuple(_device_buffer(a, stream) for a in out_bias)
     (out,) = _run(backend, [rows, expert_offsets if row_tokens is None else row_tokens, weight,
-                            scales, biases, *up, expert_offsets], qmm_launch, stream)
+                            scales, biases, *up, *out_bias, expert_offsets], qmm_launch, stream)
     return out
 
 
+def gated_activation(gate: mx.array, up: mx.array, clamped: tuple[float, float] | None,
+                     stream=None) -> mx.array:
+    """What the fused launch stores of its gate and up sums, in MLX's ops:
+    mlx-lm's SwiGLU, silu(gate) * up, or with `clamped` (alpha, limit)
+    gpt-oss's (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g =
+    min(gate, limit) (mlx_lm.models.activations.swiglu_oai)."""
+    if clamped is None:
+        return gate * mx.sigmoid(gate, stream=stream) * up
+    alpha, limit = clamped
+    gate = mx.minimum(gate, limit, stream=stream)
+    up = mx.clip(up, -limit, limit, stream=stream)
+    return (up + 1.0) * (gate * mx.sigmoid(alpha * gate, stream=stream))
+
+
 @cache_by_stream
-def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, stream):
+def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias, clamped,
+                          stream):
     @mx.custom_function
     def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts, *extra):
         row_tokens = extra[0] if token_rows else None
-        up = tuple(extra[token_rows:]) if gated else None
+        up = tuple(extra[token_rows:token_rows + 3]) if gated else None
+        bias = tuple(extra[token_rows + 3 * gated:]) if out_bias else None
+        if bias is not None and not gated:
+            bias = (bias[0], bias[0])
         return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens,
-                            up, bits, group_size, stream)
+                            up, bias, clamped, bits, group_size, stream)
 
     def rows_projection(rows, row_experts, weight, scales, biases):
         # rows[r] @ dequantize(weight[e]).T by MLX's GEMM, each row [1, D]
@@ -429,7 +465,7 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, stream):
     def grouped_qmm_vjp(primals, cotangent, output):
         rows, weight, scales, biases, expert_offsets, row_experts, *extra = primals
         zeros = [mx.zeros_like(primal) for primal in primals[1:]]
-        if not token_rows and not gated:
+        if not token_rows and not gated and not out_bias:
             # d rows[r] = cotangent[r] @ dequantize(weight[e]): MLX's own
             # GEMM. Tail rows carry the last expert and a zero cotangent
             # (nothing reads their zeros).
@@ -440,21 +476,32 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, stream):
             return (grad.reshape(rows.shape), *zeros)
 
         # The fused forms: the gradient of what they fuse, in MLX's ops, with
-        # the kernel's tokens: clamped into the tokens, the tail rows zeros.
-        def unfused(rows):
+        # the kernel's tokens: clamped into the tokens, the tail rows zeros
+        # (their biases too). The projections' biases get theirs.
+        in_spans = mx.arange(output.shape[0], stream=stream) < expert_offsets[-1]
+        first_bias = token_rows + 3 * gated
+
+        def unfused(rows, *out_biases):
             if token_rows:
                 tokens = mx.clip(extra[0], 0, rows.shape[0] - 1, stream=stream)
-                in_spans = mx.arange(tokens.shape[0], stream=stream) < expert_offsets[-1]
                 rows = mx.take(rows, tokens, axis=0, stream=stream)
                 rows = mx.where(in_spans[:, None], rows, 0, stream=stream)
-            out = rows_projection(rows, row_experts, weight, scales, biases)
+
+            def project(matrices, bias):
+                out = rows_projection(rows, row_experts, *matrices)
+                if bias is None:
+                    return out
+                row_bias = mx.take(bias, row_experts, axis=0, stream=stream)
+                return out + mx.where(in_spans[:, None], row_bias, 0, stream=stream)
+
+            out = project((weight, scales, biases), out_biases[0] if out_bias else None)
             if gated:
-                up = rows_projection(rows, row_experts, *extra[token_rows:])
-                out = out * mx.sigmoid(out, stream=stream) * up  # silu(gate) * up
+                up = project(extra[token_rows:first_bias], out_biases[1] if out_bias else None)
+                out = gated_activation(out, up, clamped, stream)
             return out
 
-        _, (grad,) = mx.vjp(unfused, [rows], [cotangent])
-        return (grad, *zeros)
+        _, grads = mx.vjp(unfused, [rows, *extra[first_bias:]], [cotangent])
+        return (grads[0], *zeros[:len(zeros) - (len(grads) - 1)], *grads[1:])
 
     return grouped_qmm
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import mlx_moe_plan
 from mlx_moe_plan import _backend
+from mlx_moe_plan._gpu import gated_activation
 from mlx_moe_plan import reference as ref
 from mlx_moe_plan.kernels import launch
 
@@ -477,64 +478,94 @@ def token_rows(tokens: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:
 
 
 def grouped_qmm_by_mlx_ops(rows, weight, scales, biases, expert_offsets, row_experts, *,
-                           bits, group_size, row_tokens=None, up=None) -> mx.array:
+                           bits, group_size, row_tokens=None, up=None, bias=None,
+                           up_bias=None, clamped_swiglu=None) -> mx.array:
     """What grouped_qmm computes (`GpuBackend.grouped_qmm`'s arguments), in
     MLX's ops: with `row_tokens`, each row the token it names clamped into the
-    tokens and the tail rows past `expert_offsets[-1]` zeros; with `up`,
-    silu(gate) * up. A stand-in for the kernel where no GPU runs it, and MLX's
-    unfused ops for the fused form's gradient."""
+    tokens and the tail rows past `expert_offsets[-1]` zeros; each
+    projection's `bias` and `up_bias` added; with `up`, silu(gate) * up (or
+    the `clamped_swiglu`). A stand-in for the kernel where no GPU runs it,
+    and MLX's unfused ops for the fused form's gradient."""
     if row_tokens is not None:
         tokens = mx.clip(row_tokens, 0, rows.shape[0] - 1)
         in_spans = mx.arange(row_tokens.shape[0]) < expert_offsets[-1]
         rows = mx.where(in_spans[:, None], rows[tokens], 0)
 
-    def project(weight, scales, biases):
+    def project(weight, scales, biases, bias):
         # [rows, 1, D] by reshape: see nn.SwitchGLU._expert_rows_used.
         out = mx.gather_qmm(rows.reshape(-1, 1, rows.shape[-1]), weight, scales, biases,
                             rhs_indices=row_experts, transpose=True, group_size=group_size,
                             bits=bits, sorted_indices=True)
-        return out.reshape(rows.shape[0], out.shape[-1])
+        out = out.reshape(rows.shape[0], out.shape[-1])
+        if bias is None:
+            return out
+        in_spans = mx.arange(out.shape[0]) < expert_offsets[-1]  # the tail rows: zeros
+        return out + mx.where(in_spans[:, None], bias[row_experts], 0)
 
-    out = project(weight, scales, biases)
-    return out if up is None else out * mx.sigmoid(out) * project(*up)
+    out = project(weight, scales, biases, bias)
+    return out if up is None else \
+        gated_activation(out, project(*up, up_bias), clamped_swiglu)
 
 
 def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group_size, name, *,
-                      up=None):
+                      up=None, bias=None, clamped_swiglu=None):
     """`actual` within the rounding of a float32 sum and of `name` of the
-    float64 reference, and zeros on the tail rows. With `up`, the (weight,
-    scales, biases) of a second projection, `actual` is silu(gate) * up of
-    the two projections' float sums."""
+    float64 reference, and zeros on the tail rows. With `bias`, each
+    projection's bias [E, out] (the gate's, then up's) added to its sums.
+    With `up`, the (weight, scales, biases) of a second projection, `actual`
+    is silu(gate) * up of the two projections' float sums, or gpt-oss's
+    `clamped_swiglu` (alpha, limit) of them."""
     def absolute(values):
         return ref.from_float32(np.abs(ref.to_float32(values, name)), name)
 
-    def gemm(weight, scales, biases):
-        """The reference's sums, and the bound on a float32 sum's error: the
-        sum of the terms' magnitudes (the kernel sums scale * q * x and bias *
-        x apart, so the terms are those: the reference's GEMM of the absolute
-        rows, scales and biases, exact in every dtype)."""
+    row_experts = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+
+    def gemm(weight, scales, biases, bias):
+        """The reference's sums (and the bias of each row's expert), and the
+        bound on a float32 sum's error: the sum of the terms' magnitudes (the
+        kernel sums scale * q * x and bias * x apart, so the terms are those:
+        the reference's GEMM of the absolute rows, scales and biases, exact
+        in every dtype), and a float32 rounding of the bias's addition."""
         sums = ref.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size, name)
         magnitude = ref.grouped_qmm(absolute(rows), weight, absolute(scales), absolute(biases),
                                     offsets, bits, group_size, name)
-        return sums, (rows.shape[1] + 8) * 2.0**-24 * magnitude, magnitude
+        error = (rows.shape[1] + 8) * 2.0**-24 * magnitude
+        if bias is not None:
+            row_bias = np.zeros_like(sums)
+            row_bias[:len(row_experts)] = ref.to_float32(bias, name)[row_experts]
+            sums = sums + row_bias
+            error = error + 2.0**-24 * (np.abs(sums) + np.abs(row_bias))
+        return sums, error, magnitude
 
-    expected, sum_error, magnitude = gemm(weight, scales, biases)
+    gate_bias, up_bias = (None, None) if bias is None else (bias[0], bias[-1])
+    expected, sum_error, magnitude = gemm(weight, scales, biases, gate_bias)
     if up is not None:
         gate, gate_error, gate_magnitude = expected, sum_error, magnitude
-        up_sums, up_error, up_magnitude = gemm(*up)
-        silu = gate / (1 + np.exp(-gate))
-        expected = silu * up_sums
-        # silu's slope is within [-0.1, 1.1]; its float evaluation (exp, a
-        # division, two products) a few ulps of float32.
-        sum_error = (1.1 * np.abs(up_sums) * gate_error + np.abs(silu) * up_error
-                     + gate_error * up_error + 2.0**-20 * np.abs(gate * up_sums))
+        up_sums, up_error, up_magnitude = gemm(*up, up_bias)
+        if clamped_swiglu is None:
+            silu = gate / (1 + np.exp(-gate))
+            expected = silu * up_sums
+            # silu's slope is within [-0.1, 1.1].
+            gate_slope, up_slope = 1.1 * np.abs(up_sums), np.abs(silu)
+        else:
+            alpha, limit = clamped_swiglu
+            clamped_gate = np.minimum(gate, limit)
+            glu = clamped_gate / (1 + np.exp(-alpha * clamped_gate))
+            linear = np.clip(up_sums, -limit, limit) + 1
+            expected = linear * glu
+            # g * sigmoid(alpha g)'s slope is within [-0.1, 1.1] for every
+            # alpha (silu's, of alpha g); the clamps only flatten it.
+            gate_slope, up_slope = 1.2 * np.abs(linear), np.abs(glu)
+        # The activation's float evaluation (exp, a division, products): a
+        # few ulps of float32.
+        sum_error = (gate_slope * gate_error + up_slope * up_error + 1.2 * gate_error * up_error
+                     + 2.0**-20 * (np.abs(gate) + 1) * (np.abs(up_sums) + 1))
     unit = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}[name]
     if launch.grouped_qmm_body(len(actual), len(offsets) - 1) == "grouped_qmm_tiles":
         # grouped_qmm_tiles.h multiplies weights rounded to the rows' format
         # (scale * q + bias rounded once): each term off by a unit at most.
         sum_error = sum_error + unit * (magnitude if up is None else
-                                        1.1 * np.abs(up_sums) * gate_magnitude
-                                        + np.abs(silu) * up_magnitude)
+                                        gate_slope * gate_magnitude + up_slope * up_magnitude)
     values = ref.to_float32(np.asarray(actual), name).astype(np.float64)
     assert np.isfinite(values).all(), "an unwritten (poisoned) or overflowed element"
     # Rounding below the normal range is absolute: half the least subnormal.

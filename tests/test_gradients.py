@@ -168,13 +168,15 @@ def test_gradients_agree_with_every_kind_of_entry(weighted, device):
     _agree(got, want, "combine: d rows", device)
 
 
-@pytest.mark.parametrize("token_rows,gated", [(False, False), (True, False), (False, True),
-                                              (True, True)])
-def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated):
-    """The grouped GEMM's input gradient in each of its forms, its kernel stood
-    in for by MLX's ops of the same meaning (tests/test_grouped_qmm.py runs the
+@pytest.mark.parametrize("token_rows,gated,form", [
+    (token_rows, gated, form) for token_rows in (False, True) for gated in (False, True)
+    for form in ("plain", "biased", "clamped") if gated or form != "clamped"])
+def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated, form):
+    """The grouped GEMM's gradients in each of its forms, its kernel stood in
+    for by MLX's ops of the same meaning (tests/test_grouped_qmm.py runs the
     kernel on a GPU): the gradient of those ops, tokens clamped into the
-    tokens, tail rows zeros, whatever a broken plan's tokens say."""
+    tokens, tail rows zeros, whatever a broken plan's tokens say; the rows',
+    and with biases (gpt-oss's clamped SwiGLU where gated) the biases'."""
     from mlx_moe_plan import _gpu
 
     rng = np.random.default_rng(7)
@@ -192,30 +194,44 @@ def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated):
     offsets_mx, experts_mx, tokens_mx = (mx.array(offsets), mx.array(row_experts),
                                          mx.array(row_tokens))
     capacity = len(row_experts)
+    biases = [mx.array(rng.standard_normal((4, out_dims)), mx.float32)
+              for _ in range(1 + gated)] if form != "plain" else []
+    clamped = (1.702, 0.5) if form == "clamped" else None  # a limit the sums pass
 
-    def stand_in(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up, bits,
-                 group_size, stream):
+    def stand_in(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up,
+                 out_bias, clamped, bits, group_size, stream):
         return grouped_qmm_by_mlx_ops(rows, weight, scales, biases, expert_offsets,
                                       experts_mx, bits=bits, group_size=group_size,
-                                      row_tokens=row_tokens, up=up)
+                                      row_tokens=row_tokens, up=up,
+                                      bias=None if out_bias is None else out_bias[0],
+                                      up_bias=None if out_bias is None or up is None
+                                      else out_bias[1], clamped_swiglu=clamped)
 
     monkeypatch.setattr(_gpu, "_grouped_qmm", stand_in)
-    function = _gpu._grouped_qmm_function("cuda", 4, 32, token_rows, gated,
-                                          mx.default_stream(mx.cpu))
+    function = _gpu._grouped_qmm_function("cuda", 4, 32, token_rows, gated, bool(biases),
+                                          clamped, mx.default_stream(mx.cpu))
     rows = mx.array(rng.standard_normal((num_tokens if token_rows else capacity, in_dims)),
                     mx.float32)
     cotangent = mx.array(rng.standard_normal((capacity, out_dims)), mx.float32)
     extra = ([tokens_mx] if token_rows else []) + (list(up) if gated else [])
 
-    def loss(rows):
-        return (function(rows, *gate, offsets_mx, experts_mx, *extra) * cotangent).sum()
+    def loss(rows, *biases):
+        return (function(rows, *gate, offsets_mx, experts_mx, *extra, *biases)
+                * cotangent).sum()
 
-    def want_loss(rows):
+    def want_loss(rows, *biases):
         out = grouped_qmm_by_mlx_ops(rows, *gate, offsets_mx, experts_mx, bits=4, group_size=32,
                                      row_tokens=tokens_mx if token_rows else None,
-                                     up=up if gated else None)
+                                     up=up if gated else None,
+                                     bias=biases[0] if biases else None,
+                                     up_bias=biases[1] if gated and biases else None,
+                                     clamped_swiglu=clamped)
         return (out * cotangent).sum()
 
-    got, want = mx.grad(loss)(rows), mx.grad(want_loss)(rows)
-    assert float(mx.abs(want).max()) > 0
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    # One argument's gradient comes as itself, several as a tuple.
+    arguments = tuple(range(1 + len(biases))) if biases else 0
+    got = mx.grad(loss, argnums=arguments)(rows, *biases)
+    want = mx.grad(want_loss, argnums=arguments)(rows, *biases)
+    for got, want in zip(*((g,) if not biases else g for g in (got, want))):
+        assert float(mx.abs(want).max()) > 0
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -201,21 +201,32 @@ def test_input_gradient_and_compile():
     assert np.array_equal(np.array(eager), np.array(again))
 
 
+def _routed_gate_up(rng, tokens, num_experts, top_k, out_dims, in_dims):
+    """A layer's gate and up projections (bfloat16, 4 bits in groups of 64) of
+    `tokens` routed each to `top_k` distinct experts: the plan's spans with 5
+    tail rows, the gate's matrices, the up projection's (NumPy and MLX), the
+    rows' tokens (tail rows -1) and the tokens' values."""
+    routed = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)])
+    counts = np.bincount(routed.reshape(-1), minlength=num_experts)
+    offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
+        rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 5)
+    up = quantized_experts(rng, num_experts, out_dims, in_dims, 4, 64, "bfloat16")
+    up_mx = tuple(_as_mlx(a, "bfloat16") if a.dtype != np.uint32 else mx.array(a) for a in up)
+    order = np.argsort(routed.reshape(-1), kind="stable")
+    row_tokens = np.concatenate([order // top_k, np.full(5, -1)]).astype(np.int32)
+    values = ref.from_float32(rng.standard_normal((tokens, in_dims)).astype(np.float32),
+                              "bfloat16")
+    return offsets, weight, scales, biases, row_experts, up, up_mx, row_tokens, values
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32])
 def test_fused_gate_up_from_tokens(tokens):
     """The layer's fused form at Qwen3-30B-A3B's gate and up shapes: rows read
     from the tokens through the plan's row_tokens (tail rows -1), silu(gate) *
     up; its input gradient (the unfused ops' through MLX) against the reference."""
     rng = np.random.default_rng(40 + tokens)
-    routed = np.stack([rng.choice(128, 8, replace=False) for _ in range(tokens)])
-    counts = np.bincount(routed.reshape(-1), minlength=128)
-    offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
-        rng, counts, 768, 2048, 4, 64, "bfloat16", 5)
-    up = quantized_experts(rng, 128, 768, 2048, 4, 64, "bfloat16")
-    order = np.argsort(routed.reshape(-1), kind="stable")
-    row_tokens = np.concatenate([order // 8, np.full(5, -1)]).astype(np.int32)
-    values = ref.from_float32(rng.standard_normal((tokens, 2048)).astype(np.float32), "bfloat16")
-    up_mx = tuple(_as_mlx(a, "bfloat16") if a.dtype != np.uint32 else mx.array(a) for a in up)
+    (offsets, weight, scales, biases, row_experts, up, up_mx, row_tokens,
+     values) = _routed_gate_up(rng, tokens, 128, 8, 768, 2048)
 
     def forward(x):
         return _run_fused(x, offsets, weight, scales, biases, row_experts, row_tokens, up,
@@ -242,6 +253,61 @@ def test_fused_gate_up_from_tokens(tokens):
     want = np.array(mx.grad(unfused)(x).astype(mx.float32))
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tokens,tiles_from_rows", [(8, None), (300, None), (300, 0)],
+                         ids=["decoding", "prefill", "tall"])
+def test_clamped_swiglu_with_biases(tokens, tiles_from_rows):
+    """gpt-oss-20b's fused gate and up (2880 by 2880, 32 experts, 4 of them a
+    token): each projection's bias, the clamped SwiGLU (a limit that the
+    sums pass both ways), rows from the tokens; its gradients for the rows
+    and both biases (the unfused ops' through MLX) against MLX's own ops."""
+    rng = np.random.default_rng(70 + tokens)
+    (offsets, weight, scales, biases, row_experts, up, up_mx, row_tokens,
+     values) = _routed_gate_up(rng, tokens, 32, 4, 2880, 2880)
+    bias = tuple(ref.from_float32(rng.standard_normal((32, 2880)).astype(np.float32), "bfloat16")
+                 for _ in range(2))
+    clamped = (1.702, 7.0)
+    gpu = _gpu.for_backend(_backend.gpu_backend())
+    matrices = (mx.array(weight), _as_mlx(scales, "bfloat16"), _as_mlx(biases, "bfloat16"))
+
+    def forward(x, gate_bias, up_bias):
+        return gpu.grouped_qmm(x, *matrices, mx.array(offsets), mx.array(row_experts), bits=4,
+                               group_size=64, stream=mx.default_stream(mx.gpu),
+                               row_tokens=mx.array(row_tokens), up=up_mx, bias=gate_bias,
+                               up_bias=up_bias, clamped_swiglu=clamped)
+
+    x = _as_mlx(values, "bfloat16")
+    bias_mx = [_as_mlx(b, "bfloat16") for b in bias]
+    tiling = {} if tiles_from_rows is None else dict(tiles_from_rows=0, block_gated_tall_rows=0)
+    with launch.grouped_qmm_tiling(**tiling):
+        out = forward(x, *bias_mx)
+        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
+                          biases, offsets, 4, 64, "bfloat16", up=up, bias=bias,
+                          clamped_swiglu=clamped)
+    gate = ref.grouped_qmm(token_rows(values, row_tokens), weight, scales, biases, offsets, 4,
+                           64, "bfloat16")
+    assert (gate[:offsets[-1]] > 7.0).any() and (gate[:offsets[-1]] < -7.0).any()
+
+    cotangent = mx.array(rng.standard_normal(out.shape).astype(np.float32)).astype(mx.bfloat16)
+
+    def unfused(x, gate_bias, up_bias):
+        out = grouped_qmm_by_mlx_ops(x, *matrices, mx.array(offsets), mx.array(row_experts),
+                                     bits=4, group_size=64, row_tokens=mx.array(row_tokens),
+                                     up=up_mx, bias=gate_bias, up_bias=up_bias,
+                                     clamped_swiglu=clamped)
+        return (out.astype(mx.float32) * cotangent).sum()
+
+    def loss(x, gate_bias, up_bias):
+        return (forward(x, gate_bias, up_bias).astype(mx.float32) * cotangent).sum()
+
+    got = mx.grad(loss, argnums=(0, 1, 2))(x, *bias_mx)
+    want = mx.grad(unfused, argnums=(0, 1, 2))(x, *bias_mx)
+    for got_one, want_one in zip(got, want):
+        got_one, want_one = (np.array(g.astype(mx.float32)) for g in (got_one, want_one))
+        assert np.abs(want_one).max() > 0
+        np.testing.assert_allclose(got_one, want_one, rtol=2e-2,
+                                   atol=2e-2 * np.abs(want_one).max())
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])

@@ -452,11 +452,12 @@ def test_grouped_qmm_wide_rows(bits):
 
 
 def _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, num_tokens,
-                 by_token, gated, token_range=None):
+                 by_token, gated, token_range=None, biased=False, clamped_swiglu=None):
     """grouped_qmm reading the rows from the tokens (`by_token`: TOKEN_ROWS),
-    computing silu(gate) * up (`gated`: GATED), or both. Tokens drawn from
-    `token_range` (default: the tokens) are clamped into them, as a broken
-    plan's would be."""
+    computing silu(gate) * up (`gated`: GATED), or both; with `biased`, each
+    projection's bias added (OUT_BIAS), with `clamped_swiglu` gpt-oss's
+    activation for silu's (CLAMPED). Tokens drawn from `token_range`
+    (default: the tokens) are clamped into them, as a broken plan's would be."""
     case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
     offsets, weight, scales, biases, _, _ = case
     entries = int(offsets[-1])
@@ -473,25 +474,60 @@ def _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, n
     rows = token_rows(tokens, clamped)
     up = quantized_experts(rng, len(counts), out_dims, in_dims, bits, group_size, name) \
         if gated else None
+    bias = tuple(ref.from_float32(rng.standard_normal((len(counts), out_dims)).astype(
+        np.float32), name) for _ in range(1 + gated)) if biased else None
     out = ocl.grouped_qmm(tokens if by_token else rows, weight, scales, biases, offsets, bits,
-                          group_size, row_tokens=row_tokens if by_token else None, up=up)
-    assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name, up=up)
+                          group_size, row_tokens=row_tokens if by_token else None, up=up,
+                          bias=bias, clamped_swiglu=clamped_swiglu)
+    assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name, up=up,
+                      bias=bias, clamped_swiglu=clamped_swiglu)
 
 
-@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1,
-                       max_size=5),
-       out_dims=st.one_of(st.sampled_from([1, 7, 8, 9, 17]), st.integers(1, 40)),
-       in_groups=st.integers(1, 3), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
-       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
-       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
-       num_tokens=st.integers(1, 6), fusion=st.sampled_from(["tokens", "gated", "both"]),
-       seed=st.integers(0, 2**32 - 1))
+# The fused forms' cases: experts without rows, with a few, with more than a
+# pass; columns past a tile's; one to three quantization groups a row.
+_FUSED_CASES = dict(
+    counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 20)), min_size=1, max_size=5),
+    out_dims=st.one_of(st.sampled_from([1, 7, 8, 9, 17]), st.integers(1, 40)),
+    in_groups=st.integers(1, 3), bits=st.sampled_from(launch.GROUPED_QMM_BITS),
+    group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
+    name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
+    seed=st.integers(0, 2**32 - 1))
+
+
+@given(**_FUSED_CASES, num_tokens=st.integers(1, 6),
+       fusion=st.sampled_from(["tokens", "gated", "both"]))
 def test_grouped_qmm_fused_matches_reference(counts, out_dims, in_groups, bits, group_size,
                                              name, tail, num_tokens, fusion, seed):
     """The layer's fusions: rows read from the tokens through the plan's
     row_tokens, and SwiGLU of a gate and an up projection, apart and together."""
     _check_fused(np.random.default_rng(seed), counts, out_dims, in_groups * group_size, bits,
                  group_size, name, tail, num_tokens, fusion != "gated", fusion != "tokens")
+
+
+@given(**_FUSED_CASES, form=st.sampled_from(["bias", "gated", "clamped"]),
+       limit=st.sampled_from([0.5, 2.0, 7.0]), by_token=st.booleans())
+def test_grouped_qmm_biases_and_clamped_swiglu_match_reference(
+        counts, out_dims, in_groups, bits, group_size, name, tail, form, limit, by_token, seed):
+    """Each projection's bias in the sums (one projection, or gate and up),
+    and gpt-oss's clamped SwiGLU of biased gate and up (the clamps reached:
+    limits down to 0.5), as its layer runs them in one launch."""
+    _check_fused(np.random.default_rng(seed), counts, out_dims, in_groups * group_size, bits,
+                 group_size, name, tail, 4, by_token, form != "bias", biased=True,
+                 clamped_swiglu=(1.702, limit) if form == "clamped" else None)
+
+
+@pytest.mark.parametrize("body", ["grouped_qmm", "grouped_qmm_tiles"])
+def test_grouped_qmm_clamped_swiglu_in_each_body(body):
+    """gpt-oss's fused gate and up, biased, in each body: the block tiles from
+    their rows an expert (tall blocks, 4 bits in groups of 64, from 512)."""
+    rng = np.random.default_rng(53)
+    counts = [40, 0, 75, 9] if body == "grouped_qmm_tiles" else [3, 0, 5, 1]
+    changes = dict(tiles_from_rows=0 if body == "grouped_qmm_tiles" else 10**6,
+                   block_gated_tall_rows=16)
+    with launch.grouped_qmm_tiling(**changes):
+        assert launch.grouped_qmm_body(sum(counts) + 3, 4) == body
+        _check_fused(rng, counts, 72, 128, 4, 64, "bfloat16", 3, 6, True, True, biased=True,
+                     clamped_swiglu=(1.702, 2.0))
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["tokens", "gated"])

@@ -39,12 +39,16 @@
 // use: TOKEN_ROWS reads row r from rows[row_tokens[r]], the tokens themselves,
 // so no gathered copy of them is made; GATED computes two projections of the
 // same rows, weight's (the gate) and up_weight's, in the same warp for the
-// same columns, and stores silu(gate) * up from the float sums (SwiGLU).
+// same columns, and stores silu(gate) * up from the float sums (SwiGLU), or
+// with CLAMPED gpt-oss's clamped form (qmm_store.h). OUT_BIAS adds each
+// projection's own bias of the column to its sums first.
 // Inputs: rows InT [num_rows, in_dims], float16 or bfloat16; row_tokens int32
 //   [capacity], the plan's (read with TOKEN_ROWS only); weight uint32
 //   [E, out_dims, in_dims / VALUES]; scales, biases InT [E, out_dims,
 //   in_dims / QUANT_GROUP]; up_weight, up_scales, up_biases likewise (read
-//   when GATED only); expert_offsets int32 [E + 1]; params int32, the fields of
+//   when GATED only); bias, up_bias InT [E, out_dims], the projections'
+//   biases (read with OUT_BIAS only; up_bias when GATED too); expert_offsets
+//   int32 [E + 1]; params int32, the fields of
 //   launch.py's GroupedQmmParams in order (read below; column_blocks: blocks of
 //   COLUMN_WARPS * 16 * COLUMN_TILES columns that cover out_dims; num_rows:
 //   capacity without TOKEN_ROWS).
@@ -60,7 +64,8 @@
 //   multiple of it), TILES (16-column tiles a warp; when
 //   GATED, an even count, the first half the gate's and the second up's of the
 //   same columns), ROW_TILES (8-row tiles a pass), STEPS (quantization groups
-//   whose words a lane loads before it uses any), GATED, TOKEN_ROWS (above),
+//   whose words a lane loads before it uses any), GATED, TOKEN_ROWS,
+//   OUT_BIAS, CLAMPED, ALPHA_BITS, LIMIT_BITS (above, qmm_store.h),
 //   WIDE_LOADS, LOADS_AHEAD, WORD_STAGES, WORD_STRIDE (below).
 // include: qmm_params
 // K_SPLITS: the group's warps are K_SPLITS sets of COLUMN_WARPS, each set the
@@ -473,7 +478,7 @@ UNROLL
           if (K_SPLITS == 1 || split_group0 + group0 + s < row_groups) {
             // Group s's scale and bias of column i (tile i / 2, h = i % 2).
             float scale[TILES * 2];
-            float bias[TILES * 2];
+            float group_bias[TILES * 2];
 UNROLL
             for (int i = 0; i < TILES * 2; ++i) {
               const unsigned pair_scale = use_scale_bits[(s / 2) * TILES * 2 + i];
@@ -484,14 +489,14 @@ UNROLL
                                                        : use_bias_bits[s * TILES * 2 + i];
               scale[i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(scale_half)
                                       : BITS_TO_FLOAT(scale_half << 16);
-              bias[i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(bias_half)
+              group_bias[i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(bias_half)
                                      : BITS_TO_FLOAT(bias_half << 16);
             }
 UNROLL
             for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // tile i / (4 * ROW_TILES)
               const int at = (i / (4 * ROW_TILES)) * 2 + i % 4 / 2;
               sums[i] += scale[at] * dots[i];
-              sums[i] += bias[at] * value_sums[i % (4 * ROW_TILES)];
+              sums[i] += group_bias[at] * value_sums[i % (4 * ROW_TILES)];
             }
           }
         }

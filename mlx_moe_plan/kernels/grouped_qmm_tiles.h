@@ -39,8 +39,8 @@
 // Inputs, outputs and params: grouped_qmm.h's (column_blocks: blocks of
 // BLOCK_COLUMNS columns that cover out_dims). Template constants: InT, OutT,
 // IN_KIND, BITS, VALUES, QUANT_GROUP, LANE_WORDS, THREADS (ROW_WARPS *
-// COLUMN_WARPS * 32), MAX_EXPERTS, TILES, ROW_TILES, GATED, TOKEN_ROWS as
-// there; ROW_WARPS, COLUMN_WARPS, BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES),
+// COLUMN_WARPS * 32), MAX_EXPERTS, TILES, ROW_TILES, GATED, TOKEN_ROWS,
+// OUT_BIAS, CLAMPED, ALPHA_BITS, LIMIT_BITS as there; ROW_WARPS, COLUMN_WARPS, BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES),
 // BLOCK_COLUMNS (COLUMN_WARPS * 16 * TILES / (1 + GATED)), STAGE_GROUPS
 // (dividing in_dims / QUANT_GROUP), STAGES (at least 2), ROW_STRIDE,
 // WORD_STRIDE (above).

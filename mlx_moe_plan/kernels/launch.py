@@ -9,6 +9,7 @@ are named ("float32", "float16", "bfloat16", "int32", "uint16", "uint32").
 
 from __future__ import annotations
 
+import struct
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -51,7 +52,8 @@ ROW_KINDS = ("float32", "float16", "bfloat16")  # the bodies' IN_KIND codes
 
 # Both grouped GEMM bodies take the same arguments.
 _GROUPED_QMM_ARGUMENTS = (("rows", "row_tokens", "weight", "scales", "biases", "up_weight",
-                           "up_scales", "up_biases", "expert_offsets", "params"), ("out",))
+                           "up_scales", "up_biases", "bias", "up_bias", "expert_offsets",
+                           "params"), ("out",))
 
 # Each body's arguments, as `_gpu.py` and the OpenCL harness pass them: its
 # input arrays, the last always `params`, then its outputs.
@@ -426,7 +428,8 @@ def combine_launch(
 def grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, *, backend: str, num_rows: int | None = None,
-    gated: bool = False,
+    gated: bool = False, out_bias: bool = False,
+    clamped_swiglu: tuple[float, float] | None = None,
 ) -> Launch:
     """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
     in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
@@ -443,18 +446,40 @@ def grouped_qmm_launch(
     `num_rows`: the rows are `num_rows >= 1` tokens, row r read from token
     `row_tokens[r]` (TOKEN_ROWS); None: the plan's `capacity` rows themselves.
     `gated`: silu(gate) * up of two projections (GATED), each with the
-    tiling's gated_tiles (block_gated_tiles)."""
+    tiling's gated_tiles (block_gated_tiles); `clamped_swiglu`: (alpha,
+    limit) of gpt-oss's clamped form in its place (CLAMPED, qmm_store.h).
+    `out_bias`: each projection's bias added to its sums (OUT_BIAS)."""
     tiling = _grouped_qmm_tiling.get()
+    launch = None
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
-        tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
-                                          quant_group, dtype, num_rows, gated, tiling,
-                                          SHARED_BYTES[backend], backend != "cuda", tall)
-        if tiles is not None:
-            return tiles
-    return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
-                               dtype, num_rows, gated, tiling, SHARED_BYTES[backend])
+        launch = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
+                                           quant_group, dtype, num_rows, gated, tiling,
+                                           SHARED_BYTES[backend], backend != "cuda", tall)
+    if launch is None:
+        launch = _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits,
+                                     quant_group, dtype, num_rows, gated, tiling,
+                                     SHARED_BYTES[backend])
+    return _with_store(launch, out_bias, clamped_swiglu if gated else None)
+
+
+@lru_cache(maxsize=256)
+def _with_store(launch: Launch, out_bias: bool,
+                clamped_swiglu: tuple[float, float] | None) -> Launch:
+    """`launch` with the store's template constants (qmm_store.h), which
+    either body takes alike and no tiling depends on; cached, as the
+    launches are: a decoding step asks for the same ones in every layer."""
+    alpha, limit = clamped_swiglu or (0.0, 0.0)
+    return replace(launch, template=launch.template + (
+        ("OUT_BIAS", out_bias), ("CLAMPED", bool(clamped_swiglu)),
+        ("ALPHA_BITS", _float_bits(alpha)), ("LIMIT_BITS", _float_bits(limit))))
+
+
+def _float_bits(value: float) -> int:
+    """A float32's bits as the int32 a template constant holds (the bodies
+    read it back with BITS_TO_FLOAT)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def grouped_qmm_body(capacity: int, num_experts: int) -> str:

@@ -4,19 +4,34 @@
 // It reads `sums` in the multiply-add's accumulator layout (sums[(t *
 // ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2), row
 // n * 8 + 2 * fragment_slot + e % 2 of the warp's), `warp_row0` and
-// `warp_column0` (the warp's first row and column) and `last` (the end of
-// the expert's rows), and stores the sums of rows before `last` and columns
-// before out_dims; when GATED, the second half of sums is up's, and it
-// stores silu(gate) * up, rounded once.
+// `warp_column0` (the warp's first row and column), `expert` and `last`
+// (the rows' expert and the end of its rows), and stores the sums of rows
+// before `last` and columns before out_dims. With OUT_BIAS, each
+// projection's bias of the column (bias, and up_bias when GATED: [E,
+// out_dims] in the rows' dtype) is added to its sums first. When GATED, the
+// second half of sums is up's, and it stores silu(gate) * up (mlx-lm's
+// SwiGLU) or, with CLAMPED, gpt-oss's (clip(up, -limit, limit) + 1) * g *
+// sigmoid(alpha * g) of g = min(gate, limit), the two floats' bits
+// ALPHA_BITS and LIMIT_BITS; rounded once.
 UNROLL
 for (int i = 0; i < COLUMN_TILES * ROW_TILES * 4; ++i) {
   const int column = warp_column0 + 16 * (i / (4 * ROW_TILES)) + fragment_row + 8 * (i % 4 / 2);
   const int row = warp_row0 + 8 * (i / 4 % ROW_TILES) + 2 * fragment_slot + i % 2;
-  float value = sums[i];
-  if (GATED) {
-    value = value / (1.0f + exp(-value)) * sums[i + COLUMN_TILES * ROW_TILES * 4];
-  }
   if (column < out_dims && row < last) {
+    const i64 bias_at = (i64)expert * out_dims + column;
+    float value = sums[i] + (OUT_BIAS ? LOAD_IN(bias, bias_at) : 0.0f);
+    if (GATED) {
+      const float up_value = sums[i + COLUMN_TILES * ROW_TILES * 4]
+                             + (OUT_BIAS ? LOAD_IN(up_bias, bias_at) : 0.0f);
+      if (CLAMPED) {
+        const float limit = BITS_TO_FLOAT(LIMIT_BITS);
+        const float gate = min(value, limit);
+        value = (min(max(up_value, -limit), limit) + 1.0f) * gate
+                / (1.0f + exp(-BITS_TO_FLOAT(ALPHA_BITS) * gate));
+      } else {
+        value = value / (1.0f + exp(-value)) * up_value;
+      }
+    }
     STORE_OUT(out, (i64)row * out_dims + column, value);
   }
 }
