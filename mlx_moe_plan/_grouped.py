@@ -19,7 +19,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import _backend
+from . import _backend, _mlx_lm
 from ._checks import check_tokens
 from ._mlx_lm import QuantizedSwitchLinear, SwiGLU
 from .gather import moe_gather
@@ -63,13 +63,20 @@ class _PlanRows:
 def grouped_kernel(projection: nn.Module, rows: mx.array, plan_rows: _PlanRows,
                    **fused) -> mx.array:
     """The backend's grouped kernel of `rows` against `projection`'s quantized
-    matrices over `plan_rows`' spans; `fused`, its `row_tokens` and `up`
-    arguments."""
+    matrices over `plan_rows`' spans; `fused`, its `row_tokens`, `up`,
+    `bias`, `up_bias` and `clamped_swiglu` arguments."""
     stream = _backend.resolve_stream(None)
     return _backend.implementation(stream).grouped_qmm(
         rows, projection.weight, projection.scales, projection.biases,
         plan_rows.expert_offsets, plan_rows.row_experts, bits=projection.bits,
         group_size=projection.group_size, stream=stream, **fused)
+
+
+def _kernel_bias(projection: nn.Module, dtype: mx.Dtype) -> mx.array | None:
+    """`projection`'s bias where the grouped kernel adds it (in the rows'
+    dtype, as it reads it), else None."""
+    bias = projection.get("bias") if "bias" in projection else None
+    return bias if bias is not None and bias.dtype == dtype else None
 
 
 def _kernel_computes(projection: nn.Module, backend: _backend.Backend, dtype: mx.Dtype) -> bool:
@@ -91,14 +98,19 @@ class GroupedExperts:
         return all(_kernel_computes(p, backend, dtype)
                    for p in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def _gates_in_kernel(self) -> bool:
+    def _gates_in_kernel(self, dtype: mx.Dtype) -> bool:
         """Whether the grouped kernel computes the activation of the gate and up
-        projections too: mlx-lm's own SwiGLU, projections without a bias, of
-        one quantization (the kernel's rows from the tokens, its sums of both
-        projections in one launch)."""
+        projections too, for rows of `dtype`: mlx-lm's own SwiGLU or gpt-oss's
+        clamped one (`_mlx_lm.clamped_swiglu`), of projections of one
+        quantization, both without a bias or both with one the kernel adds
+        (the kernel's rows from the tokens, its sums of both projections in
+        one launch)."""
         gate, up = self.gate_proj, self.up_proj
-        return (type(self.activation) is SwiGLU
-                and "bias" not in gate and "bias" not in up
+        biases = [_kernel_bias(p, dtype) is not None for p in (gate, up)]
+        with_bias = ["bias" in p for p in (gate, up)]
+        return ((type(self.activation) is SwiGLU
+                 or _mlx_lm.clamped_swiglu(self.activation) is not None)
+                and biases[0] == biases[1] == with_bias[0] == with_bias[1]
                 and (gate.bits, gate.group_size, gate.weight.shape)
                 == (up.bits, up.group_size, up.weight.shape))
 
@@ -112,8 +124,9 @@ class GroupedExperts:
             out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan_rows.row_experts,
                              sorted_indices=True)
             return out.reshape(rows.shape[0], out.shape[-1])
-        out = grouped_kernel(projection, rows, plan_rows)
-        if "bias" in projection:
+        bias = _kernel_bias(projection, rows.dtype)
+        out = grouped_kernel(projection, rows, plan_rows, bias=bias)
+        if bias is None and "bias" in projection:
             out = out + projection["bias"][plan_rows.row_experts]
         return out
 
@@ -125,9 +138,10 @@ class GroupedExperts:
         sync either. `rows`: those rows gathered already (given where
         `first_row` is past the first row). `[capacity - first_row, D]`."""
         plan_rows = _PlanRows(plan, first_row)
-        if self._gates_in_kernel():
-            # One launch reads the tokens through the plan and gives
-            # silu(gate) * up: no gathered rows, no separate activation.
+        if self._gates_in_kernel(x.dtype):
+            # One launch reads the tokens through the plan and gives the
+            # activation of gate and up: no gathered rows, no separate
+            # activation, no biases added apart.
             check_tokens(x, plan.indices_shape[:-1])  # as moe_gather checks them
             up = self.up_proj
             # Sizes spelled out: MLX makes no node for a reshape to the same
@@ -136,7 +150,10 @@ class GroupedExperts:
             tokens = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
             hidden = grouped_kernel(self.gate_proj, tokens, plan_rows,
                                     row_tokens=plan_rows.row_tokens,
-                                    up=(up.weight, up.scales, up.biases))
+                                    up=(up.weight, up.scales, up.biases),
+                                    bias=_kernel_bias(self.gate_proj, x.dtype),
+                                    up_bias=_kernel_bias(up, x.dtype),
+                                    clamped_swiglu=_mlx_lm.clamped_swiglu(self.activation))
         else:
             if rows is None:
                 rows = moe_gather(x, plan)

@@ -37,6 +37,8 @@ except ImportError as error:  # the layer is an mlx-lm drop-in; the ops are not
         "pip install mlx-lm (or this package's [bench] extra)"
     ) from error
 
+from mlx_lm.models import activations
+
 from .fused_blocks import source_digest
 from .rules import MLX_LM_SORTS_FROM_ENTRIES
 
@@ -50,6 +52,27 @@ _CLASSES = {"SwitchGLU": SwitchGLU, "SwitchLinear": SwitchLinear,
 # SHA-256 prefixes of the `__call__` sources `mlx_lm_call` mirrors (mlx-lm 0.32.2).
 CALL_DIGESTS = {"SwitchGLU": "a2f36b7d7e9640a8", "SwitchLinear": "1c91ef16afb139a8",
                 "QuantizedSwitchLinear": "797f197172695142"}
+
+
+# SHA-256 prefixes of gpt-oss's activation as the grouped kernel's clamped
+# SwiGLU mirrors it (kernels/qmm_store.h, mlx-lm 0.32.2): the class's call and
+# the function it calls.
+SWIGLU_OAI_DIGESTS = ("17afdd4f51677454", "9848780f19264e0f")
+
+
+def clamped_swiglu(activation: nn.Module) -> tuple[float, float] | None:
+    """`(alpha, limit)` of `activation` where it is mlx-lm's gpt-oss SwiGLU
+    (`SwigluOAI`) as the grouped kernel mirrors it, else None."""
+    oai = getattr(activations, "SwigluOAI", None)
+    if oai is None or type(activation) is not oai or not _swiglu_oai_is_mirrored():
+        return None
+    return float(activation._alpha), float(activation._limit)
+
+
+@functools.cache
+def _swiglu_oai_is_mirrored() -> bool:
+    return (source_digest(activations.SwigluOAI.__call__),
+            source_digest(activations.swiglu_oai)) == SWIGLU_OAI_DIGESTS
 
 
 @functools.cache

@@ -68,8 +68,8 @@ def test_model_without_moe_layers_is_a_no_op():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
-@pytest.mark.parametrize("gates_in_kernel", [True, False], ids=["fused", "unfused"])
-def test_static_share_computes_every_row(monkeypatch, gates_in_kernel, share, compiled):
+@pytest.mark.parametrize("kind", ["fused", "fused_biased", "unfused"])
+def test_static_share_computes_every_row(monkeypatch, kind, share, compiled):
     # With static_share, an expert-parallel layer's tile GEMMs cover that
     # share of its plan's capacity and the grouped kernel the rows past it,
     # reading their spans on the device: no sync, compiled or not. Here a
@@ -101,12 +101,21 @@ def test_static_share_computes_every_row(monkeypatch, gates_in_kernel, share, co
     monkeypatch.setattr(SwitchGLU, "_can_group", lambda self, dtype: True)
     monkeypatch.setattr(SwitchGLU, "_used_rows", no_sync)
     mx.random.seed(8)
-    theirs = switch_layers.SwitchGLU(64, 96, 16, bias=not gates_in_kernel)
+    # Unfused: an activation the kernel does not mirror (a subclass of
+    # mlx-lm's SwiGLU), with biases, which the kernel adds to each projection.
+    gates_in_kernel = kind != "unfused"
+
+    class OtherSwiGLU(switch_layers.SwiGLU):
+        pass
+
+    theirs = switch_layers.SwitchGLU(64, 96, 16, bias=kind != "fused",
+                                     activation=switch_layers.SwiGLU() if gates_in_kernel
+                                     else OtherSwiGLU())
     theirs.update(tree_map_random(theirs.parameters()))
     nn.quantize(theirs, group_size=32, bits=4)
     whole = SwitchGLU.from_mlx_lm(theirs, tile_m=16)
     ours = SwitchGLU.from_mlx_lm(theirs, tile_m=16)
-    assert ours._gates_in_kernel() == gates_in_kernel
+    assert ours._gates_in_kernel(mx.float32) == gates_in_kernel
     ours.expert_group = mx.distributed.init()  # one process: the all_sum is the identity
     ours.sync_from_entries = 1
     ours.static_share = share

@@ -368,6 +368,34 @@ def test_mlx_lm_call_is_the_code_mirrored(name):
         "update CALL_DIGESTS")
 
 
+def test_gpt_oss_activation_is_the_code_mirrored(monkeypatch):
+    # The grouped kernel computes gpt-oss's SwiGLU itself (kernels/qmm_store.h)
+    # where mlx-lm's is the code mirrored; where it changed, the layer runs
+    # mlx-lm's activation on the kernel's unfused sums.
+    from mlx_lm.models import activations
+
+    digests = tuple(fused_blocks.source_digest(f) for f in (
+        activations.SwigluOAI.__call__, activations.swiglu_oai))
+    assert digests == _mlx_lm.SWIGLU_OAI_DIGESTS, (
+        f"mlx_lm's swiglu_oai changed (source digests {digests!r}): compare the CLAMPED "
+        "store of kernels/qmm_store.h and _gpu.gated_activation with it, then update "
+        "SWIGLU_OAI_DIGESTS")
+    layer = SwitchGLU.from_mlx_lm(switch_layers.SwitchGLU(
+        64, 32, 8, bias=True, activation=activations.SwigluOAI(alpha=1.5, limit=3.0)))
+    nn.quantize(layer, group_size=32, bits=4)
+    assert _mlx_lm.clamped_swiglu(layer.activation) == (1.5, 3.0)
+    assert layer._gates_in_kernel(mx.float32)  # the biases in the rows' dtype: the kernel's
+    assert not layer._gates_in_kernel(mx.bfloat16)  # else added apart, as the activation
+    monkeypatch.setattr(_mlx_lm, "SWIGLU_OAI_DIGESTS", ("0" * 16,) * 2)
+    _mlx_lm._swiglu_oai_is_mirrored.cache_clear()
+    try:
+        assert _mlx_lm.clamped_swiglu(layer.activation) is None
+        assert not layer._gates_in_kernel(mx.float32)
+    finally:
+        monkeypatch.undo()
+        _mlx_lm._swiglu_oai_is_mirrored.cache_clear()
+
+
 @pytest.mark.parametrize("tile_m", [None, 0, 1, 8])
 def test_empty_batch(tile_m):
     layer = SwitchGLU(32, 48, 8, tile_m=tile_m)
