@@ -450,30 +450,27 @@ def grouped_qmm_launch(
     limit) of gpt-oss's clamped form in its place (CLAMPED, qmm_store.h).
     `out_bias`: each projection's bias added to its sums (OUT_BIAS)."""
     tiling = _grouped_qmm_tiling.get()
-    launch = None
+    store = (out_bias, clamped_swiglu if gated else None)
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
-        launch = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
-                                           quant_group, dtype, num_rows, gated, tiling,
-                                           SHARED_BYTES[backend], backend != "cuda", tall)
-    if launch is None:
-        launch = _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits,
-                                     quant_group, dtype, num_rows, gated, tiling,
-                                     SHARED_BYTES[backend])
-    return _with_store(launch, out_bias, clamped_swiglu if gated else None)
+        tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
+                                          quant_group, dtype, num_rows, gated, tiling,
+                                          SHARED_BYTES[backend], backend != "cuda", tall,
+                                          store)
+        if tiles is not None:
+            return tiles
+    return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
+                               dtype, num_rows, gated, tiling, SHARED_BYTES[backend], store)
 
 
-@lru_cache(maxsize=256)
-def _with_store(launch: Launch, out_bias: bool,
-                clamped_swiglu: tuple[float, float] | None) -> Launch:
-    """`launch` with the store's template constants (qmm_store.h), which
-    either body takes alike and no tiling depends on; cached, as the
-    launches are: a decoding step asks for the same ones in every layer."""
+def _store_template(store: tuple[bool, tuple[float, float] | None]) -> tuple:
+    """The template constants of qmm_store.h, which either body takes alike
+    and no tiling depends on, for `store`: (out_bias, clamped_swiglu)."""
+    out_bias, clamped_swiglu = store
     alpha, limit = clamped_swiglu or (0.0, 0.0)
-    return replace(launch, template=launch.template + (
-        ("OUT_BIAS", out_bias), ("CLAMPED", bool(clamped_swiglu)),
-        ("ALPHA_BITS", _float_bits(alpha)), ("LIMIT_BITS", _float_bits(limit))))
+    return (("OUT_BIAS", out_bias), ("CLAMPED", clamped_swiglu is not None),
+            ("ALPHA_BITS", _float_bits(alpha)), ("LIMIT_BITS", _float_bits(limit)))
 
 
 def _float_bits(value: float) -> int:
@@ -572,10 +569,11 @@ def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
 def _grouped_qmm_tiles_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
-    shared_bytes: int, exchange: bool, tall: bool,
+    shared_bytes: int, exchange: bool, tall: bool, store: tuple,
 ) -> Launch | None:
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
-    `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks)."""
+    `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
+    `store`: `_store_template`'s."""
     values = 32 // bits
     lane_words = quant_group // (4 * values)
     row_groups = in_dims // quant_group
@@ -631,7 +629,7 @@ def _grouped_qmm_tiles_launch(
          ("ROW_WARPS", tiling.block_row_warps), ("COLUMN_WARPS", tiling.block_column_warps),
          ("BLOCK_ROWS", block_rows), ("BLOCK_COLUMNS", block_columns),
          ("STAGE_GROUPS", stage_groups), ("STAGES", stages), ("ROW_STRIDE", row_stride),
-         ("WORD_STRIDE", word_stride)),
+         ("WORD_STRIDE", word_stride), *_store_template(store)),
         (((capacity, out_dims), dtype),),
         _dynamic_shared_bytes(fixed, stages * stage_bytes),
     )
@@ -679,7 +677,7 @@ def _dynamic_shared_bytes(static_bytes: int, dynamic_bytes: int) -> int:
 def _grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
-    shared_bytes: int,
+    shared_bytes: int, store: tuple,
 ) -> Launch:
     column_tiles = tiling.gated_tiles if gated else tiling.tiles  # a warp's distinct columns
     row_groups = in_dims // quant_group
@@ -721,7 +719,7 @@ def _grouped_qmm_launch(
          ("TILES", tiles), ("ROW_TILES", tiling.row_tiles),
          ("STEPS", steps), ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
          ("WIDE_LOADS", bool(tiling.wide_loads)), ("LOADS_AHEAD", loads_ahead),
-         ("WORD_STAGES", word_stages), ("WORD_STRIDE", word_stride)),
+         ("WORD_STAGES", word_stages), ("WORD_STRIDE", word_stride), *_store_template(store)),
         (((capacity, out_dims), dtype),),
         _dynamic_shared_bytes(memory, ring_bytes),
     )
