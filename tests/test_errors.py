@@ -259,7 +259,7 @@ def test_plan_tile_m_beyond_int32(device):
         assert plan.capacity == 0 and plan.num_rows.item() == 0
 
 
-def test_grouped_qmm_rejects_a_mismatched_up_or_row_tokens():
+def test_grouped_qmm_rejects_a_mismatched_up_row_tokens_or_bias():
     """The fused grouped GEMM's extra arguments are checked before any kernel
     runs (an `up` of fewer experts or columns would read past its arrays)."""
     from mlx_moe_plan import _gpu
@@ -279,3 +279,22 @@ def test_grouped_qmm_rejects_a_mismatched_up_or_row_tokens():
     with pytest.raises(ValueError, match="row_tokens"):
         gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs,
                         row_tokens=mx.zeros((6,), mx.uint32))
+    # The projections' biases: [E, N] in the rows' dtype (a shorter one would
+    # be read past its end), up's with up and the gate's only; the clamped
+    # SwiGLU with up only.
+    up = (weight, scales, biases)
+    bias = mx.zeros((4, 16), mx.bfloat16)
+    for wrong in (mx.zeros((4, 8), mx.bfloat16), mx.zeros((4, 16), mx.float32)):
+        with pytest.raises(ValueError, match="bias: expected"):
+            gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs, bias=wrong)
+        with pytest.raises(ValueError, match="up_bias: expected"):
+            gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs, up=up,
+                            bias=bias, up_bias=wrong)
+    with pytest.raises(ValueError, match="up_bias"):
+        gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs, up=up, bias=bias)
+    with pytest.raises(ValueError, match="up_bias"):
+        gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs, bias=bias,
+                        up_bias=bias)
+    with pytest.raises(ValueError, match="clamped_swiglu"):
+        gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs,
+                        clamped_swiglu=(1.702, 7.0))
