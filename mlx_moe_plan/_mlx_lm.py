@@ -15,9 +15,11 @@ for in time (benchmarks/HISTORY.md, "The index kernels around mlx-lm's
 call"). Given as constants made once a shape, the GEMMs are the same on the
 same rows, the bits are mlx-lm's, and a compiled step runs fewer kernels. The mirror holds
 while mlx-lm's code is the code mirrored (`CALL_DIGESTS`); where it differs,
-`mlx_lm_call` runs mlx-lm's call itself.
+`mlx_lm_call` runs mlx-lm's call itself. Likewise `clamped_swiglu` names
+gpt-oss's activation to the grouped kernel, which computes it itself, while
+mlx-lm's is the code mirrored (`SWIGLU_OAI_DIGESTS`).
 
-This module changes when mlx-lm's switch layers change.
+This module changes when mlx-lm's switch layers or gpt-oss's activation change.
 """
 
 from __future__ import annotations
