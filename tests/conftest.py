@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import mlx_moe_plan
 from mlx_moe_plan import _backend
-from mlx_moe_plan._gpu import gated_activation
 from mlx_moe_plan import reference as ref
+from mlx_moe_plan._gpu import gated_activation
 from mlx_moe_plan.kernels import launch
 
 # One profile. Small by default so that the CPU suite stays well under its time
