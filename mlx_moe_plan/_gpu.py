@@ -278,6 +278,11 @@ class GpuBackend:
             raise ValueError("up_bias: needed with up and bias (both projections' biases)")
         if clamped_swiglu is not None and up is None:
             raise ValueError("clamped_swiglu: the gated form's, given with up only")
+        if clamped_swiglu is not None and not (
+                len(clamped_swiglu) == 2 and all(math.isfinite(v) for v in clamped_swiglu)
+                and clamped_swiglu[1] >= 0):
+            raise ValueError(f"clamped_swiglu: expected (alpha, limit), finite, limit >= 0, "
+                             f"got {clamped_swiglu}")
         for name, array in (("bias", bias), ("up_bias", up_bias)):
             if array is not None and (array.dtype, array.shape) != (rows.dtype,
                                                                      weight.shape[:2]):
@@ -404,7 +409,7 @@ def _combine_function(backend, dtype, has_weights, stream):
 
 
 def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up,
-                 out_bias, clamped, bits, group_size, stream):
+                 out_biases, clamped, bits, group_size, stream):
     num_rows, in_dims = rows.shape
     capacity = num_rows if row_tokens is None else row_tokens.shape[0]
     num_experts, out_dims, _ = weight.shape
@@ -413,15 +418,16 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
         backend=backend, num_rows=None if row_tokens is None else num_rows,
-        gated=up is not None, out_bias=out_bias is not None, clamped_swiglu=clamped)
+        gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped)
     # The body's arguments are fixed: an absent input is another it never reads.
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
         tuple(_device_buffer(a, stream) for a in up)
-    out_bias = (scales, scales) if out_bias is None else \
-        tuple(_device_buffer(a, stream) for a in out_bias)
+    out_biases = (scales, scales) if out_biases is None else \
+        tuple(_device_buffer(a, stream) for a in out_biases)
     (out,) = _run(backend, [rows, expert_offsets if row_tokens is None else row_tokens, weight,
-                            scales, biases, *up, *out_bias, expert_offsets], qmm_launch, stream)
+                            scales, biases, *up, *out_biases, expert_offsets], qmm_launch,
+                  stream)
     return out
 
 
@@ -446,11 +452,12 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias
     def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts, *extra):
         row_tokens = extra[0] if token_rows else None
         up = tuple(extra[token_rows:token_rows + 3]) if gated else None
-        bias = tuple(extra[token_rows + 3 * gated:]) if out_bias else None
-        if bias is not None and not gated:
-            bias = (bias[0], bias[0])
+        # The gate's bias and up's; one projection's stands in for up's too.
+        out_biases = tuple(extra[token_rows + 3 * gated:]) if out_bias else None
+        if out_biases is not None and not gated:
+            out_biases = (out_biases[0], out_biases[0])
         return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens,
-                            up, bias, clamped, bits, group_size, stream)
+                            up, out_biases, clamped, bits, group_size, stream)
 
     def rows_projection(rows, row_experts, weight, scales, biases):
         # rows[r] @ dequantize(weight[e]).T by MLX's GEMM, each row [1, D]

@@ -75,7 +75,7 @@ def grouped_kernel(projection: nn.Module, rows: mx.array, plan_rows: _PlanRows,
 def _kernel_bias(projection: nn.Module, dtype: mx.Dtype) -> mx.array | None:
     """`projection`'s bias where the grouped kernel adds it (in the rows'
     dtype, as it reads it), else None."""
-    bias = projection.get("bias") if "bias" in projection else None
+    bias = projection.get("bias")
     return bias if bias is not None and bias.dtype == dtype else None
 
 

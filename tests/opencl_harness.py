@@ -290,7 +290,7 @@ def combine(src: np.ndarray, index: np.ndarray, weights, out_dtype: str) -> np.n
 def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray,
                 expert_offsets: np.ndarray, bits: int, group_size: int, *,
                 row_tokens: np.ndarray | None = None, up: tuple | None = None,
-                bias: tuple | None = None,
+                out_biases: tuple | None = None,
                 clamped_swiglu: tuple[float, float] | None = None) -> np.ndarray:
     """The expert GEMM over sorted rows as `_gpu._grouped_qmm` runs it.
 
@@ -299,8 +299,9 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     32]; `expert_offsets` int32 [E + 1]. With `row_tokens` int32 [capacity],
     `rows` are tokens [T, in] and row r is `rows[row_tokens[r]]`; with `up`,
     (weight, scales, biases) of a second projection, silu(gate) * up, or
-    gpt-oss's `clamped_swiglu` (alpha, limit); `bias`: each projection's
-    bias [E, out] (the gate's, then up's when gated) of the rows' dtype.
+    gpt-oss's `clamped_swiglu` (alpha, limit); `out_biases`: each
+    projection's bias [E, out] (the gate's, then up's when gated) of the
+    rows' dtype.
     Returns [capacity, out] in the rows' dtype.
     """
     num_rows, in_dims = rows.shape
@@ -311,16 +312,17 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, dtype_name(rows),
         backend="opencl", num_rows=None if row_tokens is None else num_rows,
-        gated=up is not None, out_bias=bias is not None, clamped_swiglu=clamped_swiglu)
+        gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped_swiglu)
     offsets = np.asarray(expert_offsets, np.int32)
     weight = np.asarray(weight, np.uint32)
     matrices = [_device_buffer(a) for a in (weight, scales, biases)]
     up = matrices if up is None else \
         [_device_buffer(a) for a in (np.asarray(up[0], np.uint32), *up[1:])]
-    out_bias = [matrices[1]] * 2 if bias is None else \
-        [_device_buffer(b) for b in (*bias, bias[0])][:2]
+    # The gate's bias and up's; one projection's stands in for up's too.
+    out_biases = [matrices[1]] * 2 if out_biases is None else \
+        [_device_buffer(b) for b in (*out_biases, out_biases[0])][:2]
     arrays = [rows, offsets if row_tokens is None else np.asarray(row_tokens, np.int32),
-              *matrices, *up, *out_bias, offsets]
+              *matrices, *up, *out_biases, offsets]
     (out,) = run(arrays, qmm_launch)
     return out
 

@@ -229,6 +229,13 @@ def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated, f
         return (out * cotangent).sum()
 
     # One argument's gradient comes as itself, several as a tuple.
+    if clamped:  # the clamps reached: the gate's from above, up's both ways
+        gate_sums, up_sums = (grouped_qmm_by_mlx_ops(
+            rows, *matrices, offsets_mx, experts_mx, bits=4, group_size=32,
+            row_tokens=tokens_mx if token_rows else None, bias=bias)[:offsets[-1]]
+            for matrices, bias in ((gate, biases[0]), (up, biases[1])))
+        limit = clamped[1]
+        assert mx.any(gate_sums > limit) and mx.any(up_sums > limit) and mx.any(up_sums < -limit)
     arguments = tuple(range(1 + len(biases))) if biases else 0
     got = mx.grad(loss, argnums=arguments)(rows, *biases)
     want = mx.grad(want_loss, argnums=arguments)(rows, *biases)

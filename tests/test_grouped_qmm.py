@@ -255,18 +255,20 @@ def test_fused_gate_up_from_tokens(tokens):
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("tokens,tiles_from_rows", [(8, None), (300, None), (300, 0)],
+@pytest.mark.parametrize("tokens,tall", [(8, False), (300, False), (300, True)],
                          ids=["decoding", "prefill", "tall"])
-def test_clamped_swiglu_with_biases(tokens, tiles_from_rows):
+def test_clamped_swiglu_with_biases(tokens, tall):
     """gpt-oss-20b's fused gate and up (2880 by 2880, 32 experts, 4 of them a
-    token): each projection's bias, the clamped SwiGLU (a limit that the
-    sums pass both ways), rows from the tokens; its gradients for the rows
-    and both biases (the unfused ops' through MLX) against MLX's own ops."""
+    token; decoding's body, the block tiles, and their tall blocks forced):
+    each projection's bias, the clamped SwiGLU (its clamps reached: the
+    gate's from above, up's both ways), rows from the tokens; its gradients
+    for the rows and both biases (the unfused ops' through MLX) against
+    mlx-lm's activation in MLX's ops."""
     rng = np.random.default_rng(70 + tokens)
     (offsets, weight, scales, biases, row_experts, up, up_mx, row_tokens,
      values) = _routed_gate_up(rng, tokens, 32, 4, 2880, 2880)
-    bias = tuple(ref.from_float32(rng.standard_normal((32, 2880)).astype(np.float32), "bfloat16")
-                 for _ in range(2))
+    out_biases = tuple(ref.from_float32(rng.standard_normal((32, 2880)).astype(np.float32),
+                                        "bfloat16") for _ in range(2))
     clamped = (1.702, 7.0)
     gpu = _gpu.for_backend(_backend.gpu_backend())
     matrices = (mx.array(weight), _as_mlx(scales, "bfloat16"), _as_mlx(biases, "bfloat16"))
@@ -278,16 +280,17 @@ def test_clamped_swiglu_with_biases(tokens, tiles_from_rows):
                                up_bias=up_bias, clamped_swiglu=clamped)
 
     x = _as_mlx(values, "bfloat16")
-    bias_mx = [_as_mlx(b, "bfloat16") for b in bias]
-    tiling = {} if tiles_from_rows is None else dict(tiles_from_rows=0, block_gated_tall_rows=0)
-    with launch.grouped_qmm_tiling(**tiling):
+    bias_mx = [_as_mlx(b, "bfloat16") for b in out_biases]
+    rows = token_rows(values, row_tokens)
+    with launch.grouped_qmm_tiling(**(dict(tiles_from_rows=0, block_gated_tall_rows=0)
+                                      if tall else {})):
         out = forward(x, *bias_mx)
-        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
-                          biases, offsets, 4, 64, "bfloat16", up=up, bias=bias,
-                          clamped_swiglu=clamped)
-    gate = ref.grouped_qmm(token_rows(values, row_tokens), weight, scales, biases, offsets, 4,
-                           64, "bfloat16")
-    assert (gate[:offsets[-1]] > 7.0).any() and (gate[:offsets[-1]] < -7.0).any()
+        assert_gemm_close(ref.to_numpy(out), rows, weight, scales, biases, offsets, 4, 64,
+                          "bfloat16", up=up, out_biases=out_biases, clamped_swiglu=clamped)
+    gate, up_sums = (ref.grouped_qmm(rows, *matrices_np, offsets, 4, 64, "bfloat16")[:offsets[-1]]
+                     + ref.to_float32(bias, "bfloat16")[row_experts[:offsets[-1]]]
+                     for matrices_np, bias in zip([(weight, scales, biases), up], out_biases))
+    assert (gate > 7.0).any() and (up_sums > 7.0).any() and (up_sums < -7.0).any()
 
     cotangent = mx.array(rng.standard_normal(out.shape).astype(np.float32)).astype(mx.bfloat16)
 

@@ -457,7 +457,9 @@ def _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, n
     computing silu(gate) * up (`gated`: GATED), or both; with `biased`, each
     projection's bias added (OUT_BIAS), with `clamped_swiglu` gpt-oss's
     activation for silu's (CLAMPED). Tokens drawn from `token_range`
-    (default: the tokens) are clamped into them, as a broken plan's would be."""
+    (default: the tokens) are clamped into them, as a broken plan's would be.
+    Returns the float64 reference of the projections' sums (biases added),
+    gate's then up's, on the expert rows."""
     case = grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tail)
     offsets, weight, scales, biases, _, _ = case
     entries = int(offsets[-1])
@@ -474,13 +476,18 @@ def _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, n
     rows = token_rows(tokens, clamped)
     up = quantized_experts(rng, len(counts), out_dims, in_dims, bits, group_size, name) \
         if gated else None
-    bias = tuple(ref.from_float32(rng.standard_normal((len(counts), out_dims)).astype(
+    out_biases = tuple(ref.from_float32(rng.standard_normal((len(counts), out_dims)).astype(
         np.float32), name) for _ in range(1 + gated)) if biased else None
     out = ocl.grouped_qmm(tokens if by_token else rows, weight, scales, biases, offsets, bits,
                           group_size, row_tokens=row_tokens if by_token else None, up=up,
-                          bias=bias, clamped_swiglu=clamped_swiglu)
+                          out_biases=out_biases, clamped_swiglu=clamped_swiglu)
     assert_gemm_close(out, rows, weight, scales, biases, offsets, bits, group_size, name, up=up,
-                      bias=bias, clamped_swiglu=clamped_swiglu)
+                      out_biases=out_biases, clamped_swiglu=clamped_swiglu)
+    row_experts = np.repeat(np.arange(len(counts)), counts)
+    return [ref.grouped_qmm(rows, *matrices, offsets, bits, group_size, name)[:entries]
+            + (0 if out_biases is None else ref.to_float32(bias, name)[row_experts])
+            for matrices, bias in zip([(weight, scales, biases)] + ([up] if gated else []),
+                                      out_biases or (None, None))]
 
 
 # The fused forms' cases: experts without rows, with a few, with more than a
@@ -518,16 +525,18 @@ def test_grouped_qmm_biases_and_clamped_swiglu_match_reference(
 
 @pytest.mark.parametrize("body", ["grouped_qmm", "grouped_qmm_tiles"])
 def test_grouped_qmm_clamped_swiglu_in_each_body(body):
-    """gpt-oss's fused gate and up, biased, in each body: the block tiles from
-    their rows an expert (tall blocks, 4 bits in groups of 64, from 512)."""
+    """gpt-oss's fused gate and up, biased, in each body (the block tiles from
+    0 rows an expert, in tall blocks from 16): the clamps reached, the gate's
+    from above and up's both ways."""
     rng = np.random.default_rng(53)
     counts = [40, 0, 75, 9] if body == "grouped_qmm_tiles" else [3, 0, 5, 1]
     changes = dict(tiles_from_rows=0 if body == "grouped_qmm_tiles" else 10**6,
                    block_gated_tall_rows=16)
     with launch.grouped_qmm_tiling(**changes):
         assert launch.grouped_qmm_body(sum(counts) + 3, 4) == body
-        _check_fused(rng, counts, 72, 128, 4, 64, "bfloat16", 3, 6, True, True, biased=True,
-                     clamped_swiglu=(1.702, 2.0))
+        gate, up = _check_fused(rng, counts, 72, 128, 4, 64, "bfloat16", 3, 6, True, True,
+                                biased=True, clamped_swiglu=(1.702, 2.0))
+    assert (gate > 2.0).any() and (up > 2.0).any() and (up < -2.0).any()
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["tokens", "gated"])

@@ -43,8 +43,10 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     GPU glue: `_gpu.GpuBackend.grouped_qmm`, `_gpu._grouped_qmm_function`,
               `_gpu._grouped_qmm`
     C++:      none (the CPU runs sorted rows through MLX's `gather_qmm`)
-    gradient: d rows through MLX's `gather_qmm` (the fused gate and up form:
-              through MLX's ops it fuses), in `_gpu._grouped_qmm_function`
+    gradient: d rows through MLX's `gather_qmm`; the fused forms (rows from
+              the tokens, gate and up, the projections' biases): d rows and d
+              biases through the MLX ops of what they fuse
+              (`_gpu.gated_activation`), in `_gpu._grouped_qmm_function`
     tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
               (grouped_qmm, fused too, within float tolerance), `tests/test_nn.py`
 

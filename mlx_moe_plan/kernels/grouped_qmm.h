@@ -1,6 +1,6 @@
 // grouped_qmm: the expert GEMM over a plan's sorted rows, with affine-quantized
-// weights: out[row] = rows[row] @ dequantize(weight[e]).T for every row of
-// expert e's span [expert_offsets[e], expert_offsets[e + 1]), zeros on the tail
+// weights: out[row] = rows[row] @ dequantize(weight[e]).T (+ bias[e] with
+// OUT_BIAS) for every row of expert e's span [expert_offsets[e], expert_offsets[e + 1]), zeros on the tail
 // rows [expert_offsets[E], capacity). The row counts are read here, on the
 // device, and no host ever learns how many rows there are (decoding builds its
 // graph before the router has run; an expert-parallel rank computes its own
@@ -490,7 +490,7 @@ UNROLL
               scale[i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(scale_half)
                                       : BITS_TO_FLOAT(scale_half << 16);
               group_bias[i] = IN_KIND == 1 ? HALF_BITS_TO_FLOAT(bias_half)
-                                     : BITS_TO_FLOAT(bias_half << 16);
+                                           : BITS_TO_FLOAT(bias_half << 16);
             }
 UNROLL
             for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {  // tile i / (4 * ROW_TILES)
