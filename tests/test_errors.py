@@ -298,3 +298,7 @@ def test_grouped_qmm_rejects_a_mismatched_up_row_tokens_or_bias():
     with pytest.raises(ValueError, match="clamped_swiglu"):
         gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs,
                         clamped_swiglu=(1.702, 7.0))
+    for wrong in ((1.702, -1.0), (float("nan"), 7.0), (1.702,)):
+        with pytest.raises(ValueError, match="clamped_swiglu: expected"):
+            gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs, up=up,
+                            clamped_swiglu=wrong)
