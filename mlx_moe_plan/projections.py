@@ -99,15 +99,19 @@ def _one_expert_plan(count: int, stream: mx.Stream) -> tuple[mx.array, mx.array]
 
 
 def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
-    """`layer`'s GEMM of `x` by the grouped kernel: every row the one expert's."""
+    """`layer`'s GEMM of `x` by the grouped kernel: every row the one expert's,
+    the layer's bias added in the kernel where it is in the rows' dtype (as
+    the kernel reads it), else apart."""
     rows = x.reshape(-1, x.shape[-1])
     stream = _backend.resolve_stream(None)
+    bias = layer.get("bias")
+    in_kernel = bias is not None and bias.dtype == rows.dtype
     out = _backend.implementation(stream).grouped_qmm(
         rows, layer["weight"][None], layer["scales"][None], layer["biases"][None],
         *_one_expert_plan(rows.shape[0], stream), bits=layer.bits,
-        group_size=layer.group_size, stream=stream)
-    if "bias" in layer:
-        out = out + layer["bias"]
+        group_size=layer.group_size, stream=stream, bias=bias[None] if in_kernel else None)
+    if bias is not None and not in_kernel:
+        out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -253,11 +253,12 @@ class OneExpertBackend:
         return True
 
     def grouped_qmm(self, rows, weight, scales, biases, expert_offsets, row_experts, *,
-                    bits, group_size, stream):
+                    bits, group_size, stream, bias=None):
         self.calls.append((rows.shape, weight.shape, expert_offsets.tolist(),
-                           row_experts.tolist()))
-        return mx.quantized_matmul(rows, weight[0], scales[0], biases[0], transpose=True,
-                                   group_size=group_size, bits=bits)
+                           row_experts.tolist(), None if bias is None else bias.shape))
+        out = mx.quantized_matmul(rows, weight[0], scales[0], biases[0], transpose=True,
+                                  group_size=group_size, bits=bits)
+        return out if bias is None else out + bias[row_experts]
 
 
 @pytest.fixture
@@ -299,9 +300,12 @@ def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, fresh_traces, e
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
+    # The linear layer's bias goes to the kernel (float32, as the rows);
+    # the embedding has none.
     prefill = ((6, 64), (1, 256, 8), [0, 6], [0] * 6)
     decoding = ((3, 64), (1, 256, 8), [0, 3], [0] * 3)
-    assert backend.calls == ([prefill, prefill, decoding, decoding] if expert else [])
+    assert backend.calls == ([(*prefill, (1, 256)), (*prefill, None), (*decoding, (1, 256)),
+                              (*decoding, None)] if expert else [])
     if not expert:
         return
     # streams alike, each a new object, find the same plan
