@@ -256,6 +256,14 @@ def grouped_kernel_computes(layer, backend: Backend, dtype: mx.Dtype) -> bool:
                                              dtype=dtype))
 
 
+def kernel_bias(layer, dtype: mx.Dtype) -> mx.array | None:
+    """`layer`'s own bias where the grouped kernel adds it (`GroupedQmm`'s
+    `bias`: in the rows' `dtype`, as the kernel reads it), else None (no
+    bias, or one to add apart)."""
+    bias = layer.get("bias")
+    return bias if bias is not None and bias.dtype == dtype else None
+
+
 def implementation(stream: mx.Stream) -> Backend:
     """The backend of `stream`'s device."""
     if stream.device.type == mx.DeviceType.cpu:

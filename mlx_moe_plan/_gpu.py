@@ -423,8 +423,9 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
         tuple(_device_buffer(a, stream) for a in up)
+    # The gate's bias and up's: one projection's stands in for up's too.
     out_biases = (scales, scales) if out_biases is None else \
-        tuple(_device_buffer(a, stream) for a in out_biases)
+        tuple(_device_buffer(a, stream) for a in (*out_biases, out_biases[0])[:2])
     (out,) = _run(backend, [rows, expert_offsets if row_tokens is None else row_tokens, weight,
                             scales, biases, *up, *out_biases, expert_offsets], qmm_launch,
                   stream)
@@ -452,10 +453,7 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias
     def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts, *extra):
         row_tokens = extra[0] if token_rows else None
         up = tuple(extra[token_rows:token_rows + 3]) if gated else None
-        # The gate's bias and up's; one projection's stands in for up's too.
         out_biases = tuple(extra[token_rows + 3 * gated:]) if out_bias else None
-        if out_biases is not None and not gated:
-            out_biases = (out_biases[0], out_biases[0])
         return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens,
                             up, out_biases, clamped, bits, group_size, stream)
 

@@ -72,13 +72,6 @@ def grouped_kernel(projection: nn.Module, rows: mx.array, plan_rows: _PlanRows,
         group_size=projection.group_size, stream=stream, **fused)
 
 
-def _kernel_bias(projection: nn.Module, dtype: mx.Dtype) -> mx.array | None:
-    """`projection`'s bias where the grouped kernel adds it (in the rows'
-    dtype, as it reads it), else None."""
-    bias = projection.get("bias")
-    return bias if bias is not None and bias.dtype == dtype else None
-
-
 def _kernel_computes(projection: nn.Module, backend: _backend.Backend, dtype: mx.Dtype) -> bool:
     """Whether `backend`'s grouped kernel computes `projection` on rows of `dtype`."""
     return (isinstance(projection, QuantizedSwitchLinear)
@@ -106,7 +99,7 @@ class GroupedExperts:
         (the kernel's rows from the tokens, its sums of both projections in
         one launch)."""
         gate, up = self.gate_proj, self.up_proj
-        biases = [_kernel_bias(p, dtype) is not None for p in (gate, up)]
+        biases = [_backend.kernel_bias(p, dtype) is not None for p in (gate, up)]
         with_bias = ["bias" in p for p in (gate, up)]
         return ((type(self.activation) is SwiGLU
                  or _mlx_lm.clamped_swiglu(self.activation) is not None)
@@ -124,7 +117,7 @@ class GroupedExperts:
             out = projection(rows.reshape(-1, 1, rows.shape[-1]), plan_rows.row_experts,
                              sorted_indices=True)
             return out.reshape(rows.shape[0], out.shape[-1])
-        bias = _kernel_bias(projection, rows.dtype)
+        bias = _backend.kernel_bias(projection, rows.dtype)
         out = grouped_kernel(projection, rows, plan_rows, bias=bias)
         if bias is None and "bias" in projection:
             out = out + projection["bias"][plan_rows.row_experts]
@@ -151,8 +144,8 @@ class GroupedExperts:
             hidden = grouped_kernel(self.gate_proj, tokens, plan_rows,
                                     row_tokens=plan_rows.row_tokens,
                                     up=(up.weight, up.scales, up.biases),
-                                    bias=_kernel_bias(self.gate_proj, x.dtype),
-                                    up_bias=_kernel_bias(up, x.dtype),
+                                    bias=_backend.kernel_bias(self.gate_proj, x.dtype),
+                                    up_bias=_backend.kernel_bias(up, x.dtype),
                                     clamped_swiglu=_mlx_lm.clamped_swiglu(self.activation))
         else:
             if rows is None:

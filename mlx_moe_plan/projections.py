@@ -104,14 +104,13 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     the kernel reads it), else apart."""
     rows = x.reshape(-1, x.shape[-1])
     stream = _backend.resolve_stream(None)
-    bias = layer.get("bias")
-    in_kernel = bias is not None and bias.dtype == rows.dtype
+    bias = _backend.kernel_bias(layer, rows.dtype)
     out = _backend.implementation(stream).grouped_qmm(
         rows, layer["weight"][None], layer["scales"][None], layer["biases"][None],
         *_one_expert_plan(rows.shape[0], stream), bits=layer.bits,
-        group_size=layer.group_size, stream=stream, bias=bias[None] if in_kernel else None)
-    if bias is not None and not in_kernel:
-        out = out + bias
+        group_size=layer.group_size, stream=stream, bias=None if bias is None else bias[None])
+    if bias is None and "bias" in layer:
+        out = out + layer["bias"]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

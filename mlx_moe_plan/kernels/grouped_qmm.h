@@ -1,7 +1,8 @@
 // grouped_qmm: the expert GEMM over a plan's sorted rows, with affine-quantized
 // weights: out[row] = rows[row] @ dequantize(weight[e]).T (+ bias[e] with
-// OUT_BIAS) for every row of expert e's span [expert_offsets[e], expert_offsets[e + 1]), zeros on the tail
-// rows [expert_offsets[E], capacity). The row counts are read here, on the
+// OUT_BIAS) for every row of expert e's span [expert_offsets[e],
+// expert_offsets[e + 1]), zeros on the tail rows [expert_offsets[E],
+// capacity). The row counts are read here, on the
 // device, and no host ever learns how many rows there are (decoding builds its
 // graph before the router has run; an expert-parallel rank computes its own
 // rows only, without a sync).

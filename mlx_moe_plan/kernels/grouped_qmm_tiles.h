@@ -1,8 +1,8 @@
 // grouped_qmm_tiles: grouped_qmm.h's GEMM for many rows an expert (prefill),
 // in block tiles staged in shared memory. Same inputs, outputs and params as
 // grouped_qmm.h: out[row] = rows[row] @ dequantize(weight[e]).T (+ bias[e]
-// with OUT_BIAS) for every row of expert e's span, zeros on the tail rows, the row counts read here,
-// on the device, and no host sync.
+// with OUT_BIAS) for every row of expert e's span, zeros on the tail rows,
+// the row counts read here, on the device, and no host sync.
 // grouped_qmm.h has each warp read its weights from memory once per pass of
 // 8 * ROW_TILES rows, which is what decoding wants (a few rows an expert)
 // and what prefill cannot afford (hundreds). Here a group computes a block
@@ -41,9 +41,9 @@
 // IN_KIND, BITS, VALUES, QUANT_GROUP, LANE_WORDS, THREADS (ROW_WARPS *
 // COLUMN_WARPS * 32), MAX_EXPERTS, TILES, ROW_TILES, GATED, TOKEN_ROWS,
 // OUT_BIAS, CLAMPED, ALPHA_BITS, LIMIT_BITS as there; ROW_WARPS, COLUMN_WARPS,
-// BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES), BLOCK_COLUMNS (COLUMN_WARPS * 16 * TILES / (1 + GATED)), STAGE_GROUPS
-// (dividing in_dims / QUANT_GROUP), STAGES (at least 2), ROW_STRIDE,
-// WORD_STRIDE (above).
+// BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES), BLOCK_COLUMNS (COLUMN_WARPS * 16 *
+// TILES / (1 + GATED)), STAGE_GROUPS (dividing in_dims / QUANT_GROUP), STAGES
+// (at least 2), ROW_STRIDE, WORD_STRIDE (above).
 // include: qmm_params
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 const int MATRICES = GATED ? 2 : 1;
