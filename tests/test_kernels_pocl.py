@@ -766,6 +766,18 @@ def test_grouped_qmm_tiles_other_blocks(changes):
         _check_fused(rng, [1, 3, 70], 9, 128, 8, 32, "float16", 0, 5, True, True)
 
 
+@pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)
+def test_grouped_qmm_tiles_tall_part_empty(name):
+    """The tall gated blocks (128 rows) forced at any size: experts that end a
+    row tile into a block, exactly at a tile's end, past one block, and of one
+    row, whose blocks are mostly rows of the next expert or padding."""
+    rng = np.random.default_rng(53)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0):
+        assert dict(launch.grouped_qmm_launch(5, 128, 24, 400, 4, 64, name, backend="opencl",
+                                              num_rows=6, gated=True).template)["ROW_TILES"] == 16
+        _check_fused(rng, [9, 0, 136, 1, 200], 24, 128, 4, 64, name, 3, 6, True, True)
+
+
 def test_grouped_qmm_tiles_odd_stage_groups():
     """Three quantization groups a stage, an odd count: the whole row, and by
     the default tiling a row of 9 groups in 3 stages (as gpt-oss-20b's 45)."""
