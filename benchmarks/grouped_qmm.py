@@ -8,8 +8,9 @@
     python -m benchmarks.grouped_qmm --shapes mixtral --tokens 8192 --no-sorted \
         --tilings "default;block_row_tiles=2"                  # the block tiles
 
-One expert projection of a layer shape (`benchmarks/workloads.py`), 4-bit
-weights (group 64), bfloat16 rows as a decode step's plan sorts them (random
+One expert projection of a layer shape (`benchmarks/workloads.py`), weights of
+`--bits` in groups of `--group-size` (4 and 64 unless told) and rows in `--dtype`
+(bfloat16 unless told), the rows as a decode step's plan sorts them (random
 top-K routing, `tile_m=1`): the package's kernel (`GpuBackend.grouped_qmm`)
 against MLX's sorted `gather_qmm` over the same rows, `[rows, 1, D]` against
 `row_experts`, the sorted-rows formulation's GEMM. Both outputs are compared
@@ -31,8 +32,9 @@ times MLX's tiled `gather_qmm` of `moe_plan(..., tile_m=m)`, rows
 `[max_tiles, m, D]` against the tiles' experts, in each projection and gate+up.
 The ceilings ("matmul_bf16", "qmm_dense", `--sides ceilings`, on unless told)
 are MLX's dense GEMMs of the same work, all T*K rows against one matrix:
-bfloat16 `matmul` and 4-bit `quantized_matmul`, each checked against float32's
-matmul of its own inputs. `--sides kernel` alone leaves them out, `--sides
+`matmul` in the rows' dtype ("matmul_bf16" or "matmul_fp16") and `quantized_matmul`
+of the same bits and groups, each checked against float32's matmul of its own
+inputs. `--sides kernel` alone leaves them out, `--sides
 ceilings` the package's kernel. From `launch.GroupedQmmTiling.tiles_from_rows`
 rows an expert the kernel runs its block tiles (kernels/grouped_qmm_tiles.h),
 whose fields start with `block_`. MLX's sorted rows take minutes a shape at
@@ -47,6 +49,7 @@ their outputs would pass GRAPH_BYTES.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 
@@ -87,15 +90,31 @@ def weight_sets_for(touched_bytes: float, calls: int) -> int:
     return min(calls, max(2, math.ceil(2 * CACHE_BYTES / touched_bytes)))
 
 
-def column_bytes(in_dims: int, bits: int = 4) -> int:
-    """A column's bytes: `bits` a weight, a bfloat16 scale and bias every 64."""
-    return in_dims * bits // 8 + in_dims // 64 * 2 * 2
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """What a run's weights and rows are: `bits` a weight in quantization
+    groups of `group_size`, the rows, scales and biases in `dtype`."""
+    bits: int = 4
+    group_size: int = 64
+    dtype: str = "bfloat16"
+
+    @property
+    def matmul_side(self) -> str:
+        """The dense 16-bit ceiling's side name: matmul_bf16 or matmul_fp16."""
+        return "matmul_bf16" if self.dtype == "bfloat16" else "matmul_fp16"
 
 
-def quantized_experts(experts: int, out_dims: int, in_dims: int) -> tuple:
-    """One projection's random experts, 4-bit (group 64) of bfloat16, evaluated."""
-    weight = (mx.random.normal((experts, out_dims, in_dims)) * 0.02).astype(mx.bfloat16)
-    matrices = mx.quantize(weight, 64, 4)
+def column_bytes(in_dims: int, bits: int = 4, group_size: int = 64) -> int:
+    """A column's bytes: `bits` a weight, a 16-bit scale and bias a group."""
+    return in_dims * bits // 8 + in_dims // group_size * 2 * 2
+
+
+def quantized_experts(experts: int, out_dims: int, in_dims: int,
+                      form: WeightFormat = WeightFormat()) -> tuple:
+    """One projection's random experts, quantized as `form` says, evaluated."""
+    weight = (mx.random.normal((experts, out_dims, in_dims)) * 0.02).astype(
+        getattr(mx, form.dtype))
+    matrices = mx.quantize(weight, form.group_size, form.bits)
     mx.eval(matrices)
     return matrices
 
@@ -146,21 +165,23 @@ MLX_SORTED_ROWS = 65535
 
 def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
                 changes: dict[str, int], *, num_rows: int | None = None,
-                gated: bool = False) -> str:
-    """What a tiling launches at these sizes (4 bits, groups of 64, bfloat16):
-    the decode body, or the block tiles and their block and stages as they
-    fit the shared memory, so that a tiling the launch falls back from shows."""
+                gated: bool = False, form: WeightFormat = WeightFormat()) -> str:
+    """What a tiling launches at these sizes in `form`: the decode body, or
+    the block tiles and their block and stages as they fit the shared memory,
+    so that a tiling the launch falls back from shows."""
     from mlx_moe_plan import _backend
     from mlx_moe_plan.kernels import launch
 
     with launch.grouped_qmm_tiling(**changes):
-        run = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, 4, 64, "bfloat16",
+        run = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, form.bits,
+                                        form.group_size, form.dtype,
                                         backend=_backend.gpu_backend(), num_rows=num_rows,
                                         gated=gated)
     template = dict(run.template)
     if run.body == "grouped_qmm_tiles":
         return (f"tiles {template['BLOCK_ROWS']}x{template['BLOCK_COLUMNS']}, "
-                f"{template['STAGE_GROUPS'] * 64} values x {template['STAGES']} stages")
+                f"{template['STAGE_GROUPS'] * form.group_size} values x "
+                f"{template['STAGES']} stages")
     ahead = ", loads ahead" if template["LOADS_AHEAD"] else ""
     ring = f", words in a ring of {template['WORD_STAGES']}" if template["WORD_STAGES"] else ""
     return f"decode body, {template['STEPS']} steps{ahead}{ring}, {template['K_SPLITS']} sets"
@@ -168,12 +189,14 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
 
 def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,
                 active: int, medians: dict[str, float], floor_us: float,
-                busiest: float = 1.0, launches: dict[str, str] | None = None) -> list[dict]:
+                busiest: float = 1.0, launches: dict[str, str] | None = None,
+                form: WeightFormat = WeightFormat()) -> list[dict]:
     """One line a side of `checked_medians` but its first (MLX's sorted
     gather_qmm, or past MLX_SORTED_ROWS its tiled one: `reference`), which each
     line carries as `gather_qmm_us`; TFLOP/s of the routed entries' work
     (padding is not work), `tflops` the side's, `gather_qmm_tflops` MLX's;
-    `launch`, the kernel's launch of the side (`launches`), else empty."""
+    `launch`, the kernel's launch of the side (`launches`), else empty; the
+    weights' `bits`, `group_size` and the rows' `dtype` (`form`)."""
     launches = launches or {}
     reference, *ours = medians
     projections = 2 if projection == "gate+up" else 1
@@ -183,7 +206,8 @@ def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims:
              "ours_us": medians[side], "gather_qmm_us": medians[reference], "floor_us": floor_us,
              "tflops": flops / medians[side] / 1e6,
              "gather_qmm_tflops": flops / medians[reference] / 1e6, "busiest": busiest,
-             "reference": reference, "launch": launches.get(side, "")}
+             "reference": reference, "launch": launches.get(side, ""),
+             **dataclasses.asdict(form)}
             for side in ours]
 
 
@@ -241,46 +265,49 @@ def tile_plans(routed: mx.array, experts: int, mlx_tiles) -> dict[int, tuple]:
 
 
 def ceiling_sides(rows: mx.array, out_dims: int, in_dims: int, calls: int,
-                  what: str) -> dict:
+                  what: str, form: WeightFormat = WeightFormat()) -> dict:
     """MLX's dense GEMMs of the same work, one matrix for all of `rows`
-    (`[T*K, in]`): bfloat16 `matmul` and 4-bit (group 64) `quantized_matmul`,
-    each checked against float32's `matmul` of its own inputs, cycling through
-    weight sets as the expert sides do."""
-    dense = [(mx.random.normal((in_dims, out_dims)) * 0.02).astype(mx.bfloat16)
+    (`[T*K, in]`): `matmul` in the rows' dtype (`form.matmul_side`) and
+    `quantized_matmul` of `form`'s bits and groups ("qmm_dense"), each checked
+    against float32's `matmul` of its own inputs, cycling through weight sets
+    as the expert sides do."""
+    dense = [(mx.random.normal((in_dims, out_dims)) * 0.02).astype(rows.dtype)
              for _ in range(weight_sets_for(out_dims * in_dims * 2, calls))]
-    quantized = [tuple(array[0] for array in quantized_experts(1, out_dims, in_dims))
-                 for _ in range(weight_sets_for(out_dims * column_bytes(in_dims), calls))]
+    quantized = [tuple(array[0] for array in quantized_experts(1, out_dims, in_dims, form))
+                 for _ in range(weight_sets_for(
+                     out_dims * column_bytes(in_dims, form.bits, form.group_size), calls))]
     mx.eval(dense, quantized)
 
-    def matmul_bf16(i):
+    def matmul_16bit(i):
         return mx.matmul(rows, dense[i % len(dense)])
 
     def qmm_dense(i):
         return mx.quantized_matmul(rows, *quantized[i % len(quantized)], transpose=True,
-                                   group_size=64, bits=4)
+                                   group_size=form.group_size, bits=form.bits)
 
     wide = rows.astype(mx.float32)
     check_sides({"float32": lambda i: mx.matmul(wide, dense[0].astype(mx.float32)),
-                 "matmul_bf16": matmul_bf16}, what)
+                 form.matmul_side: matmul_16bit}, what)
     # MLX's CPU quantized_matmul sums bfloat16 rows in bfloat16: a sum of n
     # terms rounds to about 2**-8 * sqrt(n) of its magnitude (13% at n = 2048),
     # still far from an unwritten output's 100%.
     check_sides({"float32": lambda i: mx.matmul(wide, mx.dequantize(
-                     *quantized[0], group_size=64, bits=4).astype(mx.float32).T),
+                     *quantized[0], group_size=form.group_size, bits=form.bits).astype(
+                         mx.float32).T),
                  "qmm_dense": qmm_dense}, what, tolerance=max(2e-2, 2**-8 * in_dims**0.5))
-    return {"matmul_bf16": matmul_bf16, "qmm_dense": qmm_dense}
+    return {form.matmul_side: matmul_16bit, "qmm_dense": qmm_dense}
 
 
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
             tilings: list[dict[str, int]], *, mlx_tiles=(), skew: float = 0.0,
-            sorted_rows: bool = True,
-            kernel: bool = True, ceilings: bool = False) -> list[dict]:
+            sorted_rows: bool = True, kernel: bool = True, ceilings: bool = False,
+            form: WeightFormat = WeightFormat()) -> list[dict]:
     """Each projection's lines, then gate+up's: the package's kernel in each
     tiling (`kernel`), MLX's tiled gather_qmm at each `mlx_tiles` tile_m, and
     (`ceilings`) MLX's dense GEMMs of the same work, all against MLX's sorted
     gather_qmm (`sorted_rows`, where it launches), else against its first
     tiles (64 where none are given); routing skewed by `skew`
-    (`routed_experts`)."""
+    (`routed_experts`); weights and rows as `form` says."""
     from mlx_moe_plan import _backend, _gpu, moe_gather, moe_plan
     from mlx_moe_plan.kernels import launch
 
@@ -302,12 +329,12 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
     for projection, (out_dims, in_dims) in projections(shape).items():
         what = f"{name} T={tokens} {projection}"
         graph_calls = calls_within(most_rows * out_dims * 2, calls)
-        touched = active * out_dims * column_bytes(in_dims)
-        weight_sets = [quantized_experts(shape.experts, out_dims, in_dims)
+        touched = active * out_dims * column_bytes(in_dims, form.bits, form.group_size)
+        weight_sets = [quantized_experts(shape.experts, out_dims, in_dims, form)
                        for _ in range(weight_sets_for(touched, graph_calls))]
         # Each plan's rows are the same entries' (tokens gathered), so that
         # the sides' outputs compare in entry order.
-        x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
+        x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(getattr(mx, form.dtype))
         rows = moe_gather(x, plan)
         tiled_rows = {tile_m: moe_gather(x, tiled).reshape(tiled.max_tiles, tile_m, in_dims)
                       for tile_m, (tiled, _) in tiles.items()}
@@ -317,19 +344,22 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
             packed, scales, biases = weight_sets[i % len(weight_sets)]
             with launch.grouped_qmm_tiling(**(changes or {})):
                 return gpu.grouped_qmm(rows, packed, scales, biases, plan.expert_offsets,
-                                       plan.row_experts, bits=4, group_size=64, stream=stream)
+                                       plan.row_experts, bits=form.bits,
+                                       group_size=form.group_size, stream=stream)
 
         def theirs(i):
             packed, scales, biases = weight_sets[i % len(weight_sets)]
             return mx.gather_qmm(rows.reshape(-1, 1, in_dims), packed, scales, biases,
-                                 rhs_indices=plan.row_experts, transpose=True, group_size=64,
-                                 bits=4, sorted_indices=True)
+                                 rhs_indices=plan.row_experts, transpose=True,
+                                 group_size=form.group_size, bits=form.bits,
+                                 sorted_indices=True)
 
         def theirs_tiled(i, tile_m):
             packed, scales, biases = weight_sets[i % len(weight_sets)]
             return mx.gather_qmm(tiled_rows[tile_m], packed, scales, biases,
-                                 rhs_indices=tiles[tile_m][1], transpose=True, group_size=64,
-                                 bits=4, sorted_indices=True)
+                                 rhs_indices=tiles[tile_m][1], transpose=True,
+                                 group_size=form.group_size, bits=form.bits,
+                                 sorted_indices=True)
 
         sides, views = {}, {}
         if sorted_rows:
@@ -344,26 +374,27 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
                 sides[side] = lambda i, changes=changes: ours(i, changes)
                 views[side] = in_entry_order(plan)
                 launches[side] = launch_text(shape.experts, in_dims, out_dims, plan.capacity,
-                                             changes)
+                                             changes, form=form)
         if ceilings:
             entries = x[mx.array(np.repeat(np.arange(tokens), shape.top_k))]
             mx.eval(entries)
             for side, call in ceiling_sides(entries, out_dims, in_dims, graph_calls,
-                                            what).items():
+                                            what, form).items():
                 sides[side], views[side] = call, None
         medians = checked_medians(sides, graph_calls, what, views)
         rows_out += result_rows(name, tokens, projection, out_dims, in_dims, shape, active,
-                                medians, touched / (bandwidth * 1e3), busiest, launches)
+                                medians, touched / (bandwidth * 1e3), busiest, launches,
+                                form)
     rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
                                     tilings if kernel else [], tiles, busiest,
-                                    unfused=kernel, sorted_rows=sorted_rows))
+                                    unfused=kernel, sorted_rows=sorted_rows, form=form))
     return rows_out
 
 
 def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int,
                     bandwidth: float, tilings: list[dict[str, int]], tiles=None,
                     busiest: float = 1.0, unfused: bool = True,
-                    sorted_rows: bool = True) -> list[dict]:
+                    sorted_rows: bool = True, form: WeightFormat = WeightFormat()) -> list[dict]:
     """The layer's gate, up and activation from the tokens: the fused launch in
     each tiling (lines "fused" for the default, "fused,gated_tiles=1" ...), the
     unfused kernels ("unfused", default tiling) and MLX's tiled gather_qmm at
@@ -379,31 +410,32 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
     most_rows = max([plan.capacity] + [tiled.capacity for tiled, _ in tiles.values()])
     # gate, up and their product are alive together in a call
     graph_calls = calls_within(3 * most_rows * out_dims * 2, calls)
-    touched = 2 * active * out_dims * column_bytes(in_dims)
-    pairs = [[quantized_experts(shape.experts, out_dims, in_dims) for _ in range(2)]
+    touched = 2 * active * out_dims * column_bytes(in_dims, form.bits, form.group_size)
+    pairs = [[quantized_experts(shape.experts, out_dims, in_dims, form) for _ in range(2)]
              for _ in range(weight_sets_for(touched, graph_calls))]
-    x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(mx.bfloat16)
+    x = (mx.random.normal((tokens, in_dims)) * 0.5).astype(getattr(mx, form.dtype))
     mx.eval(x)
 
     def fused(i, changes=None):
         gate, up = pairs[i % len(pairs)]
         with launch.grouped_qmm_tiling(**(changes or {})):
-            return gpu.grouped_qmm(x, *gate, plan.expert_offsets, plan.row_experts, bits=4,
-                                   group_size=64, stream=stream, row_tokens=plan.row_tokens,
-                                   up=up)
+            return gpu.grouped_qmm(x, *gate, plan.expert_offsets, plan.row_experts,
+                                   bits=form.bits, group_size=form.group_size, stream=stream,
+                                   row_tokens=plan.row_tokens, up=up)
 
     def unfused_kernels(i):
         rows = moe_gather(x, plan)
         gate, up = (gpu.grouped_qmm(rows, *matrices, plan.expert_offsets, plan.row_experts,
-                                    bits=4, group_size=64, stream=stream)
+                                    bits=form.bits, group_size=form.group_size, stream=stream)
                     for matrices in pairs[i % len(pairs)])
         return gate * mx.sigmoid(gate) * up
 
     def theirs(i, tiled=plan, rhs_indices=plan.row_experts):
         # the sorted single rows are tiles of one row
         rows = moe_gather(x, tiled).reshape(-1, tiled.tile_m, in_dims)
-        gate, up = (mx.gather_qmm(rows, *matrices, rhs_indices=rhs_indices,
-                                  transpose=True, group_size=64, bits=4, sorted_indices=True)
+        gate, up = (mx.gather_qmm(rows, *matrices, rhs_indices=rhs_indices, transpose=True,
+                                  group_size=form.group_size, bits=form.bits,
+                                  sorted_indices=True)
                     for matrices in pairs[i % len(pairs)])
         return (gate * mx.sigmoid(gate) * up).reshape(tiled.capacity, out_dims)
 
@@ -422,10 +454,10 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
         sides[side] = lambda i, changes=changes: fused(i, changes)
         views[side] = in_entry_order(plan)
         launches[side] = launch_text(shape.experts, in_dims, out_dims, plan.capacity, changes,
-                                     num_rows=tokens, gated=True)
+                                     num_rows=tokens, gated=True, form=form)
     medians = checked_medians(sides, graph_calls, f"{name} T={tokens} gate+up", views)
     return result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
-                       touched / (bandwidth * 1e3), busiest, launches)
+                       touched / (bandwidth * 1e3), busiest, launches, form)
 
 
 def main(argv=None) -> int:
@@ -455,6 +487,13 @@ def main(argv=None) -> int:
                         help="leave out MLX's sorted single rows, minutes at prefill sizes: "
                              "MLX's tiles are the reference, 64 unless --mlx-tiles "
                              "(default: sorted rows, the reference below 65,535 rows)")
+    parser.add_argument("--bits", type=int, default=4,
+                        help="bits a weight (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=64,
+                        help="weights a quantization group (default: %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the rows', scales' and biases' dtype: bfloat16 or float16 "
+                             "(default: %(default)s)")
     parser.add_argument("--sides", default="kernel,ceilings",
                         help="comma list of the sides timed beside MLX's gather_qmm: kernel "
                              "(the package's, each tiling, and gate+up unfused), ceilings "
@@ -466,8 +505,19 @@ def main(argv=None) -> int:
     sides = {side.strip() for side in args.sides.split(",") if side.strip()}
     if not sides <= {"kernel", "ceilings"}:
         parser.error(f"--sides: expected kernel and/or ceilings, got {args.sides}")
+    from mlx_moe_plan.kernels import launch
+
+    if args.bits not in launch.GROUPED_QMM_BITS:
+        parser.error(f"--bits: one of {launch.GROUPED_QMM_BITS}, got {args.bits}")
+    if args.group_size not in launch.GROUPED_QMM_QUANT_GROUPS:
+        parser.error(f"--group-size: one of {launch.GROUPED_QMM_QUANT_GROUPS}, "
+                     f"got {args.group_size}")
+    if args.dtype not in launch.GROUPED_QMM_DTYPES:
+        parser.error(f"--dtype: one of {launch.GROUPED_QMM_DTYPES}, got {args.dtype}")
+    form = WeightFormat(args.bits, args.group_size, args.dtype)
     if mx.default_device().type != mx.gpu:
         raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
+    print(f"# {form.bits}-bit weights in groups of {form.group_size}, {form.dtype} rows")
     print(f"{'shape':15s} {'T':>4s} {'proj':7s} {'tiling':18s} {'experts':>7s} "
           f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s} "
           f"{'TFLOP/s':>7s} {'gather TF':>9s} {'busiest':>7s}  launch")
@@ -476,7 +526,8 @@ def main(argv=None) -> int:
             for row in measure(name, tokens, args.calls, args.bandwidth, tilings,
                                mlx_tiles=mlx_tiles, skew=args.skew,
                                sorted_rows=args.sorted_rows,
-                               kernel="kernel" in sides, ceilings="ceilings" in sides):
+                               kernel="kernel" in sides, ceilings="ceilings" in sides,
+                               form=form):
                 print(f"{name:15s} {tokens:4d} {row['projection']:7s} {row['tiling']:18s} "
                       f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
                       f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "

@@ -54,6 +54,11 @@
 #               every shape: the kernel (its block tiles by default, in two
 #               stages, in stages of 64 values), MLX's tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
+#   grouped-qmm-formats (not in `bench`) the same at T = 2048 and 8192,
+#               Qwen3-30B-A3B and gpt-oss-20b, in the other formats a model
+#               ships: 8 bits (groups of 64), float16 rows, 4 bits in groups of
+#               32 and of 128; the kernel's default tiling, MLX's tiles of 64
+#               and the dense ceilings of the same format.
 #   stage-groups (not in `bench`) the block tiles on gpt-oss-20b's rows of 45
 #               quantization groups, T = 2048 and 8192: the default (3 groups a
 #               stage in 2 stages, launch._stage_groups) beside one group a stage
@@ -314,6 +319,13 @@ if wanted grouped-qmm-prefill; then
       --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 \
       --tokens 512,2048,8192,16384 --mlx-tiles 16,64 --skew "$skew" --calls 8 --no-sorted \
       --tilings "default;block_stages=2;block_stage_values=64"
+  done
+fi
+if wanted grouped-qmm-formats; then
+  for format in "--bits 8" "--dtype float16" "--group-size 32" "--group-size 128"; do
+    name=${format//--/}
+    logged "$results/grouped-qmm-formats-${name// /}.log" python3 -m benchmarks.grouped_qmm \
+      --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted $format
   done
 fi
 if wanted stage-groups; then

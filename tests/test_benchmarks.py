@@ -368,6 +368,38 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
             projections * active * line["out"] * bench_qmm.column_bytes(in_dims) / 4.8e6)
 
 
+def test_grouped_qmm_weight_formats(monkeypatch, capsys):
+    """--bits, --group-size and --dtype reach every side: the experts, the
+    ceilings (the 16-bit matmul named by its dtype), the floors and the lines;
+    main refuses a format the kernel has not, by name."""
+    bench_qmm, shape = grouped_qmm_on_cpu(monkeypatch)
+    form = bench_qmm.WeightFormat(bits=8, group_size=32, dtype="float16")
+    lines = bench_qmm.measure("small", 5, 2, 4800.0, [{}], mlx_tiles=[4], ceilings=True,
+                              form=form)
+    assert [(line["projection"], line["tiling"]) for line in lines] == [
+        (projection, side) for projection in ("gate", "down")
+        for side in ("mlx,tile_m=4", "default", "matmul_fp16", "qmm_dense")
+    ] + [("gate+up", side) for side in ("mlx,tile_m=4", "unfused", "fused")]
+    active = lines[0]["active_experts"]
+    for line in lines:
+        assert (line["bits"], line["group_size"], line["dtype"]) == (8, 32, "float16")
+        projections = 2 if line["projection"] == "gate+up" else 1
+        in_dims = shape.intermediate if line["projection"] == "down" else shape.hidden
+        assert line["floor_us"] == pytest.approx(
+            projections * active * line["out"] * (in_dims + in_dims // 32 * 4) / 4.8e6)
+    assert bench_qmm.column_bytes(2048, 8, 32) == 2048 + 64 * 4
+    assert bench_qmm.launch_text(16, 128, 64, 12, {"tiles_from_rows": 0}, form=form) \
+        .startswith("tiles 64x128, 128 values x ")
+    experts = bench_qmm.quantized_experts(2, 8, 64, form)
+    assert experts[0].shape == (2, 8, 64 * 8 // 32) and experts[1].dtype == mx.float16
+    assert experts[1].shape == (2, 8, 2)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    for option, value in (("--bits", "3"), ("--group-size", "16"), ("--dtype", "float32")):
+        with pytest.raises(SystemExit):
+            bench_qmm.main([option, value])
+        assert option in capsys.readouterr().err
+
+
 def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
     from benchmarks import step_kernels
 
