@@ -69,6 +69,13 @@
 #               (blocks of 128 rows from 512 rows an expert,
 #               launch._tall_gated_blocks) beside blocks of 64 rows at every
 #               size (block_gated_tall_rows=1000000).
+#   halved-blocks (not in `bench`) a dense projection's decoding batch in block
+#               tiles of half the rows and columns (launch._halved_blocks):
+#               Qwen3-30B-A3B's and gpt-oss-20b's attention outputs and lm_heads
+#               at batch 32 and 64, built and evaluated, each way
+#               (benchmarks.projections); then eight Qwen3-30B-A3B layers and
+#               four of gpt-oss-20b's a step, the default beside full blocks at
+#               every size and halved ones wherever a batch's rows allow them.
 #   grouped-qmm-decode (not in `bench`) the expert GEMMs at a decoding step's
 #               T = 8 and 32, Qwen3-30B-A3B, gpt-oss-20b, Mixtral and
 #               DeepSeek-V3: the default (launch.grouped_qmm_loads) beside
@@ -337,6 +344,17 @@ if wanted tall-gated; then
   logged "$results/tall-gated.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
     --tilings "default;block_gated_tall_rows=1000000"
+fi
+if wanted halved-blocks; then
+  halved="default;block_halved_up_to_rows=0;block_halved_below_blocks=1000000"
+  logged "$results/halved-blocks-projections.log" python3 -m benchmarks.projections \
+    --batches 32,64 --max-calls 64 --target-s 0.02 --tilings "$halved" \
+    --gemms qwen3-30b-a3b/o,qwen3-30b-a3b/lm_head,gpt-oss-20b/o,gpt-oss-20b/lm_head
+  variants="full:block_halved_up_to_rows=0;halved:block_halved_below_blocks=1000000"
+  logged "$results/halved-blocks-qwen.log" python3 -m benchmarks.step_kernels \
+    --layers 8 --batches 32,64 --rounds 7 --variants "$variants"
+  logged "$results/halved-blocks-gpt-oss.log" python3 -m benchmarks.step_kernels \
+    --models gpt-oss-20b --layers 4 --batches 32,64 --rounds 7 --variants "$variants"
 fi
 if wanted projections; then
   logged "$results/projections.log" python3 -m benchmarks.projections \

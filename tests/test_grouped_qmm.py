@@ -109,19 +109,25 @@ def test_decoding_shapes(tokens, in_dims, out_dims):
     check_grouped_qmm(_run, rng, counts, out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8, 17])
+@pytest.mark.parametrize("rows", [1, 2, 8, 17, 32, 50, 64])
 @pytest.mark.parametrize("in_dims,out_dims,k_splits", [(2048, 4096, None), (2880, 2880, None),
                                                        (2880, 2880, 2), (4096, 2048, 4)],
                          ids=["q-auto", "o-uneven-auto", "o-uneven-2", "o-4"])
 def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
     """A dense projection of a decoding batch as one expert, its warps sharing
     the rows' quantization groups (K_SPLITS, by the launch where not given):
-    45 groups a row split unevenly, a block of columns past out_dims."""
+    45 groups a row split unevenly, a block of columns past out_dims; from 32
+    rows the block tiles, halved (32 rows by 64 columns: launch._halved_blocks),
+    a block part empty at 50 rows."""
     rng = np.random.default_rng(rows)
     with launch.grouped_qmm_tiling(k_splits=k_splits):
         qmm = launch.grouped_qmm_launch(1, in_dims, out_dims, rows, 4, 64, "bfloat16",
                                         backend="cuda")
-        assert qmm.body != "grouped_qmm" or dict(qmm.template)["K_SPLITS"] > 1
+        template = dict(qmm.template)
+        if qmm.body == "grouped_qmm":
+            assert template["K_SPLITS"] > 1
+        else:
+            assert (template["BLOCK_ROWS"], template["BLOCK_COLUMNS"]) == (32, 64)
         check_grouped_qmm(_run, rng, [rows], out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 

@@ -778,6 +778,38 @@ def test_grouped_qmm_tiles_tall_part_empty(name):
         _check_fused(rng, [9, 0, 136, 1, 200], 24, 128, 4, 64, name, 3, 6, True, True)
 
 
+def test_grouped_qmm_tiles_halved_blocks():
+    """One ungated expert of up to 64 rows (a decoding batch of a dense
+    projection) whose full blocks are fewer than 128 takes blocks of half the
+    rows and columns on CUDA and OpenCL; not above, nor an lm_head's many
+    columns, several experts, the gated launch, or Metal. Forced at any size,
+    they match the reference: a block part empty, columns past the last
+    block, both 16-bit formats and 8 bits."""
+    def block(capacity, num_experts=1, gated=False, backend="cuda", out_dims=2048):
+        template = dict(launch.grouped_qmm_launch(num_experts, 2048, out_dims, capacity, 4, 64,
+                                                  "bfloat16", backend=backend,
+                                                  gated=gated).template)
+        return template["BLOCK_ROWS"], template["BLOCK_COLUMNS"]
+
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        assert block(64) == block(1) == block(64, backend="opencl") == (32, 64)
+        assert block(65) == block(64, num_experts=2) == (64, 128)
+        # 127 and 128 blocks of 128 columns (151936: Qwen3-30B-A3B's lm_head)
+        assert block(1, out_dims=127 * 128 - 5) == (32, 64)
+        assert block(1, out_dims=128 * 128) == block(64, out_dims=151936) == (64, 128)
+        assert block(64, gated=True) == (64, 64)  # 64 columns of each of gate and up
+        metal = block(64, backend="metal")
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_halved_up_to_rows=0):
+        assert block(1) == (64, 128)
+        assert block(64, backend="metal") == metal
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_halved_below_blocks=0):
+        assert block(1) == (64, 128)
+    rng = np.random.default_rng(59)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        for rows, name, bits in ((50, "bfloat16", 4), (64, "float16", 4), (3, "bfloat16", 8)):
+            check_grouped_qmm(_grouped_qmm, rng, [rows], 100, 256, bits, 64, name, 0)
+
+
 def test_grouped_qmm_tiles_odd_stage_groups():
     """Three quantization groups a stage, an odd count: the whole row, and by
     the default tiling a row of 9 groups in 3 stages (as gpt-oss-20b's 45)."""

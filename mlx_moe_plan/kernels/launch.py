@@ -145,6 +145,11 @@ class GroupedQmmTiling:
     # groups of 64 (_tall_gated_blocks says why only there)
     block_gated_row_tiles: int = 16
     block_gated_tall_rows: int = 512
+    # one expert (a dense projection) of at most block_halved_up_to_rows rows
+    # whose full blocks number fewer than block_halved_below_blocks: blocks of
+    # half the tiling's rows and columns (_halved_blocks says why; 0: never)
+    block_halved_up_to_rows: int = 64
+    block_halved_below_blocks: int = 128
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
     # input values wanted a stage, in whole quantization groups that divide the
     # row (STAGE_GROUPS, _stage_groups): more, fewer barriers and longer runs
@@ -166,9 +171,11 @@ class GroupedQmmTiling:
         if self.k_splits is not None and (self.threads // 32) % self.k_splits:
             raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
                              f"threads / 32: {self}")
-        if min(self.tiles_from_rows, self.block_gated_tall_rows) < 0 or self.block_stages < 2:
-            raise ValueError(f"grouped_qmm tiling: tiles_from_rows and block_gated_tall_rows "
-                             f"are at least 0 and block_stages at least 2: {self}")
+        if min(self.tiles_from_rows, self.block_gated_tall_rows, self.block_halved_up_to_rows,
+               self.block_halved_below_blocks) < 0 or self.block_stages < 2:
+            raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows and "
+                             f"the block_halved fields are at least 0 and block_stages at "
+                             f"least 2: {self}")
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
@@ -454,10 +461,11 @@ def grouped_qmm_launch(
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
+        halved = _halved_blocks(gated, backend, out_dims, capacity, num_experts, tiling)
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
                                           SHARED_BYTES[backend], backend != "cuda", tall,
-                                          store)
+                                          halved, store)
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
@@ -506,6 +514,30 @@ def _tall_gated_blocks(gated: bool, backend: str, bits: int, quant_group: int, c
     (none measured there)."""
     return (gated and backend != "metal" and (bits, quant_group) == (4, 64)
             and capacity >= tiling.block_gated_tall_rows * num_experts)
+
+
+def _halved_blocks(gated: bool, backend: str, out_dims: int, capacity: int, num_experts: int,
+                   tiling: GroupedQmmTiling) -> bool:
+    """Whether grouped_qmm_tiles.h's launch halves its block's rows and
+    columns (32 by 64 in the default tiling): one expert, not gated, not on
+    Metal, of at most `block_halved_up_to_rows` rows, whose full blocks
+    number fewer than `block_halved_below_blocks`.
+
+    That is a decoding batch of a dense projection (projections.py) of few
+    columns: the full blocks give it a few dozen blocks (16 for 2048
+    columns), each walking the whole input with its rows half empty, far
+    from filling the GPU; four times the blocks fill it better. An lm_head's
+    thousand blocks fill it already, and halved at 64 rows each weight is
+    read by two row blocks: it ran slower (benchmarks/RESULTS.md, "Dense
+    projections of a decoding batch", both measured). Experts fill the GPU
+    with their own blocks; Metal keeps its blocks (none measured there)."""
+    if (gated or backend == "metal" or num_experts != 1
+            or capacity > tiling.block_halved_up_to_rows):
+        return False
+    block_rows = tiling.block_row_warps * 8 * tiling.block_row_tiles
+    block_columns = tiling.block_column_warps * 16 * tiling.block_tiles
+    full_blocks = -(-out_dims // block_columns) * -(-capacity // block_rows)
+    return full_blocks < tiling.block_halved_below_blocks
 
 
 # The shared memory a group may declare in its body (grouped_qmm.h's arrays):
@@ -569,10 +601,11 @@ def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
 def _grouped_qmm_tiles_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
-    shared_bytes: int, exchange: bool, tall: bool, store: tuple,
+    shared_bytes: int, exchange: bool, tall: bool, halved: bool, store: tuple,
 ) -> Launch | None:
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
     `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
+    `halved`: half the block's rows and columns (_halved_blocks);
     `store`: `_store_template`'s."""
     values = 32 // bits
     lane_words = quant_group // (4 * values)
@@ -588,6 +621,8 @@ def _grouped_qmm_tiles_launch(
     fixed = _scan_memory_bytes(threads, exchange)
     column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles
     row_tiles = tiling.block_gated_row_tiles if tall else tiling.block_row_tiles
+    if halved:
+        column_tiles, row_tiles = max(1, column_tiles // 2), max(1, row_tiles // 2)
     stages = tiling.block_stages
     while True:
         stage_values = stage_groups * quant_group
