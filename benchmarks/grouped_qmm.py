@@ -298,6 +298,12 @@ def ceiling_sides(rows: mx.array, out_dims: int, in_dims: int, calls: int,
     return {form.matmul_side: matmul_16bit, "qmm_dense": qmm_dense}
 
 
+def shape_of(name: str):
+    """The layer shape of `name`, a shape of LAYER_SHAPES or a model's name
+    (gpt-oss-20b)."""
+    return LAYER_SHAPES[name] if name in LAYER_SHAPES else layer_shape(MODELS[name])
+
+
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
             tilings: list[dict[str, int]], *, mlx_tiles=(), skew: float = 0.0,
             sorted_rows: bool = True, kernel: bool = True, ceilings: bool = False,
@@ -311,8 +317,7 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
     from mlx_moe_plan import _backend, _gpu, moe_gather, moe_plan
     from mlx_moe_plan.kernels import launch
 
-    # a model's name too (gpt-oss-20b): its layer shape
-    shape = LAYER_SHAPES[name] if name in LAYER_SHAPES else layer_shape(MODELS[name])
+    shape = shape_of(name)
     stream = mx.default_stream(mx.gpu)
     gpu = _gpu.for_backend(_backend.gpu_backend())
     rng = np.random.default_rng(tokens)
@@ -522,6 +527,13 @@ def main(argv=None) -> int:
           f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s} "
           f"{'TFLOP/s':>7s} {'gather TF':>9s} {'busiest':>7s}  launch")
     for name in args.shapes.split(","):
+        # MLX quantizes whole groups of a row only (gpt-oss-20b's 2880 in 128s)
+        uneven = sorted({in_dims for _, in_dims in projections(shape_of(name)).values()
+                         if in_dims % form.group_size})
+        if uneven:
+            print(f"# {name}: rows of {', '.join(map(str, uneven))} values are not whole "
+                  f"groups of {form.group_size}: not measured", flush=True)
+            continue
         for tokens in (int(t) for t in args.tokens.split(",")):
             for row in measure(name, tokens, args.calls, args.bandwidth, tilings,
                                mlx_tiles=mlx_tiles, skew=args.skew,

@@ -371,7 +371,8 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
 def test_grouped_qmm_weight_formats(monkeypatch, capsys):
     """--bits, --group-size and --dtype reach every side: the experts, the
     ceilings (the 16-bit matmul named by its dtype), the floors and the lines;
-    main refuses a format the kernel has not, by name."""
+    main refuses a format the kernel has not, by name, and names a shape whose
+    rows are not whole groups of it, which it leaves out."""
     bench_qmm, shape = grouped_qmm_on_cpu(monkeypatch)
     form = bench_qmm.WeightFormat(bits=8, group_size=32, dtype="float16")
     lines = bench_qmm.measure("small", 5, 2, 4800.0, [{}], mlx_tiles=[4], ceilings=True,
@@ -398,6 +399,10 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             bench_qmm.main([option, value])
         assert option in capsys.readouterr().err
+    # a shape whose rows are not whole groups is named and left out, not a traceback
+    assert bench_qmm.main(["--shapes", "gpt-oss-20b", "--tokens", "8", "--group-size", "128"]) == 0
+    assert "gpt-oss-20b: rows of 2880 values are not whole groups of 128: not measured" \
+        in capsys.readouterr().out
 
 
 def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
