@@ -534,10 +534,17 @@ def _halved_blocks(gated: bool, backend: str, out_dims: int, capacity: int, num_
     if (gated or backend == "metal" or num_experts != 1
             or capacity > tiling.block_halved_up_to_rows):
         return False
-    block_rows = tiling.block_row_warps * 8 * tiling.block_row_tiles
-    block_columns = tiling.block_column_warps * 16 * tiling.block_tiles
+    block_rows, block_columns = _block_shape(tiling, tiling.block_row_tiles, tiling.block_tiles)
     full_blocks = -(-out_dims // block_columns) * -(-capacity // block_rows)
     return full_blocks < tiling.block_halved_below_blocks
+
+
+def _block_shape(tiling: GroupedQmmTiling, row_tiles: int, column_tiles: int) -> tuple[int, int]:
+    """grouped_qmm_tiles.h's block, (BLOCK_ROWS, BLOCK_COLUMNS): the tiling's
+    warps over the rows and columns, each of `row_tiles` 8-row by
+    `column_tiles` 16-column multiply-add tiles."""
+    return (tiling.block_row_warps * 8 * row_tiles,
+            tiling.block_column_warps * 16 * column_tiles)
 
 
 # The shared memory a group may declare in its body (grouped_qmm.h's arrays):
@@ -629,8 +636,7 @@ def _grouped_qmm_tiles_launch(
         row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
         word_stride = _conflict_free_stride(stage_values // values, lane_words,
                                             min(lane_words, 4))
-        block_rows = tiling.block_row_warps * 8 * row_tiles
-        block_columns = tiling.block_column_warps * 16 * column_tiles
+        block_rows, block_columns = _block_shape(tiling, row_tiles, column_tiles)
         stage_bytes = 4 * (block_rows * row_stride + matrices * block_columns * word_stride
                            + 2 * matrices * block_columns * stage_groups)
         if fixed + stages * stage_bytes <= shared_bytes:
