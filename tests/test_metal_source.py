@@ -539,24 +539,37 @@ def test_compact_refuses_what_it_cannot_strip(text, monkeypatch):
 
 
 def test_included_texts_take_the_place_of_their_line(monkeypatch):
-    """`// include: NAME` alone on a line is NAME.h's text; a name not in
-    kernels.INCLUDED is an error, not a silent comment."""
+    """`// include: NAME` alone on a line is NAME.h's text, its own includes in
+    place; a name not in kernels.INCLUDED is an error, not a silent comment."""
     texts = {"body": "a;\n  // include: qmm_fields\nb; // include: qmm_fields\n",
-             "qmm_fields": "c;\n", "other": "x;\n  // include: missing\n"}
+             "qmm_fields": "c;\n", "other": "x;\n  // include: missing\n",
+             "outer": "d;\n// include: tiles_products\n", "tiles_products": "// include: qmm_fields\n"}
     monkeypatch.setattr(kernels, "text", lambda name: texts[name])
     assert kernels.source("body") == "a;\nc;\n\nb; // include: qmm_fields\n"
+    assert kernels.source("outer") == "d;\nc;\n\n\n"  # an included text's own, in turn
     with pytest.raises(ValueError, match="no kernel text named missing"):
         kernels.source("other")
 
 
-@pytest.mark.parametrize("name, included", [
-    ("grouped_qmm", "qmm_fields"), ("grouped_qmm_tiles", "qmm_fields"),
-    ("grouped_qmm", "qmm_params"), ("grouped_qmm_tiles", "qmm_params"),
-    ("grouped_qmm", "qmm_store"), ("grouped_qmm_tiles", "qmm_store"),
-    ("plan", "group_scan"), ("grouped_qmm", "group_scan"), ("grouped_qmm_tiles", "group_scan")])
-def test_bodies_include_their_shared_texts(name, included):
-    assert kernels.text(name).count(f"// include: {included}") == 1
+@pytest.mark.parametrize("name, included, times", [
+    ("grouped_qmm", "qmm_fields", 1), ("tiles_products", "qmm_fields", 1),
+    ("grouped_qmm", "qmm_params", 1), ("grouped_qmm_tiles", "qmm_params", 1),
+    ("grouped_qmm", "qmm_store", 1), ("grouped_qmm_tiles", "qmm_store", 1),
+    ("grouped_qmm_tiles", "tiles_products", 2),
+    ("plan", "group_scan", 1), ("grouped_qmm", "group_scan", 1),
+    ("grouped_qmm_tiles", "group_scan", 1)])
+def test_bodies_include_their_shared_texts(name, included, times):
+    assert kernels.text(name).count(f"// include: {included}") == times
     assert kernels.text(included).strip().splitlines()[-1] in kernels.source(name)
+
+
+def test_block_tiles_products_twice_with_their_fields():
+    """grouped_qmm_tiles.h multiplies all its row tiles or half of them: the
+    products' text twice, each with the field pairs it includes."""
+    source = kernels.source("grouped_qmm_tiles")
+    assert source.count(kernels.text("qmm_fields")) == 2
+    assert source.count("const int product_row_tiles = ROW_TILES;") == 1
+    assert source.count("const int product_row_tiles = ROW_TILES / 2;") == 1
 
 
 def test_compact_keeps_strings(monkeypatch):

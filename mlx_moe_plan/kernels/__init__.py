@@ -108,9 +108,10 @@ def text(name: str) -> str:
 
 
 # Texts that bodies share: a body's line `// include: NAME` is replaced by
-# NAME.h before compaction (an included text reads and declares variables of
-# the body around it, as its own comment says).
-INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan")
+# NAME.h before compaction, and so are an included text's own (an included
+# text reads and declares variables of the body around it, as its own comment
+# says).
+INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products")
 
 
 def source(name: str) -> str:
@@ -118,7 +119,7 @@ def source(name: str) -> str:
     def included(match: re.Match) -> str:
         if match[1] not in INCLUDED:
             raise ValueError(f"{name}.h: no kernel text named {match[1]} to include")
-        return text(match[1])
+        return source(match[1])  # with the texts it includes in turn
 
     return re.sub(r"^[ \t]*// include: (\w+)[ \t]*$", included, text(name), flags=re.M)
 

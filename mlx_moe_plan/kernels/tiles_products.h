@@ -1,0 +1,103 @@
+// tiles_products: a text grouped_qmm_tiles.h includes, not a body. A
+// stage's multiply-adds: each quantization group of the stage, each word of
+// the lane's, its weights made once (scale * q + bias, rounded to 16 bits)
+// and multiplied with the first `product_row_tiles` 8-row tiles of the
+// warp's rows. The body includes it twice, with all its row tiles and with
+// half, each place declaring `product_row_tiles` a constant, so that either
+// loop unrolls. It reads the stage's buffers (`stage_scales`, `stage_words`,
+// `stage_rows` at `scales_at`, `words_at`, `rows_at`), `warp_column`, and
+// adds into `sums`, all declared by the body.
+for (int group = 0; group < STAGE_GROUPS; ++group) {  // the stage's groups
+  // The scale and bias pairs of the lane's columns (as packed, below).
+  unsigned scale_pairs[TILES * 2];
+  unsigned bias_pairs[TILES * 2];
+UNROLL
+  for (int i = 0; i < TILES * 2; ++i) {
+    const int column = (GATED && i / 2 >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
+                       + 16 * ((i / 2) % COLUMN_TILES) + fragment_row + 8 * (i % 2);
+    scale_pairs[i] = stage_scales[scales_at + column * STAGE_GROUPS + group];
+    bias_pairs[i] = stage_scales[scales_at + STAGE_SCALES + column * STAGE_GROUPS + group];
+  }
+  // packed: the lane's LANE_WORDS words of the group in each column
+  // (tile t's column fragment_row + 8 * h at 2 * t + h).
+  unsigned packed[TILES * 2 * LANE_WORDS];
+UNROLL
+  for (int i = 0; i < TILES * 2; ++i) {
+    const int column = (GATED && i / 2 >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
+                       + 16 * ((i / 2) % COLUMN_TILES) + fragment_row + 8 * (i % 2);
+    const int from = words_at + column * WORD_STRIDE + group * GROUP_WORDS
+                     + fragment_slot * LANE_WORDS;
+UNROLL
+    for (int w = 0; w < LANE_WORDS; w += (LANE_WORDS >= 4 ? 4 : LANE_WORDS)) {
+      if (LANE_WORDS >= 4) {
+        const uint4 quad = ((SHARED_SPACE uint4*)(stage_words + from + w))[0];
+        packed[i * LANE_WORDS + w] = quad.x;
+        packed[i * LANE_WORDS + w + 1] = quad.y;
+        packed[i * LANE_WORDS + w + 2] = quad.z;
+        packed[i * LANE_WORDS + w + 3] = quad.w;
+      } else if (LANE_WORDS == 2) {
+        const uint2 pair = ((SHARED_SPACE uint2*)(stage_words + from))[0];
+        packed[i * LANE_WORDS] = pair.x;
+        packed[i * LANE_WORDS + 1] = pair.y;
+      } else {
+        packed[i * LANE_WORDS] = stage_words[from];
+      }
+    }
+  }
+UNROLL
+  for (int w = 0; w < LANE_WORDS; ++w) {
+    // a: word w's weights, every multiply-add m's and tile t's A at (m *
+    // TILES + t) * 4, made once for all the row tiles. Multiply-add m
+    // takes the word's field pairs 2m (a[0], a[1]) and 2m + 1 (a[2],
+    // a[3]), the rows' halves 2m and 2m + 1 as they are. The rows' values
+    // are then loaded a row tile at a time: a warp's registers hold its
+    // sums, these and one row tile's halves, not every row tile's.
+    unsigned a[(VALUES / 4) * TILES * 4];
+UNROLL
+    for (int m = 0; m < VALUES / 4; ++m) {
+UNROLL
+      for (int t = 0; t < TILES; ++t) {
+UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const unsigned word = packed[(t * 2 + i % 2) * LANE_WORDS + w];
+          // Fields 2p and 2p + 1 (p = 2m + i / 2) at each half's low
+          // bits: for 4 bits, byte p and its high nibble; for 8, bytes
+          // 2p and 2p + 1.
+          const int pair_byte = (2 * m + i / 2) * BITS / 4;
+          const unsigned fields = BYTE_PAIR(word, word >> BITS, pair_byte);
+          // include: qmm_fields
+          // The weight itself, scale * q + bias, rounded once to 16 bits.
+          a[(m * TILES + t) * 4 + i] = PAIR_FMA(field_pair, scale_pairs[t * 2 + i % 2],
+                                                bias_pairs[t * 2 + i % 2]);
+        }
+      }
+    }
+UNROLL
+    for (int n = 0; n < product_row_tiles; ++n) {
+      // halves: the lane's row's values of word w, two to a uint32.
+      unsigned halves[VALUES / 2];
+      const int from = rows_at + (8 * n + fragment_row) * ROW_STRIDE
+                       + (group * QUANT_GROUP + fragment_slot * (QUANT_GROUP / 4)
+                          + w * VALUES) / 2;
+      if (VALUES == 8) {
+        const uint4 quad = ((SHARED_SPACE uint4*)(stage_rows + from))[0];
+        halves[0] = quad.x;
+        halves[1] = quad.y;
+        halves[2] = quad.z;
+        halves[3] = quad.w;
+      } else {
+        const uint2 pair = ((SHARED_SPACE uint2*)(stage_rows + from))[0];
+        halves[0] = pair.x;
+        halves[1] = pair.y;
+      }
+UNROLL
+      for (int m = 0; m < VALUES / 4; ++m) {
+UNROLL
+        for (int t = 0; t < TILES; ++t) {
+          MMA_16x8x16(&sums[(t * ROW_TILES + n) * 4], &a[(m * TILES + t) * 4],
+                      &halves[2 * m], mma_exchange + warp_exchange, lane);
+        }
+      }
+    }
+  }
+}
