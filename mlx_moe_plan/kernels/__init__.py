@@ -61,6 +61,10 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     stored (the fused activation), the texts both grouped GEMM bodies include
     (`INCLUDED`)
 
+`tiles_products.h` -- not a body: a stage's multiply-adds in the block tiles,
+    which grouped_qmm_tiles.h includes twice, over all of a warp's row tiles
+    and over half (`INCLUDED`)
+
 `group_scan.h` -- not a body: a group's inclusive scan of one count a
     thread, the text plan.h and both grouped GEMM bodies include (`INCLUDED`)
 
@@ -114,12 +118,18 @@ def text(name: str) -> str:
 INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products")
 
 
-def source(name: str) -> str:
-    """A kernel file with the texts it includes in place, comments included."""
+def source(name: str, _including: tuple[str, ...] = ()) -> str:
+    """A kernel file with the texts it includes in place, and theirs in turn,
+    comments included."""
+    chain = (*_including, name)
+
     def included(match: re.Match) -> str:
         if match[1] not in INCLUDED:
             raise ValueError(f"{name}.h: no kernel text named {match[1]} to include")
-        return source(match[1])  # with the texts it includes in turn
+        if match[1] in chain:
+            raise ValueError(f"{name}.h: {' -> '.join((*chain, match[1]))} includes "
+                             f"{match[1]}.h within itself")
+        return source(match[1], chain)
 
     return re.sub(r"^[ \t]*// include: (\w+)[ \t]*$", included, text(name), flags=re.M)
 

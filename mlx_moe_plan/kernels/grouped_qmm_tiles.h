@@ -21,7 +21,8 @@
 // layout (its comments say why): A the weights of 16 columns, B the rows'
 // values of 8 rows, lane (r = lane / 4, slot = lane % 4) holding the slot-th
 // quarter of a quantization group's inputs, a word's fields taken as pairs
-// of neighbours (2p, 2p + 1), as the rows' values lie (qmm_fields.h; below).
+// of neighbours (2p, 2p + 1), as the rows' values lie (qmm_fields.h, which
+// tiles_products.h, the stage's multiply-adds, includes).
 // But where grouped_qmm.h applies each group's scale and bias to float sums
 // of the exact fields, which costs two accumulators a sum and a
 // multiply-add with ones a row tile, here the
@@ -34,8 +35,8 @@
 // block's rows, BLOCK_ROWS rows of ROW_STRIDE words (STAGE_GROUPS *
 // QUANT_GROUP values, padded), of its packed columns, (1 + GATED) *
 // BLOCK_COLUMNS columns of WORD_STRIDE words, and of their scales and biases
-// as 16-bit pairs. launch.py pads the strides so that the warp's loads below
-// meet no bank conflict where padding can avoid one.
+// as 16-bit pairs. launch.py pads the strides so that the warps' loads from
+// them (tiles_products.h) meet no bank conflict where padding can avoid one.
 // Inputs, outputs and params: grouped_qmm.h's (column_blocks: blocks of
 // BLOCK_COLUMNS columns that cover out_dims). Template constants: InT, OutT,
 // IN_KIND, BITS, VALUES, QUANT_GROUP, LANE_WORDS, THREADS (ROW_WARPS *
@@ -279,15 +280,16 @@ UNROLL
       const int scales_at = buffer * 2 * STAGE_SCALES;
       const int warp_column = (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
       // An expert's last block is part empty (most are, at prefill sizes and
-      // under skewed routing): where its rows fill half the row tiles or
-      // fewer, the warps multiply that half only, which the first warp row
-      // holds (a bound the same for the whole group: the emulated
-      // MMA_16x8x16 meets a barrier). The products' text twice, not a
-      // bound a row tile: a branch inside the unrolled loop kept its loads
-      // and multiply-adds from overlapping and slowed full blocks. Not for
-      // the tall blocks (16 row tiles, from 512 rows an expert), whose last
-      // blocks are a small share of the work: the second copy slowed them.
-      if (ROW_TILES > 8 || live_row_tiles > ROW_TILES / 2) {
+      // under skewed routing): where its rows fill half a warp's row tiles
+      // or fewer (ROW_TILES / 2, all in the first warp row), every warp
+      // multiplies that half only; the bound is the same for the whole
+      // group (the emulated MMA_16x8x16 meets a barrier). The products'
+      // text twice, not a bound a row tile: a branch inside the unrolled
+      // loop kept its loads and multiply-adds from overlapping and slowed
+      // full blocks. One copy for a warp of one row tile (no half) and of
+      // more than 8 (the tall blocks, from 512 rows an expert, whose last
+      // blocks are a small share of the work: the second copy slowed them).
+      if (ROW_TILES < 2 || ROW_TILES > 8 || live_row_tiles > ROW_TILES / 2) {
         const int product_row_tiles = ROW_TILES;
         // include: tiles_products
       } else {

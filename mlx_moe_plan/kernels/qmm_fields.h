@@ -1,7 +1,7 @@
 // qmm_fields: a text the bodies include, not a body. grouped_qmm.h and
-// grouped_qmm_tiles.h make a packed word's fields into a warp multiply-add's
-// 16-bit inputs the same way, and say `// include: qmm_fields` where
-// kernels.compact puts this text.
+// grouped_qmm_tiles.h (through tiles_products.h) make a packed word's fields
+// into a warp multiply-add's 16-bit inputs the same way, and say
+// `// include: qmm_fields` where kernels.compact puts this text.
 // It reads `fields`, a uint32 holding two fields of BITS bits (as MLX's affine
 // quantization packs them) at the low bits of its two 16-bit halves, the
 // rest of each half anything (which two fields, and how they got there, is

@@ -5,8 +5,12 @@
 // warp's rows. The body includes it twice, with all its row tiles and with
 // half, each place declaring `product_row_tiles` a constant, so that either
 // loop unrolls. It reads the stage's buffers (`stage_scales`, `stage_words`,
-// `stage_rows` at `scales_at`, `words_at`, `rows_at`), `warp_column`, and
-// adds into `sums`, all declared by the body.
+// `stage_rows` at `scales_at`, `words_at`, `rows_at`), `warp_column`, the
+// lane's place (`lane`, `fragment_row`, `fragment_slot`), the emulated
+// multiply-add's `mma_exchange` and `warp_exchange`, and the body's constants
+// (COLUMN_TILES, STAGE_SCALES, GROUP_WORDS and the template's); it adds into
+// `sums` and declares nothing outside its own loop, so two copies can sit
+// side by side.
 for (int group = 0; group < STAGE_GROUPS; ++group) {  // the stage's groups
   // The scale and bias pairs of the lane's columns (as packed, below).
   unsigned scale_pairs[TILES * 2];
