@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 
 import mlx.core as mx
@@ -214,7 +215,8 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
         rule = ("expert" if projections._as_expert(layer, step) and "dense" in sides
                 else "rows" if projections._as_rows(layer, step) else "batched")
     if ncu:
-        profile_marked(f"{gemm.replace('/', '_')}_{batch}", sides, x)
+        # A kernel's name is an identifier: no "/" nor "-" (qwen3-30b-a3b/q).
+        profile_marked(re.sub(r"\W", "_", f"{gemm}_{batch}"), sides, x)
         return {}, rule
     sides = {"none": lambda i, x: x[:, :out_dims] * 1, **sides}
     samples = {side: [] for side in sides}
