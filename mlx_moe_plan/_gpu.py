@@ -429,7 +429,24 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     (out,) = _run(backend, [rows, expert_offsets if row_tokens is None else row_tokens, weight,
                             scales, biases, *up, *out_biases, expert_offsets], qmm_launch,
                   stream)
+    if out.ndim == 3:  # the input's splits' float sums (INPUT_SPLITS)
+        splits = out.shape[0]
+        out = _combine(backend, out.reshape(splits * capacity, out_dims),
+                       _split_rows(splits, capacity, stream), None, rows.dtype, stream)
     return out
+
+
+@cache_by_stream
+def _split_rows(splits: int, capacity: int, stream: mx.Stream) -> mx.array:
+    """combine.h's index that adds a split GEMM's float sums `[splits *
+    capacity, N]` into its rows in split order, rounded once (one launch, the
+    bits fixed; MLX's sum over the splits and then a cast are two): row r
+    from rows r, capacity + r, ...; made once a shape and stream, on the
+    device."""
+    index = (mx.arange(capacity, dtype=mx.int32, stream=stream)[:, None]
+             + mx.arange(0, splits * capacity, capacity, dtype=mx.int32, stream=stream))
+    mx.eval(index)
+    return index
 
 
 def gated_activation(gate: mx.array, up: mx.array, clamped: tuple[float, float] | None,

@@ -324,6 +324,10 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     arrays = [rows, offsets if row_tokens is None else np.asarray(row_tokens, np.int32),
               *matrices, *up, *out_biases, offsets]
     (out,) = run(arrays, qmm_launch)
+    if out.ndim == 3:  # the input's splits' float sums (INPUT_SPLITS), as _gpu adds them
+        splits = out.shape[0]
+        index = np.arange(capacity)[:, None] + capacity * np.arange(splits)
+        out = combine(out.reshape(splits * capacity, out_dims), index, None, dtype_name(rows))
     return out
 
 

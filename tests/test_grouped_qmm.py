@@ -118,7 +118,8 @@ def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
     the rows' quantization groups (K_SPLITS, by the launch where not given):
     45 groups a row split unevenly, a block of columns past out_dims; from 32
     rows the block tiles, halved (32 rows by 64 columns: launch._halved_blocks),
-    a block part empty at 50 rows."""
+    a block part empty at 50 rows, each block's input split among groups
+    (INPUT_SPLITS)."""
     rng = np.random.default_rng(rows)
     with launch.grouped_qmm_tiling(k_splits=k_splits):
         qmm = launch.grouped_qmm_launch(1, in_dims, out_dims, rows, 4, 64, "bfloat16",
@@ -128,6 +129,7 @@ def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
             assert template["K_SPLITS"] > 1
         else:
             assert (template["BLOCK_ROWS"], template["BLOCK_COLUMNS"]) == (32, 64)
+            assert template["INPUT_SPLITS"] > 1
         check_grouped_qmm(_run, rng, [rows], out_dims, in_dims, 4, 64, "bfloat16", 0)
 
 

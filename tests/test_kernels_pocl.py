@@ -810,6 +810,47 @@ def test_grouped_qmm_tiles_halved_blocks():
             check_grouped_qmm(_grouped_qmm, rng, [rows], 100, 256, bits, 64, name, 0)
 
 
+def test_grouped_qmm_tiles_input_splits():
+    """A block's input split among groups (INPUT_SPLITS), each split's float
+    sums a slice of the output that the host adds: by the launch where the
+    blocks are few and the row long (a dense projection of a decoding
+    batch), not where blocks fill the GPU, nor gated, nor a row of few
+    stages, nor on Metal; forced, 8 stages split 3 ways (unevenly) and 4 stages one a
+    split, with experts of no row and of more than a block, the tail's
+    zeros in every split, a bias added once, rows read from tokens,
+    unaligned copies, 8 bits and both 16-bit formats."""
+    def splits(capacity, in_dims, out_dims, gated=False, backend="cuda"):
+        qmm = launch.grouped_qmm_launch(1, in_dims, out_dims, capacity, 4, 64, "bfloat16",
+                                        backend=backend, gated=gated)
+        template = dict(qmm.template)
+        assert template["OutT"] == qmm.outputs[0][1]
+        return template["INPUT_SPLITS"], qmm.outputs[0]
+
+    # Qwen3-30B-A3B's attention output at 32 rows: 32 halved blocks, 32 stages.
+    assert splits(32, 4096, 2048) == (8, ((8, 32, 2048), "float32"))
+    assert splits(32, 2048, 4096)[0] == 4  # its queries: 64 blocks, 16 stages
+    assert splits(32, 2048, 512)[0] == 8  # its keys: 8 blocks, each split 2 stages
+    assert splits(64, 2048, 151936) == (1, ((64, 151936), "bfloat16"))  # an lm_head
+    assert splits(32, 4096, 2048, backend="opencl")[0] == 8
+    assert splits(32, 4096, 2048, backend="metal")[0] == 1
+    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+        assert splits(64, 4096, 2048, gated=True)[0] == 1
+        assert splits(32, 384, 2048)[0] == 1  # 3 stages
+    with launch.grouped_qmm_tiling(block_split_below_groups=0):
+        assert splits(32, 4096, 2048)[0] == 1
+    rng = np.random.default_rng(61)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_input_splits=3):
+        assert splits(40, 1024, 40)[0] == 3
+        check_grouped_qmm(_grouped_qmm, rng, [2, 0, 90, 1, 5], 40, 1024, 4, 64, "bfloat16", 3)
+        _check_fused(rng, [3, 0, 66], 24, 1024, 8, 32, "float16", 2, 5, True, False,
+                     biased=True)
+        with ocl.unaligned_buffers():
+            check_grouped_qmm(_grouped_qmm, rng, [70, 1], 40, 1024, 4, 64, "float16", 2)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_input_splits=100):
+        assert splits(40, 512, 40)[0] == 4
+        check_grouped_qmm(_grouped_qmm, rng, [33, 0, 4], 100, 512, 4, 64, "bfloat16", 5)
+
+
 def test_grouped_qmm_tiles_odd_stage_groups():
     """Three quantization groups a stage, an odd count: the whole row, and by
     the default tiling a row of 9 groups in 3 stages (as gpt-oss-20b's 45)."""

@@ -12,11 +12,19 @@
 // copies where the prelude has them, ASYNC_COPY16), and its warps multiply
 // from there, so every weight a group reads serves BLOCK_ROWS rows and every
 // row BLOCK_COLUMNS columns.
-// The work is (row block, column block) items: every group first counts each
-// expert's blocks of BLOCK_ROWS rows and scans them (expert_blocks: blocks up
-// to and including the expert), then takes items GROUP_ID, GROUP_ID +
-// NUM_GROUPS, ... of the row blocks, column-block fastest, then of the tail
-// rows' blocks. The host sizes the grid from the capacity alone.
+// The work is (input split, row block, column block) items: every group
+// first counts each expert's blocks of BLOCK_ROWS rows and scans them
+// (expert_blocks: blocks up to and including the expert), then takes items
+// GROUP_ID, GROUP_ID + NUM_GROUPS, ... of the row blocks, column-block
+// fastest, then of the tail rows' blocks, input split slowest. The host
+// sizes the grid from the capacity alone.
+// INPUT_SPLITS > 1 splits each block's input among that many groups, for a
+// GEMM of too few blocks to fill the GPU (a dense projection of a decoding
+// batch): each walks its share of the stages, a chain of waits on memory
+// that many groups then overlap. Split s stores its float sums in out[s]
+// ([INPUT_SPLITS, capacity, out_dims], float32; the bias in split 0's
+// only), and the host adds the splits in order (combine.h: the bits fixed).
+// A gated launch is never split (SwiGLU needs the whole sums).
 // The products are grouped_qmm.h's warp multiply-add, MMA_16x8x16, in its
 // layout (its comments say why): A the weights of 16 columns, B the rows'
 // values of 8 rows, lane (r = lane / 4, slot = lane % 4) holding the slot-th
@@ -38,13 +46,15 @@
 // as 16-bit pairs. launch.py pads the strides so that the warps' loads from
 // them (tiles_products.h) meet no bank conflict where padding can avoid one.
 // Inputs, outputs and params: grouped_qmm.h's (column_blocks: blocks of
-// BLOCK_COLUMNS columns that cover out_dims). Template constants: InT, OutT,
+// BLOCK_COLUMNS columns that cover out_dims; with INPUT_SPLITS > 1, out is
+// the splits' float sums, above). Template constants: InT, OutT,
 // IN_KIND, BITS, VALUES, QUANT_GROUP, LANE_WORDS, THREADS (ROW_WARPS *
 // COLUMN_WARPS * 32), MAX_EXPERTS, TILES, ROW_TILES, GATED, TOKEN_ROWS,
 // OUT_BIAS, CLAMPED, ALPHA_BITS, LIMIT_BITS as there; ROW_WARPS, COLUMN_WARPS,
 // BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES), BLOCK_COLUMNS (COLUMN_WARPS * 16 *
 // TILES / (1 + GATED)), STAGE_GROUPS (dividing in_dims / QUANT_GROUP), STAGES
-// (at least 2), ROW_STRIDE, WORD_STRIDE (above).
+// (at least 2), ROW_STRIDE, WORD_STRIDE (above), INPUT_SPLITS (at most the
+// stages; 1 when GATED).
 // include: qmm_params
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 const int MATRICES = GATED ? 2 : 1;
@@ -109,9 +119,10 @@ BARRIER();
 // Every branch and loop bound below is the same for the whole group (the
 // emulated MMA_16x8x16 meets a barrier): copies past a bound read the last
 // row, column or group inside it, and nothing past one is stored.
-for (int item = GROUP_ID; item < (expert_row_blocks + tail_blocks) * column_blocks;
-     item += NUM_GROUPS) {
-  const int row_block = item / column_blocks;
+const int block_items = (expert_row_blocks + tail_blocks) * column_blocks;
+for (int item = GROUP_ID; item < block_items * INPUT_SPLITS; item += NUM_GROUPS) {
+  const int input_split = item / block_items;
+  const int row_block = item % block_items / column_blocks;
   const int column0 = (item % column_blocks) * BLOCK_COLUMNS;
   if (row_block >= expert_row_blocks) {  // the tail rows: zeros
     const int row0 = tail_first + (row_block - expert_row_blocks) * BLOCK_ROWS;
@@ -119,7 +130,7 @@ for (int item = GROUP_ID; item < (expert_row_blocks + tail_blocks) * column_bloc
       const int row = row0 + i / BLOCK_COLUMNS;
       const int column = column0 + i % BLOCK_COLUMNS;
       if (row < capacity && column < out_dims) {
-        STORE_OUT(out, (i64)row * out_dims + column, 0.0f);
+        STORE_OUT(out, ((i64)input_split * capacity + row) * out_dims + column, 0.0f);
       }
     }
     continue;
@@ -197,7 +208,11 @@ UNROLL
   // load's first use holds the thread until it arrives).
   unsigned pending_scales[SCALE_COPIES];
   unsigned pending_biases[SCALE_COPIES];
-  const int num_stages = row_groups / STAGE_GROUPS;  // STAGE_GROUPS divides it
+  // The split's stages: [first_stage, first_stage + num_stages) of the
+  // row's (STAGE_GROUPS divides it; the launch gives each split one or more).
+  const int all_stages = row_groups / STAGE_GROUPS;
+  const int first_stage = input_split * all_stages / INPUT_SPLITS;
+  const int num_stages = (input_split + 1) * all_stages / INPUT_SPLITS - first_stage;
   BARRIER();  // the previous item's last stage is read by every warp
   // Step s copies stage s (while there is one) and computes stage s - (STAGES
   // - 1): STAGES - 1 stages are in flight while one is multiplied.
@@ -222,8 +237,8 @@ UNROLL
     BARRIER();
     if (step < num_stages) {
       const int buffer = step % STAGES;
-      const int group0 = step * STAGE_GROUPS;
-      const int value = step * STAGE_VALUES;
+      const int group0 = (first_stage + step) * STAGE_GROUPS;
+      const int value = (first_stage + step) * STAGE_VALUES;
       const int word = group0 * GROUP_WORDS;
       SHARED_SPACE unsigned* rows_into = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE;
       SHARED_SPACE unsigned* words_into = stage_words

@@ -150,6 +150,11 @@ class GroupedQmmTiling:
     # half the tiling's rows and columns (_halved_blocks says why; 0: never)
     block_halved_up_to_rows: int = 64
     block_halved_below_blocks: int = 128
+    # a launch of fewer blocks than this splits each block's input among
+    # groups (INPUT_SPLITS, _input_splits; 0: never); block_input_splits:
+    # that many splits instead, where not gated (None: by the launch)
+    block_split_below_groups: int = 256
+    block_input_splits: int | None = None
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
     # input values wanted a stage, in whole quantization groups that divide the
     # row (STAGE_GROUPS, _stage_groups): more, fewer barriers and longer runs
@@ -172,9 +177,11 @@ class GroupedQmmTiling:
             raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
                              f"threads / 32: {self}")
         if min(self.tiles_from_rows, self.block_gated_tall_rows, self.block_halved_up_to_rows,
-               self.block_halved_below_blocks) < 0 or self.block_stages < 2:
-            raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows and "
-                             f"the block_halved fields are at least 0 and block_stages at "
+               self.block_halved_below_blocks, self.block_split_below_groups) < 0 \
+                or self.block_stages < 2 or (self.block_input_splits or 1) < 1:
+            raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
+                             f"block_split_below_groups and the block_halved fields are at "
+                             f"least 0, block_input_splits at least 1 and block_stages at "
                              f"least 2: {self}")
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
@@ -448,7 +455,10 @@ def grouped_qmm_launch(
     `tiles_from_rows` rows an expert on average where its block fits the
     backend's shared memory (`Launch.body`); both take the same arguments
     and compute the same GEMM (grouped_qmm_tiles.h rounds the dequantized
-    weights to the rows' format).
+    weights to the rows' format). Where grouped_qmm_tiles.h splits the input
+    (INPUT_SPLITS, `_input_splits`), its output is each split's float sums,
+    float32 `[splits, capacity, out_dims]`, for the caller to add in split
+    order (`_gpu._grouped_qmm`: combine.h).
 
     `num_rows`: the rows are `num_rows >= 1` tokens, row r read from token
     `row_tokens[r]` (TOKEN_ROWS); None: the plan's `capacity` rows themselves.
@@ -462,10 +472,13 @@ def grouped_qmm_launch(
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
         halved = _halved_blocks(gated, backend, out_dims, capacity, num_experts, tiling)
+        # The input split among groups (_input_splits): never gated (SwiGLU
+        # needs whole sums); Metal keeps whole rows (none measured there).
+        splits_input = not gated and backend != "metal"
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
                                           SHARED_BYTES[backend], backend != "cuda", tall,
-                                          halved, store)
+                                          halved, splits_input, store)
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
@@ -608,11 +621,13 @@ def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
 def _grouped_qmm_tiles_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
-    shared_bytes: int, exchange: bool, tall: bool, halved: bool, store: tuple,
+    shared_bytes: int, exchange: bool, tall: bool, halved: bool, splits_input: bool,
+    store: tuple,
 ) -> Launch | None:
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
     `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
     `halved`: half the block's rows and columns (_halved_blocks);
+    `splits_input`: the blocks' input split where they are few (_input_splits);
     `store`: `_store_template`'s."""
     values = 32 // bits
     lane_words = quant_group // (4 * values)
@@ -657,23 +672,54 @@ def _grouped_qmm_tiles_launch(
     column_blocks = -(-out_dims // block_columns)
     # Row blocks at most: the full ones, a partial one an expert, the tail's.
     row_blocks = capacity // block_rows + min(num_experts, capacity) + -(-capacity // block_rows)
+    splits = 1 if not splits_input else _input_splits(
+        -(-capacity // block_rows) * column_blocks, row_groups // stage_groups, tiling)
+    out = ((capacity, out_dims), dtype) if splits == 1 else \
+        ((splits, capacity, out_dims), "float32")
     return Launch(
-        "grouped_qmm_tiles", min(row_blocks * column_blocks, tiling.block_max_groups), threads,
+        "grouped_qmm_tiles", min(splits * row_blocks * column_blocks, tiling.block_max_groups),
+        threads,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
                          capacity=capacity, column_blocks=column_blocks,
                          num_rows=capacity if num_rows is None else num_rows),
-        (("InT", dtype), ("OutT", dtype), ("IN_KIND", ROW_KINDS.index(dtype)), ("BITS", bits),
-         ("VALUES", values), ("QUANT_GROUP", quant_group), ("LANE_WORDS", lane_words),
-         ("THREADS", threads), ("MAX_EXPERTS", MAX_EXPERTS),
+        (("InT", dtype), ("OutT", out[1]), ("IN_KIND", ROW_KINDS.index(dtype)),
+         ("BITS", bits), ("VALUES", values), ("QUANT_GROUP", quant_group),
+         ("LANE_WORDS", lane_words), ("THREADS", threads), ("MAX_EXPERTS", MAX_EXPERTS),
          ("TILES", column_tiles * matrices), ("ROW_TILES", row_tiles),
          ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
          ("ROW_WARPS", tiling.block_row_warps), ("COLUMN_WARPS", tiling.block_column_warps),
          ("BLOCK_ROWS", block_rows), ("BLOCK_COLUMNS", block_columns),
          ("STAGE_GROUPS", stage_groups), ("STAGES", stages), ("ROW_STRIDE", row_stride),
-         ("WORD_STRIDE", word_stride), *_store_template(store)),
-        (((capacity, out_dims), dtype),),
+         ("WORD_STRIDE", word_stride), ("INPUT_SPLITS", splits), *_store_template(store)),
+        (out,),
         _dynamic_shared_bytes(fixed, stages * stage_bytes),
     )
+
+
+# A split of a block tile's input walks this many stages at least.
+SPLIT_LEAST_STAGES = 2
+
+
+def _input_splits(blocks: int, all_stages: int, tiling: GroupedQmmTiling) -> int:
+    """grouped_qmm_tiles.h's INPUT_SPLITS for `blocks` blocks (the fewest
+    the plan's rows can take) of `all_stages` stages each: the tiling's
+    `block_input_splits` where given (at most `all_stages`), else the
+    fewest, doubling, that reach `block_split_below_groups` groups, each
+    split `SPLIT_LEAST_STAGES` stages or more.
+
+    A block walks its whole input, one stage after another, each a wait on
+    memory; a launch of a few dozen blocks (a dense projection of a decoding
+    batch: 32 of Qwen3-30B-A3B's attention output at 32 rows, halved) leaves
+    most of the GPU idle and each block's chain long. Splitting shortens the
+    chains and multiplies the groups; the splits' float sums cost a write
+    and a read of `splits` floats an output (combine.h adds them)."""
+    if tiling.block_input_splits is not None:
+        return max(1, min(tiling.block_input_splits, all_stages))
+    splits = 1
+    while (blocks * splits < tiling.block_split_below_groups
+           and all_stages // (2 * splits) >= SPLIT_LEAST_STAGES):
+        splits *= 2
+    return splits
 
 
 def _word_ring(tiling: GroupedQmmTiling, threads: int, tiles: int, group_words: int,
