@@ -810,6 +810,30 @@ def test_grouped_qmm_tiles_halved_blocks():
             check_grouped_qmm(_grouped_qmm, rng, [rows], 100, 256, bits, 64, name, 0)
 
 
+@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 80)), min_size=1,
+                       max_size=4),
+       out_dims=st.integers(1, 40), in_groups=st.integers(2, 8),
+       bits=st.sampled_from(launch.GROUPED_QMM_BITS),
+       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
+       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
+       splits=st.integers(2, 5), fusion=st.sampled_from(["none", "tokens", "biased"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_grouped_qmm_tiles_input_splits_match_reference(counts, out_dims, in_groups, bits,
+                                                        group_size, name, tail, splits,
+                                                        fusion, seed):
+    """A block's input split among 2 to 5 groups (as many as its stages at
+    most): experts of no row and past a block, the tail, every format, rows
+    from the tokens, a bias added once."""
+    rng = np.random.default_rng(seed)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_input_splits=splits):
+        if fusion == "none":
+            check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_groups * group_size, bits,
+                              group_size, name, tail)
+        else:
+            _check_fused(rng, counts, out_dims, in_groups * group_size, bits, group_size, name,
+                         tail, 4, True, False, biased=fusion == "biased")
+
+
 def test_grouped_qmm_tiles_input_splits():
     """A block's input split among groups (INPUT_SPLITS), each split's float
     sums a slice of the output that the host adds: by the launch where the
