@@ -5,6 +5,7 @@
     python -m benchmarks.projections --gemms qwen3-30b-a3b/router --batches 32 --tilings default
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \\
         --csv --log-file gemm.csv python -m benchmarks.projections --ncu
+    python -m benchmarks.projections --summarize gemm.csv
     python -m benchmarks.projections --prefill --batches 512,2048,8192 --tilings default
 
 A decoding step of B sequences hands each projection (attention, a block's
@@ -33,9 +34,10 @@ the evaluation. The last table
 gives, for each projection and batch, the fastest side and the rule's, and
 a line for each case where the rule's took longer than the fastest by more
 than `--slack`. With `--ncu`: for each side, three calls each evaluated
-alone, after a marker kernel named `gemm_mark_<projection>_<B>_<side index>`
+alone, after a marker kernel named `gemm_mark_<projection>_<B>_<side
+index>_<side>` (each character that is not a letter, digit or "_" an "_")
 and between cuProfilerStart and cuProfilerStop, for Nsight Compute's kernel
-durations; the lines printed name each marker's side.
+durations, which `--summarize` reads back: each side's kernels, us a call.
 
 With `--prefill`, `--batches` are a prefill's T rows: each projection takes
 `[1, T, D]` as mlx-lm hands it ("matrix", the reference: a prefill is one
@@ -57,7 +59,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .grouped_qmm import CACHE_BYTES, check_sides, column_bytes, parse_tilings, tiling_name
-from .timing import profiled, time_calls
+from .timing import marked_kernels, profiled, time_calls
 
 # (out N, in D, bits) of each model's dense projections: attention's, the
 # MoE block's router (8 bits, as mlx-lm's quantize predicates set routers)
@@ -174,13 +176,37 @@ def chained(call, x: mx.array):
     return link
 
 
+# A side's calls under Nsight Compute (--ncu), each evaluated alone.
+NCU_CALLS = 3
+
+
+def marker_name(text: str) -> str:
+    """`text` as part of a kernel's name, an identifier: no "/", "-", ":"
+    (qwen3-30b-a3b/q, grouped:default)."""
+    return re.sub(r"\W", "_", text)
+
+
 def profile_marked(name: str, sides: dict, x: mx.array) -> None:
-    """Each side's three calls, each evaluated alone, after a marker, profiled."""
+    """Each side's NCU_CALLS calls, each evaluated alone, after a marker
+    naming the projection, batch, side's index and side, profiled."""
     for index, (side, call) in enumerate(sides.items()):
-        mx.eval([call(i, x) for i in range(3)])  # compiled, warm
-        profiled(f"{MARKER}{name}_{index}",
-                 lambda: [mx.eval(call(i, x)) for i in range(3, 6)])
-        print(f"{MARKER}{name}_{index}: {side}", flush=True)
+        mx.eval([call(i, x) for i in range(NCU_CALLS)])  # compiled, warm
+        marker = f"{MARKER}{name}_{index}_{marker_name(side)}"
+        profiled(marker, lambda: [mx.eval(call(i, x))
+                                  for i in range(NCU_CALLS, 2 * NCU_CALLS)])
+        print(f"{marker}: {side}", flush=True)
+
+
+def summarize(path: str, top: int = 3) -> str:
+    """Nsight Compute's CSV of an --ncu run: each marked side's kernels, us a
+    call (the mean of its NCU_CALLS), and its `top` kernels by time."""
+    out = []
+    for label, micros, launches in marked_kernels(path, MARKER):
+        kernels = ", ".join(f"{name} {us / NCU_CALLS:.1f}"
+                            for name, us in micros.most_common(top))
+        out.append(f"{label:56s} {sum(micros.values()) / NCU_CALLS:8.1f} us "
+                   f"{sum(launches.values()) // NCU_CALLS:3d} kernels  [{kernels}]")
+    return "\n".join(out)
 
 
 def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dict],
@@ -215,8 +241,7 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
         rule = ("expert" if projections._as_expert(layer, step) and "dense" in sides
                 else "rows" if projections._as_rows(layer, step) else "batched")
     if ncu:
-        # A kernel's name is an identifier: no "/" nor "-" (qwen3-30b-a3b/q).
-        profile_marked(re.sub(r"\W", "_", f"{gemm}_{batch}"), sides, x)
+        profile_marked(marker_name(f"{gemm}_{batch}"), sides, x)
         return {}, rule
     sides = {"none": lambda i, x: x[:, :out_dims] * 1, **sides}
     samples = {side: [] for side in sides}
@@ -274,6 +299,9 @@ def prefill_rows(results: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.projections",
                                      description=__doc__.split("\n\n")[0])
+    parser.add_argument("--summarize", metavar="CSV",
+                        help="summarize an --ncu run's Nsight Compute CSV instead of running "
+                             "(default: none)")
     parser.add_argument("--gemms", default=",".join(GEMMS),
                         help="comma list from GEMMS, model/projection (default: all)")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64",
@@ -303,6 +331,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH",
                         help="write every median here (default: none)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
     tilings = [] if args.tilings == "none" else parse_tilings(args.tilings)
     results = []
     for gemm in args.gemms.split(","):

@@ -34,9 +34,7 @@ launches), which the GPU waits for.
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
-import csv
 import io
 import pstats
 import re
@@ -46,41 +44,20 @@ import sys
 import mlx.core as mx
 
 from .model import build_step, decode_step, decode_steps, fill_context, patched_copy, random_model
-from .timing import profiled
+from .timing import marked_kernels, profiled
 from .workloads import MODELS, with_layers
 
 TIMED_STEPS = 20
 UNTIMED_STEPS = 3
 MARKER = "step_marker_b"
-UNIT_SECONDS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
-                "msecond": 1e-3}
 
 
 def summarize(path: str, top: int) -> str:
     """Nsight Compute's CSV (gpu__time_duration.sum) as each marked step's
     kernels by total time: microseconds, launches, name."""
-    header, steps = None, []
-    with open(path, newline="") as lines:
-        for row in csv.reader(lines):
-            if header is None:  # the log's lines before the table
-                if "Kernel Name" in row and "Metric Value" in row:
-                    header = row
-                continue
-            fields = dict(zip(header, row))
-            if fields.get("Metric Name") != "gpu__time_duration.sum":
-                continue
-            name = fields["Kernel Name"]
-            if MARKER in name:
-                batch = re.match(r"\d+", name.split(MARKER)[1]).group()
-                steps.append((batch, collections.Counter(), collections.Counter()))
-            elif steps:
-                short = name.split("(")[0].split("<")[0].removeprefix("void ")
-                seconds = float(fields["Metric Value"].replace(",", "")) \
-                    * UNIT_SECONDS[fields["Metric Unit"]]
-                steps[-1][1][short] += seconds * 1e6
-                steps[-1][2][short] += 1
     out = []
-    for batch, micros, launches in steps:
+    for label, micros, launches in marked_kernels(path, MARKER):
+        batch = re.match(r"\d+", label).group()
         out.append(f"batch {batch}: {sum(launches.values())} kernels, "
                    f"{sum(micros.values()):.1f} us")
         for name, us in micros.most_common(top):

@@ -10,11 +10,13 @@ eval, what a step of generation pays (it rebuilds its graph every step), the
 figure for decode sizes; `eval_s` alone is the throughput of graphs built
 ahead, the figure for prefill sizes, where building is a rounding error.
 `profiled` marks a region for Nsight Compute, for the benchmarks that read
-kernel durations.
+kernel durations, and `marked_kernels` reads them back from its CSV.
 """
 
 from __future__ import annotations
 
+import collections
+import csv
 import ctypes
 import math
 import statistics
@@ -149,3 +151,37 @@ def profiled(marker: str, run: Callable[[], object]) -> None:
         mx.synchronize()
     finally:
         cuda.cuProfilerStop()
+
+
+UNIT_SECONDS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
+                "msecond": 1e-3}
+
+
+def marked_kernels(path: str, marker: str) -> list[tuple[str, collections.Counter,
+                                                         collections.Counter]]:
+    """Nsight Compute's CSV (gpu__time_duration.sum) of `profiled` regions:
+    for each kernel whose name holds `marker`, in order, the text after the
+    marker up to its arguments, and the kernels after it up to the next
+    marker, by short name: microseconds and launches. Kernels before the
+    first marker are not counted."""
+    header, regions = None, []
+    with open(path, newline="") as lines:
+        for row in csv.reader(lines):
+            if header is None:  # the log's lines before the table
+                if "Kernel Name" in row and "Metric Value" in row:
+                    header = row
+                continue
+            fields = dict(zip(header, row))
+            if fields.get("Metric Name") != "gpu__time_duration.sum":
+                continue
+            name = fields["Kernel Name"]
+            if marker in name:
+                label = name.split(marker)[1].split("(")[0]
+                regions.append((label, collections.Counter(), collections.Counter()))
+            elif regions:
+                short = name.split("(")[0].split("<")[0].removeprefix("void ")
+                seconds = float(fields["Metric Value"].replace(",", "")) \
+                    * UNIT_SECONDS[fields["Metric Unit"]]
+                regions[-1][1][short] += seconds * 1e6
+                regions[-1][2][short] += 1
+    return regions

@@ -76,6 +76,13 @@
 #               (benchmarks.projections); then eight Qwen3-30B-A3B layers and
 #               four of gpt-oss-20b's a step, the default beside full blocks at
 #               every size and halved ones wherever a batch's rows allow them.
+#   input-splits (not in `bench`; ncu on the PATH) a dense projection's decoding
+#               batch in block tiles whose input is split among groups
+#               (launch._input_splits): Qwen3-30B-A3B's and gpt-oss-20b's
+#               attention projections at batch 32 and 64, each kernel alone
+#               under Nsight Compute, split and unsplit (block_input_splits=1),
+#               beside MLX's calls; then eight Qwen3-30B-A3B layers a step, the
+#               default beside unsplit.
 #   grouped-qmm-decode (not in `bench`) the expert GEMMs at a decoding step's
 #               T = 8 and 32, Qwen3-30B-A3B, gpt-oss-20b, Mixtral and
 #               DeepSeek-V3: the default (launch.grouped_qmm_loads) beside
@@ -355,6 +362,17 @@ if wanted halved-blocks; then
     --layers 8 --batches 32,64 --rounds 7 --variants "$variants"
   logged "$results/halved-blocks-gpt-oss.log" python3 -m benchmarks.step_kernels \
     --models gpt-oss-20b --layers 4 --batches 32,64 --rounds 7 --variants "$variants"
+fi
+if wanted input-splits && command -v ncu >/dev/null; then
+  logged "$results/input-splits-ncu.log" ncu --profile-from-start off --clock-control none \
+    --metrics gpu__time_duration.sum --csv --log-file "$results/input-splits.csv" \
+    python3 -m benchmarks.projections --ncu --batches 32,64 \
+    --tilings "default;block_input_splits=1" \
+    --gemms qwen3-30b-a3b/q,qwen3-30b-a3b/o,qwen3-30b-a3b/kv,gpt-oss-20b/q,gpt-oss-20b/o,gpt-oss-20b/kv
+  logged "$results/input-splits-summary.log" python3 -m benchmarks.projections \
+    --summarize "$results/input-splits.csv"
+  logged "$results/input-splits-step.log" python3 -m benchmarks.step_kernels \
+    --layers 8 --batches 32,64 --rounds 7 --variants "nosplit:block_input_splits=1"
 fi
 if wanted projections; then
   logged "$results/projections.log" python3 -m benchmarks.projections \

@@ -291,6 +291,36 @@ def test_projections_chains_and_checks_each_side(capsys):
     assert slower.split()[0].isdigit() and slower.split()[2] == "2"
 
 
+def test_projections_summarize_reads_each_marked_side(tmp_path):
+    """--ncu's markers are identifiers naming the side; --summarize gives each
+    side's kernels a call (of NCU_CALLS), those before the first marker left out."""
+    from benchmarks import projections
+
+    marker = (projections.MARKER + projections.marker_name("qwen3-30b-a3b/o_32") + "_6_"
+              + projections.marker_name("grouped:block_input_splits=1"))
+    assert marker.isidentifier()
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    rows = [("0", "void copy_s<float>(const float *)", "ns", "999"),
+            ("1", f"mlx::core::cu::custom_kernel_{marker}(const float *, float *)", "ns", "1"),
+            ("2", "mlx::core::cu::custom_kernel_moe_grouped_qmm_tiles_1(const short *)", "us",
+             "27.5"),
+            ("3", "mlx::core::cu::custom_kernel_moe_grouped_qmm_tiles_1(const short *)", "ns",
+             "28,100"),
+            ("4", "void mlx::core::cu::copy_v<float>(const float *)", "ns", "300"),
+            ("5", "mlx::core::cu::custom_kernel_moe_grouped_qmm_tiles_1(const short *)", "ns",
+             "27,800")]
+    csv_path = tmp_path / "gemm.csv"
+    csv_path.write_text("==PROF== Connected to process 1\n" + header + "\n" + "\n".join(
+        f'"{i}","{name}","gpu__time_duration.sum","{unit}","{value}"'
+        for i, name, unit, value in rows) + "\n")
+    assert projections.NCU_CALLS == 3
+    (line,) = projections.summarize(str(csv_path), top=2).splitlines()
+    label = marker.removeprefix(projections.MARKER)
+    assert line.split() == [label, "27.9", "us", "1", "kernels",
+                            "[mlx::core::cu::custom_kernel_moe_grouped_qmm_tiles_1", "27.8,",
+                            "mlx::core::cu::copy_v", "0.1]"]
+
+
 def test_projections_prefill_times_the_grouped_kernel(monkeypatch, capsys):
     # --prefill on the CPU, the kernel stood in for: "matrix" [1, T, D] and
     # the grouped kernel in each tiling, checked against it, then the table of
