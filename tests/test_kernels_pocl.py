@@ -721,14 +721,21 @@ def test_grouped_qmm_tiles_blocks(bits, group_size, name):
                           group_size, name, 5)
 
 
-@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 80)), min_size=1,
-                       max_size=4),
-       out_dims=st.integers(1, 40), in_groups=st.integers(1, 3),
-       bits=st.sampled_from(launch.GROUPED_QMM_BITS),
-       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
-       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
-       num_tokens=st.integers(1, 6), fusion=st.sampled_from(["tokens", "gated", "both"]),
-       seed=st.integers(0, 2**32 - 1))
+def tiles_cases(in_groups: st.SearchStrategy) -> dict:
+    """The block tiles' Hypothesis arguments: experts of no row, of a few and
+    past a block (64 rows), columns past a block's last tile, `in_groups`
+    quantization groups a row, every format, tail rows."""
+    return dict(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 80)), min_size=1,
+                                max_size=4),
+                out_dims=st.integers(1, 40), in_groups=in_groups,
+                bits=st.sampled_from(launch.GROUPED_QMM_BITS),
+                group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
+                name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
+                seed=st.integers(0, 2**32 - 1))
+
+
+@given(**tiles_cases(st.integers(1, 3)), num_tokens=st.integers(1, 6),
+       fusion=st.sampled_from(["tokens", "gated", "both"]))
 def test_grouped_qmm_tiles_fused(counts, out_dims, in_groups, bits, group_size, name, tail,
                                  num_tokens, fusion, seed):
     with launch.grouped_qmm_tiling(tiles_from_rows=0):
@@ -810,14 +817,8 @@ def test_grouped_qmm_tiles_halved_blocks():
             check_grouped_qmm(_grouped_qmm, rng, [rows], 100, 256, bits, 64, name, 0)
 
 
-@given(counts=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 80)), min_size=1,
-                       max_size=4),
-       out_dims=st.integers(1, 40), in_groups=st.integers(2, 8),
-       bits=st.sampled_from(launch.GROUPED_QMM_BITS),
-       group_size=st.sampled_from(launch.GROUPED_QMM_QUANT_GROUPS),
-       name=st.sampled_from(launch.GROUPED_QMM_DTYPES), tail=st.integers(0, 9),
-       splits=st.integers(2, 5), fusion=st.sampled_from(["none", "tokens", "biased"]),
-       seed=st.integers(0, 2**32 - 1))
+@given(**tiles_cases(st.integers(2, 8)), splits=st.integers(2, 5),
+       fusion=st.sampled_from(["none", "tokens", "biased"]))
 def test_grouped_qmm_tiles_input_splits_match_reference(counts, out_dims, in_groups, bits,
                                                         group_size, name, tail, splits,
                                                         fusion, seed):
