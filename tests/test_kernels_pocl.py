@@ -840,13 +840,13 @@ def test_grouped_qmm_tiles_input_splits():
     sums a slice of the output that the host adds: by the launch where the
     blocks are few and the row long (a dense projection of a decoding
     batch), not where blocks fill the GPU, nor gated, nor a row of few
-    stages, nor on Metal; forced, 8 stages split 3 ways (unevenly) and 4 stages one a
+    stages, nor on Metal, nor several experts; forced (any launch), 8 stages split 3 ways (unevenly) and 4 stages one a
     split, with experts of no row and of more than a block, the tail's
     zeros in every split, a bias added once, rows read from tokens,
     unaligned copies, 8 bits and both 16-bit formats."""
-    def splits(capacity, in_dims, out_dims, gated=False, backend="cuda"):
-        qmm = launch.grouped_qmm_launch(1, in_dims, out_dims, capacity, 4, 64, "bfloat16",
-                                        backend=backend, gated=gated)
+    def splits(capacity, in_dims, out_dims, gated=False, backend="cuda", num_experts=1):
+        qmm = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, 4, 64,
+                                        "bfloat16", backend=backend, gated=gated)
         template = dict(qmm.template)
         assert template["OutT"] == qmm.outputs[0][1]
         return template["INPUT_SPLITS"], qmm.outputs[0]
@@ -861,6 +861,7 @@ def test_grouped_qmm_tiles_input_splits():
     with launch.grouped_qmm_tiling(tiles_from_rows=0):
         assert splits(64, 4096, 2048, gated=True)[0] == 1
         assert splits(32, 384, 2048)[0] == 1  # 3 stages
+        assert splits(320, 4096, 2048, num_experts=8)[0] == 1  # experts: not by default
     with launch.grouped_qmm_tiling(block_split_below_groups=0):
         assert splits(32, 4096, 2048)[0] == 1
     rng = np.random.default_rng(61)

@@ -150,9 +150,9 @@ class GroupedQmmTiling:
     # half the tiling's rows and columns (_halved_blocks says why; 0: never)
     block_halved_up_to_rows: int = 64
     block_halved_below_blocks: int = 128
-    # a launch of fewer blocks than this splits each block's input among
-    # groups (INPUT_SPLITS, _input_splits; 0: never); block_input_splits:
-    # that many splits instead, where not gated (None: by the launch)
+    # one expert's launch of fewer blocks than this splits each block's input
+    # among groups (INPUT_SPLITS, _input_splits; 0: never); block_input_splits:
+    # that many splits instead, any ungated launch's (None: by the launch)
     block_split_below_groups: int = 256
     block_input_splits: int | None = None
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
@@ -472,8 +472,9 @@ def grouped_qmm_launch(
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
         halved = _halved_blocks(gated, backend, out_dims, capacity, num_experts, tiling)
-        # The input split among groups (_input_splits): never gated (SwiGLU
-        # needs whole sums); Metal keeps whole rows (none measured there).
+        # The input split among groups (_input_splits): one expert by
+        # default, never gated (SwiGLU needs whole sums); Metal keeps whole
+        # rows (none measured there).
         splits_input = not gated and backend != "metal"
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
@@ -673,7 +674,8 @@ def _grouped_qmm_tiles_launch(
     # Row blocks at most: the full ones, a partial one an expert, the tail's.
     row_blocks = capacity // block_rows + min(num_experts, capacity) + -(-capacity // block_rows)
     splits = 1 if not splits_input else _input_splits(
-        -(-capacity // block_rows) * column_blocks, row_groups // stage_groups, tiling)
+        num_experts, -(-capacity // block_rows) * column_blocks, row_groups // stage_groups,
+        tiling)
     out = ((capacity, out_dims), dtype) if splits == 1 else \
         ((splits, capacity, out_dims), "float32")
     return Launch(
@@ -700,21 +702,28 @@ def _grouped_qmm_tiles_launch(
 SPLIT_LEAST_STAGES = 2
 
 
-def _input_splits(blocks: int, all_stages: int, tiling: GroupedQmmTiling) -> int:
+def _input_splits(num_experts: int, blocks: int, all_stages: int,
+                  tiling: GroupedQmmTiling) -> int:
     """grouped_qmm_tiles.h's INPUT_SPLITS for `blocks` blocks (the fewest
     the plan's rows can take) of `all_stages` stages each: the tiling's
-    `block_input_splits` where given (at most `all_stages`), else the
-    fewest, doubling, that reach `block_split_below_groups` groups, each
-    split `SPLIT_LEAST_STAGES` stages or more.
+    `block_input_splits` where given (at most `all_stages`); else, for one
+    expert (a dense projection), the fewest, doubling, that reach
+    `block_split_below_groups` groups, each split `SPLIT_LEAST_STAGES`
+    stages or more; else 1.
 
     A block walks its whole input, one stage after another, each a wait on
     memory; a launch of a few dozen blocks (a dense projection of a decoding
     batch: 32 of Qwen3-30B-A3B's attention output at 32 rows, halved) leaves
     most of the GPU idle and each block's chain long. Splitting shortens the
     chains and multiplies the groups; the splits' float sums cost a write
-    and a read of `splits` floats an output (combine.h adds them)."""
+    and a read of `splits` floats an output (combine.h adds them). Experts
+    are not split unless the tiling says so: their launches have blocks
+    enough from a few hundred rows (Mixtral's, of 8 experts, below about
+    256 tokens have not), none measured split."""
     if tiling.block_input_splits is not None:
         return max(1, min(tiling.block_input_splits, all_stages))
+    if num_experts != 1:
+        return 1
     splits = 1
     while (blocks * splits < tiling.block_split_below_groups
            and all_stages // (2 * splits) >= SPLIT_LEAST_STAGES):
