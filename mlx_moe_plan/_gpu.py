@@ -432,12 +432,13 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     if out.ndim == 3:  # the input's splits' float sums (INPUT_SPLITS)
         splits = out.shape[0]
         out = _combine(backend, out.reshape(splits * capacity, out_dims),
-                       _split_rows(splits, capacity, stream), None, rows.dtype, stream)
+                       _input_split_index(splits, capacity, stream), None, rows.dtype,
+                       stream)
     return out
 
 
 @cache_by_stream
-def _split_rows(splits: int, capacity: int, stream: mx.Stream) -> mx.array:
+def _input_split_index(splits: int, capacity: int, stream: mx.Stream) -> mx.array:
     """combine.h's index that adds a split GEMM's float sums `[splits *
     capacity, N]` into its rows in split order, rounded once (one launch, the
     bits fixed; MLX's sum over the splits and then a cast are two): row r

@@ -76,13 +76,13 @@
 #               (benchmarks.projections); then eight Qwen3-30B-A3B layers and
 #               four of gpt-oss-20b's a step, the default beside full blocks at
 #               every size and halved ones wherever a batch's rows allow them.
-#   input-splits (not in `bench`; ncu on the PATH) a dense projection's decoding
-#               batch in block tiles whose input is split among groups
-#               (launch._input_splits): Qwen3-30B-A3B's and gpt-oss-20b's
-#               attention projections at batch 32 and 64, each kernel alone
-#               under Nsight Compute, split and unsplit (block_input_splits=1),
-#               beside MLX's calls; then eight Qwen3-30B-A3B layers a step, the
-#               default beside unsplit.
+#   input-splits (not in `bench`) a dense projection's decoding batch in block
+#               tiles whose input is split among groups (launch._input_splits):
+#               Qwen3-30B-A3B's and gpt-oss-20b's attention projections at batch
+#               32 and 64, each kernel alone under Nsight Compute (where ncu is
+#               on the PATH), split and unsplit (block_input_splits=1), beside
+#               MLX's calls; then eight Qwen3-30B-A3B layers a step, the default
+#               beside unsplit.
 #   grouped-qmm-decode (not in `bench`) the expert GEMMs at a decoding step's
 #               T = 8 and 32, Qwen3-30B-A3B, gpt-oss-20b, Mixtral and
 #               DeepSeek-V3: the default (launch.grouped_qmm_loads) beside
@@ -371,6 +371,8 @@ if wanted input-splits && command -v ncu >/dev/null; then
     --gemms qwen3-30b-a3b/q,qwen3-30b-a3b/o,qwen3-30b-a3b/kv,gpt-oss-20b/q,gpt-oss-20b/o,gpt-oss-20b/kv
   logged "$results/input-splits-summary.log" python3 -m benchmarks.projections \
     --summarize "$results/input-splits.csv"
+fi
+if wanted input-splits; then
   logged "$results/input-splits-step.log" python3 -m benchmarks.step_kernels \
     --layers 8 --batches 32,64 --rounds 7 --variants "nosplit:block_input_splits=1"
 fi

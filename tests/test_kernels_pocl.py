@@ -822,11 +822,18 @@ def test_grouped_qmm_tiles_halved_blocks():
 def test_grouped_qmm_tiles_input_splits_match_reference(counts, out_dims, in_groups, bits,
                                                         group_size, name, tail, splits,
                                                         fusion, seed):
-    """A block's input split among 2 to 5 groups (as many as its stages at
-    most): experts of no row and past a block, the tail, every format, rows
-    from the tokens, a bias added once."""
+    """A block's input split among 2 to 5 groups, a quantization group a
+    stage (2 to 8 stages; as many splits as stages at most): experts of no
+    row and past a block, the tail, every format, rows from the tokens, a
+    bias added once."""
     rng = np.random.default_rng(seed)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_input_splits=splits):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_input_splits=splits,
+                                   block_stage_values=group_size):
+        if sum(counts) + tail:  # else no kernel runs
+            qmm = launch.grouped_qmm_launch(len(counts), in_groups * group_size, out_dims,
+                                            sum(counts) + tail, bits, group_size, name,
+                                            backend="opencl")
+            assert dict(qmm.template)["INPUT_SPLITS"] == min(splits, in_groups)
         if fusion == "none":
             check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_groups * group_size, bits,
                               group_size, name, tail)
@@ -840,10 +847,11 @@ def test_grouped_qmm_tiles_input_splits():
     sums a slice of the output that the host adds: by the launch where the
     blocks are few and the row long (a dense projection of a decoding
     batch), not where blocks fill the GPU, nor gated, nor a row of few
-    stages, nor on Metal, nor several experts; forced (any launch), 8 stages split 3 ways (unevenly) and 4 stages one a
-    split, with experts of no row and of more than a block, the tail's
-    zeros in every split, a bias added once, rows read from tokens,
-    unaligned copies, 8 bits and both 16-bit formats."""
+    stages, nor on Metal, nor several experts; forced (any launch), 8
+    stages split 3 ways (unevenly) and 4 stages one a split, with experts
+    of no row and of more than a block, the tail's zeros in every split, a
+    bias added once, rows read from tokens, unaligned copies, 8 bits and
+    both 16-bit formats."""
     def splits(capacity, in_dims, out_dims, gated=False, backend="cuda", num_experts=1):
         qmm = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, 4, 64,
                                         "bfloat16", backend=backend, gated=gated)
@@ -864,6 +872,10 @@ def test_grouped_qmm_tiles_input_splits():
         assert splits(320, 4096, 2048, num_experts=8)[0] == 1  # experts: not by default
     with launch.grouped_qmm_tiling(block_split_below_groups=0):
         assert splits(32, 4096, 2048)[0] == 1
+    for bad in (dict(block_input_splits=0), dict(block_split_below_groups=-1)):
+        with pytest.raises(ValueError, match="block_input_splits at least 1"):
+            with launch.grouped_qmm_tiling(**bad):
+                pass
     rng = np.random.default_rng(61)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_input_splits=3):
         assert splits(40, 1024, 40)[0] == 3

@@ -54,7 +54,7 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     for many rows an expert (prefill); `launch.grouped_qmm_launch` picks it
     (`launch.grouped_qmm_body`), the rest as `grouped_qmm.h`'s above; where
     its blocks are few, its input split among groups, whose float sums
-    `combine.h` adds (`launch._input_splits`, `_gpu._grouped_qmm`)
+    `combine.h` adds (`launch._input_splits`, `_gpu._input_split_index`)
     tests:    `tests/test_grouped_qmm.py`, `tests/test_kernels_pocl.py`
               (grouped_qmm_tiles, fused too, within float tolerance)
 

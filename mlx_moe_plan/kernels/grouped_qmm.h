@@ -523,7 +523,8 @@ UNROLL
     if (k_split == 0) {
       const int warp_row0 = row0;  // the warp's: its columns, this pass's rows
       const int warp_column0 = column0;
-      const int input_split = 0;  // the whole row (qmm_store.h)
+      // qmm_store.h's: the block tiles' input split (not K_SPLITS); here the whole row.
+      const int input_split = 0;
       // include: qmm_store
     }
   }

@@ -1,7 +1,8 @@
 // grouped_qmm_tiles: grouped_qmm.h's GEMM for many rows an expert (prefill),
-// in block tiles staged in shared memory. Same inputs, outputs and params as
-// grouped_qmm.h: out[row] = rows[row] @ dequantize(weight[e]).T (+ bias[e]
-// with OUT_BIAS) for every row of expert e's span, zeros on the tail rows,
+// in block tiles staged in shared memory. Same inputs, outputs (but split
+// sums, INPUT_SPLITS below) and params as grouped_qmm.h: out[row] =
+// rows[row] @ dequantize(weight[e]).T (+ bias[e] with OUT_BIAS) for every
+// row of expert e's span, zeros on the tail rows,
 // the row counts read here, on the device, and no host sync.
 // grouped_qmm.h has each warp read its weights from memory once per pass of
 // 8 * ROW_TILES rows, which is what decoding wants (a few rows an expert)

@@ -152,7 +152,8 @@ class GroupedQmmTiling:
     block_halved_below_blocks: int = 128
     # one expert's launch of fewer blocks than this splits each block's input
     # among groups (INPUT_SPLITS, _input_splits; 0: never); block_input_splits:
-    # that many splits instead, any ungated launch's (None: by the launch)
+    # that many splits instead, any ungated launch's but on Metal (None: by
+    # the launch)
     block_split_below_groups: int = 256
     block_input_splits: int | None = None
     block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
@@ -171,14 +172,16 @@ class GroupedQmmTiling:
                self.block_row_tiles, self.block_gated_row_tiles, self.block_max_groups,
                self.block_stage_values) < 1:
             raise ValueError(f"grouped_qmm tiling: every field but wide_loads, loads_ahead, "
-                             f"tiles_from_rows, block_gated_tall_rows and block_stages must be "
+                             f"tiles_from_rows, block_gated_tall_rows, the block_halved and "
+                             f"block_split fields, block_input_splits and block_stages must be "
                              f"at least 1: {self}")
         if self.k_splits is not None and (self.threads // 32) % self.k_splits:
             raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
                              f"threads / 32: {self}")
         if min(self.tiles_from_rows, self.block_gated_tall_rows, self.block_halved_up_to_rows,
                self.block_halved_below_blocks, self.block_split_below_groups) < 0 \
-                or self.block_stages < 2 or (self.block_input_splits or 1) < 1:
+                or self.block_stages < 2 or (self.block_input_splits is not None
+                                             and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
                              f"block_split_below_groups and the block_halved fields are at "
                              f"least 0, block_input_splits at least 1 and block_stages at "
