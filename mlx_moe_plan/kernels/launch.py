@@ -674,11 +674,12 @@ def _grouped_qmm_tiles_launch(
         else:  # Metal's 32 KB, 8 bits in groups of 128: grouped_qmm.h runs it
             return None
     column_blocks = -(-out_dims // block_columns)
-    # Row blocks at most: the full ones, a partial one an expert, the tail's.
-    row_blocks = capacity // block_rows + min(num_experts, capacity) + -(-capacity // block_rows)
+    # Row blocks at least (every row in one), and at most: the full ones, a
+    # partial one an expert, the tail's.
+    least_row_blocks = -(-capacity // block_rows)
+    row_blocks = capacity // block_rows + min(num_experts, capacity) + least_row_blocks
     splits = 1 if not splits_input else _input_splits(
-        num_experts, -(-capacity // block_rows) * column_blocks, row_groups // stage_groups,
-        tiling)
+        num_experts, least_row_blocks * column_blocks, row_groups // stage_groups, tiling)
     out = ((capacity, out_dims), dtype) if splits == 1 else \
         ((splits, capacity, out_dims), "float32")
     return Launch(
