@@ -151,7 +151,8 @@ def sides_for(out_dims: int, in_dims: int, bits: int, batch: int, weight_sets: l
         weight, scales, biases = weight_sets[i % len(weight_sets)]
         with launch.grouped_qmm_tiling(**changes):
             return gpu.grouped_qmm(x, weight[None], scales[None], biases[None], offsets,
-                                   row_experts, bits=bits, group_size=GROUP_SIZE, stream=stream)
+                                   row_experts, bits=bits, group_size=GROUP_SIZE, stream=stream,
+                                   dense=True)
 
     for changes in tilings:
         try:

@@ -40,6 +40,7 @@ class GroupedQmm(Protocol):
         bias: mx.array | None = None,
         up_bias: mx.array | None = None,
         clamped_swiglu: tuple[float, float] | None = None,
+        dense: bool = False,
     ) -> mx.array:
         """`out[r] = rows[r] @ dequantize(weight[e]).T (+ bias[e])` for the
         rows of expert e's span, zeros on the tail rows. With `row_tokens`,
@@ -75,6 +76,10 @@ class GroupedQmm(Protocol):
                 `(clip(up_out, -limit, limit) + 1) * g * sigmoid(alpha * g)`
                 of `g = min(out, limit)` (mlx-lm's `swiglu_oai`) in place of
                 silu's.
+            dense (bool, optional): The one expert is a dense projection
+                (`weight` of one expert): the launch may shape its blocks
+                for it (`launch.grouped_qmm_launch`). An expert-parallel
+                rank's single expert is not one. Default: ``False``.
 
         Returns:
             array: `[capacity, N]` in the rows' dtype.

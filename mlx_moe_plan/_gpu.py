@@ -256,6 +256,7 @@ class GpuBackend:
         bias: mx.array | None = None,
         up_bias: mx.array | None = None,
         clamped_swiglu: tuple[float, float] | None = None,
+        dense: bool = False,
     ) -> mx.array:
         """`_backend.GroupedQmm` by kernels/grouped_qmm.h: rows of
         `launch.GROUPED_QMM_DTYPES`, `launch.GROUPED_QMM_BITS` bits, quant
@@ -290,7 +291,8 @@ class GpuBackend:
                                  f"rows' dtype, [E, N]), got {array.dtype} {array.shape}")
         clamped = None if clamped_swiglu is None else tuple(map(float, clamped_swiglu))
         function = _grouped_qmm_function(self.backend, bits, group_size, row_tokens is not None,
-                                         up is not None, bias is not None, clamped, stream)
+                                         up is not None, bias is not None, clamped, bool(dense),
+                                         stream)
         extra = ([] if row_tokens is None else [row_tokens]) + ([] if up is None else list(up)) \
             + [b for b in (bias, up_bias) if b is not None]
         return function(rows, weight, scales, biases, expert_offsets, row_experts, *extra)
@@ -409,7 +411,7 @@ def _combine_function(backend, dtype, has_weights, stream):
 
 
 def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up,
-                 out_biases, clamped, bits, group_size, stream):
+                 out_biases, clamped, dense, bits, group_size, stream):
     num_rows, in_dims = rows.shape
     capacity = num_rows if row_tokens is None else row_tokens.shape[0]
     num_experts, out_dims, _ = weight.shape
@@ -418,7 +420,8 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
         backend=backend, num_rows=None if row_tokens is None else num_rows,
-        gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped)
+        gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped,
+        dense=dense)
     # The body's arguments are fixed: an absent input is another it never reads.
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
@@ -466,14 +469,14 @@ def gated_activation(gate: mx.array, up: mx.array, clamped: tuple[float, float] 
 
 @cache_by_stream
 def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias, clamped,
-                          stream):
+                          dense, stream):
     @mx.custom_function
     def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts, *extra):
         row_tokens = extra[0] if token_rows else None
         up = tuple(extra[token_rows:token_rows + 3]) if gated else None
         out_biases = tuple(extra[token_rows + 3 * gated:]) if out_bias else None
         return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens,
-                            up, out_biases, clamped, bits, group_size, stream)
+                            up, out_biases, clamped, dense, bits, group_size, stream)
 
     def rows_projection(rows, row_experts, weight, scales, biases):
         # rows[r] @ dequantize(weight[e]).T by MLX's GEMM, each row [1, D]

@@ -108,7 +108,8 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     out = _backend.implementation(stream).grouped_qmm(
         rows, layer["weight"][None], layer["scales"][None], layer["biases"][None],
         *_one_expert_plan(rows.shape[0], stream), bits=layer.bits,
-        group_size=layer.group_size, stream=stream, bias=None if bias is None else bias[None])
+        group_size=layer.group_size, stream=stream, bias=None if bias is None else bias[None],
+        dense=True)
     if bias is None and "bias" in layer:
         out = out + layer["bias"]
     return out.reshape(*x.shape[:-1], out.shape[-1])

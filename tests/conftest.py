@@ -478,13 +478,14 @@ def token_rows(tokens: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:
 
 def grouped_qmm_by_mlx_ops(rows, weight, scales, biases, expert_offsets, row_experts, *,
                            bits, group_size, row_tokens=None, up=None, bias=None,
-                           up_bias=None, clamped_swiglu=None) -> mx.array:
+                           up_bias=None, clamped_swiglu=None, dense=False) -> mx.array:
     """What grouped_qmm computes (`GpuBackend.grouped_qmm`'s arguments), in
     MLX's ops: with `row_tokens`, each row the token it names clamped into the
     tokens and the tail rows past `expert_offsets[-1]` zeros; each
     projection's `bias` and `up_bias` added; with `up`, silu(gate) * up (or
     the `clamped_swiglu`). A stand-in for the kernel where no GPU runs it,
-    and MLX's unfused ops for the fused form's gradient."""
+    and MLX's unfused ops for the fused form's gradient (`dense` shapes only
+    the kernel's launch, not what it computes)."""
     if row_tokens is not None:
         tokens = mx.clip(row_tokens, 0, rows.shape[0] - 1)
         in_spans = mx.arange(row_tokens.shape[0]) < expert_offsets[-1]

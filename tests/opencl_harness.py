@@ -291,7 +291,8 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
                 expert_offsets: np.ndarray, bits: int, group_size: int, *,
                 row_tokens: np.ndarray | None = None, up: tuple | None = None,
                 out_biases: tuple | None = None,
-                clamped_swiglu: tuple[float, float] | None = None) -> np.ndarray:
+                clamped_swiglu: tuple[float, float] | None = None,
+                dense: bool = False) -> np.ndarray:
     """The expert GEMM over sorted rows as `_gpu._grouped_qmm` runs it.
 
     `rows` [capacity, in] float32, float16 or uint16 (bfloat16 bits), the
@@ -301,7 +302,7 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     (weight, scales, biases) of a second projection, silu(gate) * up, or
     gpt-oss's `clamped_swiglu` (alpha, limit); `out_biases`: each
     projection's bias [E, out] (the gate's, then up's when gated) of the
-    rows' dtype.
+    rows' dtype; `dense`: one expert, a dense projection (the launch's).
     Returns [capacity, out] in the rows' dtype.
     """
     num_rows, in_dims = rows.shape
@@ -312,7 +313,8 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     qmm_launch = launch.grouped_qmm_launch(
         num_experts, in_dims, out_dims, capacity, bits, group_size, dtype_name(rows),
         backend="opencl", num_rows=None if row_tokens is None else num_rows,
-        gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped_swiglu)
+        gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped_swiglu,
+        dense=dense)
     offsets = np.asarray(expert_offsets, np.int32)
     weight = np.asarray(weight, np.uint32)
     matrices = [_device_buffer(a) for a in (weight, scales, biases)]

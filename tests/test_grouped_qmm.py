@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -34,11 +36,13 @@ def _as_mlx(values: np.ndarray, name: str) -> mx.array:
     return mx.array(values)
 
 
-def _run(offsets, weight, scales, biases, rows, row_experts, bits, group_size, name):
+def _run(offsets, weight, scales, biases, rows, row_experts, bits, group_size, name,
+         dense=False):
     gpu = _gpu.for_backend(_backend.gpu_backend())
     return gpu.grouped_qmm(_as_mlx(rows, name), mx.array(weight), _as_mlx(scales, name),
                            _as_mlx(biases, name), mx.array(offsets), mx.array(row_experts),
-                           bits=bits, group_size=group_size, stream=mx.default_stream(mx.gpu))
+                           bits=bits, group_size=group_size, stream=mx.default_stream(mx.gpu),
+                           dense=dense)
 
 
 def _run_fused(x, offsets, weight, scales, biases, row_experts, row_tokens, up, name):
@@ -119,18 +123,19 @@ def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
     45 groups a row split unevenly, a block of columns past out_dims; from 32
     rows the block tiles, halved (32 rows by 64 columns: launch._halved_blocks),
     a block part empty at 50 rows, each block's input split among groups
-    (INPUT_SPLITS)."""
+    (INPUT_SPLITS), as `dense` asks."""
     rng = np.random.default_rng(rows)
     with launch.grouped_qmm_tiling(k_splits=k_splits):
         qmm = launch.grouped_qmm_launch(1, in_dims, out_dims, rows, 4, 64, "bfloat16",
-                                        backend="cuda")
+                                        backend="cuda", dense=True)
         template = dict(qmm.template)
         if qmm.body == "grouped_qmm":
             assert template["K_SPLITS"] > 1
         else:
             assert (template["BLOCK_ROWS"], template["BLOCK_COLUMNS"]) == (32, 64)
             assert template["INPUT_SPLITS"] > 1
-        check_grouped_qmm(_run, rng, [rows], out_dims, in_dims, 4, 64, "bfloat16", 0)
+        check_grouped_qmm(functools.partial(_run, dense=True), rng, [rows], out_dims, in_dims,
+                          4, 64, "bfloat16", 0)
 
 
 @pytest.mark.parametrize("field,steps,value", [("wide_loads", None, 1), ("wide_loads", 2, 1),

@@ -349,6 +349,11 @@ def _grouped_qmm(offsets, weight, scales, biases, rows, row_experts, bits, group
     return ocl.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size)
 
 
+def _dense_qmm(offsets, weight, scales, biases, rows, row_experts, bits, group_size, name):
+    """`_grouped_qmm` of one expert that is a dense projection (`dense`)."""
+    return ocl.grouped_qmm(rows, weight, scales, biases, offsets, bits, group_size, dense=True)
+
+
 @given(case=grouped_qmm_cases())
 def test_grouped_qmm_matches_reference(case):
     seed, *arguments = case
@@ -786,21 +791,21 @@ def test_grouped_qmm_tiles_tall_part_empty(name):
 
 
 def test_grouped_qmm_tiles_halved_blocks():
-    """One ungated expert of up to 64 rows (a decoding batch of a dense
-    projection) whose full blocks are fewer than 128 takes blocks of half the
-    rows and columns on CUDA and OpenCL; not above, nor an lm_head's many
-    columns, several experts, the gated launch, or Metal. Forced at any size,
-    they match the reference: a block part empty, columns past the last
-    block, both 16-bit formats and 8 bits."""
-    def block(capacity, num_experts=1, gated=False, backend="cuda", out_dims=2048):
-        template = dict(launch.grouped_qmm_launch(num_experts, 2048, out_dims, capacity, 4, 64,
-                                                  "bfloat16", backend=backend,
-                                                  gated=gated).template)
+    """A dense projection (one ungated expert, `dense`) of up to 64 rows (a
+    decoding batch) whose full blocks are fewer than 128 takes blocks of half
+    the rows and columns on CUDA and OpenCL; not above, nor an lm_head's many
+    columns, an expert-parallel rank's single expert, the gated launch, or
+    Metal. Forced at any size, they match the reference: a block part empty,
+    columns past the last block, both 16-bit formats and 8 bits."""
+    def block(capacity, gated=False, backend="cuda", out_dims=2048, dense=True):
+        template = dict(launch.grouped_qmm_launch(1, 2048, out_dims, capacity, 4, 64,
+                                                  "bfloat16", backend=backend, gated=gated,
+                                                  dense=dense).template)
         return template["BLOCK_ROWS"], template["BLOCK_COLUMNS"]
 
     with launch.grouped_qmm_tiling(tiles_from_rows=0):
         assert block(64) == block(1) == block(64, backend="opencl") == (32, 64)
-        assert block(65) == block(64, num_experts=2) == (64, 128)
+        assert block(65) == block(64, dense=False) == block(1, dense=False) == (64, 128)
         # 127 and 128 blocks of 128 columns (151936: Qwen3-30B-A3B's lm_head)
         assert block(1, out_dims=127 * 128 - 5) == (32, 64)
         assert block(1, out_dims=128 * 128) == block(64, out_dims=151936) == (64, 128)
@@ -814,7 +819,10 @@ def test_grouped_qmm_tiles_halved_blocks():
     rng = np.random.default_rng(59)
     with launch.grouped_qmm_tiling(tiles_from_rows=0):
         for rows, name, bits in ((50, "bfloat16", 4), (64, "float16", 4), (3, "bfloat16", 8)):
-            check_grouped_qmm(_grouped_qmm, rng, [rows], 100, 256, bits, 64, name, 0)
+            check_grouped_qmm(_dense_qmm, rng, [rows], 100, 256, bits, 64, name, 0)
+    with pytest.raises(ValueError, match="dense: a dense projection is one expert"):
+        launch.grouped_qmm_launch(2, 2048, 2048, 64, 4, 64, "bfloat16", backend="cuda",
+                                  dense=True)
 
 
 @given(**tiles_cases(st.integers(2, 8)), splits=st.integers(2, 5),
@@ -847,14 +855,17 @@ def test_grouped_qmm_tiles_input_splits():
     sums a slice of the output that the host adds: by the launch where the
     blocks are few and the row long (a dense projection of a decoding
     batch), not where blocks fill the GPU, nor gated, nor a row of few
-    stages, nor on Metal, nor several experts; forced (any launch), 8
+    stages, nor on Metal, nor experts (several, or an expert-parallel rank's
+    single one); forced (any launch), 8
     stages split 3 ways (unevenly) and 4 stages one a split, with experts
     of no row and of more than a block, the tail's zeros in every split, a
     bias added once, rows read from tokens, unaligned copies, 8 bits and
     both 16-bit formats."""
-    def splits(capacity, in_dims, out_dims, gated=False, backend="cuda", num_experts=1):
+    def splits(capacity, in_dims, out_dims, gated=False, backend="cuda", num_experts=1,
+               dense=True):
         qmm = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, 4, 64,
-                                        "bfloat16", backend=backend, gated=gated)
+                                        "bfloat16", backend=backend, gated=gated,
+                                        dense=dense and num_experts == 1)
         template = dict(qmm.template)
         assert template["OutT"] == qmm.outputs[0][1]
         return template["INPUT_SPLITS"], qmm.outputs[0]
@@ -870,6 +881,7 @@ def test_grouped_qmm_tiles_input_splits():
         assert splits(64, 4096, 2048, gated=True)[0] == 1
         assert splits(32, 384, 2048)[0] == 1  # 3 stages
         assert splits(320, 4096, 2048, num_experts=8)[0] == 1  # experts: not by default
+        assert splits(32, 4096, 2048, dense=False)[0] == 1  # a rank's single expert
     with launch.grouped_qmm_tiling(block_split_below_groups=0):
         assert splits(32, 4096, 2048)[0] == 1
     for bad in (dict(block_input_splits=0), dict(block_split_below_groups=-1)):

@@ -253,7 +253,8 @@ class OneExpertBackend:
         return True
 
     def grouped_qmm(self, rows, weight, scales, biases, expert_offsets, row_experts, *,
-                    bits, group_size, stream, bias=None):
+                    bits, group_size, stream, bias=None, dense=False):
+        assert dense  # a dense projection's launch (launch.grouped_qmm_launch's `dense`)
         self.calls.append((rows.shape, weight.shape, expert_offsets.tolist(),
                            row_experts.tolist(), None if bias is None else bias.shape))
         out = mx.quantized_matmul(rows, weight[0], scales[0], biases[0], transpose=True,

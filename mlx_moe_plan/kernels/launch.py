@@ -145,12 +145,12 @@ class GroupedQmmTiling:
     # groups of 64 (_tall_gated_blocks says why only there)
     block_gated_row_tiles: int = 16
     block_gated_tall_rows: int = 512
-    # one expert (a dense projection) of at most block_halved_up_to_rows rows
+    # a dense projection (the launch's `dense`) of at most block_halved_up_to_rows rows
     # whose full blocks number fewer than block_halved_below_blocks: blocks of
     # half the tiling's rows and columns (_halved_blocks says why; 0: never)
     block_halved_up_to_rows: int = 64
     block_halved_below_blocks: int = 128
-    # one expert's launch of fewer blocks than this splits each block's input
+    # a dense projection's launch of fewer blocks than this splits each block's input
     # among groups (INPUT_SPLITS, _input_splits; 0: never); block_input_splits:
     # that many splits instead, any ungated launch's but on Metal (None: by
     # the launch)
@@ -446,7 +446,7 @@ def grouped_qmm_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, *, backend: str, num_rows: int | None = None,
     gated: bool = False, out_bias: bool = False,
-    clamped_swiglu: tuple[float, float] | None = None,
+    clamped_swiglu: tuple[float, float] | None = None, dense: bool = False,
 ) -> Launch:
     """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
     in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
@@ -468,21 +468,27 @@ def grouped_qmm_launch(
     `gated`: silu(gate) * up of two projections (GATED), each with the
     tiling's gated_tiles (block_gated_tiles); `clamped_swiglu`: (alpha,
     limit) of gpt-oss's clamped form in its place (CLAMPED, qmm_store.h).
-    `out_bias`: each projection's bias added to its sums (OUT_BIAS)."""
+    `out_bias`: each projection's bias added to its sums (OUT_BIAS).
+    `dense`: the one expert is a dense projection (projections.py), whose
+    blocks may be halved (`_halved_blocks`) and whose input may be split
+    (`_input_splits`); an expert-parallel rank's single expert is not one,
+    and keeps the experts' launch."""
+    if dense and num_experts != 1:
+        raise ValueError(f"dense: a dense projection is one expert, got {num_experts}")
     tiling = _grouped_qmm_tiling.get()
     store = (out_bias, clamped_swiglu if gated else None)
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
-        halved = _halved_blocks(gated, backend, out_dims, capacity, num_experts, tiling)
-        # The input split among groups (_input_splits): one expert by
-        # default, never gated (SwiGLU needs whole sums); Metal keeps whole
-        # rows (none measured there).
+        halved = _halved_blocks(gated, backend, out_dims, capacity, dense, tiling)
+        # The input split among groups (_input_splits): a dense projection's
+        # by default, never gated (SwiGLU needs whole sums); Metal keeps
+        # whole rows (none measured there).
         splits_input = not gated and backend != "metal"
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
                                           SHARED_BYTES[backend], backend != "cuda", tall,
-                                          halved, splits_input, store)
+                                          halved, splits_input, dense, store)
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
@@ -533,12 +539,12 @@ def _tall_gated_blocks(gated: bool, backend: str, bits: int, quant_group: int, c
             and capacity >= tiling.block_gated_tall_rows * num_experts)
 
 
-def _halved_blocks(gated: bool, backend: str, out_dims: int, capacity: int, num_experts: int,
+def _halved_blocks(gated: bool, backend: str, out_dims: int, capacity: int, dense: bool,
                    tiling: GroupedQmmTiling) -> bool:
     """Whether grouped_qmm_tiles.h's launch halves its block's rows and
-    columns (32 by 64 in the default tiling): one expert, not gated, not on
-    Metal, of at most `block_halved_up_to_rows` rows, whose full blocks
-    number fewer than `block_halved_below_blocks`.
+    columns (32 by 64 in the default tiling): a dense projection, not gated,
+    not on Metal, of at most `block_halved_up_to_rows` rows, whose full
+    blocks number fewer than `block_halved_below_blocks`.
 
     That is a decoding batch of a dense projection (projections.py) of few
     columns: the full blocks give it a few dozen blocks (16 for 2048
@@ -547,8 +553,10 @@ def _halved_blocks(gated: bool, backend: str, out_dims: int, capacity: int, num_
     thousand blocks fill it already, and halved at 64 rows each weight is
     read by two row blocks: it ran slower (benchmarks/RESULTS.md, "Dense
     projections of a decoding batch", both measured). Experts fill the GPU
-    with their own blocks; Metal keeps its blocks (none measured there)."""
-    if (gated or backend == "metal" or num_experts != 1
+    with their own blocks, and an expert-parallel rank's single expert keeps
+    the experts' blocks (none measured halved); Metal keeps its blocks (none
+    measured there)."""
+    if (gated or backend == "metal" or not dense
             or capacity > tiling.block_halved_up_to_rows):
         return False
     block_rows, block_columns = _block_shape(tiling, tiling.block_row_tiles, tiling.block_tiles)
@@ -626,12 +634,13 @@ def _grouped_qmm_tiles_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
     shared_bytes: int, exchange: bool, tall: bool, halved: bool, splits_input: bool,
-    store: tuple,
+    dense: bool, store: tuple,
 ) -> Launch | None:
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
     `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
     `halved`: half the block's rows and columns (_halved_blocks);
-    `splits_input`: the blocks' input split where they are few (_input_splits);
+    `splits_input`: the blocks' input split where they are few (_input_splits),
+    by default a `dense` projection's only;
     `store`: `_store_template`'s."""
     values = 32 // bits
     lane_words = quant_group // (4 * values)
@@ -679,7 +688,7 @@ def _grouped_qmm_tiles_launch(
     least_row_blocks = -(-capacity // block_rows)
     row_blocks = capacity // block_rows + min(num_experts, capacity) + least_row_blocks
     splits = 1 if not splits_input else _input_splits(
-        num_experts, least_row_blocks * column_blocks, row_groups // stage_groups, tiling)
+        dense, least_row_blocks * column_blocks, row_groups // stage_groups, tiling)
     out = ((capacity, out_dims), dtype) if splits == 1 else \
         ((splits, capacity, out_dims), "float32")
     return Launch(
@@ -706,12 +715,12 @@ def _grouped_qmm_tiles_launch(
 SPLIT_LEAST_STAGES = 2
 
 
-def _input_splits(num_experts: int, blocks: int, all_stages: int,
+def _input_splits(dense: bool, blocks: int, all_stages: int,
                   tiling: GroupedQmmTiling) -> int:
     """grouped_qmm_tiles.h's INPUT_SPLITS for `blocks` blocks (the fewest
     the plan's rows can take) of `all_stages` stages each: the tiling's
-    `block_input_splits` where given (at most `all_stages`); else, for one
-    expert (a dense projection), the fewest, doubling, that reach
+    `block_input_splits` where given (at most `all_stages`); else, for a
+    dense projection (`dense`), the fewest, doubling, that reach
     `block_split_below_groups` groups, each split `SPLIT_LEAST_STAGES`
     stages or more; else 1.
 
@@ -723,10 +732,11 @@ def _input_splits(num_experts: int, blocks: int, all_stages: int,
     and a read of `splits` floats an output (combine.h adds them). Experts
     are not split unless the tiling says so: their launches have blocks
     enough from a few hundred rows (Mixtral's, of 8 experts, below about
-    256 tokens have not), none measured split."""
+    256 tokens have not), none measured split; nor is an expert-parallel
+    rank's single expert."""
     if tiling.block_input_splits is not None:
         return max(1, min(tiling.block_input_splits, all_stages))
-    if num_experts != 1:
+    if not dense:
         return 1
     splits = 1
     while (blocks * splits < tiling.block_split_below_groups
