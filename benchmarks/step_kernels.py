@@ -29,6 +29,13 @@ are dropped when its turn starts, so each traces under its own rules.
 each outside it, and prints where the building went by function, own time
 first: the host's part of a step (the model's calls, the layers' rules and
 launches), which the GPU waits for.
+
+`--timeline N` runs N more steps under torch's profiler, where torch is
+installed, which records every kernel's start and end on the GPU through
+CUPTI, MLX's too (Nsight Systems would, where it runs): how much of a step's
+evaluation the GPU is busy, the rest being the host's dispatch of the graph
+it waits for, and each kernel's time as the step ran it (warm caches, unlike
+Nsight Compute's).
 """
 
 from __future__ import annotations
@@ -76,6 +83,45 @@ def profile_builds(model, cache, y: mx.array, steps: int, top: int) -> str:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
+
+
+def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
+    """`steps` decoding steps under torch's profiler: their median build and
+    wall time, the GPU's busy time a step (the union of its kernels'
+    intervals) against the evaluation's (wall less build), and the `top`
+    kernels by time a step."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        raise SystemExit("--timeline: torch's profiler is not installed")
+    torch.cuda.init()  # the context CUPTI attaches to, which MLX's kernels share
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed = [decode_step(model, cache, y)[2:] for _ in range(steps)]
+    kernels = sorted((event.time_range.start, event.time_range.end, event.name)
+                     for event in prof.events()
+                     if str(event.device_type).endswith("CUDA")
+                     and not event.name.startswith(("Memcpy", "Memset")))
+    busy_us, end = 0.0, None
+    for start, stop, _ in kernels:  # the union of the intervals
+        if end is None or start > end:
+            busy_us, end = busy_us + stop - start, stop
+        elif stop > end:
+            busy_us, end = busy_us + stop - end, stop
+    build = statistics.median(b for b, _ in timed)
+    wall = statistics.median(w for _, w in timed)
+    busy_ms = busy_us / 1e3 / steps
+    lines = [f"  traced: wall {wall * 1e3:.3f} ms, build {build * 1e3:.3f} ms, the GPU busy "
+             f"{busy_ms:.3f} ms a step ({busy_ms / ((wall - build) * 1e3):.0%} of the "
+             f"evaluation), {len(kernels) / steps:.0f} kernels a step"]
+    by_name: dict[str, list] = {}
+    for start, stop, name in kernels:
+        entry = by_name.setdefault(name[:70], [0.0, 0])
+        entry[0] += stop - start
+        entry[1] += 1
+    for name, (micros, launches) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {micros / steps:9.1f} us {launches / steps:5.0f}x  {name}")
+    return "\n".join(lines)
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict]]:
@@ -165,6 +211,9 @@ def main(argv=None) -> int:
     parser.add_argument("--build-profile", type=int, default=0, metavar="N",
                         help="profile N more steps a batch by Python function, own time "
                              "(default: %(default)s, none)")
+    parser.add_argument("--timeline", type=int, default=0, metavar="N",
+                        help="run N more steps a batch under torch's profiler: the GPU's "
+                             "busy time against the evaluation's (default: %(default)s, none)")
     parser.add_argument("--variants", metavar="NAME:KEY=V,...;...",
                         help="compare mlx-lm's model, the patched one and the patched one "
                              "under these rule constants and tiling fields, alternated, "
@@ -194,6 +243,8 @@ def main(argv=None) -> int:
             profiled(f"{MARKER}{batch}", lambda: decode_step(side, cache, y))
         if args.build_profile:
             print(profile_builds(side, cache, y, args.build_profile, args.top), flush=True)
+        if args.timeline and cuda:
+            print(timeline(side, cache, y, args.timeline, args.top), flush=True)
     if not cuda:
         print("no CUDA device: no step was profiled", file=sys.stderr)
     return 0
