@@ -32,7 +32,8 @@
 #   kernels     a decoding step's kernels under Nsight Compute (ncu on the
 #               PATH), mlx-lm's and the patched model's, Qwen3-30B-A3B's eight
 #               layers at batch 1, 4 and 32 (benchmarks.step_kernels);
-#   dispatch    the host cost of a graph node;
+#   dispatch    the host cost of a graph node, and of the calls a patched
+#               decoding step makes (benchmarks.dispatch --package);
 #   ops         plan, gather, combine, unsort at every shape, T = 128 to 16384;
 #   plan-groups the plan at T = 2048 and 16384 under caps on its groups;
 #   layer       the layer end to end at every shape, T = 1 to 2048, in the
@@ -107,6 +108,11 @@
 #               Qwen3-30B-A3B layers at batch 8 and 32, mlx-lm's and patched,
 #               five steps' building under Python's profiler
 #               (benchmarks.step_kernels --build-profile).
+#   timeline    (not in `bench`; torch's profiler installed) eight Qwen3-30B-A3B
+#               layers at batch 8 and 32, mlx-lm's and patched, five steps
+#               under torch's profiler (CUPTI): how much of a step's evaluation
+#               the GPU is busy, and each kernel's time as the step runs it
+#               (benchmarks.step_kernels --timeline).
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -224,6 +230,7 @@ if wanted kernels && command -v ncu >/dev/null; then
 fi
 if wanted dispatch; then
   logged "$results/dispatch.log" python3 -m benchmarks.dispatch
+  logged "$results/dispatch-package.log" python3 -m benchmarks.dispatch --package
 fi
 if wanted ops; then
   logged "$results/bench.log" python3 -m benchmarks.moe --full --no-progress \
@@ -290,6 +297,12 @@ if wanted build-profile; then
   for side in mlx-lm patched; do
     logged "$results/build-profile-$side.log" python3 -m benchmarks.step_kernels --side "$side" \
       --layers 8 --batches 8,32 --build-profile 5 --top 40
+  done
+fi
+if wanted timeline && python3 -c "import torch.profiler" 2>/dev/null; then
+  for side in patched mlx-lm; do
+    logged "$results/timeline-$side.log" python3 -m benchmarks.step_kernels --side "$side" \
+      --layers 8 --batches 8,32 --timeline 5 --top 12
   done
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
