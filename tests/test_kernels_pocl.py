@@ -13,7 +13,7 @@ import pytest
 from conftest import (INT32_MAX, INT32_MIN, assert_bitwise, assert_gemm_close, check_grouped_qmm,
                       experts_strategy, grouped_qmm_case, grouped_qmm_cases, make_ids,
                       quantized_experts, reference_combine, reference_gather, token_rows)
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from mlx_moe_plan import MAX_EXPERTS
@@ -850,6 +850,27 @@ def test_grouped_qmm_tiles_input_splits_match_reference(counts, out_dims, in_gro
                          tail, 4, True, False, biased=fusion == "biased")
 
 
+@given(counts=st.lists(st.integers(0, 200), min_size=1, max_size=MAX_EXPERTS),
+       tail=st.integers(0, 150), gated=st.booleans())
+def test_grouped_qmm_tiles_grid_holds_every_item(counts, tail, gated):
+    """The block tiles' grid has a group for every (row block, column block)
+    item of any plan of its capacity (each expert's blocks, then the tail's,
+    as grouped_qmm_tiles.h counts them), so no group takes two; for one
+    expert, at most one row block more than the capacity fills."""
+    capacity = sum(counts) + tail
+    assume(capacity > 0)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_max_groups=1 << 30):
+        qmm = launch.grouped_qmm_launch(len(counts), 128, 40, capacity, 4, 64, "bfloat16",
+                                        backend="cuda", gated=gated)
+    template = dict(qmm.template)
+    rows, splits = template["BLOCK_ROWS"], template["INPUT_SPLITS"]
+    row_blocks = qmm.groups // (splits * qmm.params.column_blocks)
+    items = sum(-(-count // rows) for count in counts) + -(-tail // rows)
+    assert items <= row_blocks
+    if len(counts) == 1:  # the expert's span and the tail, a block apart at most
+        assert row_blocks == -(-capacity // rows) + (capacity > 1)
+
+
 def test_grouped_qmm_tiles_input_splits():
     """A block's input split among groups (INPUT_SPLITS), each split's float
     sums a slice of the output that the host adds: by the launch where the
@@ -870,8 +891,11 @@ def test_grouped_qmm_tiles_input_splits():
         assert template["OutT"] == qmm.outputs[0][1]
         return template["INPUT_SPLITS"], qmm.outputs[0]
 
-    # Qwen3-30B-A3B's attention output at 32 rows: 32 halved blocks, 32 stages.
+    # Qwen3-30B-A3B's attention output at 32 rows: 32 halved blocks, 32 stages;
+    # 8 splits of 2 row blocks (the span and a tail, at most) by 32 column blocks.
     assert splits(32, 4096, 2048) == (8, ((8, 32, 2048), "float32"))
+    assert launch.grouped_qmm_launch(1, 4096, 2048, 32, 4, 64, "bfloat16", backend="cuda",
+                                     dense=True).groups == 8 * 2 * 32
     assert splits(32, 2048, 4096)[0] == 4  # its queries: 64 blocks, 16 stages
     assert splits(32, 2048, 512)[0] == 8  # its keys: 8 blocks, each split 2 stages
     assert splits(64, 2048, 151936) == (1, ((64, 151936), "bfloat16"))  # an lm_head

@@ -683,10 +683,13 @@ def _grouped_qmm_tiles_launch(
         else:  # Metal's 32 KB, 8 bits in groups of 128: grouped_qmm.h runs it
             return None
     column_blocks = -(-out_dims // block_columns)
-    # Row blocks at least (every row in one), and at most: the full ones, a
-    # partial one an expert, the tail's.
+    # Row blocks at least (every row in one), and at most: a plan's spans and
+    # its tail are E + 1 runs of rows summing to the capacity, and each run
+    # past the first adds at most one partial block, a run of a row at least.
+    # Groups past the items scan the counts and exit; offsets that are no
+    # plan's may make more items, which the groups then take several each.
     least_row_blocks = -(-capacity // block_rows)
-    row_blocks = capacity // block_rows + min(num_experts, capacity) + least_row_blocks
+    row_blocks = least_row_blocks + min(num_experts, capacity - 1)
     splits = 1 if not splits_input else _input_splits(
         dense, least_row_blocks * column_blocks, row_groups // stage_groups, tiling)
     out = ((capacity, out_dims), dtype) if splits == 1 else \
