@@ -264,6 +264,20 @@ class GpuBackend:
         if _name(rows.dtype) not in launch.GROUPED_QMM_DTYPES:
             raise ValueError(f"rows: grouped_qmm takes {' or '.join(launch.GROUPED_QMM_DTYPES)} "
                              f"rows, got {rows.dtype}")
+        # The kernel walks each weight row by the rows' length: matrices of
+        # another would be read past their ends, or at the wrong places.
+        in_dims = rows.shape[-1]
+        if (rows.ndim != 2 or weight.dtype != mx.uint32 or weight.ndim != 3
+                or in_dims % group_size or weight.shape[2] * 32 != in_dims * bits):
+            raise ValueError(f"weight: expected uint32 [E, N, {in_dims} * {bits} / 32] for rows "
+                             f"{rows.shape} in groups of {group_size}, got {weight.dtype} "
+                             f"{weight.shape}")
+        for name, array in (("scales", scales), ("biases", biases)):
+            expected = (*weight.shape[:2], in_dims // group_size)
+            if (array.dtype, array.shape) != (rows.dtype, expected):
+                raise ValueError(f"{name}: expected {rows.dtype} {expected} (the rows' dtype, "
+                                 f"a group of {group_size} values each), got {array.dtype} "
+                                 f"{array.shape}")
         if row_tokens is not None and (row_tokens.dtype != mx.int32 or row_tokens.ndim != 1):
             raise ValueError(f"row_tokens: expected int32 [capacity], got {row_tokens.dtype} "
                              f"{row_tokens.shape}")

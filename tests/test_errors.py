@@ -279,6 +279,20 @@ def test_grouped_qmm_rejects_a_mismatched_up_row_tokens_or_bias():
     with pytest.raises(ValueError, match="row_tokens"):
         gpu.grouped_qmm(rows, weight, scales, biases, *plan_arrays, **kwargs,
                         row_tokens=mx.zeros((6,), mx.uint32))
+    # The matrices against the rows' length, group and dtype (a narrower
+    # weight would be read past its end; other scales read as the rows' type).
+    for wrong in (mx.zeros((4, 16, 6), mx.uint32), mx.zeros((4, 16, 8), mx.int32),
+                  mx.zeros((16, 8), mx.uint32)):
+        with pytest.raises(ValueError, match="weight: expected"):
+            gpu.grouped_qmm(rows, wrong, scales, biases, *plan_arrays, **kwargs)
+    with pytest.raises(ValueError, match="weight: expected"):
+        gpu.grouped_qmm(mx.zeros((3, 48), mx.bfloat16), weight, scales, biases, *plan_arrays,
+                        **kwargs)
+    for wrong in (scales.astype(mx.float32), mx.zeros((4, 16, 4), mx.bfloat16)):
+        with pytest.raises(ValueError, match="scales: expected"):
+            gpu.grouped_qmm(rows, weight, wrong, biases, *plan_arrays, **kwargs)
+        with pytest.raises(ValueError, match="biases: expected"):
+            gpu.grouped_qmm(rows, weight, scales, wrong, *plan_arrays, **kwargs)
     # The projections' biases: [E, N] in the rows' dtype (a shorter one would
     # be read past its end), up's with up and the gate's only; the clamped
     # SwiGLU with up only.
