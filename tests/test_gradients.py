@@ -199,7 +199,7 @@ def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated, f
     clamped = (1.702, 0.5) if form == "clamped" else None  # a limit the sums pass
 
     def stand_in(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up,
-                 out_bias, clamped, bits, group_size, stream):
+                 out_bias, clamped, dense, bits, group_size, stream):
         return grouped_qmm_by_mlx_ops(rows, weight, scales, biases, expert_offsets,
                                       experts_mx, bits=bits, group_size=group_size,
                                       row_tokens=row_tokens, up=up,
@@ -209,7 +209,7 @@ def test_grouped_qmm_gradient_is_the_fused_ops(monkeypatch, token_rows, gated, f
 
     monkeypatch.setattr(_gpu, "_grouped_qmm", stand_in)
     function = _gpu._grouped_qmm_function("cuda", 4, 32, token_rows, gated, bool(biases),
-                                          clamped, mx.default_stream(mx.cpu))
+                                          clamped, False, mx.default_stream(mx.cpu))
     rows = mx.array(rng.standard_normal((num_tokens if token_rows else capacity, in_dims)),
                     mx.float32)
     cotangent = mx.array(rng.standard_normal((capacity, out_dims)), mx.float32)
