@@ -272,8 +272,8 @@ class GpuBackend:
             raise ValueError(f"weight: expected uint32 [E, N, {in_dims} * {bits} / 32] for rows "
                              f"{rows.shape} in groups of {group_size}, got {weight.dtype} "
                              f"{weight.shape}")
+        expected = (*weight.shape[:2], in_dims // group_size)
         for name, array in (("scales", scales), ("biases", biases)):
-            expected = (*weight.shape[:2], in_dims // group_size)
             if (array.dtype, array.shape) != (rows.dtype, expected):
                 raise ValueError(f"{name}: expected {rows.dtype} {expected} (the rows' dtype, "
                                  f"a group of {group_size} values each), got {array.dtype} "
