@@ -41,6 +41,7 @@ Nsight Compute's).
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
@@ -59,6 +60,14 @@ UNTIMED_STEPS = 3
 MARKER = "step_marker_b"
 
 
+def kernel_lines(micros: collections.Counter, launches: collections.Counter, top: int,
+                 steps: int = 1) -> list[str]:
+    """The `top` kernels by time, a line each: microseconds and launches a
+    step (of `steps`), name."""
+    return [f"  {us / steps:9.1f} us {launches[name] / steps:5.0f}x  {name}"
+            for name, us in micros.most_common(top)]
+
+
 def summarize(path: str, top: int) -> str:
     """Nsight Compute's CSV (gpu__time_duration.sum) as each marked step's
     kernels by total time: microseconds, launches, name."""
@@ -67,8 +76,7 @@ def summarize(path: str, top: int) -> str:
         batch = re.match(r"\d+", label).group()
         out.append(f"batch {batch}: {sum(launches.values())} kernels, "
                    f"{sum(micros.values()):.1f} us")
-        for name, us in micros.most_common(top):
-            out.append(f"  {us:9.1f} us {launches[name]:5d}x  {name}")
+        out.extend(kernel_lines(micros, launches, top))
     return "\n".join(out)
 
 
@@ -114,14 +122,11 @@ def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
     lines = [f"  traced: wall {wall * 1e3:.3f} ms, build {build * 1e3:.3f} ms, the GPU busy "
              f"{busy_ms:.3f} ms a step ({busy_ms / ((wall - build) * 1e3):.0%} of the "
              f"evaluation), {len(kernels) / steps:.0f} kernels a step"]
-    by_name: dict[str, list] = {}
-    for start, stop, name in kernels:
-        entry = by_name.setdefault(name[:70], [0.0, 0])
-        entry[0] += stop - start
-        entry[1] += 1
-    for name, (micros, launches) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {micros / steps:9.1f} us {launches / steps:5.0f}x  {name}")
-    return "\n".join(lines)
+    micros, launches = collections.Counter(), collections.Counter()
+    for start, stop, name in kernels:  # CUPTI's names whole: cut, not shortened
+        micros[name[:70]] += stop - start
+        launches[name[:70]] += 1
+    return "\n".join(lines + kernel_lines(micros, launches, top, steps))
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict]]:
