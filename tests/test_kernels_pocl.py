@@ -877,11 +877,10 @@ def test_grouped_qmm_tiles_input_splits():
     blocks are few and the row long (a dense projection of a decoding
     batch), not where blocks fill the GPU, nor gated, nor a row of few
     stages, nor on Metal, nor experts (several, or an expert-parallel rank's
-    single one); forced (any launch), 8
-    stages split 3 ways (unevenly) and 4 stages one a split, with experts
-    of no row and of more than a block, the tail's zeros in every split, a
-    bias added once, rows read from tokens, unaligned copies, 8 bits and
-    both 16-bit formats."""
+    single one); forced (any launch), 8 stages split 3 ways (unevenly) and 4
+    stages one a split, with experts of no row and of more than a block, the
+    tail's zeros in every split, a bias added once, rows read from tokens,
+    unaligned copies, 8 bits and both 16-bit formats."""
     def splits(capacity, in_dims, out_dims, gated=False, backend="cuda", num_experts=1,
                dense=True):
         qmm = launch.grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, 4, 64,
