@@ -32,10 +32,12 @@ launches), which the GPU waits for.
 
 `--timeline N` runs N more steps under torch's profiler, where torch is
 installed, which records every kernel's start and end on the GPU through
-CUPTI, MLX's too (Nsight Systems would, where it runs): how much of a step's
-evaluation the GPU is busy, the rest being the host's dispatch of the graph
-it waits for, and each kernel's time as the step ran it (warm caches, unlike
-Nsight Compute's).
+CUPTI, MLX's too (Nsight Systems would, where it runs), and the host's CUDA
+API calls: how much of a step's evaluation the GPU is busy, each kernel's
+time as the step ran it (warm caches, unlike Nsight Compute's), the GPU's
+idle time before each kernel (where it waited for the host, and for which
+kernel), and the host's time in each API call (where it waited for the
+GPU: `cudaEventSynchronize` at a step's end).
 """
 
 from __future__ import annotations
@@ -96,8 +98,11 @@ def profile_builds(model, cache, y: mx.array, steps: int, top: int) -> str:
 def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
     """`steps` decoding steps under torch's profiler: their median build and
     wall time, the GPU's busy time a step (the union of its kernels'
-    intervals) against the evaluation's (wall less build), and the `top`
-    kernels by time a step."""
+    intervals) against the evaluation's (wall less build), the `top` kernels
+    by time a step, the `top` kernels by the GPU's idle time just before them
+    (where the GPU waited for the host's dispatch, and for what), and the
+    `top` CUDA API calls by their host time a step (what of the host's
+    dispatch is the driver's: CUPTI's runtime and driver records)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -106,13 +111,21 @@ def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
     torch.cuda.init()  # the context CUPTI attaches to, which MLX's kernels share
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         timed = [decode_step(model, cache, y)[2:] for _ in range(steps)]
-    kernels = sorted((event.time_range.start, event.time_range.end, event.name)
-                     for event in prof.events()
-                     if str(event.device_type).endswith("CUDA")
-                     and not event.name.startswith(("Memcpy", "Memset")))
+    kernels, api_calls = [], []
+    for event in prof.events():
+        interval = (event.time_range.start, event.time_range.end, event.name[:70])
+        if not str(event.device_type).endswith("CUDA"):
+            api_calls.append(interval)
+        elif not event.name.startswith(("Memcpy", "Memset")):
+            kernels.append(interval)
+    kernels.sort()
     busy_us, end = 0.0, None
-    for start, stop, _ in kernels:  # the union of the intervals
+    idle, idle_before = collections.Counter(), collections.Counter()
+    for start, stop, name in kernels:  # the union of the intervals
         if end is None or start > end:
+            if end is not None:
+                idle[name] += start - end
+            idle_before[name] += 1
             busy_us, end = busy_us + stop - start, stop
         elif stop > end:
             busy_us, end = busy_us + stop - end, stop
@@ -123,10 +136,19 @@ def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
              f"{busy_ms:.3f} ms a step ({busy_ms / ((wall - build) * 1e3):.0%} of the "
              f"evaluation), {len(kernels) / steps:.0f} kernels a step"]
     micros, launches = collections.Counter(), collections.Counter()
-    for start, stop, name in kernels:  # CUPTI's names whole: cut, not shortened
-        micros[name[:70]] += stop - start
-        launches[name[:70]] += 1
-    return "\n".join(lines + kernel_lines(micros, launches, top, steps))
+    for start, stop, name in kernels:
+        micros[name] += stop - start
+        launches[name] += 1
+    api_micros, api_count = collections.Counter(), collections.Counter()
+    for start, stop, name in api_calls:
+        api_micros[name] += stop - start
+        api_count[name] += 1
+    return "\n".join(
+        lines + kernel_lines(micros, launches, top, steps)
+        + [f"  GPU idle before a kernel, {sum(idle.values()) / steps / 1e3:.3f} ms a step:"]
+        + kernel_lines(idle, idle_before, top, steps)
+        + [f"  CUDA API calls, {sum(api_micros.values()) / steps / 1e3:.3f} ms a step:"]
+        + kernel_lines(api_micros, api_count, top, steps))
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict]]:
