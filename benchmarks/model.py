@@ -31,10 +31,12 @@ interleaved one by one (with `--control`, another side: an unpatched copy of
 mlx-lm's model; with `--variant-tile-m M`, another: the model patched with
 `tile_m=M`, a formulation weighed against the rule's in the same run; with
 `--variant-no-dense-rows`, the model patched without dense rows; with
-`--variant-no-dense`, patched with `dense=False`), then generate's loop a turn
-a side. `--no-dense` patches with `dense=False` (dense projections by MLX's
-GEMM, not by the grouped kernel where its rules say so: a decoding batch's,
-and a prefill's lm_head, where the last chunk's logits are computed).
+`--variant-no-dense`, patched with `dense=False`; with `--variant-no-submit`,
+patched with `submit=False`), then generate's loop a turn a side.
+`--no-dense` patches with `dense=False` (dense projections by MLX's GEMM,
+not by the grouped kernel where its rules say so: a decoding batch's, and a
+prefill's lm_head, where the last chunk's logits are computed); `--no-submit`
+with `submit=False` (a decoding step evaluated once it is built whole).
 `--processes N`
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
@@ -181,14 +183,15 @@ def set_our_layers(model: nn.Module, **attributes) -> None:
 
 
 def patched_copy(model: nn.Module, tile_m: int | None, no_compile: bool,
-                 dense_rows: bool = True, dense: bool = True):
+                 dense_rows: bool = True, dense: bool = True, submit: bool = True):
     """A copy of `model` sharing its weights, patched with `tile_m`,
-    `dense_rows` and `dense` (never compiled with `no_compile`), and how many
-    layers were patched."""
+    `dense_rows`, `dense` and `submit` (never compiled with `no_compile`),
+    and how many layers were patched."""
     from mlx_moe_plan.nn import patch_model
 
     patched = shared_copy(model)
-    replaced = patch_model(patched, tile_m=tile_m, dense_rows=dense_rows, dense=dense)
+    replaced = patch_model(patched, tile_m=tile_m, dense_rows=dense_rows, dense=dense,
+                           submit=submit)
     if no_compile:
         set_our_layers(patched, compile_max_tokens=0)
     return patched, replaced
@@ -214,10 +217,11 @@ def load_pair(args) -> tuple[str, nn.Module, nn.Module, dict]:
         describe = {"config": config, "dtype": args.dtype, "bits": args.bits,
                     "group_size": args.group_size}
     patched, replaced = patched_copy(model, args.tile_m, args.no_compile, args.dense_rows,
-                                     args.dense)
+                                     args.dense, args.submit)
     describe["patched_layers"] = replaced
     describe["dense_rows"] = args.dense_rows
     describe["dense"] = args.dense
+    describe["submit"] = args.submit
     describe["weights_gb"] = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     progress(f"patched {replaced} MoE layers; weights {describe['weights_gb']:.1f} GB")
     return name, model, patched, describe
@@ -564,7 +568,8 @@ def format_tables(result: dict) -> str:
             lines.append(f"  variant: mlx-lm's speed over the model patched with tile_m="
                          f"{describe.get('variant_tile_m')}, dense rows "
                          f"{'on' if describe.get('variant_dense_rows', True) else 'off'}"
-                         f"{'' if describe.get('variant_dense', True) else ', dense=False'}, "
+                         f"{'' if describe.get('variant_dense', True) else ', dense=False'}"
+                         f"{'' if describe.get('variant_submit', True) else ', submit=False'}, "
                          "decoded with the others")
     return "\n".join(lines)
 
@@ -639,14 +644,17 @@ def run(args) -> dict:
             entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
         control = shared_copy(model) if args.control else None
         variant = None
-        if args.variant_tile_m is not None or args.variant_no_dense_rows or args.variant_no_dense:
+        if (args.variant_tile_m is not None or args.variant_no_dense_rows
+                or args.variant_no_dense or args.variant_no_submit):
             tile_m = args.tile_m if args.variant_tile_m is None else args.variant_tile_m
             dense_rows = args.dense_rows and not args.variant_no_dense_rows
             dense = args.dense and not args.variant_no_dense
-            variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows, dense)
+            submit = args.submit and not args.variant_no_submit
+            variant, _ = patched_copy(model, tile_m, args.no_compile, dense_rows, dense, submit)
             describe["variant_tile_m"] = tile_m
             describe["variant_dense_rows"] = dense_rows
             describe["variant_dense"] = dense
+            describe["variant_submit"] = submit
         for batch in (args.batches or batches):
             progress(f"{name}: decode at batch {batch}")
             entry["decode"].append(measure_decode(
@@ -712,6 +720,12 @@ def parse_args(argv):
                         help="decode the model patched with dense=False too, interleaved "
                              "with the others (with --variant-tile-m or "
                              "--variant-no-dense-rows, that variant)")
+    parser.add_argument("--no-submit", dest="submit", action="store_false",
+                        help="the patched model's fused blocks leave a decoding step's "
+                             "output lazy (patch_model's submit=False)")
+    parser.add_argument("--variant-no-submit", action="store_true",
+                        help="decode the model patched with submit=False too, interleaved "
+                             "with the others (with another --variant option, that variant)")
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0)")
     parser.add_argument("--processes", type=int, default=1,

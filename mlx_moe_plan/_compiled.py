@@ -5,7 +5,10 @@ a few tokens is bound by that host work. `mx.compile` traces a forward once
 per shape and then replays it: the graph is built in C++, and its elementwise
 ops are fused. The layer (`nn.SwitchGLU`) and the fused MoE blocks
 (`fused_blocks.py`) call their forwards through `compiled_if_small`, which
-runs them through `compiled_call` when `compiles` says so.
+runs them through `compiled_call` when `compiles` says so. The fused blocks
+then hand some of those calls' outputs to MLX's evaluation at once
+(`submit_if_small`), so that the GPU starts on a step the host is still
+building.
 
 The layers of a model are alike but for their weights, and they share one
 trace. With a trace for each layer, a step's replays walked as many tapes as
@@ -25,6 +28,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+from . import _backend, rules
 
 # Batches of up to this many tokens run compiled. Each new token count traces
 # anew (once per kind of layer and count, about a millisecond of host time), so
@@ -204,3 +209,29 @@ def compiled_if_small(module: nn.Module, forward: Callable, x: mx.array, *arrays
     if compiles(max_tokens, x):
         return compiled_call(module, forward, x, *arrays, key=key)
     return forward(x, *arrays)
+
+
+# Calls `submit_if_small` was asked to submit, on this thread: it submits one in
+# `rules.SUBMIT_EVERY_BLOCKS`.
+_submit_calls = threading.local()
+
+
+def submit_if_small(y: mx.array, x: mx.array, *, max_tokens: int) -> None:
+    """Hand `y`, the output of a call on activations `x` that ran compiled
+    (`compiles` for `max_tokens`: a decoding step's), to MLX's evaluation
+    now (`mx.async_eval`), one call in `rules.SUBMIT_EVERY_BLOCKS`, where
+    `rules.submits_block` says so: the GPU computes the layers built so far
+    while the host builds the rest of the step. Nothing computed changes,
+    only when it is encoded. Inside a transformation (`mx.compile`,
+    `mx.grad`, `mx.vmap`) MLX refuses to evaluate, and `y` stays lazy."""
+    tokens = math.prod(x.shape[:-1])
+    if not (compiles(max_tokens, x) and rules.submits_block(tokens, cuda=_backend.on_cuda())):
+        return
+    calls = getattr(_submit_calls, "count", 0) + 1
+    _submit_calls.count = calls
+    if calls % rules.SUBMIT_EVERY_BLOCKS:
+        return
+    try:
+        mx.async_eval(y)
+    except ValueError:  # "[async_eval] Not allowed inside a graph transformation."
+        pass

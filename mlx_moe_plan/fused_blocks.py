@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import routing
-from ._compiled import compiled_if_small
+from ._compiled import compiled_if_small, submit_if_small
 
 
 def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -121,6 +121,11 @@ class FusedMoEBlock:
     """Marks an mlx-lm MoE block whose class `patch_model` swapped for one
     calling the fused forward (a subclass of the block's own class)."""
 
+    submits_output: bool = True
+    """Whether a compiled call (a decoding step's) submits its output for
+    evaluation as soon as it is built, where `rules.submits_block` says so
+    (`_compiled.submit_if_small`)."""
+
 
 @functools.cache  # once a class, not once a block of it
 def source_digest(function) -> str | None:
@@ -150,9 +155,12 @@ def _fused_class(block_class: type, entry: FusedBlock) -> type:
             if getattr(self, "sharding_group", None) is not None:
                 return block_class.__call__(self, x)
             experts = self[entry.experts]
-            return compiled_if_small(self, lambda x: entry.forward(self, x), x,
-                                     max_tokens=experts.compile_max_tokens,
-                                     key=("block", experts.tile_m))
+            y = compiled_if_small(self, lambda x: entry.forward(self, x), x,
+                                  max_tokens=experts.compile_max_tokens,
+                                  key=("block", experts.tile_m))
+            if self.submits_output:
+                submit_if_small(y, x, max_tokens=experts.compile_max_tokens)
+            return y
 
         _FUSED_CLASSES[block_class, entry] = type(
             f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),

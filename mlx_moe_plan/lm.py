@@ -1,9 +1,9 @@
 """mlx-lm's own commands, with every model they load patched by `patch_model`.
 
     python -m mlx_moe_plan.lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--no-dense]
-                              [--expert-parallel] COMMAND [ARGS ...]
+                              [--no-submit] [--expert-parallel] COMMAND [ARGS ...]
     mlx-moe-lm [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--no-dense]
-               [--expert-parallel] COMMAND [ARGS ...]
+               [--no-submit] [--expert-parallel] COMMAND [ARGS ...]
 
 COMMAND is one of mlx-lm's commands that run a model (`COMMANDS`: generate,
 chat, server, benchmark, ...) and ARGS are that command's own arguments.
@@ -209,7 +209,8 @@ def installed_mlx_lm_version() -> str:
 
 @contextlib.contextmanager
 def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: bool = True,
-                  dense: bool = True, expert_group: mx.distributed.Group | None = None,
+                  dense: bool = True, submit: bool = True,
+                  expert_group: mx.distributed.Group | None = None,
                   report: Callable[[str], None] = say) -> Iterator[None]:
     """Patch every model mlx-lm loads inside the block with `patch_model`.
 
@@ -225,6 +226,7 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
         dense_rows (bool): `patch_model`'s `dense_rows`. Default: ``True``.
         dense (bool): `patch_model`'s `dense`. Default: ``True``.
+        submit (bool): `patch_model`'s `submit`. Default: ``True``.
         expert_group (Group, optional): The ranks to split the experts among.
           Default: ``None``, every process keeps every expert.
         report (Callable[[str], None]): Where the messages go. Default: stderr
@@ -242,7 +244,7 @@ def patched_loads(*, tile_m: int | None = None, fuse: bool = True, dense_rows: b
 
     load_model = utils.load_model
     patch = functools.partial(patch_model, tile_m=tile_m, fuse=fuse, dense_rows=dense_rows,
-                              dense=dense)
+                              dense=dense, submit=submit)
     report_once = _OncePerMessage(report)
     if expert_group is not None and expert_group.size() == 1:
         expert_group = None  # shard_experts is a no-op there
@@ -379,7 +381,7 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog or _program_name(),
         usage="%(prog)s [-h] [--no-patch] [--tile-m N] [--no-fuse] [--no-dense-rows] [--no-dense] "
-              "[--expert-parallel] COMMAND [ARGS ...]",
+              "[--no-submit] [--expert-parallel] COMMAND [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run one of mlx-lm's commands with every MoE model it loads patched "
                     "by mlx_moe_plan.nn.patch_model. Options of ours come before COMMAND; "
@@ -405,6 +407,10 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="keep MLX's GEMM for the dense quantized projections (default: "
                              "the package's grouped kernel where its GEMM was measured "
                              "faster, on CUDA; patch_model's dense)")
+    parser.add_argument("--no-submit", action="store_true",
+                        help="leave a decoding step's graph to be evaluated whole (default: "
+                             "the fused MoE blocks hand their output to the GPU as they are "
+                             "built, where measured faster, on CUDA; patch_model's submit)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="under mlx.launch, split every MoE layer's experts among the "
                              "processes (nn.shard_experts): each holds and computes E/N of "
@@ -447,7 +453,8 @@ def _raised_by_us(tb: types.TracebackType | None) -> bool:
 
 def run_command(command: str, args: list[str], *, patch: bool = True,
                 tile_m: int | None = None, fuse: bool = True, dense_rows: bool = True,
-                dense: bool = True, expert_group: mx.distributed.Group | None = None,
+                dense: bool = True, submit: bool = True,
+                expert_group: mx.distributed.Group | None = None,
                 prog: str | None = None) -> None:
     """Run `mlx_lm COMMAND ARGS` through mlx-lm's own dispatch, models patched.
 
@@ -459,6 +466,7 @@ def run_command(command: str, args: list[str], *, patch: bool = True,
         fuse (bool): `patch_model`'s `fuse`. Default: ``True``.
         dense_rows (bool): `patch_model`'s `dense_rows`. Default: ``True``.
         dense (bool): `patch_model`'s `dense`. Default: ``True``.
+        submit (bool): `patch_model`'s `submit`. Default: ``True``.
         expert_group (Group, optional): Split the experts of every model among
           these ranks (`patched_loads`), which all run this same command.
           Default: ``None``, not split.
@@ -479,7 +487,7 @@ def run_command(command: str, args: list[str], *, patch: bool = True,
             if patch:
                 stack.enter_context(patched_loads(tile_m=tile_m, fuse=fuse,
                                                   dense_rows=dense_rows, dense=dense,
-                                                  expert_group=expert_group))
+                                                  submit=submit, expert_group=expert_group))
             cli.main()
     finally:
         sys.argv = argv
@@ -515,9 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {options.command!r}: expected one of "
                      + ", ".join(COMMANDS))
     if options.no_patch and (options.tile_m is not None or options.no_fuse
-                             or options.no_dense_rows or options.no_dense):
-        parser.error("--tile-m, --no-fuse, --no-dense-rows and --no-dense choose how models "
-                     "are patched: not with --no-patch")
+                             or options.no_dense_rows or options.no_dense
+                             or options.no_submit):
+        parser.error("--tile-m, --no-fuse, --no-dense-rows, --no-dense and --no-submit choose "
+                     "how models are patched: not with --no-patch")
     if options.expert_parallel and options.no_patch:
         parser.error("--expert-parallel splits the experts of the patched layers: "
                      "not with --no-patch")
@@ -554,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         run_command(options.command, options.args, patch=not options.no_patch,
                     tile_m=options.tile_m, fuse=not options.no_fuse,
                     dense_rows=not options.no_dense_rows, dense=not options.no_dense,
-                    expert_group=expert_group, prog=parser.prog)
+                    submit=not options.no_submit, expert_group=expert_group, prog=parser.prog)
     except UsageError as error:  # ours, raised inside mlx-lm's command by the hook
         say(f"error: {error}")
         return 1

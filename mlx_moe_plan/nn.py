@@ -337,7 +337,7 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
 
 
 def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True,
-                dense_rows: bool = True, dense: bool = True) -> int:
+                dense_rows: bool = True, dense: bool = True, submit: bool = True) -> int:
     """Replace every mlx-lm `SwitchGLU` in `model`, in place, keeping its weights.
 
     Float and quantized layers alike: the projections are kept as they are.
@@ -352,7 +352,11 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     class and of `projections.RowsProjection`. With `dense`, the same
     projections compute a decoding batch's rows and a prefill's through the
     grouped kernel as one expert where its GEMM was measured faster
-    (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA).
+    (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA). With
+    `submit`, a decoding step's fused blocks hand their output to MLX's
+    evaluation as soon as it is built (`_compiled.submit_if_small`, where
+    `rules.submits_block` says so; on CUDA): the GPU computes the layers
+    built so far while the host builds the rest.
 
     A model patched already (its layers this package's, its blocks fused and
     projections given rows as asked) is left as it is: the call returns 0 and
@@ -374,6 +378,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         dense (bool): Compute the dense quantized projections' rows by the
           grouped kernel where its GEMM was measured faster. Default:
           ``True``.
+        submit (bool): A decoding step's fused blocks submit their output
+          for evaluation as soon as it is built. Default: ``True``.
 
     Returns:
         int: How many layers were replaced.
@@ -391,6 +397,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
             entry = fused_blocks.entry_for(module)
             if entry is not None and isinstance(module.get(entry.experts), SwitchGLU):
                 fused_blocks.fuse(module, entry)
+                if not submit:
+                    module.submits_output = False
                 fused += 1
     has_layers = any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
     rows = (projections.take_rows(model, decoding=dense_rows, expert=dense)

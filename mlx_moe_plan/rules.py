@@ -304,3 +304,35 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
     """
     return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
             and rows >= DENSE_EXPERT_FROM_ROWS and out_dims >= DENSE_EXPERT_FROM_OUT_DIMS)
+
+
+# A decoding step's fused MoE blocks hand their output to MLX's evaluation
+# as they are built (`mx.async_eval`), one block call in
+# `SUBMIT_EVERY_BLOCKS`, on CUDA, from `SUBMIT_BLOCKS_FROM_TOKENS` tokens.
+# Without it a step's GPU waits for the host to build the whole step and to
+# encode its first CUDA graph (up to 100 of MLX's operations) before its
+# first kernel runs: the build, about a fifth of a 48-layer step, is serial.
+# Submitted every 16 layers, the GPU computes the layers built so far while
+# the host builds the rest. Every layer (48 submissions a step) or every 4
+# made the step slower; batch 1 was not faster (benchmarks/RESULTS.md,
+# "Whole models on the H200").
+SUBMIT_BLOCKS_FROM_TOKENS = 8
+SUBMIT_EVERY_BLOCKS = 16
+
+
+def submits_block(tokens: int, *, cuda: bool) -> bool:
+    """Whether the fused MoE blocks of a decoding step (run compiled) of
+    `tokens` tokens submit their output for evaluation as they are built,
+    one block call in `SUBMIT_EVERY_BLOCKS` (`_compiled.submit_if_small`).
+
+    On CUDA, from `SUBMIT_BLOCKS_FROM_TOKENS` tokens. Elsewhere never until
+    measured.
+
+    Args:
+        tokens (int): Tokens of the block's input (a decoding step's batch).
+        cuda (bool): Whether the block runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True to submit.
+    """
+    return cuda and tokens >= SUBMIT_BLOCKS_FROM_TOKENS

@@ -144,10 +144,12 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags, dense", [([], True), (["--no-dense"], False)])
-def test_model_benchmark_dense(tmp_path, flags, dense):
-    # patch_model(dense=True) by default, --no-dense: False, said in the
-    # description; off CUDA its rule says no, so prefill's logits stay bit for bit.
+@pytest.mark.parametrize("flags, dense, submit", [([], True, True), (["--no-dense"], False, True),
+                                                  (["--no-submit"], True, False)])
+def test_model_benchmark_dense(tmp_path, flags, dense, submit):
+    # patch_model(dense=True, submit=True) by default, --no-dense and
+    # --no-submit: False, said in the description; off CUDA their rules say
+    # no, so prefill's logits stay bit for bit.
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "20", "--batches", "1", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--rounds", "1", "--decode-rounds",
@@ -155,6 +157,7 @@ def test_model_benchmark_dense(tmp_path, flags, dense):
                        "--json", str(out)]) == 0
     (entry,) = json.loads(out.read_text())["models"]
     assert entry["describe"]["dense"] is dense
+    assert entry["describe"]["submit"] is submit
     assert entry["prefill"]["logits_rel_diff"] == 0
 
 
@@ -512,19 +515,21 @@ def test_model_benchmark_variant(tmp_path, capsys):
     assert "control: mlx-lm's speed over an unpatched copy" in printed
 
 
-def test_model_benchmark_variant_no_dense(tmp_path, capsys):
-    # --variant-no-dense: the model patched with dense=False decodes beside the
-    # default patch (on the CPU the rules keep MLX's calls: the same bits).
+@pytest.mark.parametrize("option", ["dense", "submit"])
+def test_model_benchmark_variant_no_dense(tmp_path, capsys, option):
+    # --variant-no-dense (--variant-no-submit): the model patched with
+    # dense=False (submit=False) decodes beside the default patch (on the CPU
+    # the rules keep MLX's calls and submit nothing: the same bits).
     out = tmp_path / "model.json"
     assert bench.main(["--layers", "1", "--prompt", "0", "--batches", "2", "--context", "8",
                        "--steps", "2", "--warmup", "1", "--decode-rounds", "1",
-                       "--variant-no-dense", "--ops", "off", "--json", str(out)]) == 0
+                       f"--variant-no-{option}", "--ops", "off", "--json", str(out)]) == 0
     entry = json.loads(out.read_text())["models"][0]
-    assert entry["describe"]["variant_dense"] is False
+    assert entry["describe"][f"variant_{option}"] is False
     row = entry["decode"][0]
     assert row["variant_wall_ms"] >= row["variant_build_ms"] > 0
     assert row["variant_logits_rel_diff"] == 0
-    assert ", dense=False, decoded with the others" in capsys.readouterr().out
+    assert f", {option}=False, decoded with the others" in capsys.readouterr().out
 
 
 class ParserCaught(Exception):

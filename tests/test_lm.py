@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 import mlx_moe_plan  # noqa: E402
 from mlx_moe_plan import lm  # noqa: E402
-from mlx_moe_plan.nn import SwitchGLU  # noqa: E402
+from mlx_moe_plan.nn import FusedMoEBlock, SwitchGLU  # noqa: E402
 from mlx_moe_plan.projections import RowsProjection  # noqa: E402
 
 import lm_fixtures  # noqa: E402  (beside this file, on sys.path as pytest imports it)
@@ -394,6 +394,7 @@ def test_unknown_option_of_ours():
     (["--no-patch", "--no-fuse", "generate"], "not with --no-patch"),
     (["--no-patch", "--no-dense-rows", "generate"], "not with --no-patch"),
     (["--no-patch", "--no-dense", "generate"], "not with --no-patch"),
+    (["--no-patch", "--no-submit", "generate"], "not with --no-patch"),
     (["--expert-parallel", "--no-patch", "generate"],
      "--expert-parallel splits the experts of the patched layers: not with --no-patch"),
     (["--expert-parallel", "evaluate"], "mlx-lm's evaluate does not run with "
@@ -492,6 +493,10 @@ def test_patch_options_reach_patch_model(models):
     marked = [module for _, module in model.named_modules()
               if isinstance(module, RowsProjection)]
     assert marked and all(m.dense_expert and not m.decoding_rows for m in marked)
+    with lm.patched_loads(submit=False, report=said.append):
+        model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
+    blocks = [module for _, module in model.named_modules() if isinstance(module, FusedMoEBlock)]
+    assert blocks and not any(block.submits_output for block in blocks)
 
 
 # --expert-parallel: two processes launched on the loopback (tests/two_ranks.py),
