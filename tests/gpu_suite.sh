@@ -111,8 +111,9 @@
 #   timeline    (not in `bench`; torch's profiler installed) eight Qwen3-30B-A3B
 #               layers at batch 8 and 32, mlx-lm's and patched, five steps
 #               under torch's profiler (CUPTI): how much of a step's evaluation
-#               the GPU is busy, and each kernel's time as the step runs it
-#               (benchmarks.step_kernels --timeline).
+#               the GPU is busy, each kernel's time as the step runs it, the
+#               GPU's idle time before each kernel and the host's CUDA API
+#               calls (benchmarks.step_kernels --timeline).
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -131,6 +132,13 @@
 #               default. On a fresh machine run dense-decode-warm first, alone:
 #               the same in one untimed process, which compiles MLX's kernels
 #               into its disk cache (about 6.5 minutes there);
+#   submit-decode (not in `bench`) whole models decoding at batch 1, 4, 8, 32
+#               and 64, the default patch beside patch_model(submit=False)
+#               (--variant-no-submit), Qwen3-30B-A3B and gpt-oss-20b, three
+#               processes: what a decoding step's MoE blocks submitted every 16
+#               layers as they are built gain (rules.submits_block), the
+#               measurement that made submit=True the default. On a fresh
+#               machine run dense-decode-warm first, alone.
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
@@ -333,6 +341,11 @@ fi
 if wanted dense-decode; then
   logged "$results/dense-decode.log" python3 -m benchmarks.model "${dense_decode[@]}" \
     --processes 3 --json "$results/dense-decode.json"
+fi
+if wanted submit-decode; then
+  logged "$results/submit-decode.log" python3 -m benchmarks.model \
+    --models qwen3-30b-a3b,gpt-oss-20b --prompt 0 --batches 1,4,8,32,64 --no-pipelined \
+    --variant-no-submit --decode-rounds 2 --processes 3 --json "$results/submit-decode.json"
 fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
