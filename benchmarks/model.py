@@ -727,7 +727,8 @@ def parse_args(argv):
                         help="decode the model patched with submit=False too, interleaved "
                              "with the others (with another --variant option, that variant)")
     parser.add_argument("--no-compile", action="store_true",
-                        help="the patched layers never compiled (compile_max_tokens=0)")
+                        help="the patched layers never compiled (compile_max_tokens=0), and "
+                             "so no decoding step's block submitted as it is built")
     parser.add_argument("--processes", type=int, default=1,
                         help="run in N processes; report medians and the lowest ratio "
                              "(default: %(default)s)")

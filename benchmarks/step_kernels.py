@@ -60,6 +60,7 @@ from .workloads import MODELS, with_layers
 TIMED_STEPS = 20
 UNTIMED_STEPS = 3
 MARKER = "step_marker_b"
+STEP_RANGE = "decoding step"  # torch's profiler's range around each traced step
 
 
 def kernel_lines(micros: collections.Counter, launches: collections.Counter, top: int,
@@ -105,21 +106,33 @@ def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
     dispatch is the driver's: CUPTI's runtime and driver records)."""
     try:
         import torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
     except ImportError:
         raise SystemExit("--timeline: torch's profiler is not installed")
     torch.cuda.init()  # the context CUPTI attaches to, which MLX's kernels share
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed = [decode_step(model, cache, y)[2:] for _ in range(steps)]
-    kernels, api_calls = [], []
+    timed = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with record_function(STEP_RANGE):  # where the first step starts
+                timed.append(decode_step(model, cache, y)[2:])
+    kernels, api_calls, step_starts = [], [], []
     for event in prof.events():
         interval = (event.time_range.start, event.time_range.end, event.name[:70])
-        if not str(event.device_type).endswith("CUDA"):
+        if event.name == STEP_RANGE:
+            step_starts.append(event.time_range.start)
+        elif not str(event.device_type).endswith("CUDA"):
             api_calls.append(interval)
         elif not event.name.startswith(("Memcpy", "Memset")):
             kernels.append(interval)
     kernels.sort()
-    busy_us, end = 0.0, None
+    # The idle time before the first step's first kernel counts from that
+    # step's start, as the later steps' count from the kernel before them:
+    # every step's wait for its building, not all but the first's (where
+    # the profiler's clocks agree that the step started first).
+    first_start = min(step_starts, default=None)
+    if first_start is not None and kernels and first_start > kernels[0][0]:
+        first_start = None
+    busy_us, end = 0.0, first_start
     idle, idle_before = collections.Counter(), collections.Counter()
     for start, stop, name in kernels:  # the union of the intervals
         if end is None or start > end:

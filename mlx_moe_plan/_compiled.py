@@ -65,6 +65,12 @@ def module_cache(module: nn.Module, name: str) -> ModuleCache:
     return cache
 
 
+# Plain attributes that no compiled forward reads, left out of a module's
+# structure: a fused block's position among the model's layers
+# (`submit_if_small` reads it outside the trace) differs from layer to layer,
+# which would give each layer a trace of its own.
+UNTRACED_ATTRIBUTES = frozenset({"submit_position"})
+
 # Set while a compiled forward is traced: nothing inside it compiles again.
 _trace_state = threading.local()
 
@@ -150,7 +156,8 @@ def _structure(module: nn.Module) -> tuple | None:
     outside the parameters): such a module's traces are its own."""
     try:
         parts = tuple((path, type(m), _plain({name: value for name, value in vars(m).items()
-                                              if not isinstance(value, ModuleCache)}))
+                                              if not isinstance(value, ModuleCache)
+                                              and name not in UNTRACED_ATTRIBUTES}))
                       for path, m in module.named_modules())
     except TypeError:
         return None
@@ -211,27 +218,20 @@ def compiled_if_small(module: nn.Module, forward: Callable, x: mx.array, *arrays
     return forward(x, *arrays)
 
 
-# Calls `submit_if_small` was asked to submit, on this thread: it submits one in
-# `rules.SUBMIT_EVERY_BLOCKS`.
-_submit_calls = threading.local()
-
-
-def submit_if_small(y: mx.array, x: mx.array, *, max_tokens: int) -> None:
-    """Hand `y`, the output of a call on activations `x` that ran compiled
-    (`compiles` for `max_tokens`: a decoding step's), to MLX's evaluation
-    now (`mx.async_eval`), one call in `rules.SUBMIT_EVERY_BLOCKS`, where
-    `rules.submits_block` says so: the GPU computes the layers built so far
+def submit_if_small(y: mx.array, x: mx.array, position: int, *, max_tokens: int) -> None:
+    """Hand `y`, a fused MoE block's output on a decoding step's activations
+    `x` `[..., 1, D]` that ran compiled (`compiles` for `max_tokens`), to
+    MLX's evaluation now (`mx.async_eval`) where `rules.submits_block` says
+    so for the block at `position`: the GPU computes the layers built so far
     while the host builds the rest of the step. Nothing computed changes,
     only when it is encoded. Inside a transformation (`mx.compile`,
     `mx.grad`, `mx.vmap`) MLX refuses to evaluate, and `y` stays lazy."""
-    tokens = math.prod(x.shape[:-1])
-    if not (compiles(max_tokens, x) and rules.submits_block(tokens, cuda=_backend.on_cuda())):
-        return
-    calls = getattr(_submit_calls, "count", 0) + 1
-    _submit_calls.count = calls
-    if calls % rules.SUBMIT_EVERY_BLOCKS:
+    if x.ndim < 3 or x.shape[-2] != 1 or not compiles(max_tokens, x):
+        return  # a prompt's rows, or an uncompiled call: not what was measured
+    if not rules.submits_block(math.prod(x.shape[:-1]), position, cuda=_backend.on_cuda()):
         return
     try:
         mx.async_eval(y)
-    except ValueError:  # "[async_eval] Not allowed inside a graph transformation."
-        pass
+    except ValueError as error:
+        if "graph transformation" not in str(error):
+            raise

@@ -121,10 +121,12 @@ class FusedMoEBlock:
     """Marks an mlx-lm MoE block whose class `patch_model` swapped for one
     calling the fused forward (a subclass of the block's own class)."""
 
-    submits_output: bool = True
-    """Whether a compiled call (a decoding step's) submits its output for
-    evaluation as soon as it is built, where `rules.submits_block` says so
-    (`_compiled.submit_if_small`)."""
+    submit_position: int | None = None
+    """The block's position among the model's fused blocks, in layer order,
+    which `patch_model(submit=True)` sets: a decoding step's call submits
+    its output for evaluation as soon as it is built where
+    `rules.submits_block` says so for it (`_compiled.submit_if_small`).
+    None: never. Expert-parallel layers never submit (not measured)."""
 
 
 @functools.cache  # once a class, not once a block of it
@@ -158,8 +160,9 @@ def _fused_class(block_class: type, entry: FusedBlock) -> type:
             y = compiled_if_small(self, lambda x: entry.forward(self, x), x,
                                   max_tokens=experts.compile_max_tokens,
                                   key=("block", experts.tile_m))
-            if self.submits_output:
-                submit_if_small(y, x, max_tokens=experts.compile_max_tokens)
+            if self.submit_position is not None and experts.expert_group is None:
+                submit_if_small(y, x, self.submit_position,
+                                max_tokens=experts.compile_max_tokens)
             return y
 
         _FUSED_CLASSES[block_class, entry] = type(

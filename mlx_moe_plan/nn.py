@@ -336,6 +336,13 @@ class SwitchGLU(GroupedExperts, ShardedExperts, nn.Module):
         return self._summed(moe_combine(rows, plan, weights=scores, dtype=dtype))
 
 
+def _layer_order(path: str) -> tuple:
+    """A module path's sort key in layer order: "layers.2" before "layers.10"
+    (`named_modules` walks a model in no promised order)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in path.split("."))
+
+
 def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = True,
                 dense_rows: bool = True, dense: bool = True, submit: bool = True) -> int:
     """Replace every mlx-lm `SwitchGLU` in `model`, in place, keeping its weights.
@@ -353,10 +360,12 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     projections compute a decoding batch's rows and a prefill's through the
     grouped kernel as one expert where its GEMM was measured faster
     (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA). With
-    `submit`, a decoding step's fused blocks hand their output to MLX's
-    evaluation as soon as it is built (`_compiled.submit_if_small`, where
-    `rules.submits_block` says so; on CUDA): the GPU computes the layers
-    built so far while the host builds the rest.
+    `submit`, the blocks it fuses are numbered in layer order
+    (`FusedMoEBlock.submit_position`), and every 16th hands a decoding
+    step's output to MLX's evaluation as soon as it is built
+    (`_compiled.submit_if_small`, where `rules.submits_block` says so; on
+    CUDA): the GPU computes the layers built so far while the host builds
+    the rest.
 
     A model patched already (its layers this package's, its blocks fused and
     projections given rows as asked) is left as it is: the call returns 0 and
@@ -378,8 +387,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         dense (bool): Compute the dense quantized projections' rows by the
           grouped kernel where its GEMM was measured faster. Default:
           ``True``.
-        submit (bool): A decoding step's fused blocks submit their output
-          for evaluation as soon as it is built. Default: ``True``.
+        submit (bool): Every 16th fused block submits a decoding step's
+          output for evaluation as soon as it is built. Default: ``True``.
 
     Returns:
         int: How many layers were replaced.
@@ -391,15 +400,17 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
                     if path and isinstance(module, _mlx_lm.SwitchGLU)]
     if replacements:  # MLX's own walk of lists and dicts of modules, and swap
         model.update_modules(tree_unflatten(replacements))
-    fused = 0
+    fused = []
     if fuse:
-        for _, module in model.named_modules():
+        for path, module in model.named_modules():
             entry = fused_blocks.entry_for(module)
             if entry is not None and isinstance(module.get(entry.experts), SwitchGLU):
                 fused_blocks.fuse(module, entry)
-                if not submit:
-                    module.submits_output = False
-                fused += 1
+                fused.append((path, module))
+    if submit:
+        in_layer_order = sorted(fused, key=lambda item: _layer_order(item[0]))
+        for position, (_, block) in enumerate(in_layer_order):
+            block.submit_position = position
     has_layers = any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
     rows = (projections.take_rows(model, decoding=dense_rows, expert=dense)
             if (dense_rows or dense) and has_layers else 0)

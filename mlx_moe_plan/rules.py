@@ -307,32 +307,37 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 
 
 # A decoding step's fused MoE blocks hand their output to MLX's evaluation
-# as they are built (`mx.async_eval`), one block call in
-# `SUBMIT_EVERY_BLOCKS`, on CUDA, from `SUBMIT_BLOCKS_FROM_TOKENS` tokens.
-# Without it a step's GPU waits for the host to build the whole step and to
-# encode its first CUDA graph (up to 100 of MLX's operations) before its
-# first kernel runs: the build, about a fifth of a 48-layer step, is serial.
-# Submitted every 16 layers, the GPU computes the layers built so far while
-# the host builds the rest. Every layer (48 submissions a step) or every 4
-# made the step slower; batch 1 was not faster (benchmarks/RESULTS.md,
-# "Whole models on the H200").
+# as they are built (`mx.async_eval`): on CUDA, from `SUBMIT_BLOCKS_FROM_TOKENS`
+# tokens, the blocks at positions `SUBMIT_EVERY_BLOCKS` - 1, 2 *
+# `SUBMIT_EVERY_BLOCKS` - 1, ... of the model's layers. Without it a step's
+# GPU waits for the host to build the whole step and to encode its first CUDA
+# graph (up to 100 of MLX's operations) before its first kernel runs: the
+# build, about a fifth of a 48-layer step, is serial. Submitted every 16
+# layers, the GPU computes the layers built so far while the host builds the
+# rest. At batch 8 and 32 every 16 layers beat every 8, every 4 and every
+# layer, and every layer (48 submissions a step) was slower than none; batch 1
+# was not faster (benchmarks/HISTORY.md, "Where the step's GPU waits, and a
+# step's blocks submitted as they are built").
 SUBMIT_BLOCKS_FROM_TOKENS = 8
 SUBMIT_EVERY_BLOCKS = 16
 
 
-def submits_block(tokens: int, *, cuda: bool) -> bool:
-    """Whether the fused MoE blocks of a decoding step (run compiled) of
-    `tokens` tokens submit their output for evaluation as they are built,
-    one block call in `SUBMIT_EVERY_BLOCKS` (`_compiled.submit_if_small`).
+def submits_block(tokens: int, position: int, *, cuda: bool) -> bool:
+    """Whether a fused MoE block submits its output of a decoding step for
+    evaluation as soon as it is built (`_compiled.submit_if_small`).
 
-    On CUDA, from `SUBMIT_BLOCKS_FROM_TOKENS` tokens. Elsewhere never until
-    measured.
+    On CUDA, as measured: from `SUBMIT_BLOCKS_FROM_TOKENS` tokens, the blocks
+    at positions `SUBMIT_EVERY_BLOCKS` - 1, 2 * `SUBMIT_EVERY_BLOCKS` - 1,
+    ... Elsewhere never until measured.
 
     Args:
-        tokens (int): Tokens of the block's input (a decoding step's batch).
+        tokens (int): Tokens of the step (sequences decoding together).
+        position (int): The block's position among the model's fused
+          blocks, in layer order, 0 first.
         cuda (bool): Whether the block runs on MLX's CUDA backend.
 
     Returns:
         bool: True to submit.
     """
-    return cuda and tokens >= SUBMIT_BLOCKS_FROM_TOKENS
+    return (cuda and tokens >= SUBMIT_BLOCKS_FROM_TOKENS
+            and (position + 1) % SUBMIT_EVERY_BLOCKS == 0)

@@ -146,7 +146,7 @@ def test_model_benchmark_end_to_end(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, dense, submit", [([], True, True), (["--no-dense"], False, True),
                                                   (["--no-submit"], True, False)])
-def test_model_benchmark_dense(tmp_path, flags, dense, submit):
+def test_model_benchmark_patch_options(tmp_path, flags, dense, submit):
     # patch_model(dense=True, submit=True) by default, --no-dense and
     # --no-submit: False, said in the description; off CUDA their rules say
     # no, so prefill's logits stay bit for bit.
@@ -516,7 +516,7 @@ def test_model_benchmark_variant(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("option", ["dense", "submit"])
-def test_model_benchmark_variant_no_dense(tmp_path, capsys, option):
+def test_model_benchmark_variant_without_option(tmp_path, capsys, option):
     # --variant-no-dense (--variant-no-submit): the model patched with
     # dense=False (submit=False) decodes beside the default patch (on the CPU
     # the rules keep MLX's calls and submit nothing: the same bits).

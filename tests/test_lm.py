@@ -496,7 +496,7 @@ def test_patch_options_reach_patch_model(models):
     with lm.patched_loads(submit=False, report=said.append):
         model, _ = mlx_lm.utils.load(str(models["gpt_oss-4bit"]))
     blocks = [module for _, module in model.named_modules() if isinstance(module, FusedMoEBlock)]
-    assert blocks and not any(block.submits_output for block in blocks)
+    assert blocks and all(block.submit_position is None for block in blocks)
 
 
 # --expert-parallel: two processes launched on the loopback (tests/two_ranks.py),

@@ -23,7 +23,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is the reference of the layer tests
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import switch_layers  # noqa: E402
 
-from mlx_moe_plan import _compiled, _mlx_lm, fused_blocks  # noqa: E402
+from mlx_moe_plan import _mlx_lm, fused_blocks  # noqa: E402
 from mlx_moe_plan import nn as moe_nn  # noqa: E402
 from mlx_moe_plan.nn import FusedMoEBlock, SwitchGLU, patch_model  # noqa: E402
 
@@ -688,37 +688,41 @@ def test_compiled_forwards_shared_by_layers_alike_only(monkeypatch):
     assert compiled_forward_ids(twin.model.layers[-1].mlp) <= ours
 
 
-@pytest.mark.parametrize("tokens, cuda, want", [
-    (1, True, False), (7, True, False), (8, True, True), (256, True, True), (8, False, False)])
-def test_submits_block_rule(tokens, cuda, want):
-    # Measured on CUDA from batch 8 (batch 1 was not faster); elsewhere never.
+@pytest.mark.parametrize("tokens, position, cuda, want", [
+    (8, 15, True, True), (64, 31, True, True), (7, 15, True, False), (1, 15, True, False),
+    (8, 14, True, False), (8, 16, True, False), (8, 0, True, False), (8, 15, False, False)])
+def test_submits_block_rule(tokens, position, cuda, want):
+    # Measured on CUDA from batch 8 (batch 1 was not faster), every 16th
+    # block; elsewhere never.
     from mlx_moe_plan import rules
 
-    assert rules.submits_block(tokens, cuda=cuda) is want
+    assert rules.submits_block(tokens, position, cuda=cuda) is want
 
 
-def test_small_batches_submit_block_outputs(monkeypatch):
-    # A compiled call's fused blocks hand one output in SUBMIT_EVERY_BLOCKS to
-    # mx.async_eval where the rule says so (CUDA, stood in for here): the
-    # same logits as blocks that never submit, and inside mx.compile and
-    # mx.grad, where MLX refuses to evaluate, nothing raised.
+def test_decoding_steps_submit_block_outputs(monkeypatch):
+    # patch_model numbers the fused blocks in layer order, and a decoding
+    # step's block whose position the rule names (CUDA, stood in for here)
+    # hands its output to mx.async_eval: the blocks still share one trace,
+    # a prompt's call and a smaller batch submit nothing, and inside
+    # mx.compile and mx.grad, where MLX refuses to evaluate, nothing raised.
     from mlx_moe_plan import rules
 
     model = make_model("qwen3_moe", quantized=True)
     patched, quiet = copy.deepcopy(model), copy.deepcopy(model)
     patch_model(patched)
     patch_model(quiet, submit=False)
-    blocks = [m for _, m in quiet.named_modules() if isinstance(m, FusedMoEBlock)]
-    assert len(blocks) == 2 and not any(block.submits_output for block in blocks)
+    layers = patched.model.layers
+    assert [layer.mlp.submit_position for layer in layers] == list(range(len(layers)))
+    assert all(layer.mlp.submit_position is None for layer in quiet.model.layers)
     measured = rules.submits_block
-    monkeypatch.setattr(rules, "submits_block", lambda tokens, cuda: measured(tokens, cuda=True))
-    monkeypatch.setattr(rules, "SUBMIT_EVERY_BLOCKS", 3)
-    monkeypatch.setattr(_compiled._submit_calls, "count", 0, raising=False)
+    monkeypatch.setattr(rules, "submits_block",
+                        lambda tokens, position, cuda: measured(tokens, position, cuda=True))
+    monkeypatch.setattr(rules, "SUBMIT_EVERY_BLOCKS", 2)  # the second layer's block
     submitted, refused = [], []
     async_eval = mx.async_eval
 
     def recorded(*arrays):
-        submitted.append(arrays)
+        submitted.append([array.shape for array in arrays])
         try:
             return async_eval(*arrays)
         except ValueError:
@@ -728,29 +732,18 @@ def test_small_batches_submit_block_outputs(monkeypatch):
     monkeypatch.setattr(mx, "async_eval", recorded)
     rng = np.random.default_rng(17)
     batch = rules.SUBMIT_BLOCKS_FROM_TOKENS
-    for _ in range(3):  # six block calls: the third and the sixth submit
+    for _ in range(3):
         tokens = mx.array(rng.integers(0, 96, (batch, 1)))
         np.testing.assert_array_equal(np.array(patched(tokens)), np.array(quiet(tokens)))
-    assert len(submitted) == 2 and not refused
-    small = mx.array(rng.integers(0, 96, (batch - 1, 1)))  # below the rule's batch
-    for _ in range(3):
-        mx.eval(patched(small))
-    assert len(submitted) == 2
-    # Inside transformations every block tries (one in one), and MLX refuses.
-    monkeypatch.setattr(rules, "SUBMIT_EVERY_BLOCKS", 1)
-    np.testing.assert_array_equal(np.array(mx.compile(lambda t: patched(t))(tokens)),
-                                  np.array(quiet(tokens)))
-    assert len(submitted) == 4
-
-    def summed(model, x):
-        return model.model.layers[0].mlp(x).sum()
-
+    assert submitted == [[(batch, 1, 64)]] * 3 and not refused
+    assert distinct_compiled_forwards(patched) == 1
+    mx.eval(patched(mx.array(rng.integers(0, 96, (batch - 1, 1)))))  # below the rule's batch
+    mx.eval(patched(mx.array(rng.integers(0, 96, (1, 40)))))  # a prompt, compiled
+    assert len(submitted) == 3
+    mx.eval(mx.compile(lambda t: patched(t))(tokens))
     x = mx.array(rng.standard_normal((batch, 1, 64)).astype(np.float32))
-    got = mx.value_and_grad(lambda x: summed(patched, x))(x)
-    want = mx.value_and_grad(lambda x: summed(quiet, x))(x)
-    for got_array, want_array in zip(got, want):
-        np.testing.assert_array_equal(np.array(got_array), np.array(want_array))
-    assert len(submitted) == 5 and len(refused) == 3
+    mx.eval(mx.value_and_grad(lambda x: layers[1].mlp(x).sum())(x))
+    assert len(submitted) == 5 and len(refused) == 2
 
 
 def test_compiled_forwards_read_new_weights():
