@@ -139,6 +139,13 @@
 #               layers as they are built gain (rules.submits_block), the
 #               measurement that made submit=True the default. On a fresh
 #               machine run dense-decode-warm first, alone.
+#   submit-variants (not in `bench`) the whole Qwen3-30B-A3B (48 layers) at batch
+#               8, 32 and 64, the patch beside its variants, alternated
+#               (benchmarks.step_kernels --variants): a block in 8 submitted,
+#               none, and every 4-bit dense projection through the grouped
+#               kernel from 8 rows with and without submission (less GPU time,
+#               more host time a launch: worth it once the build overlaps the
+#               GPU?).
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
@@ -346,6 +353,11 @@ if wanted submit-decode; then
   logged "$results/submit-decode.log" python3 -m benchmarks.model \
     --models qwen3-30b-a3b,gpt-oss-20b --prompt 0 --batches 1,4,8,32,64 --no-pipelined \
     --variant-no-submit --decode-rounds 2 --processes 3 --json "$results/submit-decode.json"
+fi
+if wanted submit-variants; then
+  all_dense=DENSE_DECODING_FROM_IN_DIMS=0,DENSE_DECODING_TILES_FROM_IN_DIMS=0
+  logged "$results/submit-variants.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8,32,64 --rounds 5 --variants "every8:SUBMIT_EVERY_BLOCKS=8;none:SUBMIT_BLOCKS_FROM_TOKENS=100000;all:$all_dense;all-none:$all_dense,SUBMIT_BLOCKS_FROM_TOKENS=100000"
 fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
