@@ -699,6 +699,17 @@ def test_submits_block_rule(tokens, position, cuda, want):
     assert rules.submits_block(tokens, position, cuda=cuda) is want
 
 
+def test_layer_order_sorts_numbers_as_numbers():
+    # The submitting blocks are counted in layer order, whatever order
+    # named_modules walks them in: layer 10 after layer 2, a model's other
+    # modules apart from its numbered layers.
+    paths = ["model.layers.10.mlp", "mtp.mlp", "model.layers.2.mlp", "model.layers.1.mlp",
+             "model.layers.2.block_sparse_moe"]
+    assert sorted(paths, key=moe_nn._layer_order) == [
+        "model.layers.1.mlp", "model.layers.2.block_sparse_moe", "model.layers.2.mlp",
+        "model.layers.10.mlp", "mtp.mlp"]
+
+
 def test_decoding_steps_submit_block_outputs(monkeypatch):
     # patch_model numbers the fused blocks in layer order, and a decoding
     # step's block whose position the rule names (CUDA, stood in for here)
