@@ -218,6 +218,12 @@ def compiled_if_small(module: nn.Module, forward: Callable, x: mx.array, *arrays
     return forward(x, *arrays)
 
 
+def step_rows(x: mx.array) -> int:
+    """The rows of `x` where it is a decoding step's `[..., 1, D]`, else 0."""
+    shape = x.shape
+    return x.size // shape[-1] if len(shape) >= 3 and shape[-2] == 1 else 0
+
+
 def submit_if_small(y: mx.array, x: mx.array, position: int, *, max_tokens: int) -> None:
     """Hand `y`, a fused MoE block's output on a decoding step's activations
     `x` `[..., 1, D]` that ran compiled (`compiles` for `max_tokens`), to
@@ -226,9 +232,10 @@ def submit_if_small(y: mx.array, x: mx.array, position: int, *, max_tokens: int)
     while the host builds the rest of the step. Nothing computed changes,
     only when it is encoded. Inside a transformation (`mx.compile`,
     `mx.grad`, `mx.vmap`) MLX refuses to evaluate, and `y` stays lazy."""
-    if x.ndim < 3 or x.shape[-2] != 1 or not compiles(max_tokens, x):
+    rows = step_rows(x)
+    if not rows or not compiles(max_tokens, x):
         return  # a prompt's rows, or an uncompiled call: not what was measured
-    if not rules.submits_block(math.prod(x.shape[:-1]), position, cuda=_backend.on_cuda()):
+    if not rules.submits_block(rows, position, cuda=_backend.on_cuda()):
         return
     try:
         mx.async_eval(y)

@@ -37,7 +37,7 @@ import mlx.nn as nn
 
 from . import _backend
 from ._backend import on_cuda
-from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small, module_cache
+from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small, module_cache, step_rows
 from ._gpu import cache_by_stream, device_ints
 from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
 
@@ -52,15 +52,9 @@ class RowsProjection:
     dense_expert: bool = False
 
 
-def _step_rows(x: mx.array) -> int:
-    """The rows of `x` where it is a decoding step's `[..., 1, D]`, else 0."""
-    shape = x.shape
-    return x.size // shape[-1] if len(shape) >= 3 and shape[-2] == 1 else 0
-
-
 def _as_rows(layer: nn.Module, x: mx.array) -> bool:
     """Whether `layer` computes `x` `[..., 1, D]` of several matrices as rows."""
-    rows = _step_rows(x) if layer.decoding_rows else 0
+    rows = step_rows(x) if layer.decoding_rows else 0
     # One row is one matrix either way (a batch of one). The sizes are asked
     # first and the stream only where they would take rows on CUDA: every
     # projection of a batched step passes here, outside any compiled trace.
@@ -77,7 +71,7 @@ def _as_expert(layer: nn.Module, x: mx.array) -> bool:
     if not layer.dense_expert or x.ndim < 2:
         return False
     out_dims, in_dims, rows = layer["weight"].shape[0], x.shape[-1], x.size // x.shape[-1]
-    rule = dense_decoding_expert if _step_rows(x) else dense_as_expert
+    rule = dense_decoding_expert if step_rows(x) else dense_as_expert
     if not rule(out_dims, in_dims, rows, layer.bits, x.dtype.size * 8, layer.mode, cuda=True):
         return False
     stream = _backend.resolve_stream(None)
