@@ -96,6 +96,15 @@ def profile_builds(model, cache, y: mx.array, steps: int, top: int) -> str:
     return out.getvalue()
 
 
+def _by_name(intervals) -> tuple[collections.Counter, collections.Counter]:
+    """`(start, stop, name)` intervals as microseconds and counts by name."""
+    micros, counts = collections.Counter(), collections.Counter()
+    for start, stop, name in intervals:
+        micros[name] += stop - start
+        counts[name] += 1
+    return micros, counts
+
+
 def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
     """`steps` decoding steps under torch's profiler: their median build and
     wall time, the GPU's busy time a step (the union of its kernels'
@@ -148,14 +157,8 @@ def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
     lines = [f"  traced: wall {wall * 1e3:.3f} ms, build {build * 1e3:.3f} ms, the GPU busy "
              f"{busy_ms:.3f} ms a step ({busy_ms / ((wall - build) * 1e3):.0%} of the "
              f"evaluation), {len(kernels) / steps:.0f} kernels a step"]
-    micros, launches = collections.Counter(), collections.Counter()
-    for start, stop, name in kernels:
-        micros[name] += stop - start
-        launches[name] += 1
-    api_micros, api_count = collections.Counter(), collections.Counter()
-    for start, stop, name in api_calls:
-        api_micros[name] += stop - start
-        api_count[name] += 1
+    micros, launches = _by_name(kernels)
+    api_micros, api_count = _by_name(api_calls)
     return "\n".join(
         lines + kernel_lines(micros, launches, top, steps)
         + [f"  GPU idle before a kernel, {sum(idle.values()) / steps / 1e3:.3f} ms a step:"]
