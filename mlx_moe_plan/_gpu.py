@@ -435,7 +435,7 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
         num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
         backend=backend, num_rows=None if row_tokens is None else num_rows,
         gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped,
-        dense=dense)
+        dense=dense, warpgroup=backend == "cuda" and warpgroup_mma())
     # The body's arguments are fixed: an absent input is another it never reads.
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
@@ -452,6 +452,16 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
                        _input_split_index(splits, capacity, stream), None, rows.dtype,
                        stream)
     return out
+
+
+@cache  # the process's GPU does not change
+def warpgroup_mma() -> bool:
+    """Whether MLX's CUDA GPU has a warpgroup multiply-add: Hopper's wgmma, on
+    compute capability 9.0, for which MLX compiles custom kernels as sm_90a
+    (the `a` features; not on 10.0, which has no wgmma). The block tiles take it
+    there (`launch.grouped_qmm_launch`'s `warpgroup`)."""
+    info = mx.device_info(mx.gpu)
+    return (info.get("compute_capability_major"), info.get("compute_capability_minor")) == (9, 0)
 
 
 @cache_by_stream

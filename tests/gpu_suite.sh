@@ -114,6 +114,14 @@
 #               the GPU is busy, each kernel's time as the step runs it, the
 #               GPU's idle time before each kernel and the host's CUDA API
 #               calls (benchmarks.step_kernels --timeline).
+#   warpgroup   (not in `bench`; a GPU with wgmma: compute capability 9.0) the
+#               block tiles through Hopper's warpgroup multiply-add
+#               (block_warpgroup=1): its GPU tests, then under compute-sanitizer's
+#               memcheck, racecheck and synccheck; its launches beside the
+#               warps' own (the default), Qwen3-30B-A3B, gpt-oss-20b and
+#               Qwen3-Next at T = 2048 and 8192; and one launch of each,
+#               Qwen3-30B-A3B's gate at T = 8192, under Nsight Compute (where
+#               ncu is on the PATH) with source-level stall sampling.
 #   grouped-qmm-ncu (not in `bench`; ncu on the PATH) one launch of the block
 #               tiles (kernels/grouped_qmm_tiles.h), Qwen3-30B-A3B's gate at
 #               T = 8192, under Nsight Compute: throughput, occupancy, the warps'
@@ -319,6 +327,31 @@ if wanted timeline && python3 -c "import torch.profiler" 2>/dev/null; then
     logged "$results/timeline-$side.log" python3 -m benchmarks.step_kernels --side "$side" \
       --layers 8 --batches 8,32 --timeline 5 --top 12
   done
+fi
+if wanted warpgroup; then
+  logged "$results/warpgroup-pytest.log" python3 -m pytest -q -m gpu -k warpgroup \
+    tests/test_grouped_qmm.py -p no:cacheprovider
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      HYPOTHESIS_PROFILE=sanitize logged "$results/warpgroup-sanitizer-$tool.log" \
+        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+        python3 -m pytest -q -x -m gpu -k warpgroup tests/test_grouped_qmm.py \
+        -p no:cacheprovider
+    done
+  fi
+  logged "$results/warpgroup-bench.log" python3 -m benchmarks.grouped_qmm \
+    --shapes qwen3-30b-a3b,gpt-oss-20b,qwen3-next --tokens 2048,8192 --calls 4 --no-sorted \
+    --sides kernel --tilings "default;block_warpgroup=1"
+  if command -v ncu >/dev/null; then
+    for tiling in default block_warpgroup=1; do
+      name=warpgroup-ncu-${tiling//[=,]/-}
+      logged "$results/$name.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \
+        --launch-skip 2 --launch-count 1 --set full --import-source yes \
+        --export "$results/$name" --force-overwrite \
+        python3 -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b --tokens 8192 --calls 2 \
+        --sides kernel --no-sorted --tilings "$tiling"
+    done
+  fi
 fi
 if wanted grouped-qmm-ncu && command -v ncu >/dev/null; then
   logged "$results/grouped-qmm-ncu.log" ncu --kernel-name regex:moe_grouped_qmm_tiles \

@@ -1,6 +1,8 @@
 # The CUDA text of every kernel launch _gpu.py makes, compiled by nvcc for the
-# H200's sm_90 where nvcc is installed, without a GPU: a CUDA error in a body
-# or the prelude shows on every commit, not first on a lent GPU.
+# H200's sm_90a (as MLX compiles custom kernels from compute capability 9: the
+# `a` features, wgmma among them) where nvcc is installed, without a GPU: a
+# CUDA or PTX error in a body or the prelude shows on every commit, not first
+# on a lent GPU.
 #
 # The launches are test_metal_source's, recorded from the GPU backend itself,
 # for Metal and for CUDA (whose block tiles take larger stages and blocks).
@@ -57,14 +59,14 @@ def cuda_function(launch, function_name: str) -> str:
 
 def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...] = ()) -> None:
     """`functions` on the CUDA prelude, in MLX's namespace as its cuda_kernel
-    puts them, written to `path` and compiled by nvcc for sm_90: no error and,
+    puts them, written to `path` and compiled by nvcc for sm_90a: no error and,
     but the `suppress`ed diagnostics, no warning."""
     path.write_text(HEADER + kernels.prelude("cuda") + "namespace mlx::core::cu {\n"
                     "namespace cg = cooperative_groups;\n" + "\n".join(functions)
                     + "\n}  // namespace mlx::core::cu\n")
     flags = [flag for number in suppress for flag in ("-diag-suppress", number)]
     result = subprocess.run(
-        [NVCC, "-arch=sm_90", "-std=c++17", *flags, "-c", str(path),
+        [NVCC, "-arch=sm_90a", "-std=c++17", *flags, "-c", str(path),
          "-o", str(path.with_suffix(".o"))], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
@@ -96,6 +98,8 @@ def test_cuda_launches_include_their_own_blocks():
                  if launch.name == "grouped_qmm_tiles"]
     assert any(t["GATED"] and t["BLOCK_ROWS"] == 128 for t in templates)
     assert any(t["STAGES"] == 3 and t["STAGE_GROUPS"] == 2 for t in templates)
+    # and the warpgroup's multiply-adds (wgmma's text), in blocks of 64 rows and 128
+    assert {t["ROW_TILES"] for t in templates if t["WARPGROUP"]} == {8, 16}
 
 
 def test_nvcc_compiles_the_load_patterns(tmp_path):

@@ -90,6 +90,50 @@ def test_tiles_match_reference(case):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
+needs_warpgroup = pytest.mark.skipif(
+    _backend.gpu_backend() != "cuda" or not _gpu.warpgroup_mma(),
+    reason="the GPU has no warpgroup multiply-add (Hopper's wgmma, compute capability 9.0)")
+
+
+@needs_warpgroup
+@given(case=grouped_qmm_cases())
+def test_warpgroup_tiles_match_reference(case):
+    """The block tiles through wgmma (`block_warpgroup=1`): every format, empty
+    and uneven experts, rows of 1 to 4 quantization groups."""
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1):
+        check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
+
+
+@needs_warpgroup
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("in_dims,tall", [(2048, False), (2880, False), (2048, True)],
+                         ids=["qwen", "gpt-oss", "tall"])
+def test_warpgroup_tiles_fused(name, in_dims, tall):
+    """wgmma's block tiles at model rows (gpt-oss-20b's 45 groups, 3 a stage),
+    rows from tokens, silu(gate) * up, in blocks of 64 rows and of 128: its
+    A fragments, core matrices and descriptors against the reference."""
+    rng = np.random.default_rng(67)
+    counts, tokens = [300, 0, 140, 1], 90
+    offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
+        rng, counts, 200, in_dims, 4, 64, name, 5)
+    up = quantized_experts(rng, len(counts), 200, in_dims, 4, 64, name)
+    row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
+                                 np.full(5, -1)]).astype(np.int32)
+    values = ref.from_float32(0.1 * rng.standard_normal((tokens, in_dims)).astype(np.float32),
+                              name)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1,
+                                   block_gated_tall_rows=0 if tall else 512):
+        template = dict(launch.grouped_qmm_launch(len(counts), in_dims, 200, len(row_tokens), 4,
+                                                  64, name, backend="cuda", gated=True,
+                                                  num_rows=tokens, warpgroup=True).template)
+        assert template["WARPGROUP"] and template["BLOCK_ROWS"] == (128 if tall else 64)
+        out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
+                         row_tokens, up, name)
+        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
+                          biases, offsets, 4, 64, name, up=up)
+
+
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
 def test_tiles_odd_stage_groups(name):
     """Block tiles over gpt-oss-20b's rows of 45 quantization groups of 64,

@@ -766,7 +766,9 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                 dict(block_stage_values=64), dict(block_stage_values=192),
                 dict(block_row_warps=2, block_column_warps=2, block_tiles=4,
                      block_gated_tiles=2, block_row_tiles=4),
-                dict(block_max_groups=1)]
+                dict(block_max_groups=1),
+                # Hopper's warpgroup multiply-add, emulated (tiles_products.h)
+                dict(block_warpgroup=1), dict(block_warpgroup=1, block_stage_values=192)]
 
 
 @pytest.mark.parametrize("changes", TILES_BLOCKS,
@@ -776,6 +778,46 @@ def test_grouped_qmm_tiles_other_blocks(changes):
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **changes):
         check_grouped_qmm(_grouped_qmm, rng, [2, 0, 90, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
         _check_fused(rng, [1, 3, 70], 9, 128, 8, 32, "float16", 0, 5, True, True)
+
+
+@given(**tiles_cases(st.integers(1, 3)), num_tokens=st.integers(1, 6),
+       fusion=st.sampled_from(["none", "tokens", "gated", "both"]), tall=st.booleans())
+def test_grouped_qmm_tiles_warpgroup(counts, out_dims, in_groups, bits, group_size, name, tail,
+                                     num_tokens, fusion, tall, seed):
+    """The block's multiply-adds as one warpgroup's (`block_warpgroup=1`,
+    WARPGROUP_MMA emulated as prelude_cuda.h's wgmma computes it), the rows
+    staged in its core matrices: every format, each fusion, blocks of 64 rows
+    (half-empty ones multiply half) and the tall gated ones of 128."""
+    rng = np.random.default_rng(seed)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1,
+                                   block_gated_tall_rows=0 if tall else 512):
+        qmm = launch.grouped_qmm_launch(len(counts), in_groups * group_size, out_dims,
+                                        sum(counts) + tail, bits, group_size, name,
+                                        backend="opencl", gated=fusion in ("gated", "both"))
+        assert dict(qmm.template)["WARPGROUP"]
+        if fusion == "none":
+            check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_groups * group_size, bits,
+                              group_size, name, tail)
+        else:
+            _check_fused(rng, counts, out_dims, in_groups * group_size, bits, group_size, name,
+                         tail, num_tokens, fusion != "gated", fusion != "tokens")
+
+
+def test_grouped_qmm_tiles_warpgroup_needs_the_instruction():
+    """`block_warpgroup=1` on a CUDA GPU without the instruction is refused by
+    name (its kernel would trap); blocks it cannot take (not 4 warps side by
+    side, or fewer than 8 row tiles) keep the warps' own multiply-adds."""
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1):
+        with pytest.raises(ValueError, match="block_warpgroup=1.*wgmma"):
+            launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16", backend="cuda")
+        assert dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16", backend="cuda",
+                                              warpgroup=True).template)["WARPGROUP"]
+    for changes in (dict(block_row_tiles=4), dict(block_row_warps=2, block_column_warps=2)):
+        with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1, **changes):
+            assert not dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16",
+                                                      backend="opencl").template)["WARPGROUP"]
+    assert not dict(launch.grouped_qmm_launch(4, 256, 40, 6400, 4, 64, "bfloat16",
+                                              backend="cuda", warpgroup=True).template)["WARPGROUP"]
 
 
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)

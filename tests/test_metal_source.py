@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import subprocess
@@ -123,17 +124,24 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                                 row_tokens=mx.zeros((5,), mx.int32), up=matrices)
             # A prefill's rows (block tiles, grouped_qmm_tiles.h), each fusion;
             # and as many as take the gated launch's tall blocks.
-            for rows_per_expert in (GROUPED_QMM_TILING.tiles_from_rows,
-                                    GROUPED_QMM_TILING.block_gated_tall_rows):
+            # The layer's shape also with the blocks' multiply-adds a
+            # warpgroup's (`block_warpgroup`; on CUDA, as on a GPU that has
+            # the instruction).
+            warpgroups = (0, 1) if experts == 128 else (0,)
+            for rows_per_expert, warpgroup in itertools.product(
+                    (GROUPED_QMM_TILING.tiles_from_rows, GROUPED_QMM_TILING.block_gated_tall_rows),
+                    warpgroups):
                 capacity = experts * rows_per_expert
                 prefill_arrays = (mx.zeros((experts + 1,), mx.int32),
                                   mx.zeros((capacity,), mx.int32))
                 for row_tokens, up in [(None, None), (mx.zeros((capacity,), mx.int32), matrices),
                                        (mx.zeros((capacity,), mx.int32), None), (None, matrices)]:
                     rows = mx.zeros((capacity, in_dims), src_dtype)
-                    gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
-                                    group_size=group_size, stream=None, row_tokens=row_tokens,
-                                    up=up)
+                    with (grouped_qmm_tiling(block_warpgroup=warpgroup),
+                          mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
+                        gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
+                                        group_size=group_size, stream=None,
+                                        row_tokens=row_tokens, up=up)
         # argsort_slice: a tiny row (constant), a router's rows, the longest.
         for dtype in ROW_DTYPES:
             for rows, row_size, start, count in [(1, 3, 2, 1), (4, 128, 120, 8),
@@ -502,6 +510,8 @@ def test_preludes_define_the_dialect(backend):
     prelude = _strip_comments(kernels.prelude(backend))
     defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", prelude, flags=re.M))
     defined |= set(re.findall(r"\btypedef\b[^;]*?\b(\w+)\s*;", prelude))
+    # A prelude's own helper macros, undefined once used, are not the dialect's.
+    defined -= set(re.findall(r"^\s*#\s*undef\s+(\w+)", prelude, flags=re.M))
     assert defined == set(kernels.DIALECT_NAMES)
 
 
@@ -556,7 +566,7 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
 
 
 @pytest.mark.parametrize("name, included, times", [
-    ("grouped_qmm", "qmm_fields", 1), ("tiles_products", "qmm_fields", 1),
+    ("grouped_qmm", "qmm_fields", 1), ("tiles_products", "qmm_fields", 2),
     ("grouped_qmm", "qmm_params", 1), ("grouped_qmm_tiles", "qmm_params", 1),
     ("grouped_qmm", "qmm_store", 1), ("grouped_qmm_tiles", "qmm_store", 1),
     ("grouped_qmm_tiles", "tiles_products", 2),
@@ -570,9 +580,10 @@ def test_bodies_include_their_shared_texts(name, included, times):
 
 def test_block_tiles_products_twice_with_their_fields():
     """grouped_qmm_tiles.h multiplies all its row tiles or half of them: the
-    products' text twice, each with the field pairs it includes."""
+    products' text twice, each with the field pairs it includes (once for the
+    warpgroup's multiply-adds, once for the warps' own)."""
     source = kernels.source("grouped_qmm_tiles")
-    assert source.count(kernels.text("qmm_fields")) == 2
+    assert source.count(kernels.text("qmm_fields")) == 4
     assert source.count("const int product_row_tiles = ROW_TILES;") == 1
     assert source.count("const int product_row_tiles = ROW_TILES / 2;") == 1
 

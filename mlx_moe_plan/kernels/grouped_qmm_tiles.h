@@ -55,13 +55,26 @@
 // BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES), BLOCK_COLUMNS (COLUMN_WARPS * 16 *
 // TILES / (1 + GATED)), STAGE_GROUPS (dividing in_dims / QUANT_GROUP), STAGES
 // (at least 2), ROW_STRIDE, WORD_STRIDE (above), INPUT_SPLITS (at most the
-// stages; 1 when GATED).
+// stages; 1 when GATED), WARPGROUP (below).
+// WARPGROUP: the block's four warps multiply as one warpgroup
+// (WARPGROUP_MMA, Hopper's wgmma where the prelude has it), each step of 16
+// input values one multiply-add of all BLOCK_ROWS rows by a tile of each
+// warp's columns: the rows' B is read from shared memory by the hardware,
+// not loaded and paired by the lanes, and one instruction does the work of
+// 2 * ROW_TILES of a warp's MMA_16x8x16. Its rows are staged in the layout it
+// reads (core matrices: 8 rows of one 16-byte chunk, 128 bytes; a row's
+// chunks one after another, each core matrix padded by 16 bytes; 8 rows'
+// after the 8 before). Needs ROW_WARPS 1, COLUMN_WARPS 4 and ROW_TILES 8 or
+// 16 (tiles_products.h).
 // include: qmm_params
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 const int MATRICES = GATED ? 2 : 1;
 const int STAGE_VALUES = STAGE_GROUPS * QUANT_GROUP;
 const int GROUP_WORDS = QUANT_GROUP / VALUES;  // a column's words of a group
 const int ROW_CHUNKS = STAGE_VALUES / 8;  // 16-byte chunks of a row a stage
+// WARPGROUP's core matrices, 8 rows of a chunk (32 words) and the launch's
+// pad after each (ROW_STRIDE is a row's share of them).
+const int CORE_WORDS = ROW_STRIDE * 8 / ROW_CHUNKS;
 const int COLUMN_CHUNKS = STAGE_GROUPS * GROUP_WORDS / 4;  // of a column a stage
 const int ROW_COPIES = (BLOCK_ROWS * ROW_CHUNKS + THREADS - 1) / THREADS;
 const int WORD_COPIES = (MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS + THREADS - 1) / THREADS;
@@ -164,11 +177,17 @@ for (int item = GROUP_ID; item < block_items * INPUT_SPLITS; item += NUM_GROUPS)
 UNROLL
   for (int i = 0; i < ROW_COPIES; ++i) {
     const int chunk = min((int)LOCAL_ID + i * THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
-    const int row = min(row0 + chunk / ROW_CHUNKS, last - 1);
+    const int block_row = chunk / ROW_CHUNKS;
+    const int row = min(row0 + block_row, last - 1);
     const int source = TOKEN_ROWS ? min(max(row_tokens[row], 0), num_rows - 1) : row;
     row_sources[i] = (GLOBAL const unsigned short*)rows + (i64)source * in_dims
                      + (chunk % ROW_CHUNKS) * 8;
-    row_targets[i] = (chunk / ROW_CHUNKS) * ROW_STRIDE + (chunk % ROW_CHUNKS) * 4;
+    // With WARPGROUP, core matrices (CORE_WORDS apart): the 8 lanes of one
+    // 16-byte copy's pass take 8 chunks of a row, each in its own core
+    // matrix, which the pad after each puts in other banks.
+    row_targets[i] = WARPGROUP ? ((block_row / 8) * ROW_CHUNKS + chunk % ROW_CHUNKS) * CORE_WORDS
+                                 + (block_row % 8) * 4
+                               : block_row * ROW_STRIDE + (chunk % ROW_CHUNKS) * 4;
   }
   GLOBAL const unsigned* word_sources[WORD_COPIES];
   int word_targets[WORD_COPIES];
@@ -233,8 +252,15 @@ UNROLL
       }
     }
     // Stage `stage`'s copies have landed (this thread's; none are waited for
-    // while stage < 0), then every thread's, and stage - 1's buffers are free.
+    // while stage < 0), then every thread's, and stage - 1's buffers are free
+    // (its warpgroup multiply-adds done: they read the rows until then).
+    if (WARPGROUP) {
+      WARPGROUP_WAIT(0, sums, 0);
+    }
     ASYNC_WAIT(STAGES - 2);
+    if (WARPGROUP) {
+      SHARED_PROXY_FENCE();
+    }
     BARRIER();
     if (step < num_stages) {
       const int buffer = step % STAGES;
@@ -313,6 +339,9 @@ UNROLL
         // include: tiles_products
       }
     }
+  }
+  if (WARPGROUP) {
+    WARPGROUP_WAIT(0, sums, TILES * ROW_TILES * 4);
   }
   const int warp_row0 = row0 + (warp / COLUMN_WARPS) * 8 * ROW_TILES;
   const int warp_column0 = column0 + (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;

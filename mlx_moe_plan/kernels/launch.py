@@ -162,6 +162,13 @@ class GroupedQmmTiling:
     # of each column's row read at a time, more memory
     block_stage_values: int = 128
     block_max_groups: int = 4096
+    # 1: the block's multiply-adds as one warpgroup's (WARPGROUP: Hopper's
+    # wgmma), where the block is 4 warps side by side of 8 or 16 row tiles,
+    # on a GPU that has them (the launch's `warpgroup`) or a prelude that
+    # emulates them (OpenCL, Metal); 0, never. Off by default: on the H200 it
+    # ran 1.2x to 1.5x slower than the warps' own (benchmarks/RESULTS.md,
+    # "The block tiles through Hopper's warpgroup multiply-add").
+    block_warpgroup: int = 0
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -189,8 +196,10 @@ class GroupedQmmTiling:
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
-        if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1):
-            raise ValueError(f"grouped_qmm tiling: wide_loads and loads_ahead are 0 or 1: {self}")
+        if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
+                or self.block_warpgroup not in (0, 1):
+            raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead and block_warpgroup "
+                             f"are 0 or 1: {self}")
         if self.word_stages == 1 or self.word_stages < 0 or (
                 self.word_stages and (self.k_splits or 1) > 1):
             raise ValueError(f"grouped_qmm tiling: word_stages is 0 or at least 2, and takes "
@@ -447,6 +456,7 @@ def grouped_qmm_launch(
     quant_group: int, dtype: str, *, backend: str, num_rows: int | None = None,
     gated: bool = False, out_bias: bool = False,
     clamped_swiglu: tuple[float, float] | None = None, dense: bool = False,
+    warpgroup: bool = False,
 ) -> Launch:
     """For `capacity >= 1`, `out_dims >= 1`, `num_experts <= MAX_EXPERTS`, bits
     in GROUPED_QMM_BITS, a quant group of GROUPED_QMM_QUANT_GROUPS dividing
@@ -472,11 +482,19 @@ def grouped_qmm_launch(
     `dense`: the one expert is a dense projection (projections.py), whose
     blocks may be halved (`_halved_blocks`) and whose input may be split
     (`_input_splits`); an expert-parallel rank's single expert is not one,
-    and keeps the experts' launch."""
+    and keeps the experts' launch.
+    The tiling's `block_warpgroup=1` has grouped_qmm_tiles.h's blocks of 4
+    warps side by side multiply as one warpgroup (WARPGROUP): on CUDA where
+    the GPU has the instruction (`warpgroup`, `_gpu.warpgroup_mma`: Hopper's
+    wgmma; elsewhere on CUDA it raises ValueError), on Metal and OpenCL
+    through their preludes' emulation."""
     if dense and num_experts != 1:
         raise ValueError(f"dense: a dense projection is one expert, got {num_experts}")
     tiling = _grouped_qmm_tiling.get()
     store = (out_bias, clamped_swiglu if gated else None)
+    if tiling.block_warpgroup == 1 and backend == "cuda" and not warpgroup:
+        raise ValueError("grouped_qmm tiling: block_warpgroup=1, but this GPU has no "
+                         "warpgroup multiply-add (wgmma: sm_90a)")
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
@@ -488,7 +506,8 @@ def grouped_qmm_launch(
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
                                           SHARED_BYTES[backend], backend != "cuda", tall,
-                                          halved, splits_input, dense, store)
+                                          halved, splits_input, dense, store,
+                                          tiling.block_warpgroup == 1)
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
@@ -629,14 +648,37 @@ def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
     return _round_up(least, 4)  # none within 16 steps: conflicts, not errors
 
 
+# The pad after each of WARPGROUP's core matrices (8 rows of a 16-byte chunk of
+# the input, 32 words): a pass of 8 lanes' 16-byte copies writes 8 chunks of
+# one row, one in each of 8 core matrices; 4 words put them in 8 different
+# sets of 4 banks, where unpadded they all took the same 4 (8-way conflicts).
+CORE_MATRIX_PAD_WORDS = 4
+
+
+def _warpgroup_word_stride(least: int, bits: int) -> int:
+    """The least stride of at least `least` words, a multiple of 4, at which
+    the warpgroup's word loads (tiles_products.h) meet no bank conflict: lane l
+    loads one word of column l // 4, the same for its 4 lanes at 4 bits (a
+    byte each) and one of two at 8 (half a word each); lanes of one address
+    share its load."""
+    for stride in range(_round_up(least, 4), _round_up(least, 4) + 64, 4):
+        addresses = {(lane // 4) * stride + (lane % 4 // 2 if bits == 8 else 0)
+                     for lane in range(32)}
+        if len({address % 32 for address in addresses}) == len(addresses):
+            return stride
+    return _round_up(least, 4)
+
+
 @lru_cache(maxsize=256)
 def _grouped_qmm_tiles_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
     shared_bytes: int, exchange: bool, tall: bool, halved: bool, splits_input: bool,
-    dense: bool, store: tuple,
+    dense: bool, store: tuple, warpgroup: bool,
 ) -> Launch | None:
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
+    `warpgroup`: the block's multiply-adds a warpgroup's (WARPGROUP) where the
+    block allows it (4 warps side by side, 8 or 16 row tiles);
     `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
     `halved`: half the block's rows and columns (_halved_blocks);
     `splits_input`: the blocks' input split where they are few (_input_splits),
@@ -661,9 +703,15 @@ def _grouped_qmm_tiles_launch(
     stages = tiling.block_stages
     while True:
         stage_values = stage_groups * quant_group
-        row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
-        word_stride = _conflict_free_stride(stage_values // values, lane_words,
-                                            min(lane_words, 4))
+        by_warpgroup = (warpgroup and (tiling.block_row_warps, tiling.block_column_warps)
+                        == (1, 4) and row_tiles in (8, 16))
+        if by_warpgroup:  # the rows in core matrices, each padded
+            row_stride = stage_values // 8 * (32 + CORE_MATRIX_PAD_WORDS) // 8
+            word_stride = _warpgroup_word_stride(stage_values // values, bits)
+        else:
+            row_stride = _conflict_free_stride(stage_values // 2, quant_group // 8, values // 2)
+            word_stride = _conflict_free_stride(stage_values // values, lane_words,
+                                                min(lane_words, 4))
         block_rows, block_columns = _block_shape(tiling, row_tiles, column_tiles)
         stage_bytes = 4 * (block_rows * row_stride + matrices * block_columns * word_stride
                            + 2 * matrices * block_columns * stage_groups)
@@ -708,7 +756,8 @@ def _grouped_qmm_tiles_launch(
          ("ROW_WARPS", tiling.block_row_warps), ("COLUMN_WARPS", tiling.block_column_warps),
          ("BLOCK_ROWS", block_rows), ("BLOCK_COLUMNS", block_columns),
          ("STAGE_GROUPS", stage_groups), ("STAGES", stages), ("ROW_STRIDE", row_stride),
-         ("WORD_STRIDE", word_stride), ("INPUT_SPLITS", splits), *_store_template(store)),
+         ("WORD_STRIDE", word_stride), ("INPUT_SPLITS", splits), ("WARPGROUP", by_warpgroup),
+         *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed, stages * stage_bytes),
     )

@@ -103,3 +103,82 @@ __device__ __forceinline__ void async_wait() {
 #define ASYNC_COPY16(shared, global) async_copy16((shared), (global))
 #define ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
 #define ASYNC_WAIT(n) async_wait<(n)>()
+// WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane): the group's
+// four warps (a warpgroup: the block tiles that take it have four) together
+// D += A B, Hopper's wgmma.mma_async.m64nNk16 (sm_90a; N = 8 * row_tiles:
+// 32, 64 or 128, a constant). A is 64 x 16, warp w's rows 16 w to 16 w + 15
+// in its registers a as MMA_16x8x16's A; B is 16 x N in group memory at b,
+// in core matrices of 8 of its columns by 8 of its k (8 rows of 16 bytes,
+// 128 bytes), the next 8 k `lbo` words on and the next 8 columns `sbo` words
+// on (no swizzle: both constants, 16-byte multiples); D is each warp's
+// row_tiles MMA_16x8x16 accumulators (n tile j's four sums at d + 4 j).
+// Asynchronous: WARPGROUP_FENCE before one that reads registers written
+// since the last, WARPGROUP_COMMIT closes a batch, WARPGROUP_WAIT(n, d,
+// count) waits until at most n batches are in flight and then makes d[0,
+// count) the finished sums (the compiler may not read them before). Its reads
+// of group memory go through the async proxy: SHARED_PROXY_FENCE makes this
+// thread's writes to it (stores, cp.async's once waited for) visible there.
+// The WG_ and WGMMA_ macros spell wgmma's operands; undefined after use.
+#define WG_D0_15 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+#define WG_D16_31 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+#define WG_D32_47 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+#define WG_D48_63 "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define WG_F4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define WG_F16(i) WG_F4(i), WG_F4(i + 4), WG_F4(i + 8), WG_F4(i + 12)
+#define WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+#define WG_OP(n, types) "{.reg .pred p; setp.ne.b32 p, %" n ", 0; wgmma.mma_async.sync.aligned." types
+#define WGMMA_32(types) asm volatile(WG_OP("21", "m64n32k16.f32." types) " {" WG_D0_15 "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;}" : WG_F16(0) : WG_IN)
+#define WGMMA_64(types) asm volatile(WG_OP("37", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16) : WG_IN)
+#define WGMMA_128(types) asm volatile(WG_OP("69", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_IN)
+template <int KIND, int ROW_TILES_N>
+__device__ __forceinline__ void warpgroup_mma(float* d, const unsigned* a, const unsigned* b,
+                                              int lbo, int sbo) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // The descriptor: address, lbo and sbo in bytes over 16, no swizzle.
+  const unsigned long long desc = ((__cvta_generic_to_shared(b) & 0x3FFFF) >> 4)
+                                  | ((unsigned long long)(lbo / 4) << 16)
+                                  | ((unsigned long long)(sbo / 4) << 32);
+  if (ROW_TILES_N == 4) {
+    if (KIND == 2) { WGMMA_32("bf16.bf16"); } else { WGMMA_32("f16.f16"); }
+  } else if (ROW_TILES_N == 8) {
+    if (KIND == 2) { WGMMA_64("bf16.bf16"); } else { WGMMA_64("f16.f16"); }
+  } else if (ROW_TILES_N == 16) {
+    if (KIND == 2) { WGMMA_128("bf16.bf16"); } else { WGMMA_128("f16.f16"); }
+  } else {
+    __trap();  // a body's text for other blocks, never run: the launch says WARPGROUP 0
+  }
+#else
+  __trap();  // no wgmma before sm_90a: the launch takes it only there
+#endif
+}
+#undef WG_D0_15
+#undef WG_D16_31
+#undef WG_D32_47
+#undef WG_D48_63
+#undef WG_F4
+#undef WG_F16
+#undef WG_IN
+#undef WG_OP
+#undef WGMMA_32
+#undef WGMMA_64
+#undef WGMMA_128
+template <int N>
+__device__ __forceinline__ void warpgroup_wait(float* d, int count) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N));
+#endif
+  for (int i = 0; i < count; ++i) {
+    asm volatile("" : "+f"(d[i]));
+  }
+}
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WARPGROUP_FENCE() asm volatile("wgmma.fence.sync.aligned;")
+#define WARPGROUP_COMMIT() asm volatile("wgmma.commit_group.sync.aligned;")
+#define SHARED_PROXY_FENCE() asm volatile("fence.proxy.async.shared::cta;" ::: "memory")
+#else
+#define WARPGROUP_FENCE() ((void)0)
+#define WARPGROUP_COMMIT() ((void)0)
+#define SHARED_PROXY_FENCE() ((void)0)
+#endif
+#define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma<IN_KIND, (row_tiles)>((d), (a), (b), (lbo), (sbo))
+#define WARPGROUP_WAIT(n, d, count) warpgroup_wait<(n)>((d), (count))

@@ -107,3 +107,20 @@ inline uint pair_fma(uint a, uint b, uint c) {
 #define ASYNC_COPY16(shared, global) (*(threadgroup uint4*)(shared) = *(device const uint4*)(global))
 #define ASYNC_COMMIT() ((void)0)
 #define ASYNC_WAIT(n) ((void)0)
+// WARPGROUP_MMA (Hopper's wgmma in prelude_cuda.h, which says what it
+// computes), emulated: each SIMD group's row_tiles MMA_16x8x16 over its own
+// 16 rows of A, each n tile's B fragment read from the core matrices at b.
+// Done when it returns, so the fences and waits have nothing to do.
+template <int KIND>
+inline void warpgroup_mma(thread float* d, thread const uint* a, threadgroup const uint* b,
+                          int row_tiles, int lbo, int sbo, uint lane) {
+  for (int j = 0; j < row_tiles; ++j) {
+    const uint b_pairs[2] = {b[j * sbo + lane], b[j * sbo + lbo + lane]};
+    mma_16x8x16<KIND>(d + 4 * j, a, b_pairs, lane);
+  }
+}
+#define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma<IN_KIND>((d), (a), (b), (row_tiles), (lbo), (sbo), (lane))
+#define WARPGROUP_FENCE() ((void)0)
+#define WARPGROUP_COMMIT() ((void)0)
+#define WARPGROUP_WAIT(n, d, count) ((void)0)
+#define SHARED_PROXY_FENCE() ((void)0)

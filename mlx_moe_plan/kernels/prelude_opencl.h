@@ -129,3 +129,20 @@ inline uint pair_fma(uint a, uint b, uint c) {
 #define ASYNC_COPY16(shared, global) (*(__local uint4*)(shared) = *(__global const uint4*)(global))
 #define ASYNC_COMMIT() ((void)0)
 #define ASYNC_WAIT(n) ((void)0)
+// WARPGROUP_MMA (Hopper's wgmma in prelude_cuda.h, which says what it
+// computes), emulated: each warp's row_tiles MMA_16x8x16 over its own 16
+// rows of A, each n tile's B fragment read from the core matrices at b. Done
+// when it returns, so the fences and waits have nothing to do.
+inline void warpgroup_mma(float* d, const uint* a, __local const uint* b, int row_tiles,
+                          int lbo, int sbo, __local uint* exchange, int lane) {
+  for (int j = 0; j < row_tiles; ++j) {
+    // B[k][n] of n = 8 j + lane / 4 and k = 2 (lane % 4), + 1 (then + 8, + 9: lbo on).
+    const uint b_pairs[2] = {b[j * sbo + lane], b[j * sbo + lbo + lane]};
+    mma_16x8x16(d + 4 * j, a, b_pairs, exchange, lane);
+  }
+}
+#define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma((d), (a), (b), (row_tiles), (lbo), (sbo), (exchange), (lane))
+#define WARPGROUP_FENCE() ((void)0)
+#define WARPGROUP_COMMIT() ((void)0)
+#define WARPGROUP_WAIT(n, d, count) ((void)0)
+#define SHARED_PROXY_FENCE() ((void)0)
