@@ -64,8 +64,9 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     (`INCLUDED`)
 
 `tiles_products.h` -- not a body: a stage's multiply-adds in the block tiles,
-    which grouped_qmm_tiles.h includes twice, over all of a warp's row tiles
-    and over half (`INCLUDED`)
+    the warps' own or, with WARPGROUP, a warpgroup's (Hopper's wgmma, opt-in:
+    `launch.GroupedQmmTiling.block_warpgroup`), which grouped_qmm_tiles.h
+    includes twice, over all of a warp's row tiles and over half (`INCLUDED`)
 
 `group_scan.h` -- not a body: a group's inclusive scan of one count a
     thread, the text plan.h and both grouped GEMM bodies include (`INCLUDED`)

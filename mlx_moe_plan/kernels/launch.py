@@ -166,7 +166,7 @@ class GroupedQmmTiling:
     # wgmma), where the block is 4 warps side by side of 8 or 16 row tiles,
     # on a GPU that has them (the launch's `warpgroup`) or a prelude that
     # emulates them (OpenCL, Metal); 0, never. Off by default: on the H200 it
-    # ran 1.2x to 1.5x slower than the warps' own (benchmarks/RESULTS.md,
+    # ran 1.3x to 1.6x slower than the warps' own (benchmarks/RESULTS.md,
     # "The block tiles through Hopper's warpgroup multiply-add").
     block_warpgroup: int = 0
 
