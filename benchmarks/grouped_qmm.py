@@ -172,12 +172,11 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
     from mlx_moe_plan import _backend, _gpu
     from mlx_moe_plan.kernels import launch
 
-    backend = _backend.gpu_backend()
     with launch.grouped_qmm_tiling(**changes):
         run = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, form.bits,
-                                        form.group_size, form.dtype, backend=backend,
-                                        num_rows=num_rows, gated=gated,
-                                        warpgroup=backend == "cuda" and _gpu.warpgroup_mma())
+                                        form.group_size, form.dtype,
+                                        backend=_backend.gpu_backend(), num_rows=num_rows,
+                                        gated=gated, warpgroup=_gpu.warpgroup_mma())
     template = dict(run.template)
     if run.body == "grouped_qmm_tiles":
         return (f"tiles {template['BLOCK_ROWS']}x{template['BLOCK_COLUMNS']}, "

@@ -435,7 +435,7 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
         num_experts, in_dims, out_dims, capacity, bits, group_size, _name(rows.dtype),
         backend=backend, num_rows=None if row_tokens is None else num_rows,
         gated=up is not None, out_bias=out_biases is not None, clamped_swiglu=clamped,
-        dense=dense, warpgroup=backend == "cuda" and warpgroup_mma())
+        dense=dense, warpgroup=warpgroup_mma())
     # The body's arguments are fixed: an absent input is another it never reads.
     weight, scales, biases = (_device_buffer(a, stream) for a in (weight, scales, biases))
     up = (weight, scales, biases) if up is None else \
@@ -456,10 +456,11 @@ def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_toke
 
 @cache  # the process's GPU does not change
 def warpgroup_mma() -> bool:
-    """Whether MLX's CUDA GPU has a warpgroup multiply-add: Hopper's wgmma, on
+    """Whether MLX's GPU has a warpgroup multiply-add: Hopper's wgmma, on CUDA's
     compute capability 9.0, for which MLX compiles custom kernels as sm_90a
-    (the `a` features; not on 10.0, which has no wgmma). The block tiles take it
-    there (`launch.grouped_qmm_launch`'s `warpgroup`)."""
+    (the `a` features; not on 10.0, which has no wgmma). False elsewhere: a
+    Metal GPU's and a CPU-only MLX's `device_info` give no compute capability.
+    The block tiles take it there (`launch.grouped_qmm_launch`'s `warpgroup`)."""
     info = mx.device_info(mx.gpu)
     return (info.get("compute_capability_major"), info.get("compute_capability_minor")) == (9, 0)
 
