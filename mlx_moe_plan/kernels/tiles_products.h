@@ -12,15 +12,19 @@
 // `sums` and declares nothing outside its own loop, so two copies can sit
 // side by side. With WARPGROUP, the warpgroup's multiply-adds instead (below).
 for (int group = 0; group < STAGE_GROUPS; ++group) {  // the stage's groups
-  // The scale and bias pairs of the lane's columns (as packed, below).
+  // The lane's columns among the stage's: tile t's fragment_row + 8 * h at
+  // 2 * t + h (the up projection's tiles past the gate's, gated), and their
+  // scale and bias pairs (as packed, below).
+  int lane_columns[TILES * 2];
   unsigned scale_pairs[TILES * 2];
   unsigned bias_pairs[TILES * 2];
 UNROLL
   for (int i = 0; i < TILES * 2; ++i) {
-    const int column = (GATED && i / 2 >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
-                       + 16 * ((i / 2) % COLUMN_TILES) + fragment_row + 8 * (i % 2);
-    scale_pairs[i] = stage_scales[scales_at + column * STAGE_GROUPS + group];
-    bias_pairs[i] = stage_scales[scales_at + STAGE_SCALES + column * STAGE_GROUPS + group];
+    lane_columns[i] = (GATED && i / 2 >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
+                      + 16 * ((i / 2) % COLUMN_TILES) + fragment_row + 8 * (i % 2);
+    scale_pairs[i] = stage_scales[scales_at + lane_columns[i] * STAGE_GROUPS + group];
+    bias_pairs[i] = stage_scales[scales_at + STAGE_SCALES + lane_columns[i] * STAGE_GROUPS
+                                 + group];
   }
   if (WARPGROUP) {
     // Each 16 values of the group, one warpgroup multiply-add a tile: its B
@@ -37,9 +41,8 @@ UNROLL
       for (int t = 0; t < TILES; ++t) {
 UNROLL
         for (int h = 0; h < 2; ++h) {  // column fragment_row + 8 * h: A's rows g, g + 8
-          const int column = (GATED && t >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
-                             + 16 * (t % COLUMN_TILES) + fragment_row + 8 * h;
-          const int from = words_at + column * WORD_STRIDE + group * GROUP_WORDS;
+          const int from = words_at + lane_columns[t * 2 + h] * WORD_STRIDE
+                           + group * GROUP_WORDS;
           // The chunks' words: at 4 bits words 2 * step and 2 * step + 1, one
           // load; at 8, one of each chunk's two.
           unsigned chunk_words[2];
@@ -77,14 +80,12 @@ UNROLL
       WARPGROUP_WAIT(1, sums, 0);
     }
   } else {
-    // packed: the lane's LANE_WORDS words of the group in each column
-    // (tile t's column fragment_row + 8 * h at 2 * t + h).
+    // packed: the lane's LANE_WORDS words of the group in each of its
+    // columns, in `lane_columns`' order.
     unsigned packed[TILES * 2 * LANE_WORDS];
 UNROLL
     for (int i = 0; i < TILES * 2; ++i) {
-      const int column = (GATED && i / 2 >= COLUMN_TILES ? BLOCK_COLUMNS : 0) + warp_column
-                         + 16 * ((i / 2) % COLUMN_TILES) + fragment_row + 8 * (i % 2);
-      const int from = words_at + column * WORD_STRIDE + group * GROUP_WORDS
+      const int from = words_at + lane_columns[i] * WORD_STRIDE + group * GROUP_WORDS
                        + fragment_slot * LANE_WORDS;
 UNROLL
       for (int w = 0; w < LANE_WORDS; w += (LANE_WORDS >= 4 ? 4 : LANE_WORDS)) {
