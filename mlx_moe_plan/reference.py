@@ -216,6 +216,20 @@ def argsort_slice(values, start: int, count: int, dtype: str = "float32") -> np.
     return np.argsort(keys, axis=-1, kind="stable")[..., start:start + count].astype(np.uint32)
 
 
+def normalized(picked, dtype: str = "float32") -> np.ndarray:
+    """`picked` `[..., k]` stored as `dtype` over their sum, as a router that
+    renormalizes its top k computes it: the sum in float32 over ascending
+    positions, rounded to `dtype`, then each value over it, rounded to
+    `dtype` (bfloat16 as uint16 bits)."""
+    values = to_float32(np.asarray(picked), dtype)
+    total = np.zeros(values.shape[:-1], np.float32)
+    for position in range(values.shape[-1]):
+        total = (total + values[..., position]).astype(np.float32)
+    total = to_float32(from_float32(total, dtype), dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return from_float32(values / total[..., None], dtype)
+
+
 # --- comparing an implementation with the reference, bit for bit ---------------
 # The tests assert these; the benchmark checks the same before it times.
 

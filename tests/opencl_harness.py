@@ -59,7 +59,7 @@ _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "f
               "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT",
               "up_weight": "uint", "up_scales": "InT", "up_biases": "InT", "bias": "InT",
               "up_bias": "InT",
-              "values": "InT", "indices": "uint"}
+              "values": "InT", "indices": "uint", "slice_values": "InT"}
 
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
@@ -333,15 +333,17 @@ def grouped_qmm(rows: np.ndarray, weight: np.ndarray, scales: np.ndarray, biases
     return out
 
 
-def argsort_slice(values: np.ndarray, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+def argsort_slice(values: np.ndarray, start: int, count: int,
+                  normalize: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Positions [start, start + count) of each row's stable ascending argsort,
-    and the values there, as `_gpu.GpuBackend.argsort_slice` runs it; `values`
-    [rows, E] float32, float16 or uint16 (bfloat16 bits). Returns uint32
-    [rows, count] and [rows, count] of `values`' dtype."""
+    and the values there (over their sum with `normalize`), as
+    `_gpu.GpuBackend.argsort_slice` runs it; `values` [rows, E] float32,
+    float16 or uint16 (bfloat16 bits). Returns uint32 [rows, count] and
+    [rows, count] of `values`' dtype."""
     num_rows, row_size = values.shape
     if num_rows == 0:
         return np.zeros((0, count), np.uint32), np.zeros((0, count), values.dtype)
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
-                                               dtype_name(values))
+                                               dtype_name(values), normalize)
     indices, slice_values = run([_device_buffer(values)], slice_launch)
     return indices, slice_values

@@ -1112,6 +1112,36 @@ def _check_argsort_slice(values, start, count, name):
                                   picked.view(f"u{values.itemsize}"))
 
 
+@given(rows=st.integers(1, 5), row_size=st.one_of(st.integers(1, 40), st.sampled_from(
+           [128, 512, launch.ARGSORT_SLICE_MAX_ROW])),
+       name=st.sampled_from(launch.ROW_KINDS), data=st.data(), seed=st.integers(0, 2**32 - 1),
+       router=st.booleans())
+def test_argsort_slice_normalized_matches_reference(rows, row_size, name, data, seed, router):
+    """NORMALIZE: the indices as without it, the values over their sum as the
+    reference rounds them; a router's softmax scores, or rows with ties, both
+    zeros, infinities and NaN (every NaN alike: its payload is the division's)."""
+    start = data.draw(st.integers(0, row_size - 1))
+    count = data.draw(st.integers(1, row_size - start))
+    rng = np.random.default_rng(seed)
+    if router:
+        logits = rng.standard_normal((rows, row_size)).astype(np.float32)
+        softmax = np.exp(logits - logits.max(-1, keepdims=True))
+        values = ref.from_float32(softmax / softmax.sum(-1, keepdims=True), name)
+    else:
+        values = _router_values(rng, rows, row_size, name)
+    indices, normalized = ocl.argsort_slice(values, start, count, normalize=True)
+    want_indices = ref.argsort_slice(values, start, count, name)
+    np.testing.assert_array_equal(indices, want_indices)
+    want = ref.normalized(np.take_along_axis(values, want_indices.astype(np.int64), axis=-1),
+                          name)
+    assert normalized.dtype == values.dtype
+    got_float, want_float = ref.to_float32(normalized, name), ref.to_float32(want, name)
+    np.testing.assert_array_equal(np.isnan(got_float), np.isnan(want_float))
+    bits = f"u{values.itemsize}"
+    finite = ~np.isnan(want_float)
+    np.testing.assert_array_equal(normalized.view(bits)[finite], want.view(bits)[finite])
+
+
 def test_argsort_slice_rows_beyond_max_groups():
     """More rows than groups: each group ranks several rows in turn."""
     rng = np.random.default_rng(41)

@@ -142,11 +142,13 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                         gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
                                         group_size=group_size, stream=None,
                                         row_tokens=row_tokens, up=up)
-        # argsort_slice: a tiny row (constant), a router's rows, the longest.
+        # argsort_slice: a tiny row (constant), a router's rows, the longest;
+        # and a router's, its top k over their sum.
         for dtype in ROW_DTYPES:
             for rows, row_size, start, count in [(1, 3, 2, 1), (4, 128, 120, 8),
                                                  (2, MAX_EXPERTS, 0, 10)]:
                 gpu.argsort_slice(mx.zeros((rows, row_size), dtype), start, count, stream=None)
+            gpu.argsort_slice(mx.zeros((4, 128), dtype), 120, 8, normalize=True, stream=None)
     # The backend caches a launch's kernel object: drop the recorder's, so a
     # test on the GPU that makes the same launch makes the real kernel.
     _gpu._kernel_call.cache_clear()

@@ -18,16 +18,26 @@
 // compare equal), and every NaN the largest key (NaNs equal one another).
 // Beside each index, its value, as take_along_axis(values, indices) gives it
 // (its bits: a router weights its experts with them, and a second launch
-// would gather them again).
+// would gather them again). With NORMALIZE, each value divided by the sum of
+// the slice's, as `picked / picked.sum(-1, keepdims=True)` gives it for a
+// router that renormalizes its top k (two launches fewer): the sum in float32
+// over ascending positions, rounded to the values' type as MLX's sum returns
+// it, then each value over it, rounded once. A router's 16-bit scores lie
+// within a few octaves of one another, so their float32 sum is exact and
+// MLX's reduction, whatever its order, gives the same; float32 values may
+// differ in their last bit. The quotient is IEEE division's on CUDA (MLX
+// compiles without fast math) and OpenCL; Metal's fast math may round it
+// otherwise.
 // The body casts values to raw types, so values must be a `device` buffer on
 // Metal: the host pads it to at least 8 elements, below which MLX passes
 // `constant`.
 // Inputs: values InT [num_rows, row_size]; params int32, the fields of
 //   launch.py's ArgsortSliceParams in order (read below).
 // Outputs: indices uint32 [num_rows, count]; slice_values InT [num_rows,
-//   count], the value at each index.
-// Template constants: InT, BitsT (an unsigned integer type of InT's width),
-//   IN_KIND (0 float32, 1 float16, 2 bfloat16), MAX_ROW (the longest row).
+//   count], the value at each index (with NORMALIZE, over their sum).
+// Template constants: InT, OutT (InT: the normalized values' type), BitsT (an
+//   unsigned integer type of InT's width), IN_KIND (0 float32, 1 float16, 2
+//   bfloat16), MAX_ROW (the longest row), NORMALIZE.
 const int num_rows = params[0];
 const int row_size = params[1];
 const int start = params[2];
@@ -39,6 +49,7 @@ const unsigned SIGN = IN_KIND == 0 ? 0x80000000u : 0x8000u;
 const unsigned ALL_BITS = IN_KIND == 0 ? 0xFFFFFFFFu : 0xFFFFu;
 const unsigned INFINITY_BITS = IN_KIND == 0 ? 0x7F800000u : (IN_KIND == 1 ? 0x7C00u : 0x7F80u);
 SHARED unsigned row_keys[MAX_ROW];
+SHARED float picked[MAX_ROW];  // NORMALIZE: the slice's values, by position
 GLOBAL const BitsT* value_bits = (GLOBAL const BitsT*)values;
 GLOBAL BitsT* slice_value_bits = (GLOBAL BitsT*)slice_values;
 
@@ -60,8 +71,24 @@ for (int row = GROUP_ID; row < num_rows; row += NUM_GROUPS) {
     }
     if (rank >= start && rank < start + count) {
       indices[(i64)row * count + rank - start] = (unsigned)i;
-      slice_value_bits[(i64)row * count + rank - start] = value_bits[(i64)row * row_size + i];
+      if (NORMALIZE) {
+        picked[rank - start] = LOAD_IN(values, (i64)row * row_size + i);
+      } else {
+        slice_value_bits[(i64)row * count + rank - start] = value_bits[(i64)row * row_size + i];
+      }
     }
   }
-  BARRIER();  // the next row's keys overwrite these
+  BARRIER();  // the next row's keys overwrite these (and picked is whole)
+  if (NORMALIZE) {
+    // Every thread sums alike; those of a position write it.
+    float total = 0.0f;
+    for (int p = 0; p < count; ++p) {
+      total = ADD_RN(total, picked[p]);
+    }
+    const float sum = ROUND_OUT(total);
+    for (int p = LOCAL_ID; p < count; p += GROUP_SIZE) {
+      STORE_OUT(slice_values, (i64)row * count + p, picked[p] / sum);
+    }
+    BARRIER();  // the next row's picked overwrite these
+  }
 }

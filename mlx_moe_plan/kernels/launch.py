@@ -895,14 +895,16 @@ ARGSORT_SLICE_MAX_ROW = MAX_EXPERTS
 
 @lru_cache(maxsize=256)
 def argsort_slice_launch(num_rows: int, row_size: int, start: int, count: int,
-                         dtype: str) -> Launch:
+                         dtype: str, normalize: bool = False) -> Launch:
     """For `num_rows >= 1`, `1 <= row_size <= ARGSORT_SLICE_MAX_ROW`, `0 <= start`
     and `1 <= count` with `start + count <= row_size`, and values padded to 8
-    elements (argsort_slice.h)."""
+    elements (argsort_slice.h); with `normalize`, the slice's values over
+    their sum."""
     return Launch(
         "argsort_slice", min(num_rows, MAX_GROUPS), min(256, _round_up(row_size, 32)),
         ArgsortSliceParams(num_rows=num_rows, row_size=row_size, start=start, count=count),
-        (("InT", dtype), ("BitsT", _bits_type(dtype)),
-         ("IN_KIND", ROW_KINDS.index(dtype)), ("MAX_ROW", ARGSORT_SLICE_MAX_ROW)),
+        (("InT", dtype), ("OutT", dtype), ("BitsT", _bits_type(dtype)),
+         ("IN_KIND", ROW_KINDS.index(dtype)), ("MAX_ROW", ARGSORT_SLICE_MAX_ROW),
+         ("NORMALIZE", bool(normalize))),
         (((num_rows, count), "uint32"), ((num_rows, count), dtype)),
     )

@@ -19,6 +19,8 @@ typedef long long i64;
 #define ATOMIC_STORE(p, v) (*(volatile unsigned*)(p) = (v))
 #define LOAD_IN(p, i) static_cast<float>((p)[i])
 #define STORE_OUT(p, i, v) ((p)[i] = static_cast<OutT>(v))
+// ROUND_OUT: v rounded as STORE_OUT stores it, back as a float.
+#define ROUND_OUT(v) static_cast<float>(static_cast<OutT>(v))
 #define BITS_TO_FLOAT(u) __uint_as_float((unsigned)(u))
 #define HALF_BITS_TO_FLOAT(u) __half2float(__ushort_as_half((unsigned short)(u)))
 #define MUL_RN(a, b) __fmul_rn((a), (b))

@@ -23,6 +23,8 @@ typedef long i64;
 #define ATOMIC_STORE(p, v) atomic_store_explicit((p), (v), memory_order_relaxed)
 #define LOAD_IN(p, i) static_cast<float>((p)[i])
 #define STORE_OUT(p, i, v) ((p)[i] = static_cast<OutT>(v))
+// ROUND_OUT: v rounded as STORE_OUT stores it, back as a float.
+#define ROUND_OUT(v) static_cast<float>(static_cast<OutT>(v))
 #define BITS_TO_FLOAT(u) as_type<float>((unsigned)(u))
 #define HALF_BITS_TO_FLOAT(u) static_cast<float>(as_type<half>((ushort)(u)))
 #define MUL_RN(a, b) ((a) * (b))

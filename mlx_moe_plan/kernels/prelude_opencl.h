@@ -45,11 +45,19 @@ inline ushort float_to_bf16_bits(float v) {
 #endif
 #if OUT_DTYPE == 1
 #define STORE_OUT(p, i, v) vstore_half_rte((v), (i), (p))
+inline float round_out(float v) {
+  ushort bits;
+  vstore_half_rte(v, 0, (__private half*)&bits);
+  return half_bits_to_float(bits);
+}
 #elif OUT_DTYPE == 2
 #define STORE_OUT(p, i, v) ((p)[i] = float_to_bf16_bits(v))
+inline float round_out(float v) { return bf16_bits_to_float(float_to_bf16_bits(v)); }
 #else
 #define STORE_OUT(p, i, v) ((p)[i] = (v))
+inline float round_out(float v) { return v; }
 #endif
+#define ROUND_OUT(v) round_out(v)
 
 // MMA_16x8x16 (PTX's mma.m16n8k16 in prelude_cuda.h), emulated: the 32 lanes
 // of a warp put their fragments in exchange (6 uints a lane), and each adds
