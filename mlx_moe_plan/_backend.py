@@ -91,13 +91,17 @@ class ArgsortSlice(Protocol):
     """A backend's slice of a row-wise argsort in one launch, where it has one."""
 
     def __call__(self, values: mx.array, start: int, count: int, *,
+                 normalize: bool = False,
                  stream: mx.Stream) -> tuple[mx.array, mx.array]:
         """`mx.argsort(values)[..., start:start + count]`, uint32, and the
         values at those indices, `mx.take_along_axis(values, indices,
         axis=-1)`: positions of each row's stable ascending sort, NaN last, as
         MLX's GPU `argpartition` orders a row. For rows `argsort_slice_computes`
         accepts, `0 <= start`, `1 <= count`, `start + count <= values.shape[-1]`.
-        The values' gradient is `take_along_axis`'s; the indices have none.
+        With `normalize`, the values divided by their sum
+        (`picked / picked.sum(-1, keepdims=True)`; kernels/argsort_slice.h says
+        how it rounds). The values' gradient is that expression's; the
+        indices have none.
         """
         ...
 

@@ -235,9 +235,11 @@ class GpuBackend:
         return _name(dtype) in launch.ROW_KINDS and row_size <= launch.ARGSORT_SLICE_MAX_ROW
 
     def argsort_slice(self, values: mx.array, start: int, count: int, *,
+                      normalize: bool = False,
                       stream: mx.Stream) -> tuple[mx.array, mx.array]:
         """`_backend.ArgsortSlice` in one launch of kernels/argsort_slice.h."""
-        return _argsort_slice_function(self.backend, start, count, stream)(values)
+        return _argsort_slice_function(self.backend, start, count, bool(normalize),
+                                       stream)(values)
 
     def grouped_qmm(
         self,
@@ -312,32 +314,40 @@ class GpuBackend:
         return function(rows, weight, scales, biases, expert_offsets, row_experts, *extra)
 
 
-def _argsort_slice(backend, values, start, count, stream):
+def _argsort_slice(backend, values, start, count, stream, normalize=False):
     *rows_shape, row_size = values.shape
     num_rows = math.prod(rows_shape)
     if num_rows == 0:
         return (mx.zeros((*rows_shape, count), mx.uint32),
                 mx.zeros((*rows_shape, count), values.dtype))
     slice_launch = launch.argsort_slice_launch(num_rows, row_size, start, count,
-                                               _name(values.dtype))
+                                               _name(values.dtype), normalize)
     indices, slice_values = _run(backend, [_device_buffer(values, stream)], slice_launch,
                                  stream)
     return indices.reshape(*rows_shape, count), slice_values.reshape(*rows_shape, count)
 
 
 @cache_by_stream
-def _argsort_slice_function(backend, start, count, stream):
+def _argsort_slice_function(backend, start, count, normalize, stream):
     @mx.custom_function
     def argsort_slice(values):
-        return _argsort_slice(backend, values, start, count, stream)
+        return _argsort_slice(backend, values, start, count, stream, normalize)
 
     @argsort_slice.vjp
     def argsort_slice_vjp(primals, cotangents, outputs):
-        # The gradient of take_along_axis at the same indices, by MLX's own
-        # (one input: MLX hands it over as itself, not in a tuple).
+        # The gradient of take_along_axis at the same indices (and of the
+        # division by their sum, normalized), by MLX's own (one input: MLX
+        # hands it over as itself, not in a tuple).
         values, (indices, _) = primals, outputs
-        _, (grad,) = mx.vjp(lambda v: mx.take_along_axis(v, indices, axis=-1, stream=stream),
-                            [values], [cotangents[1]])
+
+        def picked(v):
+            taken = mx.take_along_axis(v, indices, axis=-1, stream=stream)
+            if not normalize:
+                return taken
+            return mx.divide(taken, mx.sum(taken, axis=-1, keepdims=True, stream=stream),
+                             stream=stream)
+
+        _, (grad,) = mx.vjp(picked, [values], [cotangents[1]])
         return grad
 
     return argsort_slice

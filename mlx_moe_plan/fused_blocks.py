@@ -38,9 +38,9 @@ def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
     """Qwen3-MoE's and Qwen3-Next's routing: top-k of the softmax, renormalized."""
     gates = mx.softmax(block.gate(x), axis=-1, precise=True)
     k = block.top_k
-    inds, scores = routing.top_k_scores(gates, k)  # and take_along_axis(gates, inds)
-    if block.norm_topk_prob:
-        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    # mlx-lm's argpartition slice and take_along_axis(gates, inds), then with
+    # norm_topk_prob its `scores / mx.sum(scores, axis=-1, keepdims=True)`.
+    inds, scores = routing.top_k_scores(gates, k, normalize=block.norm_topk_prob)
     return inds, scores
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _backend
+from . import _backend, rules
 
 
 def _sorter(values: mx.array, k: int, stream: mx.Stream) -> _backend.ArgsortSlice | None:
@@ -52,20 +52,26 @@ def top_k(scores: mx.array, k: int) -> mx.array:
     return _partition_slice(scores, k, largest=True)[0]
 
 
-def top_k_scores(scores: mx.array, k: int) -> tuple[mx.array, mx.array]:
+def top_k_scores(scores: mx.array, k: int, *,
+                 normalize: bool = False) -> tuple[mx.array, mx.array]:
     """`top_k(scores, k)` and the scores it picks, `mx.take_along_axis(scores,
     indices, axis=-1)`: on a GPU from the same launch (no gather after it).
 
     Args:
         scores (array): Float scores `[..., E]`.
         k (int): Experts a token, `1 <= k <= E`.
+        normalize (bool): The picked scores divided by their sum,
+          `picked / mx.sum(picked, axis=-1, keepdims=True)`, as a router that
+          renormalizes its top k computes them: by those ops after the launch,
+          or inside it where `rules.top_k_normalizes` says so
+          (kernels/argsort_slice.h says how it rounds). Default: ``False``.
 
     Returns:
         tuple(array, array): uint32 indices `[..., k]` (no gradient), and
         their scores `[..., k]` in `scores`' dtype, bit for bit
-        `take_along_axis`'s, with its gradient.
+        `take_along_axis`'s (then the ops' where normalized), with its gradient.
     """
-    return _partition_slice(scores, k, largest=True)
+    return _partition_slice(scores, k, largest=True, normalize=normalize)
 
 
 def bottom_k(values: mx.array, k: int) -> mx.array:
@@ -82,15 +88,24 @@ def bottom_k(values: mx.array, k: int) -> mx.array:
     return _partition_slice(values, k, largest=False)[0]
 
 
-def _partition_slice(values: mx.array, k: int, largest: bool) -> tuple[mx.array, mx.array]:
+def _partition_slice(values: mx.array, k: int, largest: bool,
+                     normalize: bool = False) -> tuple[mx.array, mx.array]:
     """The last k (`largest`) or the first k of `values`' argpartition, and
-    the values at them (lazy: where unread, no kernel runs for them on the CPU)."""
+    the values at them (lazy: where unread, no kernel runs for them on the
+    CPU), over their sum with `normalize`."""
     stream = _backend.resolve_stream(None)
     argsort_slice = _sorter(values, k, stream)
     if argsort_slice is None:
         order = mx.argpartition(values, kth=-k if largest else k - 1, axis=-1)
         indices = mx.stop_gradient(order[..., -k:] if largest else order[..., :k])
-        return indices, mx.take_along_axis(values, indices, axis=-1)
-    start = values.shape[-1] - k if largest else 0
-    indices, picked = argsort_slice(values, start, k, stream=stream)
-    return mx.stop_gradient(indices), picked
+        picked = mx.take_along_axis(values, indices, axis=-1)
+    else:
+        start = values.shape[-1] - k if largest else 0
+        in_launch = normalize and rules.top_k_normalizes(cuda=_backend.on_cuda(stream))
+        indices, picked = argsort_slice(values, start, k, normalize=in_launch, stream=stream)
+        indices = mx.stop_gradient(indices)
+        if in_launch:
+            return indices, picked
+    if normalize:
+        picked = picked / mx.sum(picked, axis=-1, keepdims=True)
+    return indices, picked

@@ -306,6 +306,31 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
             and rows >= DENSE_EXPERT_FROM_ROWS and out_dims >= DENSE_EXPERT_FROM_OUT_DIMS)
 
 
+# A router that renormalizes its top k (Qwen3-MoE's and Qwen3-Next's blocks,
+# `routing.top_k_scores(normalize=True)`) divides the picked scores by their
+# sum inside the top k's launch, instead of by MLX's sum and divide after it,
+# where this is True: two launches fewer a layer, and at batch 8 a decoding
+# step's length follows its launches more than their GPU time
+# (benchmarks/RESULTS.md, "A decoding step's kernels"). Not yet measured in a
+# step: off.
+TOP_K_NORMALIZES_IN_LAUNCH = False
+
+
+def top_k_normalizes(*, cuda: bool) -> bool:
+    """Whether the router's top k renormalizes its scores in its own launch.
+
+    On CUDA, where `TOP_K_NORMALIZES_IN_LAUNCH` (not yet measured: False).
+    Elsewhere never until measured.
+
+    Args:
+        cuda (bool): Whether the top k runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True for the launch's division, False for MLX's ops after it.
+    """
+    return cuda and bool(TOP_K_NORMALIZES_IN_LAUNCH)
+
+
 # A decoding step's fused MoE blocks hand their output to MLX's evaluation
 # as they are built (`mx.async_eval`): on CUDA, from `SUBMIT_BLOCKS_FROM_TOKENS`
 # tokens, the blocks at positions `SUBMIT_EVERY_BLOCKS` - 1, 2 *

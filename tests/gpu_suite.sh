@@ -154,6 +154,13 @@
 #               kernel from 8 rows with and without submission (less GPU time,
 #               more host time a launch: worth it once the build overlaps the
 #               GPU?).
+#   top-k-normalize (not in `bench`) the router's scores renormalized in its top
+#               k's launch (rules.TOP_K_NORMALIZES_IN_LAUNCH, off until measured):
+#               its GPU test against the reference and MLX's ops (and under
+#               compute-sanitizer's three tools), then the whole
+#               Qwen3-30B-A3B at batch 8, 32 and 64, the patch beside the variant
+#               that normalizes in the launch, alternated (two launches fewer a
+#               layer: is the step shorter?).
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
@@ -391,6 +398,20 @@ if wanted submit-variants; then
   all_dense=DENSE_DECODING_FROM_IN_DIMS=0,DENSE_DECODING_TILES_FROM_IN_DIMS=0
   logged "$results/submit-variants.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,32,64 --rounds 5 --variants "every8:SUBMIT_EVERY_BLOCKS=8;none:SUBMIT_BLOCKS_FROM_TOKENS=100000;all:$all_dense;all-none:$all_dense,SUBMIT_BLOCKS_FROM_TOKENS=100000"
+fi
+if wanted top-k-normalize; then
+  logged "$results/top-k-normalize-test.log" python3 -m pytest -q -m gpu tests/test_routing.py \
+    -k normalizes_in_its_launch -p no:cacheprovider
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      HYPOTHESIS_PROFILE=sanitize logged "$results/top-k-normalize-$tool.log" \
+        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+        python3 -m pytest -q -x -m gpu tests/test_routing.py -k normalizes_in_its_launch \
+        -p no:cacheprovider
+    done
+  fi
+  logged "$results/top-k-normalize.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8,32,64 --rounds 5 --variants "normalize:TOP_K_NORMALIZES_IN_LAUNCH=1"
 fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \

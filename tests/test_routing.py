@@ -10,12 +10,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FLOAT_DTYPES
+from conftest import _NO_GPU, FLOAT_DTYPES
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mlx_moe_plan import _backend, routing
 from mlx_moe_plan import reference as ref
-from mlx_moe_plan import routing
 from mlx_moe_plan.kernels import launch
 
 
@@ -90,29 +90,102 @@ def test_top_k_scores_are_take_along_axis(device):
     np.testing.assert_array_equal(np.array(grad.view(mx.uint16)), np.array(want_grad.view(mx.uint16)))
 
 
-def test_gpu_glue_gradient_is_take_along_axis(monkeypatch):
+def test_normalized_top_k_scores_are_the_ops(device):
+    """normalize=True, as the rules leave it by default: the picked scores by
+    MLX's sum and divide after the launch, bit for bit the expression a
+    renormalizing block writes, and its gradient."""
+    rng = np.random.default_rng(13)
+    scores = mx.softmax(mx.array(rng.standard_normal((5, 32)).astype(np.float32)),
+                        axis=-1).astype(mx.bfloat16)
+    weights = mx.array(rng.standard_normal((5, 4)).astype(np.float32))
+    with mx.stream(device):
+        indices, normalized = routing.top_k_scores(scores, 4, normalize=True)
+        want_indices = mx.argpartition(scores, kth=-4, axis=-1)[..., -4:]
+
+        def by_ops(s):
+            picked = mx.take_along_axis(s, want_indices, axis=-1)
+            return picked / mx.sum(picked, axis=-1, keepdims=True)
+
+        def weighted(s):
+            return (routing.top_k_scores(s, 4, normalize=True)[1].astype(mx.float32)
+                    * weights).sum()
+
+        want = by_ops(scores)
+        grad = mx.grad(weighted)(scores)
+        want_grad = mx.grad(lambda s: (by_ops(s).astype(mx.float32) * weights).sum())(scores)
+        mx.eval(indices, normalized, want_indices, want, grad, want_grad)
+    np.testing.assert_array_equal(np.array(indices), np.array(want_indices))
+    assert normalized.dtype == mx.bfloat16
+    np.testing.assert_array_equal(np.array(normalized.view(mx.uint16)),
+                                  np.array(want.view(mx.uint16)))
+    assert np.abs(np.array(want_grad.astype(mx.float32))).max() > 0
+    np.testing.assert_array_equal(np.array(grad.view(mx.uint16)),
+                                  np.array(want_grad.view(mx.uint16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_backend.gpu_backend() is None, reason=_NO_GPU)
+@given(rows=st.integers(1, 9), experts=st.sampled_from([8, 64, 128, 512]),
+       k=st.sampled_from([1, 2, 8, 10]), dtype=st.sampled_from(list(FLOAT_DTYPES)),
+       seed=st.integers(0, 2**32 - 1))
+def test_top_k_normalizes_in_its_launch(rows, experts, k, dtype, seed):
+    """`rules.top_k_normalizes` forced: the scores over their sum from the
+    top k's own launch (outputs poisoned first), against the reference, and
+    for a router's softmax scores in 16 bits against MLX's sum and divide."""
+    from mlx_moe_plan import _gpu, rules
+
+    k = min(k, experts)
+    logits = np.random.default_rng(seed).standard_normal((rows, experts)).astype(np.float32)
+    with pytest.MonkeyPatch.context() as patch, mx.stream(mx.gpu):
+        patch.setattr(rules, "TOP_K_NORMALIZES_IN_LAUNCH", True)
+        patch.setattr(_gpu, "POISON", -7777.0)
+        scores = mx.softmax(mx.array(logits), axis=-1, precise=True).astype(FLOAT_DTYPES[dtype])
+        indices, normalized = routing.top_k_scores(scores, k, normalize=True)
+        picked = mx.take_along_axis(scores, indices, axis=-1)
+        by_ops = picked / mx.sum(picked, axis=-1, keepdims=True)
+        mx.eval(indices, normalized, by_ops)
+    values = ref.to_numpy(scores)
+    want_indices = ref.argsort_slice(values, experts - k, k, dtype)
+    np.testing.assert_array_equal(np.array(indices), want_indices)
+    want = ref.normalized(np.take_along_axis(values, want_indices.astype(np.int64), axis=-1),
+                          dtype)
+    got = ref.to_numpy(normalized)
+    np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
+    if dtype != "float32":  # a 16-bit router's float32 sum is exact in any order
+        ops = ref.to_numpy(by_ops)
+        np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), ops.view(f"u{ops.itemsize}"))
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_gpu_glue_gradient_is_take_along_axis(monkeypatch, normalize):
     """The GPU path's custom function (_gpu.GpuBackend.argsort_slice), its
     kernel stood in for by MLX's own ops on the CPU: the gradient reaches the
-    scores as take_along_axis's, and not through the indices."""
+    scores as take_along_axis's (then the division by their sum's,
+    normalized), and not through the indices."""
     from mlx_moe_plan import _gpu
 
-    def stand_in(backend, values, start, count, stream):
+    def picked_of(values, order):
+        picked = mx.take_along_axis(values, order, axis=-1)
+        return picked / mx.sum(picked, axis=-1, keepdims=True) if normalize else picked
+
+    def stand_in(backend, values, start, count, stream, normalize_in_launch):
+        assert normalize_in_launch == normalize
         order = mx.argsort(values, axis=-1)[..., start:start + count]
-        return order, mx.take_along_axis(values, order, axis=-1)
+        return order, picked_of(values, order)
 
     monkeypatch.setattr(_gpu, "_argsort_slice", stand_in)
     rng = np.random.default_rng(12)
-    scores = mx.array(rng.standard_normal((3, 16)).astype(np.float32))
+    scores = mx.array(rng.uniform(0.5, 2.0, (3, 16)).astype(np.float32))
     weights = mx.array(rng.standard_normal((3, 4)).astype(np.float32))
     glue = _gpu.GpuBackend("cuda")
     with mx.stream(mx.cpu):
         def weighted(s):
-            return (glue.argsort_slice(s, 12, 4, stream=mx.default_stream(mx.cpu))[1]
-                    * weights).sum()
+            return (glue.argsort_slice(s, 12, 4, normalize=normalize,
+                                       stream=mx.default_stream(mx.cpu))[1] * weights).sum()
 
         grad = mx.grad(weighted)(scores)
         order = mx.argsort(scores, axis=-1)[..., 12:]
-        want = mx.grad(lambda s: (mx.take_along_axis(s, order, axis=-1) * weights).sum())(scores)
+        want = mx.grad(lambda s: (picked_of(s, order) * weights).sum())(scores)
         mx.eval(grad, want)
     assert np.count_nonzero(np.array(want)) == 12
     np.testing.assert_array_equal(np.array(grad), np.array(want))
