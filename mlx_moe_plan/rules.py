@@ -6,7 +6,9 @@ benchmarks/HISTORY.md; the layer (`nn.SwitchGLU`, `projections.py`) gathers
 the facts and applies the choice. The rules here are the expert GEMMs' formulation
 (`formulation_for`), and how a dense quantized projection computes a
 decoding batch (`dense_decoding_expert`, else `dense_as_rows`) and a
-prefill (`dense_as_expert`).
+prefill (`dense_as_expert`), which fused blocks submit early
+(`submits_block`), and where a router's top k renormalizes its scores
+(`top_k_normalizes`: off until a step measures it).
 
 A formulation is a `Formulation`. The layer's public `tile_m` names one as an
 int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
