@@ -341,10 +341,13 @@ def top_k_normalizes(*, cuda: bool) -> bool:
 # graph (up to 100 of MLX's operations) before its first kernel runs: the
 # build, about a fifth of a 48-layer step, is serial. Submitted every 16
 # layers, the GPU computes the layers built so far while the host builds the
-# rest. At batch 8 and 32 every 16 layers beat every 8, every 4 and every
-# layer, and every layer (48 submissions a step) was slower than none; batch 1
-# was not faster (benchmarks/HISTORY.md, "Where the step's GPU waits, and a
-# step's blocks submitted as they are built").
+# rest. In the run that chose it, at batch 8 and 32 every 16 layers beat
+# every 8, every 4 and every layer, and every layer (48 submissions a step)
+# was slower than none; batch 1 was not faster (benchmarks/HISTORY.md,
+# "Where the step's GPU waits, and a step's blocks submitted as they are
+# built"). A later run, on a noisier host, found every 16, every 8 and none
+# alike in their fastest turns at batch 8, and every 16 the best at 32 and 64
+# (HISTORY, "The whole step at batch 8").
 SUBMIT_BLOCKS_FROM_TOKENS = 8
 SUBMIT_EVERY_BLOCKS = 16
 
