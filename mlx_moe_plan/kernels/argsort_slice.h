@@ -49,7 +49,8 @@ const unsigned SIGN = IN_KIND == 0 ? 0x80000000u : 0x8000u;
 const unsigned ALL_BITS = IN_KIND == 0 ? 0xFFFFFFFFu : 0xFFFFu;
 const unsigned INFINITY_BITS = IN_KIND == 0 ? 0x7F800000u : (IN_KIND == 1 ? 0x7C00u : 0x7F80u);
 SHARED unsigned row_keys[MAX_ROW];
-SHARED float picked[MAX_ROW];  // NORMALIZE: the slice's values, by position
+// NORMALIZE's copy of the slice's values, by position (one float without it).
+SHARED float picked[NORMALIZE * (MAX_ROW - 1) + 1];
 GLOBAL const BitsT* value_bits = (GLOBAL const BitsT*)values;
 GLOBAL BitsT* slice_value_bits = (GLOBAL BitsT*)slice_values;
 
