@@ -130,8 +130,8 @@ def test_normalized_top_k_scores_are_the_ops(device):
        seed=st.integers(0, 2**32 - 1))
 def test_top_k_normalizes_in_its_launch(rows, experts, k, dtype, seed):
     """`rules.top_k_normalizes` forced: the scores over their sum from the
-    top k's own launch (outputs poisoned first), against the reference, and
-    for a router's softmax scores in 16 bits against MLX's sum and divide."""
+    top k's own launch (outputs poisoned first), against the reference bit for
+    bit, and against MLX's sum and divide within their roundings."""
     from mlx_moe_plan import _gpu, rules
 
     k = min(k, experts)
@@ -151,9 +151,13 @@ def test_top_k_normalizes_in_its_launch(rows, experts, k, dtype, seed):
                           dtype)
     got = ref.to_numpy(normalized)
     np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
-    if dtype != "float32":  # a 16-bit router's float32 sum is exact in any order
-        ops = ref.to_numpy(by_ops)
-        np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), ops.view(f"u{ops.itemsize}"))
+    # MLX's CUDA sum adds 16-bit values in their own type (a few a thread, then
+    # a tree), k roundings at most; the launch's sum is float32's, rounded once.
+    # So MLX's quotients may differ from these in their last bits, no more.
+    step = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}[dtype]
+    np.testing.assert_allclose(ref.to_float32(got, dtype),
+                               ref.to_float32(ref.to_numpy(by_ops), dtype),
+                               rtol=(k + 1) * step, atol=0)
 
 
 @pytest.mark.parametrize("normalize", [False, True])

@@ -19,15 +19,15 @@
 // Beside each index, its value, as take_along_axis(values, indices) gives it
 // (its bits: a router weights its experts with them, and a second launch
 // would gather them again). With NORMALIZE, each value divided by the sum of
-// the slice's, as `picked / picked.sum(-1, keepdims=True)` gives it for a
+// the slice's, what `picked / picked.sum(-1, keepdims=True)` computes for a
 // router that renormalizes its top k (two launches fewer): the sum in float32
-// over ascending positions, rounded to the values' type as MLX's sum returns
-// it, then each value over it, rounded once. A router's 16-bit scores lie
-// within a few octaves of one another, so their float32 sum is exact and
-// MLX's reduction, whatever its order, gives the same; float32 values may
-// differ in their last bit. The quotient is IEEE division's on CUDA (MLX
-// compiles without fast math) and OpenCL; Metal's fast math may round it
-// otherwise.
+// over ascending positions, rounded once to the values' type, then each value
+// over it, rounded once. A router's 16-bit scores lie within a few octaves of
+// one another, so that float32 sum is their exact sum. MLX's CUDA sum adds
+// 16-bit values in their own type (a few a thread, then a tree), a rounding
+// an addition, so its quotients may differ from these in their last bits.
+// The quotient is IEEE division's on CUDA (MLX compiles without fast math)
+// and OpenCL; Metal's fast math may round it otherwise.
 // The body casts values to raw types, so values must be a `device` buffer on
 // Metal: the host pads it to at least 8 elements, below which MLX passes
 // `constant`.
