@@ -431,6 +431,13 @@ def grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tai
     return offsets, weight, scales, biases, rows, row_experts
 
 
+# The block tiles with the weights made 16-bit in shared memory
+# (SHARED_WEIGHTS): 4 warps side by side, one 16-column tile a matrix each,
+# 128 rows, 64 values a stage in 3 stages.
+SHARED_WEIGHTS_BLOCK = dict(block_warpgroup=2, block_tiles=1, block_gated_tiles=1,
+                            block_row_tiles=16, block_gated_row_tiles=16, block_stage_values=64)
+
+
 @st.composite
 def grouped_qmm_cases(draw):
     """`check_grouped_qmm`'s arguments after `run`, the rng as its seed:

@@ -98,8 +98,10 @@ def test_cuda_launches_include_their_own_blocks():
                  if launch.name == "grouped_qmm_tiles"]
     assert any(t["GATED"] and t["BLOCK_ROWS"] == 128 for t in templates)
     assert any(t["STAGES"] == 3 and t["STAGE_GROUPS"] == 2 for t in templates)
-    # and the warpgroup's multiply-adds (wgmma's text), in blocks of 64 rows and 128
+    # and the warpgroup's multiply-adds (wgmma's text), in blocks of 64 rows and 128,
+    # of the weights made in shared memory too (both operands there)
     assert {t["ROW_TILES"] for t in templates if t["WARPGROUP"]} == {8, 16}
+    assert any(t["SHARED_WEIGHTS"] for t in templates)
 
 
 def test_nvcc_compiles_the_load_patterns(tmp_path):

@@ -12,8 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import (_NO_GPU, assert_gemm_close, check_grouped_qmm, grouped_qmm_by_mlx_ops,
-                      grouped_qmm_case, grouped_qmm_cases, quantized_experts, token_rows)
+from conftest import (_NO_GPU, SHARED_WEIGHTS_BLOCK, assert_gemm_close, check_grouped_qmm,
+                      grouped_qmm_by_mlx_ops, grouped_qmm_case, grouped_qmm_cases,
+                      quantized_experts, token_rows)
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx.utils import tree_map
@@ -95,24 +96,34 @@ needs_warpgroup = pytest.mark.skipif(
     reason="the GPU has no warpgroup multiply-add (Hopper's wgmma, compute capability 9.0)")
 
 
+# wgmma's block tiles: A from the warps' registers (`block_warpgroup=1`), or
+# both operands from shared memory, the weights made there (SHARED_WEIGHTS),
+# by one warpgroup or two.
+WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
+                    "shared-2": dict(SHARED_WEIGHTS_BLOCK, block_column_warps=8)}
+
+
 @needs_warpgroup
+@pytest.mark.parametrize("form", WARPGROUP_BLOCKS)
 @given(case=grouped_qmm_cases())
-def test_warpgroup_tiles_match_reference(case):
-    """The block tiles through wgmma (`block_warpgroup=1`): every format, empty
+def test_warpgroup_tiles_match_reference(form, case):
+    """The block tiles through wgmma (`block_warpgroup`): every format, empty
     and uneven experts, rows of 1 to 4 quantization groups."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_BLOCKS[form]):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
 @needs_warpgroup
+@pytest.mark.parametrize("form", WARPGROUP_BLOCKS)
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
 @pytest.mark.parametrize("in_dims,tall", [(2048, False), (2880, False), (2048, True)],
                          ids=["qwen", "gpt-oss", "tall"])
-def test_warpgroup_tiles_fused(name, in_dims, tall):
+def test_warpgroup_tiles_fused(form, name, in_dims, tall):
     """wgmma's block tiles at model rows (gpt-oss-20b's 45 groups, 3 a stage),
     rows from tokens, silu(gate) * up, in blocks of 64 rows and of 128: its
-    A fragments, core matrices and descriptors against the reference."""
+    A fragments or made weights, core matrices and descriptors against the
+    reference."""
     rng = np.random.default_rng(67)
     counts, tokens = [300, 0, 140, 1], 90
     offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
@@ -122,12 +133,14 @@ def test_warpgroup_tiles_fused(name, in_dims, tall):
                                  np.full(5, -1)]).astype(np.int32)
     values = ref.from_float32(0.1 * rng.standard_normal((tokens, in_dims)).astype(np.float32),
                               name)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1,
-                                   block_gated_tall_rows=0 if tall else 512):
+    block = {**WARPGROUP_BLOCKS[form], "block_row_tiles": 8}
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0 if tall else 512,
+                                   **block):
         template = dict(launch.grouped_qmm_launch(len(counts), in_dims, 200, len(row_tokens), 4,
                                                   64, name, backend="cuda", gated=True,
                                                   num_rows=tokens, warpgroup=True).template)
         assert template["WARPGROUP"] and template["BLOCK_ROWS"] == (128 if tall else 64)
+        assert template["SHARED_WEIGHTS"] == (form != "registers")
         out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
                          row_tokens, up, name)
         assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,

@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import (INT32_MAX, INT32_MIN, assert_bitwise, assert_gemm_close, check_grouped_qmm,
-                      experts_strategy, grouped_qmm_case, grouped_qmm_cases, make_ids,
-                      quantized_experts, reference_combine, reference_gather, token_rows)
+from conftest import (INT32_MAX, INT32_MIN, SHARED_WEIGHTS_BLOCK, assert_bitwise,
+                      assert_gemm_close, check_grouped_qmm, experts_strategy, grouped_qmm_case,
+                      grouped_qmm_cases, make_ids, quantized_experts, reference_combine,
+                      reference_gather, token_rows)
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -768,7 +770,11 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                      block_gated_tiles=2, block_row_tiles=4),
                 dict(block_max_groups=1),
                 # Hopper's warpgroup multiply-add, emulated (tiles_products.h)
-                dict(block_warpgroup=1), dict(block_warpgroup=1, block_stage_values=192)]
+                dict(block_warpgroup=1), dict(block_warpgroup=1, block_stage_values=192),
+                # the weights made 16-bit in shared memory (SHARED_WEIGHTS): one
+                # warpgroup and two, blocks of 64 and 128 rows
+                dict(SHARED_WEIGHTS_BLOCK, block_row_tiles=8, block_gated_row_tiles=8),
+                dict(SHARED_WEIGHTS_BLOCK, block_column_warps=8, block_stage_values=192)]
 
 
 @pytest.mark.parametrize("changes", TILES_BLOCKS,
@@ -781,20 +787,31 @@ def test_grouped_qmm_tiles_other_blocks(changes):
 
 
 @given(**tiles_cases(st.integers(1, 3)), num_tokens=st.integers(1, 6),
-       fusion=st.sampled_from(["none", "tokens", "gated", "both"]), tall=st.booleans())
+       fusion=st.sampled_from(["none", "tokens", "gated", "both"]), tall=st.booleans(),
+       shared_weights=st.booleans())
 def test_grouped_qmm_tiles_warpgroup(counts, out_dims, in_groups, bits, group_size, name, tail,
-                                     num_tokens, fusion, tall, seed):
+                                     num_tokens, fusion, tall, shared_weights, seed):
     """The block's multiply-adds as one warpgroup's (`block_warpgroup=1`,
     WARPGROUP_MMA emulated as prelude_cuda.h's wgmma computes it), the rows
-    staged in its core matrices: every format, each fusion, blocks of 64 rows
-    (half-empty ones multiply half) and the tall gated ones of 128."""
+    staged in its core matrices, or with the weights made 16-bit in shared
+    memory (`block_warpgroup=2`, SHARED_WEIGHTS: WARPGROUP_MMA_SS reading A's
+    core matrices as the made weights lie): every format, each fusion,
+    blocks of 64 rows (half-empty ones multiply half) and the tall gated ones
+    of 128."""
     rng = np.random.default_rng(seed)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1,
-                                   block_gated_tall_rows=0 if tall else 512):
+    block = (dict(SHARED_WEIGHTS_BLOCK, block_row_tiles=8) if shared_weights
+             else dict(block_warpgroup=1))
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0 if tall else 512,
+                                   **block):
         qmm = launch.grouped_qmm_launch(len(counts), in_groups * group_size, out_dims,
                                         sum(counts) + tail, bits, group_size, name,
                                         backend="opencl", gated=fusion in ("gated", "both"))
-        assert dict(qmm.template)["WARPGROUP"]
+        template = dict(qmm.template)
+        # SHARED_WEIGHTS takes stages of whole slabs of 64 values, where the
+        # row's groups make them; else the warps' own multiply-adds
+        slabs = template["STAGE_GROUPS"] * group_size % 64 == 0
+        assert template["SHARED_WEIGHTS"] == (shared_weights and slabs)
+        assert template["WARPGROUP"] == (not shared_weights or slabs)
         if fusion == "none":
             check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_groups * group_size, bits,
                               group_size, name, tail)
@@ -804,16 +821,28 @@ def test_grouped_qmm_tiles_warpgroup(counts, out_dims, in_groups, bits, group_si
 
 
 def test_grouped_qmm_tiles_warpgroup_needs_the_instruction():
-    """`block_warpgroup=1` on a CUDA GPU without the instruction is refused by
-    name (its kernel would trap); blocks it cannot take (not 4 warps side by
-    side, or fewer than 8 row tiles) keep the warps' own multiply-adds."""
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1):
-        with pytest.raises(ValueError, match="block_warpgroup=1.*wgmma"):
-            launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16", backend="cuda")
-        assert dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16", backend="cuda",
-                                              warpgroup=True).template)["WARPGROUP"]
-    for changes in (dict(block_row_tiles=4), dict(block_row_warps=2, block_column_warps=2)):
-        with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=1, **changes):
+    """`block_warpgroup=1` and `2` on a CUDA GPU without the instruction are
+    refused by name (their kernels would trap); blocks they cannot take (not
+    4 warps side by side, or fewer than 8 row tiles; for SHARED_WEIGHTS also
+    not 4 or 8 warps of one column tile a matrix, or 2 stages) keep the
+    warps' own multiply-adds."""
+    for block in (dict(block_warpgroup=1), SHARED_WEIGHTS_BLOCK):
+        with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
+            with pytest.raises(ValueError, match=f"block_warpgroup={block['block_warpgroup']}"
+                                                 f".*wgmma"):
+                launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16", backend="cuda")
+            template = dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16",
+                                                      backend="cuda", warpgroup=True).template)
+            assert template["WARPGROUP"]
+            assert template["SHARED_WEIGHTS"] == (block["block_warpgroup"] == 2)
+    for block, changes in itertools.product(
+            (dict(block_warpgroup=1), SHARED_WEIGHTS_BLOCK),
+            (dict(block_row_tiles=4), dict(block_row_warps=2, block_column_warps=2))):
+        with launch.grouped_qmm_tiling(tiles_from_rows=0, **{**block, **changes}):
+            assert not dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16",
+                                                      backend="opencl").template)["WARPGROUP"]
+    for changes in (dict(block_tiles=2), dict(block_column_warps=2), dict(block_stages=2)):
+        with launch.grouped_qmm_tiling(tiles_from_rows=0, **{**SHARED_WEIGHTS_BLOCK, **changes}):
             assert not dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16",
                                                       backend="opencl").template)["WARPGROUP"]
     assert not dict(launch.grouped_qmm_launch(4, 256, 40, 6400, 4, 64, "bfloat16",

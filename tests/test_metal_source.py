@@ -22,6 +22,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
+from conftest import SHARED_WEIGHTS_BLOCK
 from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
 
 from mlx_moe_plan import MAX_EXPERTS, _gpu, kernels
@@ -126,8 +127,9 @@ def record_launches(backend: str = "metal") -> list[Launch]:
             # and as many as take the gated launch's tall blocks.
             # The layer's shape also with the blocks' multiply-adds a
             # warpgroup's (`block_warpgroup`; on CUDA, as on a GPU that has
-            # the instruction).
-            warpgroups = (0, 1) if experts == 128 else (0,)
+            # the instruction), and the warpgroups' of the weights made in
+            # shared memory (its block; Metal's 32 KB keep the warps' own).
+            warpgroups = (0, 1, 2) if experts == 128 else (0,)
             for rows_per_expert, warpgroup in itertools.product(
                     (GROUPED_QMM_TILING.tiles_from_rows, GROUPED_QMM_TILING.block_gated_tall_rows),
                     warpgroups):
@@ -137,7 +139,9 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                 for row_tokens, up in [(None, None), (mx.zeros((capacity,), mx.int32), matrices),
                                        (mx.zeros((capacity,), mx.int32), None), (None, matrices)]:
                     rows = mx.zeros((capacity, in_dims), src_dtype)
-                    with (grouped_qmm_tiling(block_warpgroup=warpgroup),
+                    block = SHARED_WEIGHTS_BLOCK if warpgroup == 2 else dict(
+                        block_warpgroup=warpgroup)
+                    with (grouped_qmm_tiling(**block),
                           mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
                         gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
                                         group_size=group_size, stream=None,
@@ -583,9 +587,10 @@ def test_bodies_include_their_shared_texts(name, included, times):
 def test_block_tiles_products_twice_with_their_fields():
     """grouped_qmm_tiles.h multiplies all its row tiles or half of them: the
     products' text twice, each with the field pairs it includes (once for the
-    warpgroup's multiply-adds, once for the warps' own)."""
+    warpgroup's multiply-adds, once for the warps' own), and once more where
+    the group makes a stage's weights in shared memory (SHARED_WEIGHTS)."""
     source = kernels.source("grouped_qmm_tiles")
-    assert source.count(kernels.text("qmm_fields")) == 4
+    assert source.count(kernels.text("qmm_fields")) == 5
     assert source.count("const int product_row_tiles = ROW_TILES;") == 1
     assert source.count("const int product_row_tiles = ROW_TILES / 2;") == 1
 

@@ -65,7 +65,8 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
 
 `tiles_products.h` -- not a body: a stage's multiply-adds in the block tiles,
     the warps' own or, with WARPGROUP, a warpgroup's (Hopper's wgmma, opt-in:
-    `launch.GroupedQmmTiling.block_warpgroup`), which grouped_qmm_tiles.h
+    `launch.GroupedQmmTiling.block_warpgroup`; with SHARED_WEIGHTS both its
+    operands from group memory), which grouped_qmm_tiles.h
     includes twice, over all of a warp's row tiles and over half (`INCLUDED`)
 
 `group_scan.h` -- not a body: a group's inclusive scan of one count a
@@ -99,10 +100,11 @@ BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "args
 DIALECT_NAMES = (
     "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
     "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "ROUND_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT",
-    "MUL_RN", "ADD_RN", "ZERO_VEC16", "IS_ALIGNED16", "UNROLL", "MMA_16x8x16", "PAIR_SUB",
+    "MUL_RN", "ADD_RN", "VEC16", "IS_ALIGNED16", "UNROLL", "MMA_16x8x16", "PAIR_SUB",
     "PAIR_FMA", "AND_OR", "LOW_HALVES", "HIGH_HALVES", "BYTE_PAIR", "SHARED_SPACE", "SHARED_WORDS",
     "ASYNC_COPY16", "ASYNC_COMMIT", "ASYNC_WAIT", "WARP_BARRIER", "WARPGROUP_MMA",
-    "WARPGROUP_FENCE", "WARPGROUP_COMMIT", "WARPGROUP_WAIT", "SHARED_PROXY_FENCE",
+    "WARPGROUP_MMA_SS", "WARPGROUP_FENCE", "WARPGROUP_COMMIT", "WARPGROUP_WAIT",
+    "SHARED_PROXY_FENCE", "SWIZZLE128", "SHARED_ALIGN1024",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
 

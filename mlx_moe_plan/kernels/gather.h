@@ -34,7 +34,8 @@ for (int row0 = GROUP_ID * ROWS; row0 < num_rows; row0 += NUM_GROUPS * ROWS) {
     for (int v = LOCAL_ID; v < row_vectors; v += GROUP_SIZE) {
       uint4 value[ROWS];
       for (int k = 0; k < ROWS; ++k) {
-        value[k] = present[k] ? src_vectors[src_row[k] * row_vectors + v] : ZERO_VEC16;
+        value[k] = present[k] ? src_vectors[src_row[k] * row_vectors + v]
+                              : VEC16(0u, 0u, 0u, 0u);
       }
       for (int k = 0; k < ROWS; ++k) {
         if (row0 + k < num_rows) {

@@ -66,6 +66,20 @@
 // chunks one after another, each core matrix padded by 16 bytes; 8 rows'
 // after the 8 before). Needs ROW_WARPS 1, COLUMN_WARPS 4 and ROW_TILES 8 or
 // 16 (tiles_products.h).
+// SHARED_WEIGHTS (with WARPGROUP): the group's threads make the stage's
+// weights 16-bit once, together, into group memory (two buffers), and each
+// warpgroup's multiply-adds read both operands there: a stage is then a
+// batch of asynchronous multiply-adds, which run while the threads make the
+// next stage's weights, and the lanes make no weights inside the products.
+// A warpgroup's A is its 64 columns of each matrix (COLUMN_TILES 1;
+// COLUMN_WARPS 4 or 8: one or two warpgroups). Both operands lie in slabs
+// of 64 values, a row's 128 bytes after the row before, 128-byte swizzled
+// (SWIZZLE128: core matrices without the swizzle read slower): 8 lanes' 16-byte
+// copies of a row's chunks, and 8 lanes' stores of a chunk of 8 columns,
+// meet no bank conflict either. One fewer stage of copies is in flight
+// (AHEAD): a stage's rows are read until its multiply-adds end, a stage
+// after they were issued. Needs STAGES of 3 or more, STAGE_VALUES a
+// multiple of 64.
 // include: qmm_params
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 const int MATRICES = GATED ? 2 : 1;
@@ -80,15 +94,29 @@ const int ROW_COPIES = (BLOCK_ROWS * ROW_CHUNKS + THREADS - 1) / THREADS;
 const int WORD_COPIES = (MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS + THREADS - 1) / THREADS;
 const int SCALE_COPIES = (MATRICES * BLOCK_COLUMNS * STAGE_GROUPS + THREADS - 1) / THREADS;
 const int STAGE_SCALES = MATRICES * BLOCK_COLUMNS * STAGE_GROUPS;
+// Stages of copies in flight while one is multiplied (SHARED_WEIGHTS above).
+const int AHEAD = SHARED_WEIGHTS ? STAGES - 2 : STAGES - 1;
+// SHARED_WEIGHTS: a buffer of the stage's weights made 16-bit, MATRICES *
+// BLOCK_COLUMNS columns of STAGE_VALUES, in slabs of 64 values (the
+// matrices' columns, 32 words each, one after another), and the same of the
+// rows.
+const int WEIGHT_WORDS = SHARED_WEIGHTS ? MATRICES * BLOCK_COLUMNS * STAGE_VALUES / 2 : 0;
+const int WEIGHT_SLAB_WORDS = MATRICES * BLOCK_COLUMNS * 32;
+const int ROW_SLAB_WORDS = BLOCK_ROWS * 32;
 // 16-byte copies need 16-byte rows and matrices (in_dims is a multiple of 32
 // values, so their rows are): MLX's fresh arrays are, a view need not be.
 const bool vectors = IS_ALIGNED16(rows) && IS_ALIGNED16(weight) && IS_ALIGNED16(up_weight);
-// The stages: rows, then packed columns, then scales and biases as pairs
-// (value, value); in the launch's dynamic memory on CUDA (SHARED_WORDS).
+// The stages: rows, then (SHARED_WEIGHTS) two buffers of the weights made
+// 16-bit, then packed columns, then scales and biases as pairs (value,
+// value); in the launch's dynamic memory on CUDA (SHARED_WORDS), whose
+// swizzled buffers start 1024-byte aligned (the launch leaves room).
 SHARED_WORDS(stage_memory, STAGES * (BLOCK_ROWS * ROW_STRIDE + MATRICES * BLOCK_COLUMNS
-                                     * (WORD_STRIDE + 2 * STAGE_GROUPS)));
-SHARED_SPACE unsigned* stage_rows = stage_memory;
-SHARED_SPACE unsigned* stage_words = stage_rows + STAGES * BLOCK_ROWS * ROW_STRIDE;
+                                     * (WORD_STRIDE + 2 * STAGE_GROUPS)) + 2 * WEIGHT_WORDS
+                           + (SHARED_WEIGHTS ? 256 : 0));
+SHARED_SPACE unsigned* stage_rows = SHARED_WEIGHTS ? SHARED_ALIGN1024(stage_memory)
+                                                   : stage_memory;
+SHARED_SPACE unsigned* stage_weights = stage_rows + STAGES * BLOCK_ROWS * ROW_STRIDE;
+SHARED_SPACE unsigned* stage_words = stage_weights + 2 * WEIGHT_WORDS;
 SHARED_SPACE unsigned* stage_scales = stage_words
                                       + STAGES * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
 SHARED int expert_blocks[MAX_EXPERTS];
@@ -184,10 +212,14 @@ UNROLL
                      + (chunk % ROW_CHUNKS) * 8;
     // With WARPGROUP, core matrices (CORE_WORDS apart): the 8 lanes of one
     // 16-byte copy's pass take 8 chunks of a row, each in its own core
-    // matrix, which the pad after each puts in other banks.
-    row_targets[i] = WARPGROUP ? ((block_row / 8) * ROW_CHUNKS + chunk % ROW_CHUNKS) * CORE_WORDS
+    // matrix, which the pad after each puts in other banks. With
+    // SHARED_WEIGHTS, swizzled slabs.
+    const int row_chunk = chunk % ROW_CHUNKS;
+    row_targets[i] = SHARED_WEIGHTS ? (row_chunk / 8) * ROW_SLAB_WORDS
+                                      + SWIZZLE128(block_row * 32 + (row_chunk % 8) * 4)
+                   : WARPGROUP ? ((block_row / 8) * ROW_CHUNKS + row_chunk) * CORE_WORDS
                                  + (block_row % 8) * 4
-                               : block_row * ROW_STRIDE + (chunk % ROW_CHUNKS) * 4;
+                               : block_row * ROW_STRIDE + row_chunk * 4;
   }
   GLOBAL const unsigned* word_sources[WORD_COPIES];
   int word_targets[WORD_COPIES];
@@ -234,10 +266,10 @@ UNROLL
   const int first_stage = input_split * all_stages / INPUT_SPLITS;
   const int num_stages = (input_split + 1) * all_stages / INPUT_SPLITS - first_stage;
   BARRIER();  // the previous item's last stage is read by every warp
-  // Step s copies stage s (while there is one) and computes stage s - (STAGES
-  // - 1): STAGES - 1 stages are in flight while one is multiplied.
-  for (int step = 0; step < num_stages + STAGES - 1; ++step) {
-    const int stage = step - (STAGES - 1);
+  // Step s copies stage s (while there is one) and computes stage s - AHEAD:
+  // AHEAD stages are in flight while one is multiplied.
+  for (int step = 0; step < num_stages + AHEAD; ++step) {
+    const int stage = step - AHEAD;
     if (step > 0 && step - 1 < num_stages) {  // the last step's scales, arrived by now
       const int into = ((step - 1) % STAGES) * 2 * STAGE_SCALES;
 UNROLL
@@ -252,12 +284,14 @@ UNROLL
       }
     }
     // Stage `stage`'s copies have landed (this thread's; none are waited for
-    // while stage < 0), then every thread's, and stage - 1's buffers are free
-    // (its warpgroup multiply-adds done: they read the rows until then).
-    if (WARPGROUP) {
+    // while stage < 0), then every thread's, and the buffers this step
+    // copies into are free: stage - 1's (its warpgroup multiply-adds done:
+    // they read the rows until then), with SHARED_WEIGHTS stage - 2's (each
+    // warpgroup waited for them in the last step).
+    if (WARPGROUP && !SHARED_WEIGHTS) {
       WARPGROUP_WAIT(0, sums, 0);
     }
-    ASYNC_WAIT(STAGES - 2);
+    ASYNC_WAIT(AHEAD - 1);
     if (WARPGROUP) {
       SHARED_PROXY_FENCE();
     }
@@ -314,13 +348,72 @@ UNROLL
       }
     }
     ASYNC_COMMIT();
+    // The buffers of the stage multiplied this step (while stage >= 0).
+    const int buffer = max(stage, 0) % STAGES;
+    const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
+                        + (warp / COLUMN_WARPS) * 8 * ROW_TILES * ROW_STRIDE;
+    const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
+    const int scales_at = buffer * 2 * STAGE_SCALES;
+    const int warp_column = (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
+    const int weights_at = max(stage, 0) % 2 * WEIGHT_WORDS;
+    if (SHARED_WEIGHTS) {
+      if (stage >= 0) {
+        // The stage's weights, scale * q + bias rounded once to 16 bits, as
+        // tiles_products.h makes them. Item i: 32 values (4 chunks) of one
+        // column; 8 lanes in a row take 8 columns of a column block, so their
+        // 16-byte stores of a chunk, swizzled, meet no bank conflict, and
+        // their 16-byte loads of the words, WORD_STRIDE apart (launch.py pads
+        // it), none either. A stage's buffer was read by the multiply-adds of
+        // stage - 2, waited for before this step's barrier.
+        const int RUNS = STAGE_VALUES / 32;  // a column's items a stage
+        const int ITEMS = MATRICES * BLOCK_COLUMNS * RUNS;
+UNROLL
+        for (int i0 = 0; i0 < ITEMS; i0 += THREADS) {
+          const int item = i0 + (int)LOCAL_ID;
+          if (ITEMS % THREADS == 0 || item < ITEMS) {
+            const int column = (item / (8 * RUNS)) * 8 + item % 8;  // among the matrices'
+            const int run = item / 8 % RUNS;
+            const int group = run * 32 / QUANT_GROUP;
+            const unsigned scale_pair = stage_scales[scales_at + column * STAGE_GROUPS + group];
+            const unsigned bias_pair = stage_scales[scales_at + STAGE_SCALES
+                                                    + column * STAGE_GROUPS + group];
+            // The run's words: 4 at 4 bits, 8 at 8.
+            unsigned run_words[32 / VALUES];
+UNROLL
+            for (int w = 0; w < 32 / VALUES; w += 4) {
+              const uint4 quad = ((SHARED_SPACE uint4*)(stage_words + words_at
+                                                         + column * WORD_STRIDE
+                                                         + run * (32 / VALUES) + w))[0];
+              run_words[w] = quad.x;
+              run_words[w + 1] = quad.y;
+              run_words[w + 2] = quad.z;
+              run_words[w + 3] = quad.w;
+            }
+UNROLL
+            for (int c = 0; c < 4; ++c) {  // the run's chunk c: values 8 c to 8 c + 7
+              unsigned made[4];
+UNROLL
+              for (int p = 0; p < 4; ++p) {  // values 8 c + 2 p, + 1: a pair of a word
+                const int field = 8 * c + 2 * p;
+                const unsigned word = run_words[field / VALUES];
+                const unsigned fields = BYTE_PAIR(word, word >> BITS, (field % VALUES) * BITS / 8);
+                // include: qmm_fields
+                made[p] = PAIR_FMA(field_pair, scale_pair, bias_pair);
+              }
+              const int chunk = run * 4 + c;
+              ((SHARED_SPACE uint4*)(stage_weights + weights_at + (chunk / 8) * WEIGHT_SLAB_WORDS
+                                     + SWIZZLE128(column * 32 + (chunk % 8) * 4)))[0] =
+                  VEC16(made[0], made[1], made[2], made[3]);
+            }
+          }
+        }
+      }
+      // Made for every thread, and for the multiply-adds' reads (the async
+      // proxy's).
+      SHARED_PROXY_FENCE();
+      BARRIER();
+    }
     if (stage >= 0) {
-      const int buffer = stage % STAGES;
-      const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
-                          + (warp / COLUMN_WARPS) * 8 * ROW_TILES * ROW_STRIDE;
-      const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
-      const int scales_at = buffer * 2 * STAGE_SCALES;
-      const int warp_column = (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
       // An expert's last block is part empty (most are, at prefill sizes and
       // under skewed routing): where its rows fill half a warp's row tiles
       // or fewer (ROW_TILES / 2, all in the first warp row), every warp

@@ -168,6 +168,11 @@ class GroupedQmmTiling:
     # emulates them (OpenCL, Metal); 0, never. Off by default: on the H200 it
     # ran 1.3x to 1.6x slower than the warps' own (benchmarks/RESULTS.md,
     # "The block tiles through Hopper's warpgroup multiply-add").
+    # 2: the same with the stage's weights made 16-bit by the whole group into
+    # shared memory, where the warpgroups read both operands (SHARED_WEIGHTS),
+    # where the block is 4 or 8 warps side by side, each of one 16-column tile
+    # a matrix (block_tiles, block_gated_tiles 1) and 8 or 16 row tiles, in 3
+    # stages or more of a multiple of 64 values, within SHARED_WEIGHTS_BYTES.
     block_warpgroup: int = 0
 
     def check(self) -> None:
@@ -197,9 +202,9 @@ class GroupedQmmTiling:
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
-                or self.block_warpgroup not in (0, 1):
-            raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead and block_warpgroup "
-                             f"are 0 or 1: {self}")
+                or self.block_warpgroup not in (0, 1, 2):
+            raise ValueError(f"grouped_qmm tiling: wide_loads and loads_ahead are 0 or 1, "
+                             f"block_warpgroup 0, 1 or 2: {self}")
         if self.word_stages == 1 or self.word_stages < 0 or (
                 self.word_stages and (self.k_splits or 1) > 1):
             raise ValueError(f"grouped_qmm tiling: word_stages is 0 or at least 2, and takes "
@@ -484,17 +489,19 @@ def grouped_qmm_launch(
     (`_input_splits`); an expert-parallel rank's single expert is not one,
     and keeps the experts' launch.
     The tiling's `block_warpgroup=1` has grouped_qmm_tiles.h's blocks of 4
-    warps side by side multiply as one warpgroup (WARPGROUP): on CUDA where
-    the GPU has the instruction (`warpgroup`, `_gpu.warpgroup_mma`: Hopper's
-    wgmma; elsewhere on CUDA it raises ValueError), on Metal and OpenCL
-    through their preludes' emulation."""
+    warps side by side multiply as one warpgroup (WARPGROUP), and
+    `block_warpgroup=2` as warpgroups that read the weights the group made
+    16-bit in shared memory (SHARED_WEIGHTS): on CUDA where the GPU has the
+    instruction (`warpgroup`, `_gpu.warpgroup_mma`: Hopper's wgmma;
+    elsewhere on CUDA it raises ValueError), on Metal and OpenCL through
+    their preludes' emulation."""
     if dense and num_experts != 1:
         raise ValueError(f"dense: a dense projection is one expert, got {num_experts}")
     tiling = _grouped_qmm_tiling.get()
     store = (out_bias, clamped_swiglu if gated else None)
-    if tiling.block_warpgroup == 1 and backend == "cuda" and not warpgroup:
-        raise ValueError("grouped_qmm tiling: block_warpgroup=1, but this GPU has no "
-                         "warpgroup multiply-add (wgmma: sm_90a)")
+    if tiling.block_warpgroup and backend == "cuda" and not warpgroup:
+        raise ValueError(f"grouped_qmm tiling: block_warpgroup={tiling.block_warpgroup}, but "
+                         f"this GPU has no warpgroup multiply-add (wgmma: sm_90a)")
     if grouped_qmm_body(capacity, num_experts) == "grouped_qmm_tiles":
         tall = _tall_gated_blocks(gated, backend, bits, quant_group, capacity, num_experts,
                                   tiling)
@@ -505,9 +512,10 @@ def grouped_qmm_launch(
         splits_input = not gated and backend != "metal"
         tiles = _grouped_qmm_tiles_launch(num_experts, in_dims, out_dims, capacity, bits,
                                           quant_group, dtype, num_rows, gated, tiling,
-                                          SHARED_BYTES[backend], backend != "cuda", tall,
+                                          (SHARED_WEIGHTS_BYTES if tiling.block_warpgroup == 2
+                                           else SHARED_BYTES)[backend], backend != "cuda", tall,
                                           halved, splits_input, dense, store,
-                                          tiling.block_warpgroup == 1)
+                                          tiling.block_warpgroup)
         if tiles is not None:
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
@@ -604,6 +612,15 @@ RING_RUN_BYTES = 128
 # group (sm_86 and sm_89), and two groups an SM on an A100, H100 or H200.
 # The OpenCL tests run CUDA's sizes.
 SHARED_BYTES = {"cuda": 99 * 1024, "metal": 32 * 1024, "opencl": 99 * 1024}
+# The same for the blocks that make their weights in shared memory
+# (`block_warpgroup=2`): one group an SM takes its most on CUDA (227 KB on
+# sm_90, the only GPU that runs them), where their eight warps and the
+# asynchronous multiply-adds keep it busy; two buffers of made weights
+# besides the stages would leave two groups too few stages.
+SHARED_WEIGHTS_BYTES = {"cuda": 227 * 1024, "metal": 32 * 1024, "opencl": 227 * 1024}
+# SHARED_WEIGHTS' swizzled buffers start at a multiple of 1024 bytes (the
+# swizzle's period), which the body finds within this much more memory.
+SWIZZLE_ALIGN_BYTES = 1024
 
 
 def _scan_memory_bytes(threads: int, exchange: bool) -> int:
@@ -655,6 +672,15 @@ def _conflict_free_stride(least: int, slot_words: int, width: int) -> int:
 CORE_MATRIX_PAD_WORDS = 4
 
 
+def _made_weights_word_stride(least: int) -> int:
+    """The least stride of at least `least` words, a multiple of 4, at which
+    SHARED_WEIGHTS' 16-byte loads of the words meet no bank conflict: 8 lanes
+    load 16 bytes each of 8 columns, a stride apart, so a stride of an odd
+    number of 16-byte chunks puts them in 8 different sets of 4 banks."""
+    stride = _round_up(least, 4)
+    return stride if stride // 4 % 2 else stride + 4
+
+
 def _warpgroup_word_stride(least: int, bits: int) -> int:
     """The least stride of at least `least` words, a multiple of 4, at which
     the warpgroup's word loads (tiles_products.h) meet no bank conflict: lane l
@@ -674,11 +700,12 @@ def _grouped_qmm_tiles_launch(
     num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
     quant_group: int, dtype: str, num_rows: int | None, gated: bool, tiling: GroupedQmmTiling,
     shared_bytes: int, exchange: bool, tall: bool, halved: bool, splits_input: bool,
-    dense: bool, store: tuple, warpgroup: bool,
+    dense: bool, store: tuple, warpgroup: int,
 ) -> Launch | None:
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
-    `warpgroup`: the block's multiply-adds a warpgroup's (WARPGROUP) where the
-    block allows it (4 warps side by side, 8 or 16 row tiles);
+    `warpgroup`: the tiling's `block_warpgroup`, the block's multiply-adds a
+    warpgroup's (WARPGROUP; 2: SHARED_WEIGHTS) where the block allows it (4
+    warps side by side, or 8 with SHARED_WEIGHTS, 8 or 16 row tiles);
     `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
     `halved`: half the block's rows and columns (_halved_blocks);
     `splits_input`: the blocks' input split where they are few (_input_splits),
@@ -703,9 +730,16 @@ def _grouped_qmm_tiles_launch(
     stages = tiling.block_stages
     while True:
         stage_values = stage_groups * quant_group
-        by_warpgroup = (warpgroup and (tiling.block_row_warps, tiling.block_column_warps)
-                        == (1, 4) and row_tiles in (8, 16))
-        if by_warpgroup:  # the rows in core matrices, each padded
+        shared_weights = (warpgroup == 2 and tiling.block_row_warps == 1
+                          and tiling.block_column_warps in (4, 8) and column_tiles == 1
+                          and row_tiles in (8, 16) and stages >= 3 and stage_values % 64 == 0)
+        by_warpgroup = shared_weights or (
+            warpgroup == 1 and (tiling.block_row_warps, tiling.block_column_warps) == (1, 4)
+            and row_tiles in (8, 16))
+        if shared_weights:  # the rows swizzled, 64 values (128 bytes) a row a slab
+            row_stride = stage_values // 2
+            word_stride = _made_weights_word_stride(stage_values // values)
+        elif by_warpgroup:  # the rows in core matrices, each padded
             row_stride = stage_values // 8 * (32 + CORE_MATRIX_PAD_WORDS) // 8
             word_stride = _warpgroup_word_stride(stage_values // values, bits)
         else:
@@ -715,9 +749,13 @@ def _grouped_qmm_tiles_launch(
         block_rows, block_columns = _block_shape(tiling, row_tiles, column_tiles)
         stage_bytes = 4 * (block_rows * row_stride + matrices * block_columns * word_stride
                            + 2 * matrices * block_columns * stage_groups)
-        if fixed + stages * stage_bytes <= shared_bytes:
+        # SHARED_WEIGHTS' two buffers of made weights, 16 bits a value, and the
+        # room to align the swizzled buffers
+        made_bytes = (2 * 2 * matrices * block_columns * stage_values + SWIZZLE_ALIGN_BYTES
+                      if shared_weights else 0)
+        if fixed + stages * stage_bytes + made_bytes <= shared_bytes:
             break
-        if stages > 2:
+        if stages > (3 if shared_weights else 2):
             stages -= 1
         elif stage_groups > groups_up_to_wanted:  # above the values wanted: those, all stages
             stage_groups, stages = groups_up_to_wanted, tiling.block_stages
@@ -757,9 +795,9 @@ def _grouped_qmm_tiles_launch(
          ("BLOCK_ROWS", block_rows), ("BLOCK_COLUMNS", block_columns),
          ("STAGE_GROUPS", stage_groups), ("STAGES", stages), ("ROW_STRIDE", row_stride),
          ("WORD_STRIDE", word_stride), ("INPUT_SPLITS", splits), ("WARPGROUP", by_warpgroup),
-         *_store_template(store)),
+         ("SHARED_WEIGHTS", shared_weights), *_store_template(store)),
         (out,),
-        _dynamic_shared_bytes(fixed, stages * stage_bytes),
+        _dynamic_shared_bytes(fixed, stages * stage_bytes + made_bytes),
     )
 
 

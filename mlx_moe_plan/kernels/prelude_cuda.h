@@ -25,7 +25,8 @@ typedef long long i64;
 #define HALF_BITS_TO_FLOAT(u) __half2float(__ushort_as_half((unsigned short)(u)))
 #define MUL_RN(a, b) __fmul_rn((a), (b))
 #define ADD_RN(a, b) __fadd_rn((a), (b))
-#define ZERO_VEC16 make_uint4(0u, 0u, 0u, 0u)
+// VEC16(a, b, c, d): four words as one 16-byte vector (uint4).
+#define VEC16(a, b, c, d) make_uint4((a), (b), (c), (d))
 #define IS_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
 // UNROLL: unroll the loop that follows (its arrays indexed by constants stay
 // in registers).
@@ -120,6 +121,19 @@ __device__ __forceinline__ void async_wait() {
 // count) the finished sums (the compiler may not read them before). Its reads
 // of group memory go through the async proxy: SHARED_PROXY_FENCE makes this
 // thread's writes to it (stores, cp.async's once waited for) visible there.
+// WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp): the
+// same with A in group memory too, both operands swizzled: rows of 64 k (128
+// bytes) one after another from a (b), 1024-byte aligned, row r's 16-byte
+// chunk j at words SWIZZLE128(r * 32 + 4 * j), wgmma's 128-byte swizzle;
+// the warpgroup's 64 rows of A from word a_at, B's from b_at, each with the
+// step's k (0, 8, 16 or 24 words on) (`warp`, the warp's place in its
+// warpgroup, is the emulations').
+// SWIZZLE128(x): where that swizzle puts word x: its chunk's index XOR its
+// row's, mod 8.
+#define SWIZZLE128(x) ((x) ^ ((((x) >> 5) & 7) << 2))
+// SHARED_ALIGN1024(p): the first word of group memory from p on at a
+// multiple of 1024 bytes (the swizzle's period).
+#define SHARED_ALIGN1024(p) ((p) + ((256u - ((unsigned)__cvta_generic_to_shared(p) >> 2)) & 255u))
 // The WG_ and WGMMA_ macros spell wgmma's operands; undefined after use.
 #define WG_D0_15 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
 #define WG_D16_31 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
@@ -128,24 +142,54 @@ __device__ __forceinline__ void async_wait() {
 #define WG_F4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define WG_F16(i) WG_F4(i), WG_F4(i + 4), WG_F4(i + 8), WG_F4(i + 12)
 #define WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
+#define WG_SS_IN "l"(desc_a), "l"(desc_b), "r"(1)
 #define WG_OP(n, types) "{.reg .pred p; setp.ne.b32 p, %" n ", 0; wgmma.mma_async.sync.aligned." types
 #define WGMMA_32(types) asm volatile(WG_OP("21", "m64n32k16.f32." types) " {" WG_D0_15 "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;}" : WG_F16(0) : WG_IN)
 #define WGMMA_64(types) asm volatile(WG_OP("37", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16) : WG_IN)
 #define WGMMA_128(types) asm volatile(WG_OP("69", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_IN)
+#define WGMMA_SS_32(types) asm volatile(WG_OP("18", "m64n32k16.f32." types) " {" WG_D0_15 "}, %16, %17, p, 1, 1, 0, 0;}" : WG_F16(0) : WG_SS_IN)
+#define WGMMA_SS_64(types) asm volatile(WG_OP("34", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, %32, %33, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16) : WG_SS_IN)
+#define WGMMA_SS_128(types) asm volatile(WG_OP("66", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, %64, %65, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_SS_IN)
+// A shared-memory matrix descriptor: address, lbo and sbo (words) in bytes
+// over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8 rows
+// 1024 bytes apart, lbo unused.
+__device__ __forceinline__ unsigned long long warpgroup_descriptor(const unsigned* at, int lbo,
+                                                                   int sbo, bool swizzled) {
+  return ((__cvta_generic_to_shared(at) & 0x3FFFF) >> 4)
+         | (swizzled ? (1ull << 16) | (64ull << 32) | (1ull << 62)
+                     : ((unsigned long long)(lbo / 4) << 16)
+                       | ((unsigned long long)(sbo / 4) << 32));
+}
 template <int KIND, int ROW_TILES_N>
 __device__ __forceinline__ void warpgroup_mma(float* d, const unsigned* a, const unsigned* b,
                                               int lbo, int sbo) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // The descriptor: address, lbo and sbo in bytes over 16, no swizzle.
-  const unsigned long long desc = ((__cvta_generic_to_shared(b) & 0x3FFFF) >> 4)
-                                  | ((unsigned long long)(lbo / 4) << 16)
-                                  | ((unsigned long long)(sbo / 4) << 32);
+  const unsigned long long desc = warpgroup_descriptor(b, lbo, sbo, false);
   if (ROW_TILES_N == 4) {
     if (KIND == 2) { WGMMA_32("bf16.bf16"); } else { WGMMA_32("f16.f16"); }
   } else if (ROW_TILES_N == 8) {
     if (KIND == 2) { WGMMA_64("bf16.bf16"); } else { WGMMA_64("f16.f16"); }
   } else if (ROW_TILES_N == 16) {
     if (KIND == 2) { WGMMA_128("bf16.bf16"); } else { WGMMA_128("f16.f16"); }
+  } else {
+    __trap();  // a body's text for other blocks, never run: the launch says WARPGROUP 0
+  }
+#else
+  __trap();  // no wgmma before sm_90a: the launch takes it only there
+#endif
+}
+template <int KIND, int ROW_TILES_N>
+__device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a,
+                                                 const unsigned* b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const unsigned long long desc_a = warpgroup_descriptor(a, 0, 0, true);
+  const unsigned long long desc_b = warpgroup_descriptor(b, 0, 0, true);
+  if (ROW_TILES_N == 4) {
+    if (KIND == 2) { WGMMA_SS_32("bf16.bf16"); } else { WGMMA_SS_32("f16.f16"); }
+  } else if (ROW_TILES_N == 8) {
+    if (KIND == 2) { WGMMA_SS_64("bf16.bf16"); } else { WGMMA_SS_64("f16.f16"); }
+  } else if (ROW_TILES_N == 16) {
+    if (KIND == 2) { WGMMA_SS_128("bf16.bf16"); } else { WGMMA_SS_128("f16.f16"); }
   } else {
     __trap();  // a body's text for other blocks, never run: the launch says WARPGROUP 0
   }
@@ -160,10 +204,14 @@ __device__ __forceinline__ void warpgroup_mma(float* d, const unsigned* a, const
 #undef WG_F4
 #undef WG_F16
 #undef WG_IN
+#undef WG_SS_IN
 #undef WG_OP
 #undef WGMMA_32
 #undef WGMMA_64
 #undef WGMMA_128
+#undef WGMMA_SS_32
+#undef WGMMA_SS_64
+#undef WGMMA_SS_128
 template <int N>
 __device__ __forceinline__ void warpgroup_wait(float* d, int count) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -184,3 +232,4 @@ __device__ __forceinline__ void warpgroup_wait(float* d, int count) {
 #endif
 #define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma<IN_KIND, (row_tiles)>((d), (a), (b), (lbo), (sbo))
 #define WARPGROUP_WAIT(n, d, count) warpgroup_wait<(n)>((d), (count))
+#define WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp) warpgroup_mma_ss<IN_KIND, (row_tiles)>((d), (a) + (a_at), (b) + (b_at))

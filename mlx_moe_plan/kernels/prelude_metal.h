@@ -29,7 +29,7 @@ typedef long i64;
 #define HALF_BITS_TO_FLOAT(u) static_cast<float>(as_type<half>((ushort)(u)))
 #define MUL_RN(a, b) ((a) * (b))
 #define ADD_RN(a, b) ((a) + (b))
-#define ZERO_VEC16 uint4(0u)
+#define VEC16(a, b, c, d) uint4((a), (b), (c), (d))
 // MSL cannot test a pointer's alignment. Fresh arrays and row slices of
 // 16-byte rows are 16-byte aligned; a view starting at an arbitrary element
 // (x.reshape(-1)[1:].reshape(...)) is not, and is the one unsupported input
@@ -122,6 +122,23 @@ inline void warpgroup_mma(thread float* d, thread const uint* a, threadgroup con
   }
 }
 #define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma<IN_KIND>((d), (a), (b), (row_tiles), (lbo), (sbo), (lane))
+// WARPGROUP_MMA_SS, emulated as prelude_opencl.h does (which says how).
+#define SWIZZLE128(x) ((x) ^ ((((x) >> 5) & 7) << 2))
+#define SHARED_ALIGN1024(p) (p)
+template <int KIND>
+inline void warpgroup_mma_ss(thread float* d, threadgroup const uint* a, int a_at,
+                             threadgroup const uint* b, int b_at, int row_tiles, uint lane,
+                             int warp) {
+  const int a_row = a_at + (16 * warp + int(lane) / 4) * 32 + int(lane) % 4;
+  const uint a_pairs[4] = {a[SWIZZLE128(a_row)], a[SWIZZLE128(a_row + 256)],
+                           a[SWIZZLE128(a_row + 4)], a[SWIZZLE128(a_row + 260)]};
+  for (int j = 0; j < row_tiles; ++j) {
+    const int b_row = b_at + (8 * j + int(lane) / 4) * 32 + int(lane) % 4;
+    const uint b_pairs[2] = {b[SWIZZLE128(b_row)], b[SWIZZLE128(b_row + 4)]};
+    mma_16x8x16<KIND>(d + 4 * j, a_pairs, b_pairs, lane);
+  }
+}
+#define WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp) warpgroup_mma_ss<IN_KIND>((d), (a), (a_at), (b), (b_at), (row_tiles), (lane), (warp))
 #define WARPGROUP_FENCE() ((void)0)
 #define WARPGROUP_COMMIT() ((void)0)
 #define WARPGROUP_WAIT(n, d, count) ((void)0)

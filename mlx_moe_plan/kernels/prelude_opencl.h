@@ -23,7 +23,7 @@ typedef long i64;
 #define HALF_BITS_TO_FLOAT(u) half_bits_to_float((ushort)(u))
 #define MUL_RN(a, b) ((a) * (b))
 #define ADD_RN(a, b) ((a) + (b))
-#define ZERO_VEC16 ((uint4)(0u))
+#define VEC16(a, b, c, d) ((uint4)((a), (b), (c), (d)))
 #define IS_ALIGNED16(p) ((((ulong)(p)) & 15ul) == 0)
 // UNROLL: nothing here. Unrolled, grouped_qmm.h took PoCL five times as long
 // to compile (8 s against 1.6 s an instantiation), and the tests time nothing.
@@ -150,6 +150,26 @@ inline void warpgroup_mma(float* d, const uint* a, __local const uint* b, int ro
   }
 }
 #define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma((d), (a), (b), (row_tiles), (lbo), (sbo), (exchange), (lane))
+// WARPGROUP_MMA_SS (prelude_cuda.h says what it computes), emulated: the
+// warp's A fragment and each n tile's B fragment read where the 128-byte
+// swizzle puts them (SWIZZLE128, as prelude_cuda.h defines it), then
+// MMA_16x8x16. Lane 4 g + s: A's rows 16 warp + g and + 8, B's row 8 j + g,
+// word s of each 16-byte chunk (k 2 s, 2 s + 1; the next chunk k + 8).
+#define SWIZZLE128(x) ((x) ^ ((((x) >> 5) & 7) << 2))
+#define SHARED_ALIGN1024(p) (p)
+inline void warpgroup_mma_ss(float* d, __local const uint* a, int a_at, __local const uint* b,
+                             int b_at, int row_tiles, __local uint* exchange, int lane,
+                             int warp) {
+  const int a_row = a_at + (16 * warp + lane / 4) * 32 + lane % 4;
+  const uint a_pairs[4] = {a[SWIZZLE128(a_row)], a[SWIZZLE128(a_row + 256)],
+                           a[SWIZZLE128(a_row + 4)], a[SWIZZLE128(a_row + 260)]};
+  for (int j = 0; j < row_tiles; ++j) {
+    const int b_row = b_at + (8 * j + lane / 4) * 32 + lane % 4;
+    const uint b_pairs[2] = {b[SWIZZLE128(b_row)], b[SWIZZLE128(b_row + 4)]};
+    mma_16x8x16(d + 4 * j, a_pairs, b_pairs, exchange, lane);
+  }
+}
+#define WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp) warpgroup_mma_ss((d), (a), (a_at), (b), (b_at), (row_tiles), (exchange), (lane), (warp))
 #define WARPGROUP_FENCE() ((void)0)
 #define WARPGROUP_COMMIT() ((void)0)
 #define WARPGROUP_WAIT(n, d, count) ((void)0)
