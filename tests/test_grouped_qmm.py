@@ -98,9 +98,9 @@ needs_warpgroup = pytest.mark.skipif(
 
 # wgmma's block tiles: A from the warps' registers (`block_warpgroup=1`), or
 # both operands from shared memory, the weights made there (SHARED_WEIGHTS),
-# by one warpgroup or two.
+# by one warpgroup or two (the rule's block).
 WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
-                    "shared-2": dict(SHARED_WEIGHTS_BLOCK, block_column_warps=8)}
+                    "shared-2": launch.SHARED_WEIGHTS_TILING}
 
 
 @needs_warpgroup

@@ -774,7 +774,8 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                 # the weights made 16-bit in shared memory (SHARED_WEIGHTS): one
                 # warpgroup and two, blocks of 64 and 128 rows
                 dict(SHARED_WEIGHTS_BLOCK, block_row_tiles=8, block_gated_row_tiles=8),
-                dict(SHARED_WEIGHTS_BLOCK, block_column_warps=8, block_stage_values=192)]
+                dict(SHARED_WEIGHTS_BLOCK, block_column_warps=8, block_stage_values=192),
+                launch.SHARED_WEIGHTS_TILING]
 
 
 @pytest.mark.parametrize("changes", TILES_BLOCKS,
@@ -845,8 +846,31 @@ def test_grouped_qmm_tiles_warpgroup_needs_the_instruction():
         with launch.grouped_qmm_tiling(tiles_from_rows=0, **{**SHARED_WEIGHTS_BLOCK, **changes}):
             assert not dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16",
                                                       backend="opencl").template)["WARPGROUP"]
-    assert not dict(launch.grouped_qmm_launch(4, 256, 40, 6400, 4, 64, "bfloat16",
-                                              backend="cuda", warpgroup=True).template)["WARPGROUP"]
+
+def test_shared_weights_rule():
+    """By default (`block_warpgroup=None`) the experts' launches on CUDA where
+    the GPU has wgmma take SHARED_WEIGHTS_TILING's block, gated from
+    `block_shared_gated_rows` rows an expert and ungated from
+    `block_shared_rows`; fewer rows, another backend, no wgmma, a dense
+    projection or a tiling that says 0 keep the warps' own multiply-adds."""
+    def shared(capacity, gated=False, backend="cuda", warpgroup=True, dense=False, experts=4):
+        template = dict(launch.grouped_qmm_launch(experts, 256, 40, capacity, 4, 64, "bfloat16",
+                                                  backend=backend, gated=gated, dense=dense,
+                                                  warpgroup=warpgroup).template)
+        assert template["WARPGROUP"] == template["SHARED_WEIGHTS"]
+        if template["SHARED_WEIGHTS"]:
+            assert (template["THREADS"], template["BLOCK_ROWS"]) == (256, 128)
+        return template["SHARED_WEIGHTS"]
+
+    tiling = launch.GROUPED_QMM_TILING
+    assert tiling.block_warpgroup is None
+    assert shared(4 * tiling.block_shared_rows) and not shared(4 * tiling.block_shared_rows - 1)
+    assert shared(4 * tiling.block_shared_gated_rows, gated=True)
+    assert not shared(4 * tiling.block_shared_gated_rows - 1, gated=True)
+    assert not shared(6400, backend="opencl") and not shared(6400, warpgroup=False)
+    assert not shared(6400, dense=True, experts=1)
+    with launch.grouped_qmm_tiling(block_warpgroup=0):
+        assert not shared(6400)
 
 
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)

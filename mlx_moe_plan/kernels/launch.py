@@ -173,7 +173,13 @@ class GroupedQmmTiling:
     # where the block is 4 or 8 warps side by side, each of one 16-column tile
     # a matrix (block_tiles, block_gated_tiles 1) and 8 or 16 row tiles, in 3
     # stages or more of a multiple of 64 values, within SHARED_WEIGHTS_BYTES.
-    block_warpgroup: int = 0
+    # None: by the rule (_shared_weights_tiling): 2 in SHARED_WEIGHTS_TILING's
+    # block where the GPU has wgmma, for the experts' gated launches from
+    # block_shared_gated_rows rows an expert on average and their ungated
+    # ones from block_shared_rows; else 0.
+    block_warpgroup: int | None = None
+    block_shared_gated_rows: int = 256
+    block_shared_rows: int = 512
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -191,20 +197,21 @@ class GroupedQmmTiling:
             raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
                              f"threads / 32: {self}")
         if min(self.tiles_from_rows, self.block_gated_tall_rows, self.block_halved_up_to_rows,
-               self.block_halved_below_blocks, self.block_split_below_groups) < 0 \
+               self.block_halved_below_blocks, self.block_split_below_groups,
+               self.block_shared_gated_rows, self.block_shared_rows) < 0 \
                 or self.block_stages < 2 or (self.block_input_splits is not None
                                              and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
-                             f"block_split_below_groups and the block_halved fields are at "
-                             f"least 0, block_input_splits at least 1 and block_stages at "
-                             f"least 2: {self}")
+                             f"block_split_below_groups and the block_halved and block_shared "
+                             f"fields are at least 0, block_input_splits at least 1 and "
+                             f"block_stages at least 2: {self}")
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
-                or self.block_warpgroup not in (0, 1, 2):
+                or self.block_warpgroup not in (None, 0, 1, 2):
             raise ValueError(f"grouped_qmm tiling: wide_loads and loads_ahead are 0 or 1, "
-                             f"block_warpgroup 0, 1 or 2: {self}")
+                             f"block_warpgroup None, 0, 1 or 2: {self}")
         if self.word_stages == 1 or self.word_stages < 0 or (
                 self.word_stages and (self.k_splits or 1) > 1):
             raise ValueError(f"grouped_qmm tiling: word_stages is 0 or at least 2, and takes "
@@ -494,10 +501,12 @@ def grouped_qmm_launch(
     16-bit in shared memory (SHARED_WEIGHTS): on CUDA where the GPU has the
     instruction (`warpgroup`, `_gpu.warpgroup_mma`: Hopper's wgmma;
     elsewhere on CUDA it raises ValueError), on Metal and OpenCL through
-    their preludes' emulation."""
+    their preludes' emulation; `block_warpgroup=None` (the default), by
+    `_shared_weights_tiling`."""
     if dense and num_experts != 1:
         raise ValueError(f"dense: a dense projection is one expert, got {num_experts}")
-    tiling = _grouped_qmm_tiling.get()
+    tiling = _shared_weights_tiling(_grouped_qmm_tiling.get(), gated, backend, warpgroup,
+                                    capacity, num_experts, dense)
     store = (out_bias, clamped_swiglu if gated else None)
     if tiling.block_warpgroup and backend == "cuda" and not warpgroup:
         raise ValueError(f"grouped_qmm tiling: block_warpgroup={tiling.block_warpgroup}, but "
@@ -520,6 +529,42 @@ def grouped_qmm_launch(
             return tiles
     return _grouped_qmm_launch(num_experts, in_dims, out_dims, capacity, bits, quant_group,
                                dtype, num_rows, gated, tiling, SHARED_BYTES[backend], store)
+
+
+# SHARED_WEIGHTS' block where the rule takes it (_shared_weights_tiling): two
+# warpgroups side by side (128 columns), each warp one 16-column tile a
+# matrix, 128 rows, 128 values a stage (fewer where memory is short: a
+# gated block's 64).
+SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tiles=1,
+                             block_gated_tiles=1, block_row_tiles=16, block_gated_row_tiles=16,
+                             block_stage_values=128)
+
+
+def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
+                           warpgroup: bool, capacity: int, num_experts: int,
+                           dense: bool) -> GroupedQmmTiling:
+    """`tiling` with its `block_warpgroup` decided where it is None: the
+    experts' launches on CUDA where the GPU has wgmma (`warpgroup`) take
+    SHARED_WEIGHTS_TILING's block, gated from `block_shared_gated_rows` rows
+    an expert on average (the plan's capacity over its experts) and ungated
+    from `block_shared_rows`; every other launch the warps' own multiply-adds
+    (0).
+
+    On the H200, against the warps' own at every shape's T = 2048 and 8192
+    (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks
+    ran the fused gate and up 1.06x to 1.44x faster from 256 rows an expert,
+    and 0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave
+    more of an expert's last block empty; one projection 1.04x to 1.46x from
+    512 rows an expert, and 0.89x at 256 (gpt-oss-20b's T = 2048). A dense
+    projection (`dense`) keeps its blocks (none measured so); Metal and
+    OpenCL theirs (no wgmma)."""
+    if tiling.block_warpgroup is not None:
+        return tiling
+    rows = (tiling.block_shared_gated_rows if gated else tiling.block_shared_rows)
+    if (backend == "cuda" and warpgroup and not dense
+            and capacity >= rows * num_experts):
+        return replace(tiling, **SHARED_WEIGHTS_TILING)
+    return replace(tiling, block_warpgroup=0)
 
 
 def _store_template(store: tuple[bool, tuple[float, float] | None]) -> tuple:
