@@ -8,7 +8,7 @@ the facts and applies the choice. The rules here are the expert GEMMs' formulati
 decoding batch (`dense_decoding_expert`, else `dense_as_rows`) and a
 prefill (`dense_as_expert`), which fused blocks submit early
 (`submits_block`), and where a router's top k renormalizes its scores
-(`top_k_normalizes`: off until a step measures it).
+(`top_k_normalizes`).
 
 A formulation is a `Formulation`. The layer's public `tile_m` names one as an
 int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
@@ -313,15 +313,18 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # sum inside the top k's launch, instead of by MLX's sum and divide after it,
 # where this is True: two launches fewer a layer, and at batch 8 a decoding
 # step's length follows its launches more than their GPU time
-# (benchmarks/RESULTS.md, "A decoding step's kernels"). Not yet measured in a
-# step: off.
-TOP_K_NORMALIZES_IN_LAUNCH = False
+# (benchmarks/RESULTS.md, "A decoding step's kernels"). The whole
+# Qwen3-30B-A3B decoded with it never slower beyond the runs' spread, and
+# faster at batch 1, 4, 32 and 64 (benchmarks/RESULTS.md, "Whole models on
+# the H200"). Its quotients round the sum once, where MLX's CUDA sum of
+# 16-bit scores rounds each addition (kernels/argsort_slice.h).
+TOP_K_NORMALIZES_IN_LAUNCH = True
 
 
 def top_k_normalizes(*, cuda: bool) -> bool:
     """Whether the router's top k renormalizes its scores in its own launch.
 
-    On CUDA, where `TOP_K_NORMALIZES_IN_LAUNCH` (not yet measured: False).
+    On CUDA, where `TOP_K_NORMALIZES_IN_LAUNCH` (measured: True).
     Elsewhere never until measured.
 
     Args:

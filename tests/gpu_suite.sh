@@ -155,12 +155,12 @@
 #               more host time a launch: worth it once the build overlaps the
 #               GPU?).
 #   top-k-normalize (not in `bench`) the router's scores renormalized in its top
-#               k's launch (rules.TOP_K_NORMALIZES_IN_LAUNCH, off until measured):
+#               k's launch (rules.TOP_K_NORMALIZES_IN_LAUNCH, on CUDA):
 #               its GPU test against the reference and MLX's ops (and under
 #               compute-sanitizer's three tools), then the whole
-#               Qwen3-30B-A3B at batch 8, 32 and 64, the patch beside the variant
-#               that normalizes in the launch, alternated (two launches fewer a
-#               layer: is the step shorter?).
+#               Qwen3-30B-A3B at batch 1 to 64, the patch beside the variant
+#               that normalizes by MLX's ops after it, alternated (two launches
+#               more a layer).
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
@@ -411,7 +411,7 @@ if wanted top-k-normalize; then
     done
   fi
   logged "$results/top-k-normalize.log" python3 -m benchmarks.step_kernels --layers 48 \
-    --batches 8,32,64 --rounds 5 --variants "normalize:TOP_K_NORMALIZES_IN_LAUNCH=1"
+    --batches 1,4,8,32,64 --rounds 5 --variants "ops:TOP_K_NORMALIZES_IN_LAUNCH=0"
 fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
