@@ -60,18 +60,21 @@
 #   grouped-qmm-formats (not in `bench`) the same at T = 2048 and 8192,
 #               Qwen3-30B-A3B and gpt-oss-20b, in the other formats a model
 #               ships: 8 bits (groups of 64), float16 rows, 4 bits in groups of
-#               32 and of 128; the kernel's default tiling, MLX's tiles of 64
-#               and the dense ceilings of the same format.
+#               32 and of 128; the kernel's default tiling and the block that
+#               makes the weights in shared memory (launch.SHARED_WEIGHTS_TILING,
+#               which the default takes at 4 bits in groups of 64 only), MLX's
+#               tiles of 64 and the dense ceilings of the same format.
 #   stage-groups (not in `bench`) the block tiles on gpt-oss-20b's rows of 45
-#               quantization groups, T = 2048 and 8192: the default (3 groups a
-#               stage in 2 stages, launch._stage_groups) beside one group a stage
-#               in 3 (block_stage_values=64), the default before c828d4d; and
+#               quantization groups, T = 2048 and 8192, the warps' own
+#               multiply-adds: the default (3 groups a stage in 2 stages,
+#               launch._stage_groups) beside one group a stage in 3
+#               (block_stage_values=64), the default before c828d4d; and
 #               Qwen3-30B-A3B's rows of 32 groups, 2 a stage against 1.
 #   tall-gated  (not in `bench`) the fused gate and up in block tiles,
-#               Qwen3-30B-A3B and gpt-oss-20b, T = 2048 and 8192: the default
-#               (blocks of 128 rows from 512 rows an expert,
-#               launch._tall_gated_blocks) beside blocks of 64 rows at every
-#               size (block_gated_tall_rows=1000000).
+#               Qwen3-30B-A3B and gpt-oss-20b, T = 2048 and 8192, the warps' own
+#               multiply-adds: the default (blocks of 128 rows from 512 rows an
+#               expert, launch._tall_gated_blocks) beside blocks of 64 rows at
+#               every size (block_gated_tall_rows=1000000).
 #   halved-blocks (not in `bench`) a dense projection's decoding batch in block
 #               tiles of half the rows and columns (launch._halved_blocks):
 #               Qwen3-30B-A3B's and gpt-oss-20b's attention outputs and lm_heads
@@ -350,7 +353,7 @@ if wanted warpgroup; then
   fi
   logged "$results/warpgroup-bench.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,gpt-oss-20b,qwen3-next --tokens 2048,8192 --calls 4 --no-sorted \
-    --sides kernel --tilings "default;block_warpgroup=1"
+    --sides kernel --tilings "default;block_warpgroup=0;block_warpgroup=1"
   if command -v ncu >/dev/null; then
     for tiling in default block_warpgroup=1; do
       name=warpgroup-ncu-${tiling//[=,]/-}
@@ -426,25 +429,26 @@ if wanted grouped-qmm-prefill; then
     logged "$results/grouped-qmm-prefill-skew$skew.log" python3 -m benchmarks.grouped_qmm \
       --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 \
       --tokens 512,2048,8192,16384 --mlx-tiles 16,64 --skew "$skew" --calls 8 --no-sorted \
-      --tilings "default;block_warpgroup=0;block_stages=2;block_stage_values=64"
+      --tilings "default;block_warpgroup=0;block_warpgroup=0,block_stages=2;block_warpgroup=0,block_stage_values=64"
   done
 fi
 if wanted grouped-qmm-formats; then
   for format in "--bits 8" "--dtype float16" "--group-size 32" "--group-size 128"; do
     name=${format//--/}
     logged "$results/grouped-qmm-formats-${name// /}.log" python3 -m benchmarks.grouped_qmm \
-      --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted $format
+      --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted $format \
+      --tilings "default;block_warpgroup=2,block_column_warps=8,block_tiles=1,block_gated_tiles=1,block_row_tiles=16,block_gated_row_tiles=16,block_stage_values=128"
   done
 fi
 if wanted stage-groups; then
   logged "$results/stage-groups.log" python3 -m benchmarks.grouped_qmm \
     --shapes gpt-oss-20b,qwen3-30b-a3b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
-    --tilings "default;block_stage_values=64"
+    --tilings "block_warpgroup=0;block_warpgroup=0,block_stage_values=64"
 fi
 if wanted tall-gated; then
   logged "$results/tall-gated.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
-    --tilings "default;block_gated_tall_rows=1000000"
+    --tilings "block_warpgroup=0;block_warpgroup=0,block_gated_tall_rows=1000000"
 fi
 if wanted halved-blocks; then
   halved="default;block_halved_up_to_rows=0;block_halved_below_blocks=1000000"

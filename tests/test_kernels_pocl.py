@@ -848,15 +848,17 @@ def test_grouped_qmm_tiles_warpgroup_needs_the_instruction():
                                                       backend="opencl").template)["WARPGROUP"]
 
 def test_shared_weights_rule():
-    """By default (`block_warpgroup=None`) the experts' launches on CUDA where
-    the GPU has wgmma take SHARED_WEIGHTS_TILING's block, gated from
-    `block_shared_gated_rows` rows an expert and ungated from
-    `block_shared_rows`; fewer rows, another backend, no wgmma, a dense
-    projection or a tiling that says 0 keep the warps' own multiply-adds."""
-    def shared(capacity, gated=False, backend="cuda", warpgroup=True, dense=False, experts=4):
-        template = dict(launch.grouped_qmm_launch(experts, 256, 40, capacity, 4, 64, "bfloat16",
-                                                  backend=backend, gated=gated, dense=dense,
-                                                  warpgroup=warpgroup).template)
+    """By default (`block_warpgroup=None`) the experts' launches of 4 bits in
+    groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's
+    block, gated from `block_shared_gated_rows` rows an expert and ungated
+    from `block_shared_rows`; fewer rows, another format or backend, no
+    wgmma, a dense projection or a tiling that says 0 keep the warps' own
+    multiply-adds."""
+    def shared(capacity, gated=False, backend="cuda", warpgroup=True, dense=False, experts=4,
+               bits=4, group_size=64):
+        template = dict(launch.grouped_qmm_launch(experts, 256, 40, capacity, bits, group_size,
+                                                  "bfloat16", backend=backend, gated=gated,
+                                                  dense=dense, warpgroup=warpgroup).template)
         assert template["WARPGROUP"] == template["SHARED_WEIGHTS"]
         if template["SHARED_WEIGHTS"]:
             assert (template["THREADS"], template["BLOCK_ROWS"]) == (256, 128)
@@ -869,6 +871,7 @@ def test_shared_weights_rule():
     assert not shared(4 * tiling.block_shared_gated_rows - 1, gated=True)
     assert not shared(6400, backend="opencl") and not shared(6400, warpgroup=False)
     assert not shared(6400, dense=True, experts=1)
+    assert not shared(6400, bits=8) and not shared(6400, group_size=32)
     with launch.grouped_qmm_tiling(block_warpgroup=0):
         assert not shared(6400)
 

@@ -174,9 +174,9 @@ class GroupedQmmTiling:
     # a matrix (block_tiles, block_gated_tiles 1) and 8 or 16 row tiles, in 3
     # stages or more of a multiple of 64 values, within SHARED_WEIGHTS_BYTES.
     # None: by the rule (_shared_weights_tiling): 2 in SHARED_WEIGHTS_TILING's
-    # block where the GPU has wgmma, for the experts' gated launches from
-    # block_shared_gated_rows rows an expert on average and their ungated
-    # ones from block_shared_rows; else 0.
+    # block where the GPU has wgmma, for the experts' gated launches (4 bits,
+    # groups of 64) from block_shared_gated_rows rows an expert on average and
+    # their ungated ones from block_shared_rows; else 0.
     block_warpgroup: int | None = None
     block_shared_gated_rows: int = 256
     block_shared_rows: int = 512
@@ -505,8 +505,8 @@ def grouped_qmm_launch(
     `_shared_weights_tiling`."""
     if dense and num_experts != 1:
         raise ValueError(f"dense: a dense projection is one expert, got {num_experts}")
-    tiling = _shared_weights_tiling(_grouped_qmm_tiling.get(), gated, backend, warpgroup,
-                                    capacity, num_experts, dense)
+    tiling = _shared_weights_tiling(_grouped_qmm_tiling.get(), gated, backend, warpgroup, bits,
+                                    quant_group, capacity, num_experts, dense)
     store = (out_bias, clamped_swiglu if gated else None)
     if tiling.block_warpgroup and backend == "cuda" and not warpgroup:
         raise ValueError(f"grouped_qmm tiling: block_warpgroup={tiling.block_warpgroup}, but "
@@ -541,27 +541,29 @@ SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tile
 
 
 def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
-                           warpgroup: bool, capacity: int, num_experts: int,
-                           dense: bool) -> GroupedQmmTiling:
+                           warpgroup: bool, bits: int, quant_group: int, capacity: int,
+                           num_experts: int, dense: bool) -> GroupedQmmTiling:
     """`tiling` with its `block_warpgroup` decided where it is None: the
-    experts' launches on CUDA where the GPU has wgmma (`warpgroup`) take
-    SHARED_WEIGHTS_TILING's block, gated from `block_shared_gated_rows` rows
-    an expert on average (the plan's capacity over its experts) and ungated
-    from `block_shared_rows`; every other launch the warps' own multiply-adds
-    (0).
+    experts' launches of 4 bits in groups of 64 on CUDA where the GPU has
+    wgmma (`warpgroup`) take SHARED_WEIGHTS_TILING's block, gated from
+    `block_shared_gated_rows` rows an expert on average (the plan's capacity
+    over its experts) and ungated from `block_shared_rows`; every other
+    launch the warps' own multiply-adds (0).
 
     On the H200, against the warps' own at every shape's T = 2048 and 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks
     ran the fused gate and up 1.06x to 1.44x faster from 256 rows an expert,
     and 0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave
     more of an expert's last block empty; one projection 1.04x to 1.46x from
-    512 rows an expert, and 0.89x at 256 (gpt-oss-20b's T = 2048). A dense
-    projection (`dense`) keeps its blocks (none measured so); Metal and
-    OpenCL theirs (no wgmma)."""
+    512 rows an expert, and 0.89x at 256 (gpt-oss-20b's T = 2048); bfloat16
+    rows (float16 takes the same instructions). The other formats, which the
+    tests run in these blocks, keep theirs until timed in them, and so do a
+    dense projection (`dense`; none measured so), Metal and OpenCL (no
+    wgmma)."""
     if tiling.block_warpgroup is not None:
         return tiling
     rows = (tiling.block_shared_gated_rows if gated else tiling.block_shared_rows)
-    if (backend == "cuda" and warpgroup and not dense
+    if (backend == "cuda" and warpgroup and not dense and (bits, quant_group) == (4, 64)
             and capacity >= rows * num_experts):
         return replace(tiling, **SHARED_WEIGHTS_TILING)
     return replace(tiling, block_warpgroup=0)
