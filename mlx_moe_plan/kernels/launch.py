@@ -563,10 +563,18 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     if tiling.block_warpgroup is not None:
         return tiling
     rows = (tiling.block_shared_gated_rows if gated else tiling.block_shared_rows)
-    if (backend == "cuda" and warpgroup and not dense and (bits, quant_group) == (4, 64)
-            and capacity >= rows * num_experts):
-        return replace(tiling, **SHARED_WEIGHTS_TILING)
-    return replace(tiling, block_warpgroup=0)
+    return _decided_tiling(tiling, backend == "cuda" and warpgroup and not dense
+                           and (bits, quant_group) == (4, 64)
+                           and capacity >= rows * num_experts)
+
+
+@lru_cache(maxsize=64)
+def _decided_tiling(tiling: GroupedQmmTiling, shared_weights: bool) -> GroupedQmmTiling:
+    """`tiling` in SHARED_WEIGHTS_TILING's block, or else with block_warpgroup
+    0, made once a tiling: a launch is built at every uncompiled call, where
+    a new dataclass a call would cost several times the rest of the launch."""
+    return replace(tiling, **SHARED_WEIGHTS_TILING) if shared_weights else \
+        replace(tiling, block_warpgroup=0)
 
 
 def _store_template(store: tuple[bool, tuple[float, float] | None]) -> tuple:
