@@ -90,10 +90,14 @@ def test_top_k_scores_are_take_along_axis(device):
     np.testing.assert_array_equal(np.array(grad.view(mx.uint16)), np.array(want_grad.view(mx.uint16)))
 
 
-def test_normalized_top_k_scores_are_the_ops(device):
-    """normalize=True, as the rules leave it by default: the picked scores by
-    MLX's sum and divide after the launch, bit for bit the expression a
-    renormalizing block writes, and its gradient."""
+def test_normalized_top_k_scores_are_the_ops(device, monkeypatch):
+    """normalize=True where the rules leave the division to MLX's ops (on the
+    CPU always; on CUDA with rules.TOP_K_NORMALIZES_IN_LAUNCH off, forced
+    here): the picked scores by MLX's sum and divide after the launch, bit
+    for bit the expression a renormalizing block writes, and its gradient."""
+    from mlx_moe_plan import rules
+
+    monkeypatch.setattr(rules, "TOP_K_NORMALIZES_IN_LAUNCH", False)
     rng = np.random.default_rng(13)
     scores = mx.softmax(mx.array(rng.standard_normal((5, 32)).astype(np.float32)),
                         axis=-1).astype(mx.bfloat16)
