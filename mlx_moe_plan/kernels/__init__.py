@@ -64,9 +64,10 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     (`INCLUDED`)
 
 `tiles_products.h` -- not a body: a stage's multiply-adds in the block tiles,
-    the warps' own or, with WARPGROUP, a warpgroup's (Hopper's wgmma, opt-in:
-    `launch.GroupedQmmTiling.block_warpgroup`; with SHARED_WEIGHTS both its
-    operands from group memory), which grouped_qmm_tiles.h
+    the warps' own or, with WARPGROUP, a warpgroup's (Hopper's wgmma,
+    `launch.GroupedQmmTiling.block_warpgroup`: A from the warps' registers,
+    opt-in, or with SHARED_WEIGHTS both operands from group memory, where
+    `launch._shared_weights_tiling` takes it), which grouped_qmm_tiles.h
     includes twice, over all of a warp's row tiles and over half (`INCLUDED`)
 
 `group_scan.h` -- not a body: a group's inclusive scan of one count a

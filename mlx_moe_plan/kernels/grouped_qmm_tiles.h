@@ -109,7 +109,8 @@ const bool vectors = IS_ALIGNED16(rows) && IS_ALIGNED16(weight) && IS_ALIGNED16(
 // The stages: rows, then (SHARED_WEIGHTS) two buffers of the weights made
 // 16-bit, then packed columns, then scales and biases as pairs (value,
 // value); in the launch's dynamic memory on CUDA (SHARED_WORDS), whose
-// swizzled buffers start 1024-byte aligned (the launch leaves room).
+// swizzled buffers start 1024-byte aligned, within the 256 words more the
+// launch leaves (launch.SWIZZLE_ALIGN_BYTES).
 SHARED_WORDS(stage_memory, STAGES * (BLOCK_ROWS * ROW_STRIDE + MATRICES * BLOCK_COLUMNS
                                      * (WORD_STRIDE + 2 * STAGE_GROUPS)) + 2 * WEIGHT_WORDS
                            + (SHARED_WEIGHTS ? 256 : 0));
