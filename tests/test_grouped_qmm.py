@@ -123,9 +123,10 @@ def test_warpgroup_tiles_fused(form, name, in_dims, tall):
     """wgmma's block tiles at model rows (gpt-oss-20b's 45 groups, 3 a stage),
     rows from tokens, silu(gate) * up, in blocks of 64 rows and of 128: its
     A fragments or made weights, core matrices and descriptors against the
-    reference."""
+    reference; experts' last blocks of 12, 44, 82 and 122 rows in the tall
+    blocks."""
     rng = np.random.default_rng(67)
-    counts, tokens = [300, 0, 140, 1], 90
+    counts, tokens = [300, 0, 140, 1, 210, 250], 90
     offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
         rng, counts, 200, in_dims, 4, 64, name, 5)
     up = quantized_experts(rng, len(counts), 200, in_dims, 4, 64, name)

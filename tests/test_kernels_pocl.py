@@ -847,6 +847,25 @@ def test_grouped_qmm_tiles_warpgroup_needs_the_instruction():
             assert not dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16",
                                                       backend="opencl").template)["WARPGROUP"]
 
+@pytest.mark.parametrize("row_tiles", [16, 8])
+def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
+    """SHARED_WEIGHTS' blocks part empty: experts whose last block holds 1
+    to 32, 33 to 64, 65 to 96 and 97 to 127 rows, full ones and empty ones,
+    in the rule's blocks of 128 rows and in blocks of 64 (whose half-empty
+    ones multiply half their row tiles), one projection and the fused gate
+    and up."""
+    rng = np.random.default_rng(47)
+    block = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
+                 block_gated_row_tiles=row_tiles)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
+        template = dict(launch.grouped_qmm_launch(6, 128, 40, 900, 4, 64, "bfloat16",
+                                                  backend="opencl", gated=True).template)
+        assert template["SHARED_WEIGHTS"] and template["ROW_TILES"] == row_tiles
+        check_grouped_qmm(_grouped_qmm, rng, [128 + 20, 0, 40, 128 + 90, 127, 256], 40, 128, 4,
+                          64, "bfloat16", 3)
+        _check_fused(rng, [33, 70, 0, 100, 1, 128], 24, 128, 4, 64, "float16", 2, 5, True, True)
+
+
 def test_shared_weights_rule():
     """By default (`block_warpgroup=None`) the experts' launches of 4 bits in
     groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's

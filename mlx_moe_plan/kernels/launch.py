@@ -178,7 +178,7 @@ class GroupedQmmTiling:
     # groups of 64) from block_shared_gated_rows rows an expert on average and
     # their ungated ones from block_shared_rows; else 0.
     block_warpgroup: int | None = None
-    block_shared_gated_rows: int = 256
+    block_shared_gated_rows: int = 64
     block_shared_rows: int = 512
 
     def check(self) -> None:
@@ -550,16 +550,17 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     over its experts) and ungated from `block_shared_rows`; every other
     launch the warps' own multiply-adds (0).
 
-    On the H200, against the warps' own at every shape's T = 2048 and 8192
+    On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks
-    ran the fused gate and up 1.06x to 1.44x faster from 256 rows an expert,
-    and 0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave
-    more of an expert's last block empty; one projection 1.04x to 1.46x from
-    512 rows an expert, and 0.89x at 256 (gpt-oss-20b's T = 2048); bfloat16
-    rows (float16 takes the same instructions). The other formats, which the
-    tests run in these blocks, keep theirs until timed in them, and so do a
-    dense projection (`dense`; none measured so), Metal and OpenCL (no
-    wgmma)."""
+    ran the fused gate and up 1.07x to 1.44x faster from 64 rows an expert
+    (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T = 512) and
+    0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave more of
+    an expert's last block empty, and 0.69x at 40 (Qwen3-Next's T = 2048);
+    one projection 1.04x to 1.46x from 512 rows an expert, and 0.71x to
+    1.18x at 128 and 256 (gpt-oss-20b's the slowest); bfloat16 rows (float16
+    takes the same instructions). The other formats, which the tests run in
+    these blocks, keep theirs until timed in them, and so do a dense
+    projection (`dense`; none measured so), Metal and OpenCL (no wgmma)."""
     if tiling.block_warpgroup is not None:
         return tiling
     rows = (tiling.block_shared_gated_rows if gated else tiling.block_shared_rows)
