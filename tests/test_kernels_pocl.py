@@ -847,6 +847,7 @@ def test_grouped_qmm_tiles_warpgroup_needs_the_instruction():
             assert not dict(launch.grouped_qmm_launch(4, 256, 40, 64, 4, 64, "bfloat16",
                                                       backend="opencl").template)["WARPGROUP"]
 
+
 @pytest.mark.parametrize("row_tiles", [16, 8])
 def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
     """SHARED_WEIGHTS' blocks part empty: experts whose last block holds 1
