@@ -23,7 +23,10 @@ and the patched one under each variant of the measured rules
 tiling (`GroupedQmmTiling` fields, lower case), their turns of 20 steps
 alternated `--rounds` times at each batch, the median step of each turn,
 then the median turn. A variant's compiled forwards and projection routes
-are dropped when its turn starts, so each traces under its own rules.
+are dropped when its turn starts, so each traces under its own rules. With
+`--prefill TOKENS` each turn is one prefill of that many tokens instead, in
+generate's chunks of 2048 (a rule or tiling of prefill sizes, measured on the
+whole model in one process: `--layers 48`).
 
 `--build-profile N` builds N more steps under Python's profiler, evaluating
 each outside it, and prints where the building went by function, own time
@@ -50,10 +53,12 @@ import pstats
 import re
 import statistics
 import sys
+import time
 
 import mlx.core as mx
 
-from .model import build_step, decode_step, decode_steps, fill_context, patched_copy, random_model
+from .model import (build_step, decode_step, decode_steps, fill_context, patched_copy, prefill,
+                    random_model, warmup_prompt)
 from .timing import marked_kernels, profiled
 from .workloads import MODELS, with_layers
 
@@ -192,7 +197,11 @@ def parse_variants(text: str) -> dict[str, tuple[dict, dict]]:
 def compare_variants(model, patched, config: dict, args) -> str:
     """mlx-lm's model, the patched one, and the patched one under each of
     `args.variants`, turns alternated (the order reversed every other round):
-    each side's median step of each turn, and the median turn, a batch."""
+    each side's median step of each turn, and the median turn, a batch; with
+    `args.prefill`, each turn one prefill of that many tokens instead (in
+    generate's chunks, after an untimed one of each side's chunk sizes)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     from mlx_moe_plan import _compiled, rules
     from mlx_moe_plan.kernels import launch
 
@@ -202,27 +211,55 @@ def compare_variants(model, patched, config: dict, args) -> str:
     defaults = {key: getattr(rules, key) for _, constants, _ in sides.values()
                 for key in constants}
 
-    lines = [f"{args.models}, {args.layers} layers, context {args.context}: the median of "
-             f"{args.rounds} turns of {TIMED_STEPS} steps; wall ms, build ms, speedup over mlx-lm"]
+    def turn(name: str, run):
+        """`run(side)` with the side's rules, tiling and traces of its own."""
+        side, constants, tiling = sides[name]
+        for key, value in defaults.items():
+            setattr(rules, key, constants.get(key, value))
+        _compiled.forget(patched)  # another side's traces and routes
+        with launch.grouped_qmm_tiling(**tiling):
+            return run(side)
+
+    what = (f"one prefill of {args.prefill} tokens" if args.prefill
+            else f"{TIMED_STEPS} steps from a context of {args.context}")
+    lines = [f"{args.models}, {args.layers} layers: the median of {args.rounds} turns of "
+             f"{what}; wall ms, build ms (a decoding step's), speedup over mlx-lm"]
+    cases = [f"prefill {args.prefill}"] if args.prefill else \
+        [f"batch {b}" for b in args.batches.split(",")]
     try:
-        for batch in (int(b) for b in args.batches.split(",")):
-            cache, y = fill_context(patched, batch, args.context, config["vocab_size"])
+        for case in cases:
+            if args.prefill:
+                prompt = mx.random.randint(0, config["vocab_size"], (1, args.prefill))
+
+                def warm(side, prompt=prompt):
+                    prefill(side, warmup_prompt(prompt), make_prompt_cache(side))
+
+                for name in sides:
+                    turn(name, warm)
+
+                def run(side, prompt=prompt):
+                    mx.synchronize()
+                    start = time.perf_counter()
+                    prefill(side, prompt, make_prompt_cache(side))
+                    seconds = time.perf_counter() - start
+                    mx.clear_cache()  # the turn's cache, back to MLX before the next turn's
+                    return [0.0], [seconds]
+            else:
+                cache, y = fill_context(patched, int(case.split()[1]), args.context,
+                                        config["vocab_size"])
+
+                def run(side, cache=cache, y=y):
+                    return decode_steps(side, cache, y, TIMED_STEPS, UNTIMED_STEPS)[:2]
             turns = {name: [] for name in sides}
             for round_ in range(args.rounds):
                 for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
-                    side, constants, tiling = sides[name]
-                    for key, value in defaults.items():
-                        setattr(rules, key, constants.get(key, value))
-                    _compiled.forget(patched)  # another side's traces and routes
-                    with launch.grouped_qmm_tiling(**tiling):
-                        builds, walls, _ = decode_steps(side, cache, y, TIMED_STEPS,
-                                                        UNTIMED_STEPS)
+                    builds, walls = turn(name, run)
                     turns[name].append((statistics.median(walls), statistics.median(builds)))
             reference = statistics.median(wall for wall, _ in turns["mlx-lm"])
             for name, measured in turns.items():
                 wall = statistics.median(w for w, _ in measured)
                 build = statistics.median(b for _, b in measured)
-                lines.append(f"batch {batch:<3} {name:<12} wall {wall * 1e3:8.3f}  build "
+                lines.append(f"{case:<9} {name:<12} wall {wall * 1e3:8.3f}  build "
                              f"{build * 1e3:7.3f}  {reference / wall:5.2f}x  turns "
                              + " ".join(f"{w * 1e3:.2f}" for w, _ in measured))
     finally:
@@ -264,6 +301,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="turns of each side a batch with --variants "
                              "(default: %(default)s)")
+    parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                        help="with --variants, each turn one prefill of this many tokens, "
+                             "in generate's chunks, instead of decoding steps (default: "
+                             "%(default)s, decoding)")
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize, args.top))

@@ -166,6 +166,11 @@
 #               Qwen3-30B-A3B at batch 1 to 64, the patch beside the variant
 #               that normalizes by MLX's ops after it, alternated (two launches
 #               more a layer).
+#   prefill-rule (not in `bench`) the whole Qwen3-30B-A3B prefilling 8192 tokens
+#               in chunks of 2048 (128 rows an expert), the patch beside the
+#               warps' own multiply-adds everywhere (block_warpgroup=0) and the
+#               made weights' earlier rule (from 256 rows an expert, gated),
+#               alternated in one process (benchmarks.step_kernels --prefill).
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
@@ -417,6 +422,10 @@ if wanted top-k-normalize; then
   fi
   logged "$results/top-k-normalize.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 1,4,8,32,64 --rounds 5 --variants "ops:TOP_K_NORMALIZES_IN_LAUNCH=0"
+fi
+if wanted prefill-rule; then
+  logged "$results/prefill-rule.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --prefill 8192 --rounds 3 --variants "warps:block_warpgroup=0;gated-256:block_shared_gated_rows=256"
 fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \

@@ -468,6 +468,16 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
     assert [line.split()[2] for line in lines[1:]] == ["mlx-lm", "patched", "all", "body"]
     assert all(len(line.split("turns")[1].split()) == 2 for line in lines[1:])
     assert rules.DENSE_DECODING_FROM_IN_DIMS == threshold
+    # --prefill: each turn one prefill, every side, then the rules as they were.
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--dtype",
+                              "float32", "--rounds", "2", "--prefill", "40",
+                              "--variants", "all:DENSE_DECODING_FROM_IN_DIMS=0;"
+                              "body:tiles_from_rows=65"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["prefill", "40", name] for name in ("mlx-lm", "patched", "all", "body")]
+    assert all(len(line.split("turns")[1].split()) == 2 for line in lines[1:])
+    assert rules.DENSE_DECODING_FROM_IN_DIMS == threshold
     with pytest.raises(SystemExit, match="neither"):
         step_kernels.parse_variants("bad:NOT_A_RULE=1")
     # Nsight Compute's CSV: log lines, the table; kernels before the first
