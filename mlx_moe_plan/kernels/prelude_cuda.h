@@ -150,6 +150,11 @@ __device__ __forceinline__ void async_wait() {
 #define WGMMA_SS_32(types) asm volatile(WG_OP("18", "m64n32k16.f32." types) " {" WG_D0_15 "}, %16, %17, p, 1, 1, 0, 0;}" : WG_F16(0) : WG_SS_IN)
 #define WGMMA_SS_64(types) asm volatile(WG_OP("34", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, %32, %33, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16) : WG_SS_IN)
 #define WGMMA_SS_128(types) asm volatile(WG_OP("66", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, %64, %65, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_SS_IN)
+// WGMMA_BY_N(FORM): FORM's wgmma (WGMMA_ or WGMMA_SS_) of N = 8 * ROW_TILES_N
+// rows, in the rows' 16-bit format (KIND 2: bfloat16, else float16); other
+// N trap (a body's text for other blocks, never run: the launch says
+// WARPGROUP 0).
+#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { if (KIND == 2) { FORM##32("bf16.bf16"); } else { FORM##32("f16.f16"); } } else if (ROW_TILES_N == 8) { if (KIND == 2) { FORM##64("bf16.bf16"); } else { FORM##64("f16.f16"); } } else if (ROW_TILES_N == 16) { if (KIND == 2) { FORM##128("bf16.bf16"); } else { FORM##128("f16.f16"); } } else { __trap(); }
 // A shared-memory matrix descriptor: address, lbo and sbo (words) in bytes
 // over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8 rows
 // 1024 bytes apart, lbo unused.
@@ -165,15 +170,7 @@ __device__ __forceinline__ void warpgroup_mma(float* d, const unsigned* a, const
                                               int lbo, int sbo) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const unsigned long long desc = warpgroup_descriptor(b, lbo, sbo, false);
-  if (ROW_TILES_N == 4) {
-    if (KIND == 2) { WGMMA_32("bf16.bf16"); } else { WGMMA_32("f16.f16"); }
-  } else if (ROW_TILES_N == 8) {
-    if (KIND == 2) { WGMMA_64("bf16.bf16"); } else { WGMMA_64("f16.f16"); }
-  } else if (ROW_TILES_N == 16) {
-    if (KIND == 2) { WGMMA_128("bf16.bf16"); } else { WGMMA_128("f16.f16"); }
-  } else {
-    __trap();  // a body's text for other blocks, never run: the launch says WARPGROUP 0
-  }
+  WGMMA_BY_N(WGMMA_)
 #else
   __trap();  // no wgmma before sm_90a: the launch takes it only there
 #endif
@@ -184,15 +181,7 @@ __device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a,
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const unsigned long long desc_a = warpgroup_descriptor(a, 0, 0, true);
   const unsigned long long desc_b = warpgroup_descriptor(b, 0, 0, true);
-  if (ROW_TILES_N == 4) {
-    if (KIND == 2) { WGMMA_SS_32("bf16.bf16"); } else { WGMMA_SS_32("f16.f16"); }
-  } else if (ROW_TILES_N == 8) {
-    if (KIND == 2) { WGMMA_SS_64("bf16.bf16"); } else { WGMMA_SS_64("f16.f16"); }
-  } else if (ROW_TILES_N == 16) {
-    if (KIND == 2) { WGMMA_SS_128("bf16.bf16"); } else { WGMMA_SS_128("f16.f16"); }
-  } else {
-    __trap();  // a body's text for other blocks, never run: the launch says WARPGROUP 0
-  }
+  WGMMA_BY_N(WGMMA_SS_)
 #else
   __trap();  // no wgmma before sm_90a: the launch takes it only there
 #endif
@@ -212,6 +201,7 @@ __device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a,
 #undef WGMMA_SS_32
 #undef WGMMA_SS_64
 #undef WGMMA_SS_128
+#undef WGMMA_BY_N
 template <int N>
 __device__ __forceinline__ void warpgroup_wait(float* d, int count) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
