@@ -871,14 +871,16 @@ def test_shared_weights_rule():
     """By default (`block_warpgroup=None`) the experts' launches of 4 bits in
     groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's
     block, gated from `block_shared_gated_rows` rows an expert and ungated
-    from `block_shared_rows`; fewer rows, another format or backend, no
-    wgmma, a dense projection or a tiling that says 0 keep the warps' own
-    multiply-adds."""
+    from `block_shared_whole_rows` where the projection is whole stages of
+    128 values and blocks of 128 columns, else from `block_shared_rows`;
+    fewer rows, another format or backend, no wgmma, a dense projection or a
+    tiling that says 0 keep the warps' own multiply-adds."""
     def shared(capacity, gated=False, backend="cuda", warpgroup=True, dense=False, experts=4,
-               bits=4, group_size=64):
-        template = dict(launch.grouped_qmm_launch(experts, 256, 40, capacity, bits, group_size,
-                                                  "bfloat16", backend=backend, gated=gated,
-                                                  dense=dense, warpgroup=warpgroup).template)
+               bits=4, group_size=64, in_dims=256, out_dims=40):
+        template = dict(launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, bits,
+                                                  group_size, "bfloat16", backend=backend,
+                                                  gated=gated, dense=dense,
+                                                  warpgroup=warpgroup).template)
         assert template["WARPGROUP"] == template["SHARED_WEIGHTS"]
         if template["SHARED_WEIGHTS"]:
             assert (template["THREADS"], template["BLOCK_ROWS"]) == (256, 128)
@@ -887,6 +889,12 @@ def test_shared_weights_rule():
     tiling = launch.GROUPED_QMM_TILING
     assert tiling.block_warpgroup is None
     assert shared(4 * tiling.block_shared_rows) and not shared(4 * tiling.block_shared_rows - 1)
+    assert tiling.block_shared_whole_rows < tiling.block_shared_rows
+    whole = 4 * tiling.block_shared_whole_rows
+    assert shared(whole, out_dims=256) and not shared(whole - 1, out_dims=256)
+    # Part of a stage (3 groups of 64 values) or of a block's 128 columns.
+    assert not shared(whole, in_dims=192, out_dims=256) and not shared(whole, out_dims=192)
+    assert shared(4 * tiling.block_shared_rows, in_dims=192, out_dims=192)
     assert shared(4 * tiling.block_shared_gated_rows, gated=True)
     assert not shared(4 * tiling.block_shared_gated_rows - 1, gated=True)
     assert not shared(6400, backend="opencl") and not shared(6400, warpgroup=False)

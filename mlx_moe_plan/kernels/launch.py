@@ -176,10 +176,12 @@ class GroupedQmmTiling:
     # None: by the rule (_shared_weights_tiling): 2 in SHARED_WEIGHTS_TILING's
     # block where the GPU has wgmma, for the experts' gated launches (4 bits,
     # groups of 64) from block_shared_gated_rows rows an expert on average and
-    # their ungated ones from block_shared_rows; else 0.
+    # their ungated ones from block_shared_rows, or from block_shared_whole_rows
+    # where the projection is whole blocks (_whole_blocks); else 0.
     block_warpgroup: int | None = None
     block_shared_gated_rows: int = 64
     block_shared_rows: int = 512
+    block_shared_whole_rows: int = 256
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -198,7 +200,8 @@ class GroupedQmmTiling:
                              f"threads / 32: {self}")
         if min(self.tiles_from_rows, self.block_gated_tall_rows, self.block_halved_up_to_rows,
                self.block_halved_below_blocks, self.block_split_below_groups,
-               self.block_shared_gated_rows, self.block_shared_rows) < 0 \
+               self.block_shared_gated_rows, self.block_shared_rows,
+               self.block_shared_whole_rows) < 0 \
                 or self.block_stages < 2 or (self.block_input_splits is not None
                                              and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
@@ -506,7 +509,7 @@ def grouped_qmm_launch(
     if dense and num_experts != 1:
         raise ValueError(f"dense: a dense projection is one expert, got {num_experts}")
     tiling = _shared_weights_tiling(_grouped_qmm_tiling.get(), gated, backend, warpgroup, bits,
-                                    quant_group, capacity, num_experts, dense)
+                                    quant_group, capacity, num_experts, dense, in_dims, out_dims)
     store = (out_bias, clamped_swiglu if gated else None)
     if tiling.block_warpgroup and backend == "cuda" and not warpgroup:
         raise ValueError(f"grouped_qmm tiling: block_warpgroup={tiling.block_warpgroup}, but "
@@ -542,13 +545,15 @@ SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tile
 
 def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
                            warpgroup: bool, bits: int, quant_group: int, capacity: int,
-                           num_experts: int, dense: bool) -> GroupedQmmTiling:
+                           num_experts: int, dense: bool, in_dims: int,
+                           out_dims: int) -> GroupedQmmTiling:
     """`tiling` with its `block_warpgroup` decided where it is None: the
     experts' launches of 4 bits in groups of 64 on CUDA where the GPU has
     wgmma (`warpgroup`) take SHARED_WEIGHTS_TILING's block, gated from
     `block_shared_gated_rows` rows an expert on average (the plan's capacity
-    over its experts) and ungated from `block_shared_rows`; every other
-    launch the warps' own multiply-adds (0).
+    over its experts), ungated from `block_shared_whole_rows` where the
+    projection is whole blocks (`_whole_blocks`) and else from
+    `block_shared_rows`; every other launch the warps' own multiply-adds (0).
 
     On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks
@@ -556,17 +561,32 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T = 512) and
     0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave more of
     an expert's last block empty, and 0.69x at 40 (Qwen3-Next's T = 2048);
-    one projection 1.04x to 1.46x from 512 rows an expert, and 0.71x to
-    1.18x at 128 and 256 (gpt-oss-20b's the slowest); bfloat16 rows (float16
-    takes the same instructions). The other formats, which the tests run in
-    these blocks, keep theirs until timed in them, and so do a dense
-    projection (`dense`; none measured so), Metal and OpenCL (no wgmma)."""
+    one projection 1.04x to 1.46x from 512 rows an expert; at 256, 1.00x to
+    1.23x where it is whole blocks (Qwen3-30B-A3B's T = 4096, Mixtral's
+    1024, DeepSeek-V3's 8192) and 0.91x where it is not (gpt-oss-20b's 2880
+    values and columns, T = 2048); bfloat16 rows (float16 takes the same
+    instructions). The other formats, which the tests run in these blocks,
+    keep theirs until timed in them, and so do a dense projection (`dense`;
+    none measured so), Metal and OpenCL (no wgmma)."""
     if tiling.block_warpgroup is not None:
         return tiling
-    rows = (tiling.block_shared_gated_rows if gated else tiling.block_shared_rows)
+    rows = (tiling.block_shared_gated_rows if gated
+            else tiling.block_shared_whole_rows
+            if _whole_blocks(_decided_tiling(tiling, True), in_dims, out_dims)
+            else tiling.block_shared_rows)
     return _decided_tiling(tiling, backend == "cuda" and warpgroup and not dense
                            and (bits, quant_group) == (4, 64)
                            and capacity >= rows * num_experts)
+
+
+def _whole_blocks(shared: GroupedQmmTiling, in_dims: int, out_dims: int) -> bool:
+    """Whether a projection's input is whole stages of the `shared` tiling's
+    block (the made weights') and its output whole blocks of its columns: no
+    stage of fewer values, no block part empty. gpt-oss-20b's 2880 are
+    neither; which of the two costs it the block at 256 rows an expert was
+    not measured apart."""
+    _, columns = _block_shape(shared, shared.block_row_tiles, shared.block_tiles)
+    return in_dims % shared.block_stage_values == 0 and out_dims % columns == 0
 
 
 @lru_cache(maxsize=64)
