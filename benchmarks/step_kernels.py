@@ -26,7 +26,8 @@ then the median turn. A variant's compiled forwards and projection routes
 are dropped when its turn starts, so each traces under its own rules. With
 `--prefill TOKENS` each turn is one prefill of that many tokens instead, in
 generate's chunks of 2048 (a rule or tiling of prefill sizes, measured on the
-whole model in one process: `--layers 48`).
+whole model in one process: `--layers 48`), after an untimed one of the same
+chunk sizes in the same turn, which traces anew.
 
 `--build-profile N` builds N more steps under Python's profiler, evaluating
 each outside it, and prints where the building went by function, own time
@@ -199,7 +200,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
     `args.variants`, turns alternated (the order reversed every other round):
     each side's median step of each turn, and the median turn, a batch; with
     `args.prefill`, each turn one prefill of that many tokens instead (in
-    generate's chunks, after an untimed one of each side's chunk sizes)."""
+    generate's chunks, after an untimed one of its chunk sizes in the turn)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_moe_plan import _compiled, rules
@@ -231,13 +232,10 @@ def compare_variants(model, patched, config: dict, args) -> str:
             if args.prefill:
                 prompt = mx.random.randint(0, config["vocab_size"], (1, args.prefill))
 
-                def warm(side, prompt=prompt):
-                    prefill(side, warmup_prompt(prompt), make_prompt_cache(side))
-
-                for name in sides:
-                    turn(name, warm)
-
                 def run(side, prompt=prompt):
+                    # Untimed, the chunks' sizes first: the side's traces, which
+                    # its turn dropped, and on a fresh machine MLX's kernels.
+                    prefill(side, warmup_prompt(prompt), make_prompt_cache(side))
                     mx.synchronize()
                     start = time.perf_counter()
                     prefill(side, prompt, make_prompt_cache(side))

@@ -438,8 +438,9 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys):
         in capsys.readouterr().out
 
 
-def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
+def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monkeypatch):
     from benchmarks import step_kernels
+    from mlx_moe_plan import _compiled
 
     assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches",
                               "1,3", "--context", "8", "--dtype", "float32"]) == 0
@@ -468,7 +469,19 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
     assert [line.split()[2] for line in lines[1:]] == ["mlx-lm", "patched", "all", "body"]
     assert all(len(line.split("turns")[1].split()) == 2 for line in lines[1:])
     assert rules.DENSE_DECODING_FROM_IN_DIMS == threshold
-    # --prefill: each turn one prefill, every side, then the rules as they were.
+    # --prefill: each turn one prefill, every side, then the rules as they were;
+    # a turn drops the traces and prefills untimed before the timed one, so
+    # none is traced while timed.
+    events = []
+
+    def recorded(name, function):
+        def call(*args):
+            events.append(name)
+            return function(*args)
+        return call
+
+    monkeypatch.setattr(step_kernels, "prefill", recorded("prefill", step_kernels.prefill))
+    monkeypatch.setattr(_compiled, "forget", recorded("forget", _compiled.forget))
     assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--dtype",
                               "float32", "--rounds", "2", "--prefill", "40",
                               "--variants", "all:DENSE_DECODING_FROM_IN_DIMS=0;"
@@ -476,6 +489,7 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:3] for line in lines[1:]] == [
         ["prefill", "40", name] for name in ("mlx-lm", "patched", "all", "body")]
+    assert events == ["forget", "prefill", "prefill"] * 4 * 2 + ["forget"]
     assert all(len(line.split("turns")[1].split()) == 2 for line in lines[1:])
     assert rules.DENSE_DECODING_FROM_IN_DIMS == threshold
     with pytest.raises(SystemExit, match="neither"):
