@@ -171,6 +171,13 @@
 #               warps' own multiply-adds everywhere (block_warpgroup=0) and the
 #               made weights' earlier rule (from 256 rows an expert, gated),
 #               alternated in one process (benchmarks.step_kernels --prefill).
+#   ungated-rule (not in `bench`) one projection in the made weights' block at 256
+#               rows an expert (launch._whole_blocks): Mixtral T = 1024,
+#               Qwen3-30B-A3B 4096, DeepSeek-V3 8192 and gpt-oss-20b 2048, the
+#               default beside the rule before it (from 512 rows,
+#               block_shared_whole_rows=512) and the block forced at 256
+#               (block_shared_rows=256: gpt-oss-20b's, which the rule keeps from
+#               512), three processes a shape.
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
 #               expert (benchmarks.projections --prefill): where it would pay.
@@ -426,6 +433,15 @@ fi
 if wanted prefill-rule; then
   logged "$results/prefill-rule.log" python3 -m benchmarks.step_kernels --layers 48 \
     --prefill 8192 --rounds 3 --variants "warps:block_warpgroup=0;gated-256:block_shared_gated_rows=256"
+fi
+if wanted ungated-rule; then
+  for turn in 1 2 3; do
+    for case in mixtral:1024 qwen3-30b-a3b:4096 deepseek-v3:8192 gpt-oss-20b:2048; do
+      logged "$results/ungated-rule-${case%:*}-$turn.log" python3 -m benchmarks.grouped_qmm \
+        --shapes "${case%:*}" --tokens "${case#*:}" --calls 4 --no-sorted --sides kernel \
+        --tilings "default;block_shared_whole_rows=512;block_shared_rows=256"
+    done
+  done
 fi
 if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
