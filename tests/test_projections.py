@@ -451,7 +451,33 @@ def test_batch_generate_matches_unpatched(model_dirs, request, name, rows):
     want = batch_generate(model, tokenizer, prompts, max_tokens=8).texts
     got = batch_generate(patched, tokenizer, prompts, max_tokens=8).texts
     assert any(want), "nothing generated"
-    assert got == want
+    assert got == want, first_difference(model, patched, tokenizer, prompts, want, got)
+
+
+def first_difference(model, patched, tokenizer, prompts, want, got) -> str:
+    """Where greedy texts differ: each differing prompt's first differing
+    token, mlx-lm's margin between its best two logits there and the largest
+    gap between the two models' logits, each model run on the prompt and
+    mlx-lm's text as one sequence (no batch, no padding): a near tie that
+    a different summation order turns, or a gap that says more."""
+    lines = []
+    for prompt, wanted, generated in zip(prompts, want, got):
+        if wanted == generated:
+            continue
+        tokens = prompt + tokenizer.encode(wanted, add_special_tokens=False)
+        others = tokenizer.encode(generated, add_special_tokens=False)
+        at = next((i for i, (a, b) in enumerate(zip(tokens[len(prompt):], others)) if a != b),
+                  min(len(tokens) - len(prompt), len(others)))
+        position = len(prompt) - 1 + at  # the logits that chose generated token `at`
+        sequence = mx.array(tokens)[None]
+        theirs = np.array(model(sequence)[0, position].astype(mx.float32))
+        ours = np.array(patched(sequence)[0, position].astype(mx.float32))
+        best, second = np.sort(theirs)[::-1][:2]
+        lines.append(f"{wanted!r} against {generated!r}: token {at}, mlx-lm's margin "
+                     f"{best - second:.3g} of {best:.3g}, logits apart by at most "
+                     f"{np.abs(ours - theirs).max():.3g}, argmax {theirs.argmax()} and "
+                     f"{ours.argmax()}")
+    return "; ".join(lines)
 
 
 def test_dense_rows_off_and_models_without_moe(model_dirs):
