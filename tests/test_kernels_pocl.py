@@ -976,6 +976,20 @@ def test_grouped_qmm_tiles_input_splits_match_reference(counts, out_dims, in_gro
                          tail, 4, True, False, biased=fusion == "biased")
 
 
+@pytest.mark.parametrize("rows, bits, name", [(50, 4, "bfloat16"), (130, 8, "float16")])
+def test_grouped_qmm_tiles_shared_weights_split_input(rows, bits, name):
+    """A dense projection in the made weights' block (forced: the rule gives
+    a dense one none, but the prefill benchmark times it so), its input
+    split among groups where its blocks are few: each split's stages made
+    and multiplied, the splits' sums added."""
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **launch.SHARED_WEIGHTS_TILING):
+        template = dict(launch.grouped_qmm_launch(1, 512, 100, rows, bits, 64, name,
+                                                  backend="opencl", dense=True).template)
+        assert template["SHARED_WEIGHTS"] and template["INPUT_SPLITS"] > 1
+        check_grouped_qmm(_dense_qmm, np.random.default_rng(61), [rows], 100, 512, bits, 64,
+                          name, 0)
+
+
 @given(counts=st.lists(st.integers(0, 200), min_size=1, max_size=MAX_EXPERTS),
        tail=st.integers(0, 150), gated=st.booleans())
 def test_grouped_qmm_tiles_grid_holds_every_item(counts, tail, gated):
