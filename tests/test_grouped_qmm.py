@@ -196,6 +196,23 @@ def test_dense_projection_as_one_expert(rows, in_dims, out_dims, k_splits):
                           4, 64, "bfloat16", 0)
 
 
+@pytest.mark.parametrize("rows", [512, 700])
+@pytest.mark.parametrize("in_dims,out_dims", [(2048, 4096), (2880, 2880), (2048, 512)],
+                         ids=["q", "o-uneven", "kv"])
+def test_dense_prefill_as_one_expert(rows, in_dims, out_dims):
+    """A dense projection of a prefill's rows as one expert, as
+    `patch_model(dense=True)` runs it: from `block_shared_dense_rows` rows the
+    made weights' block where the GPU has wgmma, the input split among groups
+    where blocks are few; at 700 rows a block part empty, and 2880 values a
+    row end in part of a stage and 2880 columns in part of a block."""
+    rng = np.random.default_rng(rows + out_dims)
+    qmm = launch.grouped_qmm_launch(1, in_dims, out_dims, rows, 4, 64, "bfloat16",
+                                    backend="cuda", dense=True, warpgroup=_gpu.warpgroup_mma())
+    assert dict(qmm.template)["SHARED_WEIGHTS"] == int(_gpu.warpgroup_mma())
+    check_grouped_qmm(functools.partial(_run, dense=True), rng, [rows], out_dims, in_dims,
+                      4, 64, "bfloat16", 0)
+
+
 @pytest.mark.parametrize("field,steps,value", [("wide_loads", None, 1), ("wide_loads", 2, 1),
                                                ("wide_loads", 4, 1), ("loads_ahead", 1, 1),
                                                ("loads_ahead", 2, 1), ("word_stages", 4, 3),

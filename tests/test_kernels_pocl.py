@@ -872,9 +872,10 @@ def test_shared_weights_rule():
     groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's
     block, gated from `block_shared_gated_rows` rows an expert and ungated
     from `block_shared_whole_rows` where the projection is whole stages of
-    128 values and blocks of 128 columns, else from `block_shared_rows`;
-    fewer rows, another format or backend, no wgmma, a dense projection or a
-    tiling that says 0 keep the warps' own multiply-adds."""
+    128 values and blocks of 128 columns, else from `block_shared_rows`, a
+    dense projection's from `block_shared_dense_rows` whatever its shape;
+    fewer rows, another format or backend, no wgmma or a tiling that says 0
+    keep the warps' own multiply-adds."""
     def shared(capacity, gated=False, backend="cuda", warpgroup=True, dense=False, experts=4,
                bits=4, group_size=64, in_dims=256, out_dims=40):
         template = dict(launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, bits,
@@ -898,7 +899,15 @@ def test_shared_weights_rule():
     assert shared(4 * tiling.block_shared_gated_rows, gated=True)
     assert not shared(4 * tiling.block_shared_gated_rows - 1, gated=True)
     assert not shared(6400, backend="opencl") and not shared(6400, warpgroup=False)
-    assert not shared(6400, dense=True, experts=1)
+    # Whole blocks, where one expert's launch takes them from fewer rows.
+    dense = tiling.block_shared_dense_rows
+    assert dense > tiling.block_shared_whole_rows
+    assert shared(dense, dense=True, experts=1, out_dims=256)
+    assert not shared(dense - 1, dense=True, experts=1, out_dims=256)
+    assert shared(dense - 1, experts=1, out_dims=256)
+    assert shared(dense, dense=True, experts=1, in_dims=192, out_dims=192)
+    assert not shared(6400, dense=True, experts=1, bits=8)
+    assert not shared(6400, dense=True, experts=1, backend="opencl")
     assert not shared(6400, bits=8) and not shared(6400, group_size=32)
     with launch.grouped_qmm_tiling(block_warpgroup=0):
         assert not shared(6400)

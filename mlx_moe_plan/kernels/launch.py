@@ -177,11 +177,13 @@ class GroupedQmmTiling:
     # block where the GPU has wgmma, for the experts' gated launches (4 bits,
     # groups of 64) from block_shared_gated_rows rows an expert on average and
     # their ungated ones from block_shared_rows, or from block_shared_whole_rows
-    # where the projection is whole blocks (_whole_blocks); else 0.
+    # where the projection is whole blocks (_whole_blocks), and a dense
+    # projection's (one expert) from block_shared_dense_rows rows; else 0.
     block_warpgroup: int | None = None
     block_shared_gated_rows: int = 64
     block_shared_rows: int = 512
     block_shared_whole_rows: int = 256
+    block_shared_dense_rows: int = 512
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -201,7 +203,7 @@ class GroupedQmmTiling:
         if min(self.tiles_from_rows, self.block_gated_tall_rows, self.block_halved_up_to_rows,
                self.block_halved_below_blocks, self.block_split_below_groups,
                self.block_shared_gated_rows, self.block_shared_rows,
-               self.block_shared_whole_rows) < 0 \
+               self.block_shared_whole_rows, self.block_shared_dense_rows) < 0 \
                 or self.block_stages < 2 or (self.block_input_splits is not None
                                              and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
@@ -553,7 +555,9 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     `block_shared_gated_rows` rows an expert on average (the plan's capacity
     over its experts), ungated from `block_shared_whole_rows` where the
     projection is whole blocks (`_whole_blocks`) and else from
-    `block_shared_rows`; every other launch the warps' own multiply-adds (0).
+    `block_shared_rows`; a dense projection's (`dense`, one expert) from
+    `block_shared_dense_rows` rows; every other launch the warps' own
+    multiply-adds (0).
 
     On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks
@@ -565,16 +569,21 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     1.23x where it is whole blocks (Qwen3-30B-A3B's T = 4096, Mixtral's
     1024, DeepSeek-V3's 8192) and 0.91x where it is not (gpt-oss-20b's 2880
     values and columns, T = 2048); bfloat16 rows (float16 takes the same
-    instructions). The other formats, which the tests run in these blocks,
-    keep theirs until timed in them, and so do a dense projection (`dense`;
-    none measured so), Metal and OpenCL (no wgmma)."""
+    instructions). A dense projection's prefill of 512 to 8192 rows
+    (attention's, DeepSeek-V3's shared expert's, an lm_head's) ran 1.04x to
+    1.28x faster in them, but 0.96x for Qwen3-30B-A3B's keys and values at
+    T = 2048 and 1.00x for gpt-oss-20b's queries at 512
+    (benchmarks/RESULTS.md, "Dense projections at prefill sizes"). The other
+    formats, which the tests run in these blocks, keep theirs until timed in
+    them, and so do Metal and OpenCL (no wgmma)."""
     if tiling.block_warpgroup is not None:
         return tiling
-    rows = (tiling.block_shared_gated_rows if gated
+    rows = (tiling.block_shared_dense_rows if dense
+            else tiling.block_shared_gated_rows if gated
             else tiling.block_shared_whole_rows
             if _whole_blocks(_decided_tiling(tiling, True), in_dims, out_dims)
             else tiling.block_shared_rows)
-    return _decided_tiling(tiling, backend == "cuda" and warpgroup and not dense
+    return _decided_tiling(tiling, backend == "cuda" and warpgroup
                            and (bits, quant_group) == (4, 64)
                            and capacity >= rows * num_experts)
 
