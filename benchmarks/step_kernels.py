@@ -1,4 +1,4 @@
-"""Where a decoding step's GPU time goes: its kernels, each one's time, by name.
+"""Where a decoding step's or a prefill's GPU time goes: its kernels, each one's time, by name.
 
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum \\
         --csv --log-file patched.csv python -m benchmarks.step_kernels --side patched
@@ -34,6 +34,11 @@ each outside it, and prints where the building went by function, own time
 first: the host's part of a step (the model's calls, the layers' rules and
 launches), which the GPU waits for.
 
+`--prefill TOKENS` without `--variants` times one side's prefills instead of
+its steps (the median of 3, after an untimed one), and `--timeline N` then
+traces N more prefills: where a prefill's GPU time goes, and how long the
+GPU waits for the host while each chunk's graph is built.
+
 `--timeline N` runs N more steps under torch's profiler, where torch is
 installed, which records every kernel's start and end on the GPU through
 CUPTI, MLX's too (Nsight Systems would, where it runs), and the host's CUDA
@@ -66,7 +71,7 @@ from .workloads import MODELS, with_layers
 TIMED_STEPS = 20
 UNTIMED_STEPS = 3
 MARKER = "step_marker_b"
-STEP_RANGE = "decoding step"  # torch's profiler's range around each traced step
+RUN_RANGE = "timed run"  # torch's profiler's range around each traced step or prefill
 
 
 def kernel_lines(micros: collections.Counter, launches: collections.Counter, top: int,
@@ -111,14 +116,16 @@ def _by_name(intervals) -> tuple[collections.Counter, collections.Counter]:
     return micros, counts
 
 
-def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
-    """`steps` decoding steps under torch's profiler: their median build and
-    wall time, the GPU's busy time a step (the union of its kernels'
-    intervals) against the evaluation's (wall less build), the `top` kernels
-    by time a step, the `top` kernels by the GPU's idle time just before them
-    (where the GPU waited for the host's dispatch, and for what), and the
-    `top` CUDA API calls by their host time a step (what of the host's
-    dispatch is the driver's: CUPTI's runtime and driver records)."""
+def timeline(run, runs: int, top: int, unit: str = "step") -> str:
+    """`runs` calls of `run` under torch's profiler, each one decoding step or
+    one prefill (`unit`) returning its build and wall seconds: their median
+    build and wall time, the GPU's busy time a run (the union of its kernels'
+    intervals) against the evaluation's (wall less build; a prefill's chunks
+    are built and evaluated in turn, its build counted in its wall), the
+    `top` kernels by time a run, the `top` kernels by the GPU's idle time
+    just before them (where the GPU waited for the host's dispatch, and for
+    what), and the `top` CUDA API calls by their host time a run (what of
+    the host's dispatch is the driver's: CUPTI's runtime and driver records)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile, record_function
@@ -127,24 +134,24 @@ def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
     torch.cuda.init()  # the context CUPTI attaches to, which MLX's kernels share
     timed = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            with record_function(STEP_RANGE):  # where the first step starts
-                timed.append(decode_step(model, cache, y)[2:])
-    kernels, api_calls, step_starts = [], [], []
+        for _ in range(runs):
+            with record_function(RUN_RANGE):  # where the first run starts
+                timed.append(run())
+    kernels, api_calls, run_starts = [], [], []
     for event in prof.events():
         interval = (event.time_range.start, event.time_range.end, event.name[:70])
-        if event.name == STEP_RANGE:
-            step_starts.append(event.time_range.start)
+        if event.name == RUN_RANGE:
+            run_starts.append(event.time_range.start)
         elif not str(event.device_type).endswith("CUDA"):
             api_calls.append(interval)
         elif not event.name.startswith(("Memcpy", "Memset")):
             kernels.append(interval)
     kernels.sort()
-    # The idle time before the first step's first kernel counts from that
-    # step's start, as the later steps' count from the kernel before them:
-    # every step's wait for its building, not all but the first's (where
-    # the profiler's clocks agree that the step started first).
-    first_start = min(step_starts, default=None)
+    # The idle time before the first run's first kernel counts from that
+    # run's start, as the later runs' count from the kernel before them:
+    # every run's wait for its building, not all but the first's (where the
+    # profiler's clocks agree that the run started first).
+    first_start = min(run_starts, default=None)
     if first_start is not None and kernels and first_start > kernels[0][0]:
         first_start = None
     busy_us, end = 0.0, first_start
@@ -159,18 +166,42 @@ def timeline(model, cache, y: mx.array, steps: int, top: int) -> str:
             busy_us, end = busy_us + stop - end, stop
     build = statistics.median(b for b, _ in timed)
     wall = statistics.median(w for _, w in timed)
-    busy_ms = busy_us / 1e3 / steps
+    busy_ms = busy_us / 1e3 / runs
     lines = [f"  traced: wall {wall * 1e3:.3f} ms, build {build * 1e3:.3f} ms, the GPU busy "
-             f"{busy_ms:.3f} ms a step ({busy_ms / ((wall - build) * 1e3):.0%} of the "
-             f"evaluation), {len(kernels) / steps:.0f} kernels a step"]
+             f"{busy_ms:.3f} ms a {unit} ({busy_ms / ((wall - build) * 1e3):.0%} of the "
+             f"evaluation), {len(kernels) / runs:.0f} kernels a {unit}"]
     micros, launches = _by_name(kernels)
     api_micros, api_count = _by_name(api_calls)
     return "\n".join(
-        lines + kernel_lines(micros, launches, top, steps)
-        + [f"  GPU idle before a kernel, {sum(idle.values()) / steps / 1e3:.3f} ms a step:"]
-        + kernel_lines(idle, idle_before, top, steps)
-        + [f"  CUDA API calls, {sum(api_micros.values()) / steps / 1e3:.3f} ms a step:"]
-        + kernel_lines(api_micros, api_count, top, steps))
+        lines + kernel_lines(micros, launches, top, runs)
+        + [f"  GPU idle before a kernel, {sum(idle.values()) / runs / 1e3:.3f} ms a {unit}:"]
+        + kernel_lines(idle, idle_before, top, runs)
+        + [f"  CUDA API calls, {sum(api_micros.values()) / runs / 1e3:.3f} ms a {unit}:"]
+        + kernel_lines(api_micros, api_count, top, runs))
+
+
+def time_prefills(side, config: dict, args, cuda: bool) -> str:
+    """`side`'s prefill of `args.prefill` tokens in generate's chunks: the
+    median wall time of 3 (after an untimed one of the same chunk sizes), and
+    on a CUDA GPU `args.timeline` more under torch's profiler (`timeline`)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.random.randint(0, config["vocab_size"], (1, args.prefill))
+    prefill(side, warmup_prompt(prompt), make_prompt_cache(side))
+
+    def timed() -> tuple[float, float]:
+        cache = make_prompt_cache(side)
+        mx.synchronize()
+        start = time.perf_counter()
+        prefill(side, prompt, cache)
+        return 0.0, time.perf_counter() - start
+
+    walls = [timed()[1] for _ in range(3)]
+    lines = [f"{args.models} {args.layers} layers, {args.side}, prefill {args.prefill}: "
+             f"wall {statistics.median(walls) * 1e3:.3f} ms"]
+    if args.timeline and cuda:
+        lines.append(timeline(timed, args.timeline, args.top, "prefill"))
+    return "\n".join(lines)
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict]]:
@@ -300,9 +331,9 @@ def main(argv=None) -> int:
                         help="turns of each side a batch with --variants "
                              "(default: %(default)s)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
-                        help="with --variants, each turn one prefill of this many tokens, "
-                             "in generate's chunks, instead of decoding steps (default: "
-                             "%(default)s, decoding)")
+                        help="prefills of this many tokens, in generate's chunks, instead "
+                             "of decoding steps: with --variants one a turn, else 3 of "
+                             "--side and --timeline's (default: %(default)s, decoding)")
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize, args.top))
@@ -315,6 +346,9 @@ def main(argv=None) -> int:
         return 0
     side = patched if args.side == "patched" else model
     cuda = mx.default_device().type == mx.gpu and mx.cuda.is_available()
+    if args.prefill:
+        print(time_prefills(side, config, args, cuda), flush=True)
+        return 0
     for batch in (int(b) for b in args.batches.split(",")):
         cache, y = fill_context(patched, batch, args.context, config["vocab_size"])
         builds, walls, _ = decode_steps(side, cache, y, TIMED_STEPS, UNTIMED_STEPS)
@@ -326,7 +360,8 @@ def main(argv=None) -> int:
         if args.build_profile:
             print(profile_builds(side, cache, y, args.build_profile, args.top), flush=True)
         if args.timeline and cuda:
-            print(timeline(side, cache, y, args.timeline, args.top), flush=True)
+            print(timeline(lambda: decode_step(side, cache, y)[2:], args.timeline, args.top),
+                  flush=True)
     if not cuda:
         print("no CUDA device: no step was profiled", file=sys.stderr)
     return 0

@@ -171,6 +171,18 @@
 #               warps' own multiply-adds everywhere (block_warpgroup=0) and the
 #               made weights' earlier rule (from 256 rows an expert, gated),
 #               alternated in one process (benchmarks.step_kernels --prefill).
+#   dense-prefill-model (not in `bench`) whole Qwen3-30B-A3B and gpt-oss-20b
+#               prefilling 8192 tokens, the patch (the lm_heads alone through
+#               the grouped kernel) beside every dense projection of 512
+#               columns and more through it (DENSE_EXPERT_FROM_OUT_DIMS=512),
+#               in the made weights' block and in the warps' own, alternated in
+#               one process (benchmarks.step_kernels --prefill): whether what
+#               dense-prefill measured a GEMM at a time pays in a whole model,
+#               where the grouped kernel's launches cost the host more.
+#   prefill-timeline (not in `bench`) the same two models' patched prefill of
+#               8192 tokens under torch's profiler: the GPU's busy time, each
+#               kernel's, and its idle time while the host builds each chunk
+#               (benchmarks.step_kernels --prefill --timeline).
 #   ungated-rule (not in `bench`) one projection in the made weights' block at 256
 #               rows an expert (launch._whole_blocks): Mixtral T = 1024,
 #               Qwen3-30B-A3B 4096, DeepSeek-V3 8192 and gpt-oss-20b 2048, the
@@ -436,6 +448,19 @@ fi
 if wanted prefill-rule; then
   logged "$results/prefill-rule.log" python3 -m benchmarks.step_kernels --layers 48 \
     --prefill 8192 --rounds 3 --variants "warps:block_warpgroup=0;gated-256:block_shared_gated_rows=256"
+fi
+if wanted dense-prefill-model; then
+  for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
+    logged "$results/dense-prefill-model-${model%:*}.log" python3 -m benchmarks.step_kernels \
+      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --rounds 3 \
+      --variants "all-dense:DENSE_EXPERT_FROM_OUT_DIMS=512;all-dense-warps:DENSE_EXPERT_FROM_OUT_DIMS=512,block_shared_dense_rows=1000000000"
+  done
+fi
+if wanted prefill-timeline; then
+  for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
+    logged "$results/prefill-timeline-${model%:*}.log" python3 -m benchmarks.step_kernels \
+      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --timeline 1 --top 16
+  done
 fi
 if wanted ungated-rule; then
   for turn in 1 2 3; do

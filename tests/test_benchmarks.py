@@ -438,6 +438,54 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys):
         in capsys.readouterr().out
 
 
+def test_step_kernels_timeline_of_prefills(monkeypatch, capsys):
+    """--prefill without --variants times one side's prefills (on a CPU no
+    timeline follows); --timeline's reading of torch's profiler, as a
+    prefill's runs give it:
+    the GPU's busy time a run is the union of its kernels' intervals
+    (overlapping ones counted once), the idle time before a kernel counts
+    from its run's start for the first, and host records are API calls."""
+    import types
+    from contextlib import nullcontext
+
+    from benchmarks import step_kernels
+
+    def event(name, start, end, device="DeviceType.CUDA"):
+        return types.SimpleNamespace(name=name, device_type=device,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    events = [event(step_kernels.RUN_RANGE, 0, 10_000, "DeviceType.CPU"),
+              event("gemm", 1_000, 4_000), event("add", 3_000, 5_000),  # overlapping
+              event("Memcpy HtoD", 5_000, 9_000),  # not a kernel
+              event("cudaLaunchKernel", 100, 300, "DeviceType.CPU"),
+              event(step_kernels.RUN_RANGE, 10_000, 20_000, "DeviceType.CPU"),
+              event("gemm", 14_000, 17_000)]
+    profiler = types.SimpleNamespace(
+        ProfilerActivity=types.SimpleNamespace(CPU="cpu", CUDA="cuda"),
+        profile=lambda activities: nullcontext(types.SimpleNamespace(events=lambda: events)),
+        record_function=lambda name: nullcontext())
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(init=lambda: None),
+                                  profiler=profiler)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
+    runs = iter([(0.0, 0.010), (0.0, 0.012)])
+    lines = step_kernels.timeline(lambda: next(runs), 2, top=3, unit="prefill").splitlines()
+    # Busy: 4 ms then 3 ms, 3.5 a run of an 11 ms median wall.
+    assert lines[0] == ("  traced: wall 11.000 ms, build 0.000 ms, the GPU busy 3.500 ms a "
+                        "prefill (32% of the evaluation), 2 kernels a prefill")
+    assert lines[1].split() == ["3000.0", "us", "1x", "gemm"]  # 6 ms in 2 runs
+    # Idle: 1 ms before the first gemm (from the run's start), 9 ms before the second.
+    idle = lines.index("  GPU idle before a kernel, 5.000 ms a prefill:")
+    assert lines[idle + 1].split() == ["5000.0", "us", "1x", "gemm"]
+    assert "  CUDA API calls, 0.100 ms a prefill:" in lines
+    monkeypatch.undo()
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--dtype",
+                              "float32", "--prefill", "40", "--timeline", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("small-qwen3-moe 1 layers, patched, prefill 40: wall ")
+
+
 def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monkeypatch):
     from benchmarks import step_kernels
     from mlx_moe_plan import _compiled
