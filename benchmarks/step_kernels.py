@@ -64,7 +64,7 @@ import time
 import mlx.core as mx
 
 from .model import (build_step, decode_step, decode_steps, fill_context, patched_copy, prefill,
-                    random_model, warmup_prompt)
+                    random_model, timed_prefill, warmup_prompt)
 from .timing import marked_kernels, profiled
 from .workloads import MODELS, with_layers
 
@@ -190,11 +190,7 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
     prefill(side, warmup_prompt(prompt), make_prompt_cache(side))
 
     def timed() -> tuple[float, float]:
-        cache = make_prompt_cache(side)
-        mx.synchronize()
-        start = time.perf_counter()
-        prefill(side, prompt, cache)
-        return 0.0, time.perf_counter() - start
+        return 0.0, timed_prefill(side, prompt)[0]
 
     walls = [timed()[1] for _ in range(3)]
     lines = [f"{args.models} {args.layers} layers, {args.side}, prefill {args.prefill}: "
