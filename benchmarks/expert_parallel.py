@@ -26,8 +26,10 @@ chunks of 2048 (`benchmarks.model.prefill`), and decoding one step at a time
 from a context in the KV cache, wall time with graph building
 (`benchmarks.model.decode_steps`), the building's own time beside it; the
 bytes of the experts a rank holds, and its peak memory. The last prefill
-logits are compared with `one`'s. Rank 0 prints the table and writes
-`--json`; progress goes to stderr.
+logits are compared with `one`'s. Once a model, for the block's sizes: one
+`all_sum` of the block's `[T, D]` output alone (throughput, 8 a graph), the
+all-reduce an expert-parallel block adds to its halved GEMMs. Rank 0 prints
+the table and writes `--json`; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import time
 import mlx.core as mx
 
 from . import model as whole
+from .timing import time_calls
 from .workloads import DEFAULT_LAYERS, MODELS, with_layers
 
 SIDES = ("one", "tensor", "tensor+patch", "expert", "expert+tensor")
@@ -117,6 +120,18 @@ def time_block(block, tokens: int, hidden: int, dtype, calls: int) -> float:
     return statistics.median(samples)
 
 
+def time_all_sums(group, tokens: int, hidden: int, dtype, repeats: int) -> float:
+    """Median milliseconds of one `all_sum` over `group` of a block's output
+    `[tokens, hidden]`, 8 independent ones a graph: the expert sides' cost a
+    MoE block beside their GEMMs. Fixed repeats: every rank makes the calls."""
+    outputs = [mx.random.normal((tokens, hidden), key=mx.random.key(i)).astype(dtype)
+               for i in range(8)]
+    mx.eval(outputs)
+    timing = time_calls(lambda i: mx.distributed.all_sum(outputs[i], group=group), 8,
+                        warmup=2, repeats=repeats)
+    return timing.median_s * 1e3
+
+
 def measure_side(model, config: dict, args) -> dict:
     """One side's figures; a figure whose graph MLX failed to run is None, and
     its error is in `row["errors"]` (every rank fails alike: same shapes)."""
@@ -182,7 +197,11 @@ def run(args) -> dict:
                          "nothing to split)")
     for name in args.model_names:
         config = with_layers(MODELS[name], args.layers or DEFAULT_LAYERS.get(name))
-        entry = {"name": name, "layers": config["num_hidden_layers"], "sides": {}}
+        entry = {"name": name, "layers": config["num_hidden_layers"],
+                 "hidden": config["hidden_size"], "sides": {},
+                 "all_sum_ms": {t: time_all_sums(group, t, config["hidden_size"],
+                                                 getattr(mx, args.dtype), args.calls)
+                                for t in args.block_tokens}}
         reference = None
         for side in args.sides:
             say(f"{name}: {side}")
@@ -243,6 +262,8 @@ def format_tables(result: dict) -> str:
             lines.append("  experts' bytes a rank holds, of one device's: " + ", ".join(
                 f"{s} {r['expert_bytes'] / full:.3f}" for s, r in sides.items()) +
                 f" (1/N = {1 / result['ranks']:.3f})")
+        lines.append(f"  one all_sum of a block's [T, {entry['hidden']}] output, ms: " + ", ".join(
+            f"T={t} {ms:.3f}" for t, ms in entry["all_sum_ms"].items()))
         lines.append("  logits rel. diff vs one: " + ", ".join(
             f"{s} {r['logits_rel_diff']:.1e}" for s, r in sides.items()
             if r["logits_rel_diff"] is not None))

@@ -228,8 +228,8 @@ def test_model_benchmark_processes_merge_after_a_warm_process(tmp_path, monkeypa
 def test_expert_parallel_benchmark_end_to_end(tmp_path):
     # benchmarks.expert_parallel as two ranks on the loopback, every side, one
     # short run: each side's figures are there, a rank holds half the experts'
-    # bytes under expert and tensor parallelism, and every side's logits are
-    # the single device's within float32 rounding.
+    # bytes under expert and tensor parallelism, every side's logits are the
+    # single device's within float32 rounding, and the all-reduce alone is timed.
     out = tmp_path / "ep.json"
     result = two_ranks.launch(
         [sys.executable, "-m", "benchmarks.expert_parallel", "--layers", "1", "--prompts",
@@ -254,6 +254,9 @@ def test_expert_parallel_benchmark_end_to_end(tmp_path):
         assert row["expert_bytes"] * (1 if side == "one" else 2) == full, (side, row)
     assert "experts' bytes a rank holds" in result.stdout
     assert "expert+tensor vs tensor+patch" in result.stdout
+    assert set(entry["all_sum_ms"]) == {"1", "8"} and all(
+        ms > 0 for ms in entry["all_sum_ms"].values())
+    assert "one all_sum of a block's [T, " in result.stdout
 
 
 def test_grouped_qmm_tilings_parse():
