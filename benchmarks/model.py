@@ -236,15 +236,24 @@ def relative_difference(got: mx.array, want: mx.array) -> float:
     return float(mx.linalg.norm(got - want) / mx.linalg.norm(want))
 
 
-def prefill(model, prompt: mx.array, cache) -> mx.array:
+def prefill(model, prompt: mx.array, cache, builds: list[float] | None = None) -> mx.array:
     """mlx-lm's generate: chunks, the cache evaluated after each, then the
-    last token's logits. Returns the last token's logits, evaluated."""
+    last token's logits. Returns the last token's logits, evaluated. With
+    `builds`, each call's graph-building seconds are appended to it: the
+    host's part, during which the GPU waits (the chunk before is evaluated)."""
+    def built(call):
+        start = time.perf_counter()
+        out = call()
+        if builds is not None:
+            builds.append(time.perf_counter() - start)
+        return out
+
     while prompt.shape[1] > 1:
         step = min(PREFILL_STEP, prompt.shape[1] - 1)
-        model(prompt[:, :step], cache=cache)
+        built(lambda: model(prompt[:, :step], cache=cache))
         mx.eval([c.state for c in cache])
         prompt = prompt[:, step:]
-    logits = model(prompt, cache=cache)[:, -1, :]
+    logits = built(lambda: model(prompt, cache=cache)[:, -1, :])
     mx.eval(logits)
     return logits
 
@@ -302,14 +311,16 @@ class Sides:
             return None
 
 
-def timed_prefill(model, prompt: mx.array) -> tuple[float, mx.array]:
-    """Wall seconds of `prefill` of `prompt` into a new KV cache, and its logits."""
+def timed_prefill(model, prompt: mx.array,
+                  builds: list[float] | None = None) -> tuple[float, mx.array]:
+    """Wall seconds of `prefill` of `prompt` into a new KV cache, and its
+    logits; with `builds`, `prefill`'s."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     mx.synchronize()
     start = time.perf_counter()
-    logits = prefill(model, prompt, cache)
+    logits = prefill(model, prompt, cache, builds)
     return time.perf_counter() - start, logits
 
 

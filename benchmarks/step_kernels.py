@@ -32,12 +32,14 @@ chunk sizes in the same turn, which traces anew.
 `--build-profile N` builds N more steps under Python's profiler, evaluating
 each outside it, and prints where the building went by function, own time
 first: the host's part of a step (the model's calls, the layers' rules and
-launches), which the GPU waits for.
+launches), which the GPU waits for. With `--prefill`, N more prefills, the
+chunks' evaluation in `prefill`'s own time.
 
 `--prefill TOKENS` without `--variants` times one side's prefills instead of
-its steps (the median of 3, after an untimed one), and `--timeline N` then
-traces N more prefills: where a prefill's GPU time goes, and how long the
-GPU waits for the host while each chunk's graph is built.
+its steps (the median of 3, after an untimed one: the wall time, and the
+chunks' graph building in it, during which the GPU waits), and `--timeline
+N` then traces N more prefills: where a prefill's GPU time goes, and how
+long the GPU waits for the host while each chunk's graph is built.
 
 `--timeline N` runs N more steps under torch's profiler, where torch is
 installed, which records every kernel's start and end on the GPU through
@@ -94,14 +96,15 @@ def summarize(path: str, top: int) -> str:
     return "\n".join(out)
 
 
-def profile_builds(model, cache, y: mx.array, steps: int, top: int) -> str:
-    """`steps` decoding steps, their building under cProfile (each evaluated
-    outside it): the `top` functions by own time. MLX's ops, C++ functions
-    the profiler does not see, count in their Python callers' own time."""
+def profile_builds(build, runs: int, top: int) -> str:
+    """`runs` calls of `build` under cProfile: the `top` functions by own
+    time. A decoding step's `build` returns its graph, evaluated outside the
+    profile; a prefill evaluates each chunk inside it, in `prefill`'s own
+    time. MLX's ops and `mx.eval`, C++ functions the profiler does not see,
+    count in their Python callers' own time."""
     profile = cProfile.Profile()
-    for _ in range(steps):
-        y, logits = profile.runcall(build_step, model, cache, y)
-        mx.eval(y, logits)
+    for _ in range(runs):
+        mx.eval(profile.runcall(build))
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
@@ -182,19 +185,28 @@ def timeline(run, runs: int, top: int, unit: str = "step") -> str:
 
 def time_prefills(side, config: dict, args, cuda: bool) -> str:
     """`side`'s prefill of `args.prefill` tokens in generate's chunks: the
-    median wall time of 3 (after an untimed one of the same chunk sizes), and
-    on a CUDA GPU `args.timeline` more under torch's profiler (`timeline`)."""
+    median wall and build time of 3 (after an untimed one of the same chunk
+    sizes; the build is the chunks' graph building, which the GPU waits
+    for), then `args.build_profile` more under cProfile (`profile_builds`)
+    and on a CUDA GPU `args.timeline` more under torch's profiler
+    (`timeline`)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.random.randint(0, config["vocab_size"], (1, args.prefill))
     prefill(side, warmup_prompt(prompt), make_prompt_cache(side))
 
     def timed() -> tuple[float, float]:
-        return 0.0, timed_prefill(side, prompt)[0]
+        builds = []
+        seconds = timed_prefill(side, prompt, builds)[0]
+        return sum(builds), seconds
 
-    walls = [timed()[1] for _ in range(3)]
+    runs = [timed() for _ in range(3)]
     lines = [f"{args.models} {args.layers} layers, {args.side}, prefill {args.prefill}: "
-             f"wall {statistics.median(walls) * 1e3:.3f} ms"]
+             f"wall {statistics.median(w for _, w in runs) * 1e3:.3f} ms, "
+             f"build {statistics.median(b for b, _ in runs) * 1e3:.3f} ms"]
+    if args.build_profile:
+        lines.append(profile_builds(lambda: timed_prefill(side, prompt)[1],
+                                    args.build_profile, args.top))
     if args.timeline and cuda:
         lines.append(timeline(timed, args.timeline, args.top, "prefill"))
     return "\n".join(lines)
@@ -354,7 +366,13 @@ def main(argv=None) -> int:
         if cuda:  # one step more, from the cache as the timed ones left it
             profiled(f"{MARKER}{batch}", lambda: decode_step(side, cache, y))
         if args.build_profile:
-            print(profile_builds(side, cache, y, args.build_profile, args.top), flush=True)
+            steps = {"y": y}  # each step decodes the token the one before chose
+
+            def build_next(steps=steps, cache=cache):
+                steps["y"], logits = build_step(side, cache, steps["y"])
+                return steps["y"], logits
+
+            print(profile_builds(build_next, args.build_profile, args.top), flush=True)
         if args.timeline and cuda:
             print(timeline(lambda: decode_step(side, cache, y)[2:], args.timeline, args.top),
                   flush=True)

@@ -180,9 +180,10 @@
 #               dense-prefill measured a GEMM at a time pays in a whole model,
 #               where the grouped kernel's launches cost the host more.
 #   prefill-timeline (not in `bench`) the same two models' patched prefill of
-#               8192 tokens under torch's profiler: the GPU's busy time, each
-#               kernel's, and its idle time while the host builds each chunk
-#               (benchmarks.step_kernels --prefill --timeline).
+#               8192 tokens: its chunks' building (the host's part, which the
+#               GPU waits for) and where it goes by Python function, then under
+#               torch's profiler the GPU's busy time, each kernel's, and its idle
+#               time (benchmarks.step_kernels --prefill --build-profile --timeline).
 #   ungated-rule (not in `bench`) one projection in the made weights' block at 256
 #               rows an expert (launch._whole_blocks): Mixtral T = 1024,
 #               Qwen3-30B-A3B 4096, DeepSeek-V3 8192 and gpt-oss-20b 2048, the
@@ -459,7 +460,8 @@ fi
 if wanted prefill-timeline; then
   for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
     logged "$results/prefill-timeline-${model%:*}.log" python3 -m benchmarks.step_kernels \
-      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --timeline 1 --top 16
+      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --build-profile 1 \
+      --timeline 1 --top 16
   done
 fi
 if wanted ungated-rule; then

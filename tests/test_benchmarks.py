@@ -483,10 +483,20 @@ def test_step_kernels_timeline_of_prefills(monkeypatch, capsys):
     assert "  CUDA API calls, 0.100 ms a prefill:" in lines
     monkeypatch.undo()
     assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--dtype",
-                              "float32", "--prefill", "40", "--timeline", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1
-    assert lines[0].startswith("small-qwen3-moe 1 layers, patched, prefill 40: wall ")
+                              "float32", "--prefill", "40", "--timeline", "1",
+                              "--build-profile", "1", "--top", "400"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    wall, build = map(float, re.fullmatch(
+        r"small-qwen3-moe 1 layers, patched, prefill 40: wall ([0-9.]+) ms, "
+        r"build ([0-9.]+) ms", first).groups())
+    assert 0 < build < wall
+    # The profile: one prefill, its two model calls (a chunk, the last token).
+    calls = {line.split()[-1]: line.split()[0] for line in out.splitlines()[1:]
+             if line.strip()[:1].isdigit() and "(" in line}
+    assert [count for name, count in calls.items() if name.endswith("(prefill)")] == ["1"]
+    assert any(name.endswith("(__call__)") and "qwen3_moe" in name and count == "2"
+               for name, count in calls.items())
 
 
 def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monkeypatch):
