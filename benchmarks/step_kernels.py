@@ -123,8 +123,8 @@ def timeline(run, runs: int, top: int, unit: str = "step") -> str:
     """`runs` calls of `run` under torch's profiler, each one decoding step or
     one prefill (`unit`) returning its build and wall seconds: their median
     build and wall time, the GPU's busy time a run (the union of its kernels'
-    intervals) against the evaluation's (wall less build; a prefill's chunks
-    are built and evaluated in turn, its build counted in its wall), the
+    intervals) against the evaluation's (wall less build; a prefill's build
+    is its chunks' building, each before its chunk's evaluation), the
     `top` kernels by time a run, the `top` kernels by the GPU's idle time
     just before them (where the GPU waited for the host's dispatch, and for
     what), and the `top` CUDA API calls by their host time a run (what of
