@@ -61,7 +61,6 @@ import pstats
 import re
 import statistics
 import sys
-import time
 
 import mlx.core as mx
 
@@ -275,10 +274,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
                     # Untimed, the chunks' sizes first: the side's traces, which
                     # its turn dropped, and on a fresh machine MLX's kernels.
                     prefill(side, warmup_prompt(prompt), make_prompt_cache(side))
-                    mx.synchronize()
-                    start = time.perf_counter()
-                    prefill(side, prompt, make_prompt_cache(side))
-                    seconds = time.perf_counter() - start
+                    seconds = timed_prefill(side, prompt)[0]
                     mx.clear_cache()  # the turn's cache, back to MLX before the next turn's
                     return [0.0], [seconds]
             else:
