@@ -987,10 +987,10 @@ def test_grouped_qmm_tiles_input_splits_match_reference(counts, out_dims, in_gro
 
 @pytest.mark.parametrize("rows, bits, name", [(50, 4, "bfloat16"), (130, 8, "float16")])
 def test_grouped_qmm_tiles_shared_weights_split_input(rows, bits, name):
-    """A dense projection in the made weights' block (forced: the rule gives
-    a dense one none, but the prefill benchmark times it so), its input
-    split among groups where its blocks are few: each split's stages made
-    and multiplied, the splits' sums added."""
+    """A dense projection in the made weights' block (forced: at 50 and 130
+    rows, below the rule's `block_shared_dense_rows`), its input split among
+    groups where its blocks are few: each split's stages made and
+    multiplied, the splits' sums added."""
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **launch.SHARED_WEIGHTS_TILING):
         template = dict(launch.grouped_qmm_launch(1, 512, 100, rows, bits, 64, name,
                                                   backend="opencl", dense=True).template)
