@@ -193,10 +193,10 @@
 #               512), three processes a shape.
 #   dense-prefill (not in `bench`) the dense projections at a prefill's T = 512
 #               to 8192 rows, MLX's `[1, T, D]` against the grouped kernel as one
-#               expert (benchmarks.projections --prefill), in its default tiling
-#               (the warps' own multiply-adds: the rule gives a dense projection
-#               no made weights) and in the made weights' block
-#               (launch.SHARED_WEIGHTS_TILING, written out): where it would pay.
+#               expert (benchmarks.projections --prefill), in the warps' own
+#               multiply-adds (block_warpgroup=0) and in its default tiling (the
+#               made weights' block, which the rule gives a dense projection
+#               from block_shared_dense_rows): where it would pay.
 #   projections every model's dense projections at batch 1 to 64, each shape of a
 #               decoding batch and the grouped kernel, built and evaluated,
 #               bfloat16 and float16, 4 and 8 bits: the rules rules.dense_as_rows
@@ -477,7 +477,7 @@ if wanted dense-prefill; then
   logged "$results/dense-prefill.log" python3 -m benchmarks.projections --prefill \
     --gemms qwen3-30b-a3b/q,qwen3-30b-a3b/kv,qwen3-30b-a3b/o,qwen3-30b-a3b/lm_head,gpt-oss-20b/q,gpt-oss-20b/o,deepseek-v3/shared-up,deepseek-v3/shared-down \
     --batches 512,2048,8192 --max-calls 48 --json "$results/dense-prefill.json" \
-    --tilings "default;block_warpgroup=2,block_column_warps=8,block_tiles=1,block_gated_tiles=1,block_row_tiles=16,block_gated_row_tiles=16,block_stage_values=128"
+    --tilings "block_warpgroup=0;default"
 fi
 if wanted grouped-qmm-prefill; then
   for skew in 0 0.5; do
