@@ -65,7 +65,7 @@ import sys
 import mlx.core as mx
 
 from .model import (build_step, decode_step, decode_steps, fill_context, patched_copy, prefill,
-                    random_model, timed_prefill, warmup_prompt)
+                    progress, random_model, timed_prefill, warmup_prompt)
 from .timing import marked_kernels, profiled
 from .workloads import MODELS, with_layers
 
@@ -288,6 +288,8 @@ def compare_variants(model, patched, config: dict, args) -> str:
                 for name in (list(sides) if round_ % 2 == 0 else list(reversed(sides))):
                     builds, walls = turn(name, run)
                     turns[name].append((statistics.median(walls), statistics.median(builds)))
+                    progress(f"{case}, round {round_ + 1}: {name} "
+                             f"{statistics.median(walls) * 1e3:.2f} ms")
             reference = statistics.median(wall for wall, _ in turns["mlx-lm"])
             for name, measured in turns.items():
                 wall = statistics.median(w for w, _ in measured)
@@ -345,6 +347,7 @@ def main(argv=None) -> int:
     config = with_layers(MODELS[args.models], args.layers)
     model, _ = random_model(config, dtype=getattr(mx, args.dtype), bits=4, group_size=64)
     patched, _ = patched_copy(model, tile_m=None, no_compile=False)
+    progress(f"built {args.models} with {args.layers} layers, and its patched copy")
     if args.variants is not None:
         print(compare_variants(model, patched, config, args), flush=True)
         return 0
