@@ -7,8 +7,8 @@ ops are fused. The layer (`nn.SwitchGLU`) and the fused MoE blocks
 (`fused_blocks.py`) call their forwards through `compiled_if_small`, which
 runs them through `compiled_call` when `compiles` says so. The fused blocks
 then hand some of those calls' outputs to MLX's evaluation at once
-(`submit_if_small`), so that the GPU starts on a step the host is still
-building.
+(`submit_as_built`), so that the GPU starts on a step or a prompt's chunk
+the host is still building.
 
 The layers of a model are alike but for their weights, and they share one
 trace. With a trace for each layer, a step's replays walked as many tapes as
@@ -67,7 +67,7 @@ def module_cache(module: nn.Module, name: str) -> ModuleCache:
 
 # Plain attributes that no compiled forward reads, left out of a module's
 # structure: a fused block's position among the model's layers
-# (`submit_if_small` reads it outside the trace) differs from layer to layer,
+# (`submit_as_built` reads it outside the trace) differs from layer to layer,
 # which would give each layer a trace of its own.
 UNTRACED_ATTRIBUTES = frozenset({"submit_position"})
 
@@ -224,18 +224,24 @@ def step_rows(x: mx.array) -> int:
     return x.size // shape[-1] if len(shape) >= 3 and shape[-2] == 1 else 0
 
 
-def submit_if_small(y: mx.array, x: mx.array, position: int, *, max_tokens: int) -> None:
-    """Hand `y`, a fused MoE block's output on a decoding step's activations
-    `x` `[..., 1, D]` that ran compiled (`compiles` for `max_tokens`), to
-    MLX's evaluation now (`mx.async_eval`) where `rules.submits_block` says
-    so for the block at `position`: the GPU computes the layers built so far
-    while the host builds the rest of the step. Nothing computed changes,
+def submit_as_built(y: mx.array, x: mx.array, position: int, *, max_tokens: int) -> None:
+    """Hand `y`, a fused MoE block's output on activations `x`, to MLX's
+    evaluation now (`mx.async_eval`) where the rule says so for the block at
+    `position`: `rules.submits_block` for a decoding step's `[..., 1, D]`
+    that ran compiled (`compiles` for `max_tokens`), `rules.submits_prompt_block`
+    for a prompt's rows. The GPU computes the layers built so far while the
+    host builds the rest of the step or chunk. Nothing computed changes,
     only when it is encoded. Inside a transformation (`mx.compile`,
     `mx.grad`, `mx.vmap`) MLX refuses to evaluate, and `y` stays lazy."""
     rows = step_rows(x)
-    if not rows or not compiles(max_tokens, x):
-        return  # a prompt's rows, or an uncompiled call: not what was measured
-    if not rules.submits_block(rows, position, cuda=_backend.on_cuda()):
+    if rows:
+        if not compiles(max_tokens, x):
+            return  # an uncompiled step (a batch past max_tokens): not measured
+        submits = rules.submits_block(rows, position, cuda=_backend.on_cuda())
+    else:
+        submits = rules.submits_prompt_block(x.size // x.shape[-1], position,
+                                             cuda=_backend.on_cuda())
+    if not submits:
         return
     try:
         mx.async_eval(y)

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import routing
-from ._compiled import compiled_if_small, submit_if_small
+from ._compiled import compiled_if_small, submit_as_built
 
 
 def _softmax_top_k(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -161,7 +161,7 @@ def _fused_class(block_class: type, entry: FusedBlock) -> type:
                                   max_tokens=experts.compile_max_tokens,
                                   key=("block", experts.tile_m))
             if self.submit_position is not None and experts.expert_group is None:
-                submit_if_small(y, x, self.submit_position,
+                submit_as_built(y, x, self.submit_position,
                                 max_tokens=experts.compile_max_tokens)
             return y
 

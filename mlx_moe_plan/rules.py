@@ -357,7 +357,7 @@ SUBMIT_EVERY_BLOCKS = 16
 
 def submits_block(tokens: int, position: int, *, cuda: bool) -> bool:
     """Whether a fused MoE block submits its output of a decoding step for
-    evaluation as soon as it is built (`_compiled.submit_if_small`).
+    evaluation as soon as it is built (`_compiled.submit_as_built`).
 
     On CUDA, as measured: from `SUBMIT_BLOCKS_FROM_TOKENS` tokens, the blocks
     at positions `SUBMIT_EVERY_BLOCKS` - 1, 2 * `SUBMIT_EVERY_BLOCKS` - 1,
@@ -374,3 +374,42 @@ def submits_block(tokens: int, position: int, *, cuda: bool) -> bool:
     """
     return (cuda and tokens >= SUBMIT_BLOCKS_FROM_TOKENS
             and (position + 1) % SUBMIT_EVERY_BLOCKS == 0)
+
+
+# A prompt's chunk is built the same way, in Python, before any of it runs:
+# in a patched prefill of 8192 tokens (chunks of 2048) the GPU waited about a
+# quarter of the prefill for the chunks' graphs (on a host that built each
+# layer's in about half a millisecond, a third of what the GPU then took for
+# it). So a chunk's blocks at positions `SUBMIT_PROMPT_EVERY_BLOCKS` - 1,
+# 2 * `SUBMIT_PROMPT_EVERY_BLOCKS` - 1, ... hand their output over as they are
+# built too, from `SUBMIT_PROMPT_FROM_ROWS` rows: the first layers' GPU work
+# starts after a few layers' building, and the rest is built while the GPU
+# computes. A prompt's layer takes the GPU far longer than a decoding step's,
+# so the CUDA graph each submission ends costs relatively less, and blocks
+# submit more often than a step's: in the run that chose it (Qwen3-30B-A3B,
+# 8192 tokens), every 4 blocks beat every 8 and every 16, and all three beat
+# none by 1.2x to 1.3x (benchmarks/HISTORY.md, "A prompt's blocks submitted
+# as they are built"). Chunks of 1024 to 2047 rows were not measured apart.
+SUBMIT_PROMPT_FROM_ROWS = 1024
+SUBMIT_PROMPT_EVERY_BLOCKS = 4
+
+
+def submits_prompt_block(rows: int, position: int, *, cuda: bool) -> bool:
+    """Whether a fused MoE block submits its output of a prompt's chunk for
+    evaluation as soon as it is built (`_compiled.submit_as_built`).
+
+    On CUDA: from `SUBMIT_PROMPT_FROM_ROWS` rows, the blocks at positions
+    `SUBMIT_PROMPT_EVERY_BLOCKS` - 1, 2 * `SUBMIT_PROMPT_EVERY_BLOCKS` - 1,
+    ... Elsewhere never until measured.
+
+    Args:
+        rows (int): Rows (tokens) of the chunk, every sequence's.
+        position (int): The block's position among the model's fused
+          blocks, in layer order, 0 first.
+        cuda (bool): Whether the block runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True to submit.
+    """
+    return (cuda and rows >= SUBMIT_PROMPT_FROM_ROWS
+            and (position + 1) % SUBMIT_PROMPT_EVERY_BLOCKS == 0)

@@ -708,6 +708,52 @@ def test_submits_block_rule(tokens, position, cuda, want):
     assert rules.submits_block(tokens, position, cuda=cuda) is want
 
 
+@pytest.mark.parametrize("rows, position, cuda, want", [
+    (1024, 3, True, True), (2048, 7, True, True), (1023, 3, True, False),
+    (2048, 2, True, False), (2048, 4, True, False), (2048, 3, False, False)])
+def test_submits_prompt_block_rule(rows, position, cuda, want):
+    # A prompt's chunk: on CUDA from 1024 rows, every 4th block; elsewhere
+    # never.
+    from mlx_moe_plan import rules
+
+    assert rules.submits_prompt_block(rows, position, cuda=cuda) is want
+
+
+def test_prompt_chunks_submit_block_outputs(monkeypatch):
+    # A prompt's chunk hands the outputs of the blocks the prompt rule names
+    # (CUDA stood in for here, its sizes made small) to mx.async_eval, as a
+    # decoding step's do, and computes what the unsubmitting model does; a
+    # shorter chunk and a decoding step (the step rule, here never) submit
+    # nothing.
+    from mlx_moe_plan import rules
+
+    model = make_model("qwen3_moe", quantized=True)
+    patched, quiet = copy.deepcopy(model), copy.deepcopy(model)
+    patch_model(patched)
+    patch_model(quiet, submit=False)
+    measured = rules.submits_prompt_block
+    monkeypatch.setattr(rules, "submits_prompt_block",
+                        lambda rows, position, cuda: measured(rows, position, cuda=True))
+    monkeypatch.setattr(rules, "SUBMIT_PROMPT_FROM_ROWS", 24)
+    monkeypatch.setattr(rules, "SUBMIT_PROMPT_EVERY_BLOCKS", 2)  # the second layer's block
+    submitted = []
+    async_eval = mx.async_eval
+
+    def recorded(*arrays):
+        submitted.append([array.shape for array in arrays])
+        return async_eval(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", recorded)
+    rng = np.random.default_rng(23)
+    for length in (24, 300):  # compiled, and not
+        tokens = mx.array(rng.integers(0, 96, (1, length)))
+        np.testing.assert_array_equal(np.array(patched(tokens)), np.array(quiet(tokens)))
+    assert submitted == [[(1, 24, 64)], [(1, 300, 64)]]
+    mx.eval(patched(mx.array(rng.integers(0, 96, (1, 23)))))  # below the rule's rows
+    mx.eval(patched(mx.array(rng.integers(0, 96, (32, 1)))))  # a decoding step
+    assert len(submitted) == 2
+
+
 def test_layer_order_sorts_numbers_as_numbers():
     # The submitting blocks are counted in layer order, whatever order
     # named_modules walks them in: layer 10 after layer 2, a model's other
