@@ -408,9 +408,10 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "the package's grouped kernel where its GEMM was measured "
                              "faster, on CUDA; patch_model's dense)")
     parser.add_argument("--no-submit", action="store_true",
-                        help="leave a decoding step's graph to be evaluated whole (default: "
-                             "the fused MoE blocks hand their output to the GPU as they are "
-                             "built, where measured faster, on CUDA; patch_model's submit)")
+                        help="leave a decoding step's or a prompt chunk's graph to be "
+                             "evaluated whole (default: the fused MoE blocks hand their output "
+                             "to the GPU as they are built, where measured faster, on CUDA; "
+                             "patch_model's submit)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="under mlx.launch, split every MoE layer's experts among the "
                              "processes (nn.shard_experts): each holds and computes E/N of "

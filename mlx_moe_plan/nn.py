@@ -362,9 +362,10 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA). With
     `submit`, the blocks it fuses are numbered in layer order
     (`FusedMoEBlock.submit_position`), and those `rules.submits_block` names
-    (on CUDA) hand a decoding step's output to MLX's evaluation as soon as
-    it is built (`_compiled.submit_if_small`): the GPU computes the layers
-    built so far while the host builds the rest.
+    for a decoding step, and `rules.submits_prompt_block` for a prompt's
+    chunk (on CUDA), hand their output to MLX's evaluation as soon as it is
+    built (`_compiled.submit_as_built`): the GPU computes the layers built so
+    far while the host builds the rest.
 
     A model patched already (its layers this package's, its blocks fused and
     projections given rows as asked) is left as it is: the call returns 0 and
@@ -386,9 +387,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         dense (bool): Compute the dense quantized projections' rows by the
           grouped kernel where its GEMM was measured faster. Default:
           ``True``.
-        submit (bool): The fused blocks the rule names submit a decoding
-          step's output for evaluation as soon as it is built. Default:
-          ``True``.
+        submit (bool): The fused blocks the rules name submit a decoding
+          step's or a prompt chunk's output for evaluation as soon as it is
+          built. Default: ``True``.
 
     Returns:
         int: How many layers were replaced.

@@ -179,6 +179,12 @@
 #               one process (benchmarks.step_kernels --prefill): whether what
 #               dense-prefill measured a GEMM at a time pays in a whole model,
 #               where the grouped kernel's launches cost the host more.
+#   prompt-submit (not in `bench`) the same two models prefilling 8192 tokens,
+#               the patch (a chunk's every 4th MoE block submitted as it is
+#               built, rules.submits_prompt_block) beside every 8th, every 16th,
+#               none, and every dense projection from 512 columns through the
+#               grouped kernel with the submission (its host cost now
+#               overlapping the GPU), alternated in one process.
 #   prefill-timeline (not in `bench`) the same two models' patched prefill of
 #               8192 tokens: its chunks' building (the host's part, which the
 #               GPU waits for) and where it goes by Python function, then under
@@ -455,6 +461,13 @@ if wanted dense-prefill-model; then
     logged "$results/dense-prefill-model-${model%:*}.log" python3 -m benchmarks.step_kernels \
       --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --rounds 3 \
       --variants "all-dense:DENSE_EXPERT_FROM_OUT_DIMS=512;all-dense-warps:DENSE_EXPERT_FROM_OUT_DIMS=512,block_shared_dense_rows=1000000000"
+  done
+fi
+if wanted prompt-submit; then
+  for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
+    logged "$results/prompt-submit-${model%:*}.log" python3 -m benchmarks.step_kernels \
+      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --rounds 3 \
+      --variants "every8:SUBMIT_PROMPT_EVERY_BLOCKS=8;every16:SUBMIT_PROMPT_EVERY_BLOCKS=16;none:SUBMIT_PROMPT_FROM_ROWS=1000000;all-dense:DENSE_EXPERT_FROM_OUT_DIMS=512"
   done
 fi
 if wanted prefill-timeline; then
