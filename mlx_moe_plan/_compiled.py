@@ -226,22 +226,18 @@ def step_rows(x: mx.array) -> int:
 
 def submit_as_built(y: mx.array, x: mx.array, position: int, *, max_tokens: int) -> None:
     """Hand `y`, a fused MoE block's output on activations `x`, to MLX's
-    evaluation now (`mx.async_eval`) where the rule says so for the block at
-    `position`: `rules.submits_block` for a decoding step's `[..., 1, D]`
-    that ran compiled (`compiles` for `max_tokens`), `rules.submits_prompt_block`
-    for a prompt's rows. The GPU computes the layers built so far while the
-    host builds the rest of the step or chunk. Nothing computed changes,
-    only when it is encoded. Inside a transformation (`mx.compile`,
-    `mx.grad`, `mx.vmap`) MLX refuses to evaluate, and `y` stays lazy."""
+    evaluation now (`mx.async_eval`) where `rules.submits_block` says so for
+    the block at `position`: a decoding step's `[..., 1, D]` that ran
+    compiled (`compiles` for `max_tokens`), or a prompt's rows. The GPU
+    computes the layers built so far while the host builds the rest of the
+    step or chunk. Nothing computed changes, only when it is encoded. Inside
+    a transformation (`mx.compile`, `mx.grad`, `mx.vmap`) MLX refuses to
+    evaluate, and `y` stays lazy."""
     rows = step_rows(x)
-    if rows:
-        if not compiles(max_tokens, x):
-            return  # an uncompiled step (a batch past max_tokens): not measured
-        submits = rules.submits_block(rows, position, cuda=_backend.on_cuda())
-    else:
-        submits = rules.submits_prompt_block(x.size // x.shape[-1], position,
-                                             cuda=_backend.on_cuda())
-    if not submits:
+    if rows and not compiles(max_tokens, x):
+        return  # an uncompiled step (a batch past max_tokens): not measured
+    if not rules.submits_block(rows or x.size // x.shape[-1], position,
+                               cuda=_backend.on_cuda(), prompt=not rows):
         return
     try:
         mx.async_eval(y)

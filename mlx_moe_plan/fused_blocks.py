@@ -125,8 +125,7 @@ class FusedMoEBlock:
     """The block's position among the model's fused blocks, in layer order,
     which `patch_model(submit=True)` sets: a decoding step's call, and a
     prompt chunk's, submits its output for evaluation as soon as it is built
-    where `rules.submits_block` or `rules.submits_prompt_block` says so for
-    it (`_compiled.submit_as_built`).
+    where `rules.submits_block` says so for it (`_compiled.submit_as_built`).
     None: never. Expert-parallel layers never submit (not measured)."""
 
 

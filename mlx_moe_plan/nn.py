@@ -362,10 +362,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA). With
     `submit`, the blocks it fuses are numbered in layer order
     (`FusedMoEBlock.submit_position`), and those `rules.submits_block` names
-    for a decoding step, and `rules.submits_prompt_block` for a prompt's
-    chunk (on CUDA), hand their output to MLX's evaluation as soon as it is
-    built (`_compiled.submit_as_built`): the GPU computes the layers built so
-    far while the host builds the rest.
+    for a decoding step or a prompt's chunk (on CUDA) hand their output to
+    MLX's evaluation as soon as it is built (`_compiled.submit_as_built`):
+    the GPU computes the layers built so far while the host builds the rest.
 
     A model patched already (its layers this package's, its blocks fused and
     projections given rows as asked) is left as it is: the call returns 0 and

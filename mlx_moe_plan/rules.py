@@ -355,27 +355,6 @@ SUBMIT_BLOCKS_FROM_TOKENS = 8
 SUBMIT_EVERY_BLOCKS = 16
 
 
-def submits_block(tokens: int, position: int, *, cuda: bool) -> bool:
-    """Whether a fused MoE block submits its output of a decoding step for
-    evaluation as soon as it is built (`_compiled.submit_as_built`).
-
-    On CUDA, as measured: from `SUBMIT_BLOCKS_FROM_TOKENS` tokens, the blocks
-    at positions `SUBMIT_EVERY_BLOCKS` - 1, 2 * `SUBMIT_EVERY_BLOCKS` - 1,
-    ... Elsewhere never until measured.
-
-    Args:
-        tokens (int): Tokens of the step (sequences decoding together).
-        position (int): The block's position among the model's fused
-          blocks, in layer order, 0 first.
-        cuda (bool): Whether the block runs on MLX's CUDA backend.
-
-    Returns:
-        bool: True to submit.
-    """
-    return (cuda and tokens >= SUBMIT_BLOCKS_FROM_TOKENS
-            and (position + 1) % SUBMIT_EVERY_BLOCKS == 0)
-
-
 # A prompt's chunk is built the same way, in Python, before any of it runs:
 # in a patched prefill of 8192 tokens (chunks of 2048) the GPU waited about a
 # quarter of the prefill for the chunks' graphs (on a host that built each
@@ -394,22 +373,29 @@ SUBMIT_PROMPT_FROM_ROWS = 1024
 SUBMIT_PROMPT_EVERY_BLOCKS = 4
 
 
-def submits_prompt_block(rows: int, position: int, *, cuda: bool) -> bool:
-    """Whether a fused MoE block submits its output of a prompt's chunk for
-    evaluation as soon as it is built (`_compiled.submit_as_built`).
+def submits_block(rows: int, position: int, *, cuda: bool, prompt: bool = False) -> bool:
+    """Whether a fused MoE block submits its output of a decoding step, or
+    of a prompt's chunk, for evaluation as soon as it is built
+    (`_compiled.submit_as_built`).
 
-    On CUDA: from `SUBMIT_PROMPT_FROM_ROWS` rows, the blocks at positions
-    `SUBMIT_PROMPT_EVERY_BLOCKS` - 1, 2 * `SUBMIT_PROMPT_EVERY_BLOCKS` - 1,
-    ... Elsewhere never until measured.
+    On CUDA, as measured: a decoding step's from `SUBMIT_BLOCKS_FROM_TOKENS`
+    rows, the blocks at positions `SUBMIT_EVERY_BLOCKS` - 1,
+    2 * `SUBMIT_EVERY_BLOCKS` - 1, ...; a prompt chunk's from
+    `SUBMIT_PROMPT_FROM_ROWS` rows, every `SUBMIT_PROMPT_EVERY_BLOCKS`-th
+    block alike. Elsewhere never until measured.
 
     Args:
-        rows (int): Rows (tokens) of the chunk, every sequence's.
+        rows (int): Rows of the call: a step's tokens (sequences decoding
+          together), or a chunk's (every sequence's).
         position (int): The block's position among the model's fused
           blocks, in layer order, 0 first.
         cuda (bool): Whether the block runs on MLX's CUDA backend.
+        prompt (bool): Whether the rows are a prompt's chunk. Default:
+          ``False``.
 
     Returns:
         bool: True to submit.
     """
-    return (cuda and rows >= SUBMIT_PROMPT_FROM_ROWS
-            and (position + 1) % SUBMIT_PROMPT_EVERY_BLOCKS == 0)
+    from_rows, every = ((SUBMIT_PROMPT_FROM_ROWS, SUBMIT_PROMPT_EVERY_BLOCKS) if prompt
+                        else (SUBMIT_BLOCKS_FROM_TOKENS, SUBMIT_EVERY_BLOCKS))
+    return cuda and rows >= from_rows and (position + 1) % every == 0

@@ -181,7 +181,7 @@
 #               where the grouped kernel's launches cost the host more.
 #   prompt-submit (not in `bench`) the same two models prefilling 8192 tokens,
 #               the patch (a chunk's every 4th MoE block submitted as it is
-#               built, rules.submits_prompt_block) beside every 8th, every 16th,
+#               built, rules.SUBMIT_PROMPT_EVERY_BLOCKS) beside every 8th, every 16th,
 #               none, and every dense projection from 512 columns through the
 #               grouped kernel with the submission (its host cost now
 #               overlapping the GPU), alternated in one process.

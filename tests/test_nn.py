@@ -716,14 +716,14 @@ def test_submits_prompt_block_rule(rows, position, cuda, want):
     # never.
     from mlx_moe_plan import rules
 
-    assert rules.submits_prompt_block(rows, position, cuda=cuda) is want
+    assert rules.submits_block(rows, position, cuda=cuda, prompt=True) is want
 
 
 def test_prompt_chunks_submit_block_outputs(monkeypatch):
-    # A prompt's chunk hands the outputs of the blocks the prompt rule names
-    # (CUDA stood in for here, its sizes made small) to mx.async_eval, as a
-    # decoding step's do, and computes what the unsubmitting model does; a
-    # shorter chunk and a decoding step (the step rule, here never) submit
+    # A prompt's chunk hands the outputs of the blocks the prompt's rule
+    # names (CUDA stood in for a prompt's calls only, the sizes made small)
+    # to mx.async_eval, as a decoding step's do, and computes what the
+    # unsubmitting model does; a shorter chunk and a decoding step submit
     # nothing.
     from mlx_moe_plan import rules
 
@@ -731,9 +731,9 @@ def test_prompt_chunks_submit_block_outputs(monkeypatch):
     patched, quiet = copy.deepcopy(model), copy.deepcopy(model)
     patch_model(patched)
     patch_model(quiet, submit=False)
-    measured = rules.submits_prompt_block
-    monkeypatch.setattr(rules, "submits_prompt_block",
-                        lambda rows, position, cuda: measured(rows, position, cuda=True))
+    measured = rules.submits_block
+    monkeypatch.setattr(rules, "submits_block", lambda rows, position, cuda, prompt:
+                        measured(rows, position, cuda=prompt, prompt=prompt))
     monkeypatch.setattr(rules, "SUBMIT_PROMPT_FROM_ROWS", 24)
     monkeypatch.setattr(rules, "SUBMIT_PROMPT_EVERY_BLOCKS", 2)  # the second layer's block
     submitted = []
@@ -781,8 +781,8 @@ def test_decoding_steps_submit_block_outputs(monkeypatch):
     assert [layer.mlp.submit_position for layer in layers] == list(range(len(layers)))
     assert all(layer.mlp.submit_position is None for layer in quiet.model.layers)
     measured = rules.submits_block
-    monkeypatch.setattr(rules, "submits_block",
-                        lambda tokens, position, cuda: measured(tokens, position, cuda=True))
+    monkeypatch.setattr(rules, "submits_block", lambda tokens, position, cuda, prompt:
+                        measured(tokens, position, cuda=not prompt, prompt=prompt))
     monkeypatch.setattr(rules, "SUBMIT_EVERY_BLOCKS", 2)  # the second layer's block
     submitted, refused = [], []
     async_eval = mx.async_eval
