@@ -456,26 +456,26 @@ if wanted prefill-rule; then
   logged "$results/prefill-rule.log" python3 -m benchmarks.step_kernels --layers 48 \
     --prefill 8192 --rounds 3 --variants "warps:block_warpgroup=0;gated-256:block_shared_gated_rows=256"
 fi
-if wanted dense-prefill-model; then
+# whole_prefills STEP ARGS...: Qwen3-30B-A3B's and gpt-oss-20b's every layer
+# prefilling 8192 tokens (benchmarks.step_kernels --prefill ARGS), a log a model
+whole_prefills() {
+  local step=$1 model
+  shift
   for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
-    logged "$results/dense-prefill-model-${model%:*}.log" python3 -m benchmarks.step_kernels \
-      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --rounds 3 \
-      --variants "all-dense:DENSE_EXPERT_FROM_OUT_DIMS=512;all-dense-warps:DENSE_EXPERT_FROM_OUT_DIMS=512,block_shared_dense_rows=1000000000"
+    logged "$results/$step-${model%:*}.log" python3 -m benchmarks.step_kernels \
+      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 "$@"
   done
+}
+if wanted dense-prefill-model; then
+  whole_prefills dense-prefill-model --rounds 3 \
+    --variants "all-dense:DENSE_EXPERT_FROM_OUT_DIMS=512;all-dense-warps:DENSE_EXPERT_FROM_OUT_DIMS=512,block_shared_dense_rows=1000000000"
 fi
 if wanted prompt-submit; then
-  for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
-    logged "$results/prompt-submit-${model%:*}.log" python3 -m benchmarks.step_kernels \
-      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --rounds 3 \
-      --variants "every8:SUBMIT_PROMPT_EVERY_BLOCKS=8;every16:SUBMIT_PROMPT_EVERY_BLOCKS=16;none:SUBMIT_PROMPT_FROM_ROWS=1000000;all-dense:DENSE_EXPERT_FROM_OUT_DIMS=512"
-  done
+  whole_prefills prompt-submit --rounds 3 \
+    --variants "every8:SUBMIT_PROMPT_EVERY_BLOCKS=8;every16:SUBMIT_PROMPT_EVERY_BLOCKS=16;none:SUBMIT_PROMPT_FROM_ROWS=1000000;all-dense:DENSE_EXPERT_FROM_OUT_DIMS=512"
 fi
 if wanted prefill-timeline; then
-  for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
-    logged "$results/prefill-timeline-${model%:*}.log" python3 -m benchmarks.step_kernels \
-      --models "${model%:*}" --layers "${model#*:}" --prefill 8192 --build-profile 1 \
-      --timeline 1 --top 16
-  done
+  whole_prefills prefill-timeline --build-profile 1 --timeline 1 --top 16
 fi
 if wanted ungated-rule; then
   for turn in 1 2 3; do
