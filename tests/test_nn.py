@@ -697,26 +697,19 @@ def test_compiled_forwards_shared_by_layers_alike_only(monkeypatch):
     assert compiled_forward_ids(twin.model.layers[-1].mlp) <= ours
 
 
-@pytest.mark.parametrize("tokens, position, cuda, want", [
-    (8, 15, True, True), (64, 31, True, True), (7, 15, True, False), (1, 15, True, False),
-    (8, 14, True, False), (8, 16, True, False), (8, 0, True, False), (8, 15, False, False)])
-def test_submits_block_rule(tokens, position, cuda, want):
-    # Measured on CUDA from batch 8 (batch 1 was not faster), every 16th
-    # block; elsewhere never.
+@pytest.mark.parametrize("rows, position, cuda, prompt, want", [
+    (8, 15, True, False, True), (64, 31, True, False, True), (7, 15, True, False, False),
+    (1, 15, True, False, False), (8, 14, True, False, False), (8, 16, True, False, False),
+    (8, 0, True, False, False), (8, 15, False, False, False),
+    (1024, 3, True, True, True), (2048, 7, True, True, True), (1023, 3, True, True, False),
+    (2048, 2, True, True, False), (2048, 4, True, True, False), (2048, 3, False, True, False)])
+def test_submits_block_rule(rows, position, cuda, prompt, want):
+    # Measured on CUDA: a decoding step's from batch 8 (batch 1 was not
+    # faster), every 16th block; a prompt's chunk from 1024 rows, every 4th.
+    # Elsewhere never.
     from mlx_moe_plan import rules
 
-    assert rules.submits_block(tokens, position, cuda=cuda) is want
-
-
-@pytest.mark.parametrize("rows, position, cuda, want", [
-    (1024, 3, True, True), (2048, 7, True, True), (1023, 3, True, False),
-    (2048, 2, True, False), (2048, 4, True, False), (2048, 3, False, False)])
-def test_submits_prompt_block_rule(rows, position, cuda, want):
-    # A prompt's chunk: on CUDA from 1024 rows, every 4th block; elsewhere
-    # never.
-    from mlx_moe_plan import rules
-
-    assert rules.submits_block(rows, position, cuda=cuda, prompt=True) is want
+    assert rules.submits_block(rows, position, cuda=cuda, prompt=prompt) is want
 
 
 def test_prompt_chunks_submit_block_outputs(monkeypatch):
