@@ -67,9 +67,10 @@ def module_cache(module: nn.Module, name: str) -> ModuleCache:
 
 # Plain attributes that no compiled forward reads, left out of a module's
 # structure: a fused block's position among the model's layers
-# (`submit_as_built` reads it outside the trace) differs from layer to layer,
-# which would give each layer a trace of its own.
-UNTRACED_ATTRIBUTES = frozenset({"submit_position"})
+# (`submit_as_built` reads it outside the trace) and a projection's place
+# among its siblings (`projections.Siblings`, never joined in a trace) differ
+# from layer to layer, which would give each layer a trace of its own.
+UNTRACED_ATTRIBUTES = frozenset({"submit_position", "_siblings"})
 
 # Set while a compiled forward is traced: nothing inside it compiles again.
 _trace_state = threading.local()
@@ -173,18 +174,28 @@ def _forward_for(module: nn.Module, key: tuple) -> _CompiledForward:
         return _SHARED_FORWARDS.setdefault((structure, *key), _CompiledForward())
 
 
+class KeptBeside:
+    """A plain attribute of a module that keeps another module beside it,
+    outside the model's tree (`kept_module`), which `forget` reaches too."""
+
+    kept_module: nn.Module
+
+
 def forget(model: nn.Module) -> None:
     """Drop what the package keeps for the host's sake: every `ModuleCache` of
-    `model`'s modules (their compiled forwards, their projections' routes)
-    and the traces layers share. The next call traces and asks its rules
-    anew, as it must after a rule or the kernels' tiling changed for the
-    same shapes (a benchmark comparing them)."""
+    `model`'s modules and of the modules they keep beside them (`KeptBeside`;
+    their compiled forwards, their projections' routes) and the traces
+    layers share. The next call traces and asks its rules anew, as it must
+    after a rule or the kernels' tiling changed for the same shapes (a
+    benchmark comparing them)."""
     with _SHARED_LOCK:
         _SHARED_FORWARDS.clear()
     for _, module in model.named_modules():
         for value in vars(module).values():
             if isinstance(value, ModuleCache):
                 value.clear()
+            elif isinstance(value, KeptBeside):
+                forget(value.kept_module)
 
 
 def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):

@@ -26,20 +26,28 @@ it runs compiled and its route is asked once a shape (`_route`). Whole
 models decoded faster with it than without at batches of 8, 32 and 64
 sequences, and within the noise at one (benchmarks/RESULTS.md, "Whole
 models on the H200").
+
+On CUDA, the projections a module calls on one input one after another
+(attention's queries, keys and values; a dense MLP's gate and up) also
+become `Siblings`: their matrices stacked into one, so that a decoding
+step computes them all with one GEMM where `rules.dense_joins_siblings`
+says so.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import _backend
 from ._backend import on_cuda
-from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small, module_cache, step_rows
+from ._compiled import (COMPILE_MAX_TOKENS, KeptBeside, compiled_if_small, module_cache,
+                        step_rows, tracing)
 from ._gpu import cache_by_stream, device_ints
-from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert
+from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert, dense_joins_siblings
 
 
 class RowsProjection:
@@ -141,6 +149,11 @@ def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
     the kernel costs the host far more than one of `quantized_matmul` to
     build), with `x` reshaped to rows `[n, D]` where it says "rows", else as
     it is."""
+    membership = layer.__dict__.get("_siblings")
+    if membership is not None:
+        y = membership.siblings.output(membership.index, layer, x)
+        if y is not None:
+            return y
     route = _route(layer, x)
     if route == "plain":
         return call(layer, x)
@@ -183,13 +196,177 @@ def _takes_rows(module: nn.Module) -> bool:
     return False
 
 
+# The projections that mlx-lm's models call on one input one after another:
+# attention's queries, keys and values, a dense MLP's (a shared expert's) gate
+# and up.
+SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_STACKED_ARRAYS = ("weight", "scales", "biases", "bias")
+
+
+class Siblings:
+    """Dense quantized projections of one module that its forward calls on
+    the same input one after another, their arrays stacked by output rows
+    into one layer (`stacked`), each member's arrays made views of it: the
+    same bytes, so memory is not doubled, and the members keep their
+    parameters and classes.
+
+    The first member called on a decoding step's input `x` computes every
+    member's rows with one GEMM of the stacked layer, where
+    `rules.dense_joins_siblings` says so (on CUDA, outside the package's
+    compiled traces), and keeps the others' parts for their calls on the same
+    input object. A member called on another input, or after any member's
+    arrays were replaced (`load_weights`, `set_dtype`, a transform's
+    tracers), computes alone, as it did unpatched. The stacked arrays are
+    read when a call is built: an `mx.compile` that takes the model's arrays
+    as inputs sees the members' arrays replaced by its tracers, and so
+    computes them alone.
+
+    Holds its members by weak references only, so that a dropped model is
+    freed at once. One model's calls at a time (a forward keeps the parts).
+    """
+
+    def __init__(self, members: list[nn.Module]):
+        first = members[0]
+        names = [name for name in _STACKED_ARRAYS if name in first]
+        bounds = [0]
+        for member in members:
+            bounds.append(bounds[-1] + member["weight"].shape[0])
+        self._splits = bounds[1:-1]
+        self.stacked = _stacked_layer(
+            first, {name: mx.concatenate([m[name] for m in members]) for name in names})
+        self._members = [weakref.ref(member) for member in members]
+        self._arrays = []
+        for index, member in enumerate(members):
+            views = {name: self.stacked[name][bounds[index]: bounds[index + 1]]
+                     for name in names}
+            for name, view in views.items():
+                member[name] = view
+            self._arrays.append(views)
+            object.__setattr__(member, "_siblings", _Membership(self, index))
+        self._input: mx.array | None = None
+        self._parts: dict[int, mx.array] = {}
+
+    def output(self, index: int, layer: nn.Module, x: mx.array) -> mx.array | None:
+        """Member `index`'s (`layer`'s) output on `x`: its part of a GEMM
+        of the stacked layer, or None where it computes alone."""
+        if self._input is x:
+            part = self._parts.pop(index, None)
+            if part is not None:
+                if not self._parts:
+                    self._input = None
+                return part
+        if not (self._joins(layer, x) and self._intact(index, layer)):
+            return None
+        parts = mx.split(self.stacked(x), self._splits, axis=-1)
+        self._input = x
+        self._parts = {i: part for i, part in enumerate(parts) if i != index}
+        return parts[index]
+
+    def _joins(self, layer: nn.Module, x: mx.array) -> bool:
+        """Whether the members compute `x` as one GEMM: a decoding step's rows
+        where the rule says so, asked once a shape, dtype and kind of device
+        (kept on `layer`, as its routes are), and never while a compiled
+        forward is traced (its trace is shared by layers of other arrays)."""
+        rows = step_rows(x)
+        if not rows or tracing():
+            return False
+        answers = module_cache(layer, "_siblings_join")
+        key = (x.shape, x.dtype, mx.default_device().type)
+        joins = answers.get(key)
+        if joins is None:
+            stacked = self.stacked
+            joins = answers[key] = (
+                dense_joins_siblings(x.shape[-1], rows, stacked.bits, x.dtype.size * 8,
+                                     stacked.mode, cuda=True) and on_cuda())
+        return joins
+
+    def _intact(self, index: int, layer: nn.Module) -> bool:
+        """Whether every member still holds the views of the stacked arrays
+        (`layer` for member `index`, which may be a shallow copy of it)."""
+        for i, (member, views) in enumerate(zip(self._members, self._arrays)):
+            member = layer if i == index else member()
+            if member is None or any(member.get(name) is not view
+                                     for name, view in views.items()):
+                return False
+        return True
+
+
+class _Membership(KeptBeside):
+    """A member's place among its `Siblings`. A deep copy of the member
+    starts with none (its arrays are copies: its views no longer)."""
+
+    def __init__(self, siblings: Siblings, index: int):
+        self.siblings, self.index = siblings, index
+
+    @property
+    def kept_module(self) -> nn.Module:
+        return self.siblings.stacked
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def _stacked_layer(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A dense quantized layer of the rows class quantized as `like`, holding
+    `arrays`: not a module of the model (its arrays are the members')."""
+    layer = nn.Module.__new__(_rows_class(nn.QuantizedLinear))
+    nn.Module.__init__(layer)
+    layer.group_size, layer.bits, layer.mode = like.group_size, like.bits, like.mode
+    for name, array in arrays.items():
+        layer[name] = array
+    layer.freeze()
+    layer.decoding_rows, layer.dense_expert = like.decoding_rows, like.dense_expert
+    return layer
+
+
+def _joinable(members: list) -> bool:
+    """Whether `members` can be `Siblings`: rows projections of MLX's
+    `QuantizedLinear`, affine, alike in everything but their output rows."""
+    first = members[0]
+    if not all(isinstance(m, nn.QuantizedLinear) and isinstance(m, RowsProjection)
+               and "_siblings" not in m.__dict__ for m in members):
+        return False
+    names = [name for name in _STACKED_ARRAYS if name in first]
+    return (first.mode == "affine" and first.decoding_rows
+            and all(set(m.keys()) == set(names) for m in members)
+            and all((m.bits, m.group_size, m.mode, m.dense_expert)
+                    == (first.bits, first.group_size, first.mode, first.dense_expert)
+                    for m in members)
+            and all(m[name].dtype == first[name].dtype and m[name].ndim == first[name].ndim
+                    and m[name].shape[1:] == first[name].shape[1:]
+                    for m in members for name in names))
+
+
+def join_siblings(model: nn.Module) -> int:
+    """Make the rows projections that `model`'s modules call on one input
+    (`SIBLING_NAMES`) `Siblings`, in place; their arrays become views of the
+    stacked ones, built lazily.
+
+    Args:
+        model (Module): A model (or any module tree) after `take_rows`.
+
+    Returns:
+        int: How many groups were made.
+    """
+    groups = 0
+    for _, module in model.named_modules():
+        for names in SIBLING_NAMES:
+            members = [module.get(name) for name in names]
+            if all(m is not None for m in members) and _joinable(members):
+                Siblings(members)
+                groups += 1
+    return groups
+
+
 def take_rows(model: nn.Module, *, decoding: bool = True, expert: bool = False) -> int:
     """Give every dense quantized projection of `model` the rows call, in place.
 
     Args:
         model (Module): A model (or any module tree).
         decoding (bool): A decoding batch's rows as one matrix where
-          `rules.dense_as_rows` says so. Default: ``True``.
+          `rules.dense_as_rows` says so, and on CUDA (the default stream's
+          device) the projections called on one input as `Siblings`
+          (`join_siblings`). Default: ``True``.
         expert (bool): Rows through the grouped kernel as one expert where
           `rules.dense_decoding_expert` (a decoding batch's) or
           `rules.dense_as_expert` (a prefill's) says so, before the above.
@@ -204,4 +381,6 @@ def take_rows(model: nn.Module, *, decoding: bool = True, expert: bool = False) 
         module.__class__ = _rows_class(type(module))
         module.decoding_rows = decoding
         module.dense_expert = expert
+    if decoding and on_cuda():
+        join_siblings(model)
     return len(layers)

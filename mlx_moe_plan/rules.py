@@ -5,7 +5,8 @@ thresholds come from the runs recorded in benchmarks/RESULTS.md and
 benchmarks/HISTORY.md; the layer (`nn.SwitchGLU`, `projections.py`) gathers
 the facts and applies the choice. The rules here are the expert GEMMs' formulation
 (`formulation_for`), and how a dense quantized projection computes a
-decoding batch (`dense_decoding_expert`, else `dense_as_rows`) and a
+decoding batch (`dense_decoding_expert`, else `dense_as_rows`, and
+`dense_joins_siblings` for projections that share their input) and a
 prefill (`dense_as_expert`), which fused blocks submit early
 (`submits_block`), and where a router's top k renormalizes its scores
 (`top_k_normalizes`).
@@ -219,6 +220,45 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
     return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
             and rows >= DENSE_ROWS_FROM_ROWS and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
             and rows * out_dims >= DENSE_ROWS_FROM_OUTPUTS)
+
+
+# Projections that a module calls on one input one after another (attention's
+# queries, keys and values; a dense MLP's gate and up) as one GEMM of their
+# stacked matrices, a decoding step's: MLX's CUDA quantized_matmul spreads a
+# narrow projection (keys and values of 512 columns) over few tiles of
+# columns, so it took about as long as the queries' 4096, and each launch is
+# a graph node the host builds. The parts are views of one output, which the
+# norms and rotary embedding after them copy where they need whole rows: one
+# row (matrix-vector products, short either way) measured slower, and
+# gpt-oss-20b's inputs of 2880 values (the grouped kernel's from 8 rows) no
+# faster at 4, 8 and 32 rows (benchmarks/RESULTS.md, "Whole models on the
+# H200").
+SIBLINGS_FROM_ROWS = 8
+SIBLINGS_BELOW_IN_DIMS = 2880
+
+
+def dense_joins_siblings(in_dims: int, rows: int, bits: int, dtype_bits: int, mode: str, *,
+                         cuda: bool) -> bool:
+    """Whether dense quantized projections called on the same decoding batch
+    `[rows, 1, in_dims]` compute it as one GEMM of their stacked matrices.
+
+    On CUDA, as measured (16-bit rows, affine 4 bits): from
+    `SIBLINGS_FROM_ROWS` rows, inputs below `SIBLINGS_BELOW_IN_DIMS` values.
+    Elsewhere never until measured.
+
+    Args:
+        in_dims (int): Input dimension D.
+        rows (int): Rows of the batch (sequences decoding together).
+        bits (int): Bits a weight.
+        dtype_bits (int): Bits of an element of the rows.
+        mode (str): The quantization mode (`"affine"`, ...).
+        cuda (bool): Whether the projections run on MLX's CUDA backend.
+
+    Returns:
+        bool: True for one GEMM.
+    """
+    return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
+            and rows >= SIBLINGS_FROM_ROWS and in_dims < SIBLINGS_BELOW_IN_DIMS)
 
 
 # A decoding batch's rows of a dense projection through the grouped kernel as

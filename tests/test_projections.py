@@ -11,6 +11,7 @@ check MLX's GEMM of rows against its B GEMMs of one row.
 from __future__ import annotations
 
 import copy
+import gc
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -225,6 +226,182 @@ def test_rows_call_computes_the_batched_call(rows_always, monkeypatch, shape, as
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------ siblings
+
+
+@pytest.mark.parametrize("in_dims, rows, bits, dtype_bits, mode, cuda, want", [
+    (2048, rules.SIBLINGS_FROM_ROWS, 4, 16, "affine", True, True),
+    (2048, 64, 4, 16, "affine", True, True),
+    (2048, rules.SIBLINGS_FROM_ROWS - 1, 4, 16, "affine", True, False),  # a vector's product
+    (rules.SIBLINGS_BELOW_IN_DIMS, 8, 4, 16, "affine", True, False),     # gpt-oss-20b's
+    (2048, 8, 8, 16, "affine", True, False),     # 8 bits: not measured
+    (2048, 8, 4, 32, "affine", True, False),     # float32 rows
+    (2048, 8, 4, 16, "mxfp4", True, False),
+    (2000, 8, 4, 16, "affine", True, False),     # not whole groups of 64
+    (2048, 8, 4, 16, "affine", False, False),    # the CPU, Metal
+])
+def test_dense_joins_siblings_rule(in_dims, rows, bits, dtype_bits, mode, cuda, want):
+    assert rules.dense_joins_siblings(in_dims, rows, bits, dtype_bits, mode, cuda=cuda) is want
+
+
+class Attention(nn.Module):
+    """Queries, keys and values on one input, as mlx-lm's attention calls them."""
+
+    def __init__(self, bias: bool = False, key_bits: int = 4):
+        super().__init__()
+        self.q_proj = nn.QuantizedLinear(128, 256, bias=bias, group_size=64, bits=4)
+        self.k_proj = nn.QuantizedLinear(128, 64, bias=bias, group_size=64, bits=key_bits)
+        self.v_proj = nn.QuantizedLinear(128, 64, bias=bias, group_size=64, bits=4)
+        if bias:  # not zeros, so that a bias stacked out of order shows
+            for name in ("q_proj", "k_proj", "v_proj"):
+                self[name].bias = mx.random.normal((self[name].weight.shape[0],))
+
+    def __call__(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+@pytest.fixture
+def joined(rows_always, monkeypatch):
+    """The siblings' rule saying yes wherever the rows' rule does (on CUDA,
+    stood in)."""
+    monkeypatch.setattr(projections, "dense_joins_siblings", lambda *args, **kwargs: True)
+
+
+def gemm_spy(monkeypatch) -> list:
+    """The output rows of the weights of every `quantized_matmul` from now on."""
+    seen = []
+    original = mx.quantized_matmul
+
+    def spy(x, w, *args, **kwargs):
+        seen.append(w.shape[0])
+        return original(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    return seen
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 128), (8, 1, 128), (2, 3, 1, 128)])
+def test_siblings_compute_one_gemm(joined, monkeypatch, bias, shape):
+    """A decoding step's queries, keys and values by one GEMM of the stacked
+    matrices, each its own part, bit for bit the members' own on the CPU;
+    the members keep their parameters' names, values and dtypes."""
+    attention = Attention(bias)
+    attention.set_dtype(mx.bfloat16)
+    unjoined = copy.deepcopy(attention)
+    before = tree_flatten(attention.parameters())
+    x = mx.random.normal(shape).astype(mx.bfloat16)
+    want = unjoined(x)
+    assert take_rows(attention) == 3
+    assert all(isinstance(m.__dict__.get("_siblings"), projections._Membership)
+               for m in (attention.q_proj, attention.k_proj, attention.v_proj))
+    after = tree_flatten(attention.parameters())
+    assert [k for k, _ in after] == [k for k, _ in before]
+    assert all(a.dtype == b.dtype and mx.array_equal(a, b).item()
+               for (_, a), (_, b) in zip(after, before))
+    seen = gemm_spy(monkeypatch)
+    got = attention(x)
+    assert seen == [384]
+    for part, wanted in zip(got, want):
+        assert part.shape == wanted.shape and mx.array_equal(part, wanted).item()
+    # The next step again: one GEMM.
+    attention(x + 1)
+    assert seen == [384, 384]
+    # Forgotten (a benchmark changing the rules): the join's answers and the
+    # stacked layer's routes, which lies outside the model's tree, asked anew.
+    stacked = attention.q_proj._siblings.siblings.stacked
+    assert stacked._projection_routes and attention.q_proj._siblings_join
+    _compiled.forget(attention)
+    assert not stacked._projection_routes and not attention.q_proj._siblings_join
+
+
+def test_siblings_keep_the_memory(monkeypatch):
+    """The members' arrays are views of the stacked ones: once evaluated, the
+    model holds the bytes it held before."""
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
+    modules = [Attention() for _ in range(4)]
+    mx.eval([m.parameters() for m in modules])
+    gc.collect()
+    before = mx.get_active_memory()
+    for module in modules:
+        assert take_rows(module) == 3
+    mx.eval([m.parameters() for m in modules])
+    gc.collect()
+    assert all("_siblings" in m.q_proj.__dict__ for m in modules)
+    assert mx.get_active_memory() == before
+
+
+def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
+    """A member called on another input than the first member's joins anew
+    for it; a prefill's rows, weights loaded since, a deep copy: each member
+    computes alone, with the arrays it holds."""
+    attention = Attention()
+    take_rows(attention)
+    seen = gemm_spy(monkeypatch)
+    x, other = mx.random.normal((4, 1, 128)), mx.random.normal((4, 1, 128))
+    queries = attention.q_proj(x)
+    keys = attention.k_proj(other)
+    assert seen == [384, 384]
+    assert mx.allclose(keys, nn.QuantizedLinear.__call__(attention.k_proj, other)).item()
+    assert mx.allclose(queries, nn.QuantizedLinear.__call__(attention.q_proj, x)).item()
+    seen.clear()
+    attention(mx.random.normal((1, 5, 128)))  # a prefill: not a decoding step
+    assert seen == [256, 64, 64]
+    copied = copy.deepcopy(attention)
+    assert all(copied[name].__dict__.get("_siblings") is None
+               for name in ("q_proj", "k_proj", "v_proj"))
+    seen.clear()
+    copied(x)
+    assert seen == [256, 64, 64]
+    fresh = Attention()
+    attention.load_weights(tree_flatten(fresh.parameters()))
+    seen.clear()
+    got = attention(x)
+    assert seen == [256, 64, 64]
+    for part, wanted in zip(got, fresh(x)):
+        assert mx.array_equal(part, wanted).item()
+
+
+def test_siblings_under_compile_and_grad(joined):
+    """Compiled with the model's arrays as inputs (the members then hold
+    tracers: they compute alone) and differentiated (one GEMM): the
+    members' values and the input's gradient."""
+    attention = Attention()
+    take_rows(attention)
+    plain = Attention()
+    plain.update(attention.parameters())
+    x = mx.random.normal((4, 1, 128))
+
+    def loss(module, x):
+        q, k, v = module(x)
+        return (q.sum() * 2 + (k * v).sum())
+
+    compiled = mx.compile(lambda x: loss(attention, x), inputs=attention.state)
+    assert mx.allclose(compiled(x), loss(plain, x), rtol=1e-5, atol=1e-4).item()
+    got = mx.grad(lambda x: loss(attention, x))(x)
+    want = mx.grad(lambda x: loss(plain, x))(x)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_siblings_only_alike_and_on_cuda(monkeypatch):
+    """Members alike in all but their output rows, and only on CUDA: keys of
+    other bits are left alone; off CUDA nothing is joined."""
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: False)
+    attention = Attention()
+    take_rows(attention)
+    assert "_siblings" not in attention.q_proj.__dict__
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
+    mixed = Attention(key_bits=8)
+    take_rows(mixed)
+    assert all("_siblings" not in mixed[name].__dict__ for name in ("q_proj", "k_proj"))
+    mlp = nn.Module()
+    mlp.gate_proj = nn.QuantizedLinear(128, 256, bias=False, group_size=64, bits=4)
+    mlp.up_proj = nn.QuantizedLinear(128, 256, bias=False, group_size=64, bits=4)
+    take_rows(mlp)
+    assert mlp.gate_proj._siblings.index == 0 and mlp.up_proj._siblings.index == 1
+    assert projections.join_siblings(mlp) == 0  # once
+
+
 @pytest.mark.parametrize("out_dims, rows, bits, dtype_bits, mode, cuda, want", [
     (151936, 512, 4, 16, "affine", True, True),
     (rules.DENSE_EXPERT_FROM_OUT_DIMS, rules.DENSE_EXPERT_FROM_ROWS, 4, 16, "affine", True,
@@ -387,17 +564,20 @@ def finite_or_skip(mlx_lms: mx.array) -> mx.array:
 
 
 @pytest.mark.parametrize("name", [*MOE_MODELS, "qwen3_moe-tied"])
-def test_rows_keep_the_logits(model_dirs, rows_always, monkeypatch, name):
-    """bfloat16 activations, the rows call on every projection: against the
-    same model patched without it (the only change the projections' order
-    of summation), within bfloat16's rounding; against a float32 run of the
-    same weights, no further than mlx-lm's unpatched model is."""
+def test_rows_keep_the_logits(model_dirs, joined, monkeypatch, name):
+    """bfloat16 activations, the rows call on every projection and the
+    attention's projections joined: against the same model patched without
+    them (the only change the projections' order of summation), within
+    bfloat16's rounding; against a float32 run of the same weights, no
+    further than mlx-lm's unpatched model is."""
     model, _ = loaded(model_dirs[name])
     without, _ = loaded(model_dirs[name])
     assert patch_model(without, dense_rows=False, dense=False) == 2
     patched, _ = loaded(model_dirs[name])
     assert patch_model(patched) == 2
     assert sum(isinstance(m, RowsProjection) for _, m in patched.named_modules()) > 0
+    # The attention's projections joined (the rule's bfloat16 rows, on CUDA stood in).
+    assert any("_siblings" in m.__dict__ for _, m in patched.named_modules())
     if name.endswith("-tied"):
         assert isinstance(patched.model.embed_tokens, RowsProjection)
     exact, _ = loaded(model_dirs[name], mx.float32)
@@ -435,16 +615,18 @@ def test_rule_keeps_the_bits_on_the_cpu(model_dirs):
                               decode_logits(model, batch, lm_fixtures.VOCAB_SIZE))
 
 
-@pytest.mark.parametrize("rows", ["rule", "always"])
+@pytest.mark.parametrize("rows", ["rule", "always", "joined"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_batch_generate_matches_unpatched(model_dirs, request, name, rows):
-    if rows == "always":
-        request.getfixturevalue("rows_always")
+    if rows != "rule":
+        request.getfixturevalue({"always": "rows_always", "joined": "joined"}[rows])
     # Float32 activations, as the command tests run them: bfloat16's
     # rounding of the fused sums can turn a near tie of these random models.
     model, tokenizer = loaded(model_dirs[name], mx.float32)
     patched, _ = loaded(model_dirs[name], mx.float32)
     patch_model(patched)
+    joined = any("_siblings" in m.__dict__ for _, m in patched.named_modules())
+    assert joined is (rows != "rule" or projections.on_cuda())
     words = lm_fixtures.WORDS
     prompts = [tokenizer.encode(" ".join(words[i: i + length]))
                for i, length in ((0, 3), (5, 9), (11, 2), (20, 6))]
