@@ -159,6 +159,12 @@
 #               kernel from 8 rows with and without submission (less GPU time,
 #               more host time a launch: worth it once the build overlaps the
 #               GPU?).
+#   siblings    (not in `bench`) the whole Qwen3-30B-A3B (48 layers) and
+#               gpt-oss-20b (24) decoding at batch 1 to 64, the patch (the
+#               projections on one input as one GEMM where
+#               rules.dense_joins_siblings says so) beside each projection
+#               alone (unjoined) and joined at every batch and input width
+#               (everywhere), alternated (benchmarks.step_kernels --variants).
 #   top-k-normalize (not in `bench`) the router's scores renormalized in its top
 #               k's launch (rules.TOP_K_NORMALIZES_IN_LAUNCH, on CUDA):
 #               its GPU test against the reference and MLX's ops (and under
@@ -437,6 +443,13 @@ if wanted submit-variants; then
   all_dense=DENSE_DECODING_FROM_IN_DIMS=0,DENSE_DECODING_TILES_FROM_IN_DIMS=0
   logged "$results/submit-variants.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,32,64 --rounds 5 --variants "every8:SUBMIT_EVERY_BLOCKS=8;none:SUBMIT_BLOCKS_FROM_TOKENS=100000;all:$all_dense;all-none:$all_dense,SUBMIT_BLOCKS_FROM_TOKENS=100000"
+fi
+if wanted siblings; then
+  for model in qwen3-30b-a3b:48 gpt-oss-20b:24; do
+    logged "$results/siblings-${model%:*}.log" python3 -m benchmarks.step_kernels \
+      --models "${model%:*}" --layers "${model#*:}" --batches 1,4,8,32,64 --rounds 5 \
+      --variants "unjoined:SIBLINGS_FROM_ROWS=1000000;everywhere:SIBLINGS_FROM_ROWS=1,SIBLINGS_BELOW_IN_DIMS=1000000"
+  done
 fi
 if wanted top-k-normalize; then
   logged "$results/top-k-normalize-test.log" python3 -m pytest -q -m gpu tests/test_routing.py \

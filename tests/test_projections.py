@@ -317,10 +317,12 @@ def test_siblings_compute_one_gemm(joined, monkeypatch, bias, shape):
 
 def test_siblings_keep_the_memory(monkeypatch):
     """The members' arrays are views of the stacked ones: once evaluated, the
-    model holds the bytes it held before."""
+    modules hold the bytes they held before, not twice them (other tests'
+    arrays freed meanwhile move MLX's count by a little either way)."""
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
-    modules = [Attention() for _ in range(4)]
+    modules = [Attention() for _ in range(8)]
     mx.eval([m.parameters() for m in modules])
+    held = sum(a.nbytes for m in modules for _, a in tree_flatten(m.parameters()))
     gc.collect()
     before = mx.get_active_memory()
     for module in modules:
@@ -328,7 +330,7 @@ def test_siblings_keep_the_memory(monkeypatch):
     mx.eval([m.parameters() for m in modules])
     gc.collect()
     assert all("_siblings" in m.q_proj.__dict__ for m in modules)
-    assert mx.get_active_memory() == before
+    assert abs(mx.get_active_memory() - before) < held / 8
 
 
 def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
