@@ -17,6 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm")
@@ -313,6 +315,51 @@ def test_siblings_compute_one_gemm(joined, monkeypatch, bias, shape):
     assert stacked._projection_routes and attention.q_proj._siblings_join
     _compiled.forget(attention)
     assert not stacked._projection_routes and not attention.q_proj._siblings_join
+
+
+@st.composite
+def sibling_sets(draw):
+    """Two or three projections alike but in their output rows, the order a
+    forward calls them in, and a decoding step's input (no rows included,
+    off the GPU: MLX's CUDA quantized_matmul does not launch on none)."""
+    group_size = draw(st.sampled_from([32, 64, 128]))
+    bits = draw(st.sampled_from([2, 3, 4, 6, 8]))
+    in_dims = group_size * draw(st.integers(1, 3))
+    outs = draw(st.lists(st.integers(1, 80), min_size=2, max_size=3))
+    order = draw(st.permutations(range(len(outs))))
+    least = 0 if mx.default_device().type == mx.cpu else 1
+    lead = draw(st.sampled_from([(draw(st.integers(least, 9)),), (2, draw(st.integers(1, 3)))]))
+    return dict(group_size=group_size, bits=bits, in_dims=in_dims, outs=outs, order=order,
+                shape=(*lead, 1, in_dims), bias=draw(st.booleans()),
+                dtype=draw(st.sampled_from([mx.float32, mx.float16, mx.bfloat16])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@given(case=sibling_sets())
+def test_siblings_against_their_members(case):
+    """Any siblings, called in any order: each member's output, bit for bit
+    what its own GEMM gives (the stacked matrix holds its rows unchanged)."""
+    mx.random.seed(case["seed"])
+    module = nn.Module()
+    names = projections.SIBLING_NAMES[len(case["outs"]) == 2]  # q, k, v; or gate, up
+    for name, out_dims in zip(names, case["outs"]):
+        module[name] = nn.QuantizedLinear(case["in_dims"], out_dims, bias=case["bias"],
+                                          group_size=case["group_size"], bits=case["bits"])
+        if case["bias"]:
+            module[name].bias = mx.random.normal((out_dims,))
+    module.set_dtype(case["dtype"])
+    x = mx.random.normal(case["shape"]).astype(case["dtype"])
+    want = {name: nn.QuantizedLinear.__call__(module[name], x) for name in names}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(projections, "on_cuda", lambda stream=None: True)
+        patch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: True)
+        patch.setattr(projections, "dense_joins_siblings", lambda *args, **kwargs: True)
+        take_rows(module)
+        assert all(module[name]._siblings.index == i for i, name in enumerate(names))
+        got = {names[i]: module[names[i]](x) for i in case["order"]}
+    for name in names:
+        assert got[name].shape == want[name].shape, name
+        assert mx.array_equal(got[name], want[name]).item(), name
 
 
 def test_siblings_keep_the_memory(monkeypatch):
