@@ -37,7 +37,7 @@ says so.
 from __future__ import annotations
 
 import functools
-import weakref
+import operator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -118,8 +118,8 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
 
 
 def _route(layer: nn.Module, x: mx.array) -> str:
-    """How `layer` computes `x`: "expert" where `_as_expert` says so, "rows"
-    where `_as_rows` does, else "plain". For up to `COMPILE_MAX_TOKENS` rows
+    """How `layer` computes `x`: "siblings" where `_joins` says so, "expert"
+    where `_as_expert` does, "rows" where `_as_rows` does, else "plain". For up to `COMPILE_MAX_TOKENS` rows
     (a decoding step's, a small batch's), asked once for each shape and dtype
     of `x`, of the layer's quantized matrices and its quantization, and kind
     of device, then kept on the layer: every projection of a decoding step
@@ -131,7 +131,8 @@ def _route(layer: nn.Module, x: mx.array) -> str:
     scales = layer["scales"]
     key = (id(layer), x.shape, x.dtype, layer["weight"].shape, scales.shape, scales.dtype,
            layer.bits, layer.mode, "biases" in layer, mx.default_device().type,
-           layer.decoding_rows, layer.dense_expert)  # id: a shallow copy shares the cache
+           layer.decoding_rows, layer.dense_expert,
+           layer.__dict__.get("_siblings") is not None)  # id: a shallow copy shares the cache
     routes = module_cache(layer, "_projection_routes")
     route = routes.get(key)
     if route is None:
@@ -139,22 +140,39 @@ def _route(layer: nn.Module, x: mx.array) -> str:
     return route
 
 
-def _asked_route(layer: nn.Module, x: mx.array) -> str:
+def _asked_route(layer: nn.Module, x: mx.array, join: bool = True) -> str:
+    if join and layer.__dict__.get("_siblings") is not None and _joins(layer, x):
+        return "siblings"
     return "expert" if _as_expert(layer, x) else "rows" if _as_rows(layer, x) else "plain"
 
 
+def _joins(layer: nn.Module, x: mx.array) -> bool:
+    """Whether `layer`, one of `Siblings` (alike in all but their output
+    rows), computes `x` with the others as one GEMM: a decoding step's rows
+    where `rules.dense_joins_siblings` says so."""
+    rows = step_rows(x)
+    return (rows > 0 and dense_joins_siblings(x.shape[-1], rows, layer.bits, x.dtype.size * 8,
+                                              layer.mode, cuda=True) and on_cuda())
+
+
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
-    """`call(layer, x)` through the grouped kernel where `_route` says
-    "expert" (compiled for small batches, as the MoE layers are: a call of
-    the kernel costs the host far more than one of `quantized_matmul` to
-    build), with `x` reshaped to rows `[n, D]` where it says "rows", else as
-    it is."""
+    """`call(layer, x)`: its part of its `Siblings`' GEMM where it says
+    "siblings" or another member made that GEMM on `x`; through the grouped
+    kernel where `_route` says "expert" (compiled for small batches, as the
+    MoE layers are: a call of the kernel costs the host far more than one of
+    `quantized_matmul` to build); with `x` reshaped to rows `[n, D]` where
+    it says "rows"; else as it is."""
     membership = layer.__dict__.get("_siblings")
     if membership is not None:
-        y = membership.siblings.output(membership.index, layer, x)
+        part = membership.siblings.part(membership.index, layer, x)
+        if part is not None:
+            return part
+    route = _route(layer, x)
+    if route == "siblings":
+        y = membership.siblings.join(membership.index, layer, x)
         if y is not None:
             return y
-    route = _route(layer, x)
+        route = _asked_route(layer, x, join=False)
     if route == "plain":
         return call(layer, x)
     if route == "expert":
@@ -210,85 +228,65 @@ class Siblings:
     same bytes, so memory is not doubled, and the members keep their
     parameters and classes.
 
-    The first member called on a decoding step's input `x` computes every
-    member's rows with one GEMM of the stacked layer, where
-    `rules.dense_joins_siblings` says so (on CUDA, outside the package's
-    compiled traces), and keeps the others' parts for their calls on the same
-    input object. A member called on another input, or after any member's
-    arrays were replaced (`load_weights`, `set_dtype`, a transform's
-    tracers), computes alone, as it did unpatched. The stacked arrays are
-    read when a call is built: an `mx.compile` that takes the model's arrays
-    as inputs sees the members' arrays replaced by its tracers, and so
-    computes them alone.
+    The first member called on a decoding step's input `x` whose route is
+    "siblings" (`rules.dense_joins_siblings`, on CUDA) computes every
+    member's rows with one GEMM of the stacked layer (`join`) and keeps the
+    others' parts for their calls on the same input object (`part`). A member
+    whose arrays are no longer its views (`load_weights`, `set_dtype`, the
+    tracers of an `mx.compile` that takes the model's arrays as inputs), or
+    called inside the package's compiled traces (shared by layers of other
+    arrays), computes alone, as it did unpatched: each member's part is its
+    own rows of the stacked matrices, so each member's views are all that its
+    part needs.
 
-    Holds its members by weak references only, so that a dropped model is
-    freed at once. One model's calls at a time (a forward keeps the parts).
+    Holds no module, so that a dropped model is freed at once. One model's
+    calls at a time (a forward keeps the parts).
     """
 
     def __init__(self, members: list[nn.Module]):
         first = members[0]
-        names = [name for name in _STACKED_ARRAYS if name in first]
+        self._names = tuple(name for name in _STACKED_ARRAYS if name in first)
         bounds = [0]
         for member in members:
             bounds.append(bounds[-1] + member["weight"].shape[0])
         self._splits = bounds[1:-1]
-        self.stacked = _stacked_layer(
-            first, {name: mx.concatenate([m[name] for m in members]) for name in names})
-        self._members = [weakref.ref(member) for member in members]
-        self._arrays = []
+        self.stacked = _stacked_layer(first, {
+            name: mx.concatenate([m[name] for m in members]) for name in self._names})
+        self._views = []
         for index, member in enumerate(members):
-            views = {name: self.stacked[name][bounds[index]: bounds[index + 1]]
-                     for name in names}
-            for name, view in views.items():
+            views = tuple(self.stacked[name][bounds[index]: bounds[index + 1]]
+                          for name in self._names)
+            for name, view in zip(self._names, views):
                 member[name] = view
-            self._arrays.append(views)
+            self._views.append(views)
             object.__setattr__(member, "_siblings", _Membership(self, index))
         self._input: mx.array | None = None
         self._parts: dict[int, mx.array] = {}
 
-    def output(self, index: int, layer: nn.Module, x: mx.array) -> mx.array | None:
-        """Member `index`'s (`layer`'s) output on `x`: its part of a GEMM
-        of the stacked layer, or None where it computes alone."""
-        if self._input is x:
-            part = self._parts.pop(index, None)
-            if part is not None:
-                if not self._parts:
-                    self._input = None
-                return part
-        if not (self._joins(layer, x) and self._intact(index, layer)):
+    def part(self, index: int, layer: nn.Module, x: mx.array) -> mx.array | None:
+        """Member `index`'s (`layer`'s) part of a GEMM that another member's
+        call made on `x`, or None."""
+        if self._input is not x:
+            return None
+        part = self._parts.pop(index, None)
+        if not self._parts:
+            self._input = None
+        return part if part is not None and self._holds_views(index, layer) else None
+
+    def join(self, index: int, layer: nn.Module, x: mx.array) -> mx.array | None:
+        """Member `index`'s (`layer`'s) output on `x` by one GEMM of every
+        member's rows, the others' parts kept; None where it computes alone."""
+        if tracing() or not self._holds_views(index, layer):
             return None
         parts = mx.split(self.stacked(x), self._splits, axis=-1)
         self._input = x
         self._parts = {i: part for i, part in enumerate(parts) if i != index}
         return parts[index]
 
-    def _joins(self, layer: nn.Module, x: mx.array) -> bool:
-        """Whether the members compute `x` as one GEMM: a decoding step's rows
-        where the rule says so, asked once a shape, dtype and kind of device
-        (kept on `layer`, as its routes are), and never while a compiled
-        forward is traced (its trace is shared by layers of other arrays)."""
-        rows = step_rows(x)
-        if not rows or tracing():
-            return False
-        answers = module_cache(layer, "_siblings_join")
-        key = (x.shape, x.dtype, mx.default_device().type)
-        joins = answers.get(key)
-        if joins is None:
-            stacked = self.stacked
-            joins = answers[key] = (
-                dense_joins_siblings(x.shape[-1], rows, stacked.bits, x.dtype.size * 8,
-                                     stacked.mode, cuda=True) and on_cuda())
-        return joins
-
-    def _intact(self, index: int, layer: nn.Module) -> bool:
-        """Whether every member still holds the views of the stacked arrays
-        (`layer` for member `index`, which may be a shallow copy of it)."""
-        for i, (member, views) in enumerate(zip(self._members, self._arrays)):
-            member = layer if i == index else member()
-            if member is None or any(member.get(name) is not view
-                                     for name, view in views.items()):
-                return False
-        return True
+    def _holds_views(self, index: int, layer: nn.Module) -> bool:
+        """Whether `layer` (member `index`, or a shallow copy of it) still
+        holds its views of the stacked arrays."""
+        return all(map(operator.is_, map(layer.get, self._names), self._views[index]))
 
 
 class _Membership(KeptBeside):

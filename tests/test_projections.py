@@ -309,12 +309,12 @@ def test_siblings_compute_one_gemm(joined, monkeypatch, bias, shape):
     # The next step again: one GEMM.
     attention(x + 1)
     assert seen == [384, 384]
-    # Forgotten (a benchmark changing the rules): the join's answers and the
-    # stacked layer's routes, which lies outside the model's tree, asked anew.
+    # Forgotten (a benchmark changing the rules): the members' routes and the
+    # stacked layer's, which lies outside the model's tree, asked anew.
     stacked = attention.q_proj._siblings.siblings.stacked
-    assert stacked._projection_routes and attention.q_proj._siblings_join
+    assert stacked._projection_routes and attention.q_proj._projection_routes
     _compiled.forget(attention)
-    assert not stacked._projection_routes and not attention.q_proj._siblings_join
+    assert not stacked._projection_routes and not attention.q_proj._projection_routes
 
 
 @st.composite
@@ -402,7 +402,17 @@ def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
     seen.clear()
     copied(x)
     assert seen == [256, 64, 64]
+    # The keys' weights replaced alone: the keys compute alone, the queries
+    # and values still by the stacked GEMM.
     fresh = Attention()
+    want = (attention.q_proj(x), fresh.k_proj(x), attention.v_proj(x))
+    attention.k_proj.update(fresh.k_proj.parameters())
+    seen.clear()
+    got = attention(x)
+    assert seen == [384, 64]
+    for part, wanted in zip(got, want):
+        assert mx.array_equal(part, wanted).item()
+    # Every member's replaced: each alone.
     attention.load_weights(tree_flatten(fresh.parameters()))
     seen.clear()
     got = attention(x)
