@@ -401,8 +401,9 @@ def argument_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="keep every MoE block's own weighted sum of its experts")
     parser.add_argument("--no-dense-rows", action="store_true",
                         help="keep mlx-lm's shape for the dense quantized projections of a "
-                             "decoding batch (default: one matrix of rows where measured "
-                             "faster, patch_model's dense_rows)")
+                             "decoding batch (default: one matrix of rows, and one GEMM for "
+                             "those on one input, where measured faster, patch_model's "
+                             "dense_rows)")
     parser.add_argument("--no-dense", action="store_true",
                         help="keep MLX's GEMM for the dense quantized projections (default: "
                              "the package's grouped kernel where its GEMM was measured "

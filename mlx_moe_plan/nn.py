@@ -356,7 +356,11 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     (attention, shared experts, routers, the lm_head) take a decoding batch's
     rows as one matrix where `rules.dense_as_rows` measured that faster
     (`projections.py`); they become instances of a subclass of their own
-    class and of `projections.RowsProjection`. With `dense`, the same
+    class and of `projections.RowsProjection`, and on CUDA those a module
+    calls on one input (attention's queries, keys and values) compute a
+    decoding step as one GEMM of their stacked matrices where
+    `rules.dense_joins_siblings` says so, their arrays becoming views of the
+    stacked ones (`projections.Siblings`). With `dense`, the same
     projections compute a decoding batch's rows and a prefill's through the
     grouped kernel as one expert where its GEMM was measured faster
     (`rules.dense_decoding_expert`, `rules.dense_as_expert`; on CUDA). With
@@ -382,7 +386,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         fuse (bool): Fuse the weighted sums where that is known to be safe.
           Default: ``True``.
         dense_rows (bool): Give the dense quantized projections a decoding
-          batch's rows as one matrix where measured faster. Default: ``True``.
+          batch's rows as one matrix, and those on one input one GEMM, where
+          measured faster. Default: ``True``.
         dense (bool): Compute the dense quantized projections' rows by the
           grouped kernel where its GEMM was measured faster. Default:
           ``True``.
