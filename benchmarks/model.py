@@ -155,7 +155,9 @@ def shared_copy(module: nn.Module) -> nn.Module:
     """A copy of `module`'s tree of modules holding the same arrays.
 
     Patching the copy swaps modules in the copy only: the original stays
-    mlx-lm's, and no weight is stored twice."""
+    mlx-lm's, and no weight is stored twice, but for the projections a
+    patch joins on CUDA (`projections.Siblings`), whose stacked arrays are
+    the copy's own."""
     new = copy.copy(module)
     for key, value in module.items():
         new[key] = _shared_value(value)

@@ -176,9 +176,10 @@ def _forward_for(module: nn.Module, key: tuple) -> _CompiledForward:
 
 class KeptBeside:
     """A plain attribute of a module that keeps another module beside it,
-    outside the model's tree (`kept_module`), which `forget` reaches too."""
+    outside the model's tree (`kept_module`, None once it keeps none), which
+    `forget` reaches too."""
 
-    kept_module: nn.Module
+    kept_module: nn.Module | None
 
 
 def forget(model: nn.Module) -> None:
@@ -194,7 +195,7 @@ def forget(model: nn.Module) -> None:
         for value in vars(module).values():
             if isinstance(value, ModuleCache):
                 value.clear()
-            elif isinstance(value, KeptBeside):
+            elif isinstance(value, KeptBeside) and value.kept_module is not None:
                 forget(value.kept_module)
 
 

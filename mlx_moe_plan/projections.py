@@ -117,31 +117,34 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _route(layer: nn.Module, x: mx.array) -> str:
-    """How `layer` computes `x`: "siblings" where `_joins` says so, "expert"
-    where `_as_expert` does, "rows" where `_as_rows` does, else "plain". For up to `COMPILE_MAX_TOKENS` rows
-    (a decoding step's, a small batch's), asked once for each shape and dtype
-    of `x`, of the layer's quantized matrices and its quantization, and kind
-    of device, then kept on the layer: every projection of a decoding step
-    asks at every step, and the answer cost the host more than MLX's call of
-    the GEMM. Larger inputs ask every time, so that a server's many prompt
-    lengths add nothing to keep."""
+def _route(layer: nn.Module, x: mx.array, join: bool = True) -> str:
+    """How `layer` computes `x`: "siblings" where it is one of `Siblings`
+    that go on, `join` and `_joins` says so; else "expert" where
+    `_as_expert` does, "rows" where `_as_rows` does, else "plain". For up to
+    `COMPILE_MAX_TOKENS` rows (a decoding step's, a small batch's), asked
+    once for each shape and dtype of `x`, of the layer's quantized matrices
+    and its quantization, and kind of device, then kept on the layer: every
+    projection of a decoding step asks at every step, and the answer cost
+    the host more than MLX's call of the GEMM. Larger inputs ask every time,
+    so that a server's many prompt lengths add nothing to keep."""
+    join = join and _membership(layer) is not None
     if x.size > COMPILE_MAX_TOKENS * x.shape[-1]:
-        return _asked_route(layer, x)
+        return _asked_route(layer, x, join)
     scales = layer["scales"]
+    # id: a shallow copy shares the cache.
     key = (id(layer), x.shape, x.dtype, layer["weight"].shape, scales.shape, scales.dtype,
            layer.bits, layer.mode, "biases" in layer, mx.default_device().type,
-           layer.decoding_rows, layer.dense_expert,
-           layer.__dict__.get("_siblings") is not None)  # id: a shallow copy shares the cache
+           layer.decoding_rows, layer.dense_expert, join)
     routes = module_cache(layer, "_projection_routes")
     route = routes.get(key)
     if route is None:
-        route = routes[key] = _asked_route(layer, x)
+        route = routes[key] = _asked_route(layer, x, join)
     return route
 
 
-def _asked_route(layer: nn.Module, x: mx.array, join: bool = True) -> str:
-    if join and layer.__dict__.get("_siblings") is not None and _joins(layer, x):
+def _asked_route(layer: nn.Module, x: mx.array, join: bool) -> str:
+    """`_route`'s answer, asked of the rules: "siblings" only where `join`."""
+    if join and _joins(layer, x):
         return "siblings"
     return "expert" if _as_expert(layer, x) else "rows" if _as_rows(layer, x) else "plain"
 
@@ -151,8 +154,10 @@ def _joins(layer: nn.Module, x: mx.array) -> bool:
     rows), computes `x` with the others as one GEMM: a decoding step's rows
     where `rules.dense_joins_siblings` says so."""
     rows = step_rows(x)
-    return (rows > 0 and dense_joins_siblings(x.shape[-1], rows, layer.bits, x.dtype.size * 8,
-                                              layer.mode, cuda=True) and on_cuda())
+    return (rows > 0 and layer.decoding_rows
+            and dense_joins_siblings(x.shape[-1], rows, layer.bits, x.dtype.size * 8, layer.mode,
+                                     cuda=True)
+            and on_cuda())
 
 
 def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
@@ -172,7 +177,7 @@ def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
         y = membership.siblings.join(membership.index, layer, x)
         if y is not None:
             return y
-        route = _asked_route(layer, x, join=False)
+        route = _route(layer, x, join=False)
     if route == "plain":
         return call(layer, x)
     if route == "expert":
@@ -231,16 +236,22 @@ class Siblings:
     The first member called on a decoding step's input `x` whose route is
     "siblings" (`rules.dense_joins_siblings`, on CUDA) computes every
     member's rows with one GEMM of the stacked layer (`join`) and keeps the
-    others' parts for their calls on the same input object (`part`). A member
-    whose arrays are no longer its views (`load_weights`, `set_dtype`, the
-    tracers of an `mx.compile` that takes the model's arrays as inputs), or
-    called inside the package's compiled traces (shared by layers of other
-    arrays), computes alone, as it did unpatched: each member's part is its
-    own rows of the stacked matrices, so each member's views are all that its
-    part needs.
+    others' parts for their calls on the same input object (`part`). Each
+    member's part is its own rows of the stacked matrices, so a member checks
+    that it still holds its views: one that does not (`load_weights`,
+    `set_dtype`, the tracers of an `mx.compile` that takes the model's
+    arrays as inputs) ends the siblings (`_end`), and from then on every
+    member computes alone, as it did unpatched, while the stacked arrays go
+    once no member's view holds them (`join_siblings` joins them anew).
+    Inside the package's compiled traces (shared by layers of other arrays)
+    members compute alone.
 
-    Holds no module, so that a dropped model is freed at once. One model's
-    calls at a time (a forward keeps the parts).
+    Holds no module of the model, so that a dropped model is freed at once.
+    A member that its forward does not call leaves its part kept until the
+    next join.
+
+    Args:
+        members (list[Module]): The projections, `_joinable`.
     """
 
     def __init__(self, members: list[nn.Module]):
@@ -250,7 +261,7 @@ class Siblings:
         for member in members:
             bounds.append(bounds[-1] + member["weight"].shape[0])
         self._splits = bounds[1:-1]
-        self.stacked = _stacked_layer(first, {
+        self.stacked: nn.Module | None = _stacked_layer(first, {
             name: mx.concatenate([m[name] for m in members]) for name in self._names})
         self._views = []
         for index, member in enumerate(members):
@@ -260,33 +271,61 @@ class Siblings:
                 member[name] = view
             self._views.append(views)
             object.__setattr__(member, "_siblings", _Membership(self, index))
-        self._input: mx.array | None = None
-        self._parts: dict[int, mx.array] = {}
+        # The input of the last join and the parts not yet taken, replaced
+        # whole: a thread reading it once sees one join's input and parts.
+        self._kept: tuple[mx.array, dict[int, mx.array]] | None = None
 
     def part(self, index: int, layer: nn.Module, x: mx.array) -> mx.array | None:
         """Member `index`'s (`layer`'s) part of a GEMM that another member's
         call made on `x`, or None."""
-        if self._input is not x:
+        kept = self._kept
+        if kept is None or kept[0] is not x:
             return None
-        part = self._parts.pop(index, None)
-        if not self._parts:
-            self._input = None
-        return part if part is not None and self._holds_views(index, layer) else None
+        part = kept[1].pop(index, None)
+        if part is None or not self._holds_views(index, layer):
+            return None
+        return part
 
     def join(self, index: int, layer: nn.Module, x: mx.array) -> mx.array | None:
         """Member `index`'s (`layer`'s) output on `x` by one GEMM of every
         member's rows, the others' parts kept; None where it computes alone."""
-        if tracing() or not self._holds_views(index, layer):
+        stacked = self.stacked
+        if stacked is None or tracing() or not self._holds_views(index, layer):
             return None
-        parts = mx.split(self.stacked(x), self._splits, axis=-1)
-        self._input = x
-        self._parts = {i: part for i, part in enumerate(parts) if i != index}
+        stacked.dense_expert = layer.dense_expert  # the members' flags, as they are now
+        parts = mx.split(stacked(x), self._splits, axis=-1)
+        self._kept = (x, {i: part for i, part in enumerate(parts) if i != index})
         return parts[index]
 
     def _holds_views(self, index: int, layer: nn.Module) -> bool:
         """Whether `layer` (member `index`, or a shallow copy of it) still
-        holds its views of the stacked arrays."""
-        return all(map(operator.is_, map(layer.get, self._names), self._views[index]))
+        holds its views of the stacked arrays; if not, the siblings end."""
+        if all(map(operator.is_, map(layer.get, self._names), self._views[index])):
+            return True
+        self._end()
+        return False
+
+    def _end(self) -> None:
+        """Join no more: drop the stacked layer, the views and the parts (a
+        member's replaced arrays would otherwise keep the stacked bytes twice)."""
+        self.stacked, self._views, self._kept = None, [], None
+
+    @property
+    def ended(self) -> bool:
+        return self.stacked is None
+
+    def keeps(self, index: int, layer: nn.Module) -> bool:
+        """Whether the siblings have not ended and `layer` (member `index`)
+        holds its view of the stacked weight. Asked at every call of a
+        member, so that weights loaded since (`load_weights`) end them at
+        once, and their bytes go, whether or not a join comes; the other
+        arrays are checked where a part is made or taken."""
+        if self.stacked is None:
+            return False
+        if layer.get("weight") is self._views[index][0]:
+            return True
+        self._end()
+        return False
 
 
 class _Membership(KeptBeside):
@@ -297,11 +336,19 @@ class _Membership(KeptBeside):
         self.siblings, self.index = siblings, index
 
     @property
-    def kept_module(self) -> nn.Module:
+    def kept_module(self) -> nn.Module | None:
         return self.siblings.stacked
 
     def __deepcopy__(self, memo):
         return None
+
+
+def _membership(layer: nn.Module) -> _Membership | None:
+    """`layer`'s place among `Siblings` that go on (`Siblings.keeps`), or None."""
+    membership = layer.__dict__.get("_siblings")
+    if membership is None or not membership.siblings.keeps(membership.index, layer):
+        return None
+    return membership
 
 
 def _stacked_layer(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
@@ -322,7 +369,7 @@ def _joinable(members: list) -> bool:
     `QuantizedLinear`, affine, alike in everything but their output rows."""
     first = members[0]
     if not all(isinstance(m, nn.QuantizedLinear) and isinstance(m, RowsProjection)
-               and "_siblings" not in m.__dict__ for m in members):
+               and _membership(m) is None for m in members):
         return False
     names = [name for name in _STACKED_ARRAYS if name in first]
     return (first.mode == "affine" and first.decoding_rows

@@ -378,12 +378,21 @@ def test_siblings_keep_the_memory(monkeypatch):
     gc.collect()
     assert all("_siblings" in m.q_proj.__dict__ for m in modules)
     assert abs(mx.get_active_memory() - before) < held / 8
+    # Weights loaded since, and a call that does not join (one row): the
+    # stacked arrays go with the views they replaced.
+    for module in modules:
+        module.load_weights(tree_flatten(Attention().parameters()))
+        mx.eval(module.parameters())
+        module(mx.random.normal((1, 1, 128)))
+    gc.collect()
+    assert abs(mx.get_active_memory() - before) < held / 8
 
 
 def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
     """A member called on another input than the first member's joins anew
-    for it; a prefill's rows, weights loaded since, a deep copy: each member
-    computes alone, with the arrays it holds."""
+    for it; a prefill's rows, a deep copy: each member computes alone; a
+    member's weights replaced end the siblings, until joined anew; every
+    member computes with the arrays it holds."""
     attention = Attention()
     take_rows(attention)
     seen = gemm_spy(monkeypatch)
@@ -402,29 +411,66 @@ def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
     seen.clear()
     copied(x)
     assert seen == [256, 64, 64]
-    # The keys' weights replaced alone: the keys compute alone, the queries
-    # and values still by the stacked GEMM.
+    # The keys' weights replaced: the keys compute alone, and the siblings
+    # end (the queries had joined; the values compute alone).
     fresh = Attention()
     want = (attention.q_proj(x), fresh.k_proj(x), attention.v_proj(x))
+    siblings = attention.q_proj._siblings.siblings
     attention.k_proj.update(fresh.k_proj.parameters())
     seen.clear()
     got = attention(x)
-    assert seen == [384, 64]
+    assert seen == [384, 64, 64] and siblings.ended
     for part, wanted in zip(got, want):
         assert mx.array_equal(part, wanted).item()
-    # Every member's replaced: each alone.
+    seen.clear()
+    attention(x)
+    assert seen == [256, 64, 64]
+    # Joined anew, then every member's weights loaded: each alone, the
+    # stacked arrays dropped.
+    assert projections.join_siblings(attention) == 1
+    seen.clear()
+    attention(x)
+    assert seen == [384]
+    siblings = attention.q_proj._siblings.siblings
     attention.load_weights(tree_flatten(fresh.parameters()))
     seen.clear()
     got = attention(x)
-    assert seen == [256, 64, 64]
+    assert seen == [256, 64, 64] and siblings.stacked is None
     for part, wanted in zip(got, fresh(x)):
         assert mx.array_equal(part, wanted).item()
+    _compiled.forget(attention)  # an ended member keeps no module beside it
 
 
-def test_siblings_under_compile_and_grad(joined):
-    """Compiled with the model's arrays as inputs (the members then hold
-    tracers: they compute alone) and differentiated (one GEMM): the
-    members' values and the input's gradient."""
+def test_siblings_from_threads(joined):
+    """Threads calling the same model on inputs of their own, as a stress
+    test: each member takes the parts of its own thread's join, never
+    another's (shapes tell them apart: each thread's batch is its own)."""
+    import threading
+
+    attention = Attention()
+    take_rows(attention)
+    wrong = []
+
+    def forward(batch: int):
+        x = mx.random.normal((batch, 1, 128))
+        for _ in range(1000):
+            shapes = [y.shape for y in attention(x)]
+            if shapes != [(batch, 1, 256), (batch, 1, 64), (batch, 1, 64)]:
+                wrong.append(shapes)
+
+    threads = [threading.Thread(target=forward, args=(batch,)) for batch in (2, 3, 4, 5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong
+
+
+def test_siblings_under_compile_and_grad(joined, monkeypatch):
+    """Differentiated (one GEMM), compiled with the arrays captured (one
+    GEMM), and compiled with the model's arrays as inputs (the members then
+    hold tracers: the siblings end, and each computes alone): the members'
+    values and the input's gradient."""
     attention = Attention()
     take_rows(attention)
     plain = Attention()
@@ -435,11 +481,18 @@ def test_siblings_under_compile_and_grad(joined):
         q, k, v = module(x)
         return (q.sum() * 2 + (k * v).sum())
 
-    compiled = mx.compile(lambda x: loss(attention, x), inputs=attention.state)
-    assert mx.allclose(compiled(x), loss(plain, x), rtol=1e-5, atol=1e-4).item()
+    seen = gemm_spy(monkeypatch)
     got = mx.grad(lambda x: loss(attention, x))(x)
+    assert seen == [384]
     want = mx.grad(lambda x: loss(plain, x))(x)
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    seen.clear()
+    captured = mx.compile(lambda x: loss(attention, x))
+    assert mx.allclose(captured(x), loss(plain, x), rtol=1e-5, atol=1e-4).item()
+    assert seen[0] == 384
+    compiled = mx.compile(lambda x: loss(attention, x), inputs=attention.state)
+    assert mx.allclose(compiled(x), loss(plain, x), rtol=1e-5, atol=1e-4).item()
+    assert attention.q_proj._siblings.siblings.ended
 
 
 def test_siblings_only_alike_and_on_cuda(monkeypatch):
