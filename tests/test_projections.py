@@ -322,12 +322,13 @@ def sibling_sets(draw):
     """Two or three projections alike but in their output rows, the order a
     forward calls them in, and a decoding step's input (no rows included,
     off the GPU: MLX's CUDA quantized_matmul does not launch on none)."""
+    on_cpu = mx.default_device().type == mx.cpu
     group_size = draw(st.sampled_from([32, 64, 128]))
-    bits = draw(st.sampled_from([2, 3, 4, 6, 8]))
+    bits = draw(st.sampled_from([2, 3, 4, 6, 8] if on_cpu else [4, 8]))
     in_dims = group_size * draw(st.integers(1, 3))
     outs = draw(st.lists(st.integers(1, 80), min_size=2, max_size=3))
     order = draw(st.permutations(range(len(outs))))
-    least = 0 if mx.default_device().type == mx.cpu else 1
+    least = 0 if on_cpu else 1
     lead = draw(st.sampled_from([(draw(st.integers(least, 9)),), (2, draw(st.integers(1, 3)))]))
     return dict(group_size=group_size, bits=bits, in_dims=in_dims, outs=outs, order=order,
                 shape=(*lead, 1, in_dims), bias=draw(st.booleans()),
@@ -337,8 +338,10 @@ def sibling_sets(draw):
 
 @given(case=sibling_sets())
 def test_siblings_against_their_members(case):
-    """Any siblings, called in any order: each member's output, bit for bit
-    what its own GEMM gives (the stacked matrix holds its rows unchanged)."""
+    """Any siblings, called in any order: each member's output what its own
+    GEMM gives (the stacked matrix holds its rows unchanged), bit for bit on
+    the CPU; on a GPU, where MLX picks its kernel by the columns too, within
+    the rounding of another order of summation."""
     mx.random.seed(case["seed"])
     module = nn.Module()
     names = projections.SIBLING_NAMES[len(case["outs"]) == 2]  # q, k, v; or gate, up
@@ -359,7 +362,12 @@ def test_siblings_against_their_members(case):
         got = {names[i]: module[names[i]](x) for i in case["order"]}
     for name in names:
         assert got[name].shape == want[name].shape, name
-        assert mx.array_equal(got[name], want[name]).item(), name
+        if mx.default_device().type == mx.cpu:
+            assert mx.array_equal(got[name], want[name]).item(), name
+        elif want[name].size:
+            tolerance = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[case["dtype"]]
+            assert relative_error(got[name].astype(mx.float32),
+                                  want[name].astype(mx.float32)) < tolerance, name
 
 
 def test_siblings_keep_the_memory(monkeypatch):
