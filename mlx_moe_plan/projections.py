@@ -117,9 +117,9 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _route(layer: nn.Module, x: mx.array, join: bool = True) -> str:
-    """How `layer` computes `x`: "siblings" where it is one of `Siblings`
-    that go on, `join` and `_joins` says so; else "expert" where
+def _route(layer: nn.Module, x: mx.array, join: bool) -> str:
+    """How `layer` computes `x`: "siblings" where `join` (it is one of
+    `Siblings` that go on) and `_joins` says so; else "expert" where
     `_as_expert` does, "rows" where `_as_rows` does, else "plain". For up to
     `COMPILE_MAX_TOKENS` rows (a decoding step's, a small batch's), asked
     once for each shape and dtype of `x`, of the layer's quantized matrices
@@ -127,7 +127,6 @@ def _route(layer: nn.Module, x: mx.array, join: bool = True) -> str:
     projection of a decoding step asks at every step, and the answer cost
     the host more than MLX's call of the GEMM. Larger inputs ask every time,
     so that a server's many prompt lengths add nothing to keep."""
-    join = join and _membership(layer) is not None
     if x.size > COMPILE_MAX_TOKENS * x.shape[-1]:
         return _asked_route(layer, x, join)
     scales = layer["scales"]
@@ -167,12 +166,12 @@ def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
     MoE layers are: a call of the kernel costs the host far more than one of
     `quantized_matmul` to build); with `x` reshaped to rows `[n, D]` where
     it says "rows"; else as it is."""
-    membership = layer.__dict__.get("_siblings")
+    membership = _membership(layer)
     if membership is not None:
         part = membership.siblings.part(membership.index, layer, x)
         if part is not None:
             return part
-    route = _route(layer, x)
+    route = _route(layer, x, join=membership is not None)
     if route == "siblings":
         y = membership.siblings.join(membership.index, layer, x)
         if y is not None:
@@ -256,7 +255,7 @@ class Siblings:
 
     def __init__(self, members: list[nn.Module]):
         first = members[0]
-        self._names = tuple(name for name in _STACKED_ARRAYS if name in first)
+        self._names = _stacked_names(first)
         bounds = [0]
         for member in members:
             bounds.append(bounds[-1] + member["weight"].shape[0])
@@ -351,6 +350,11 @@ def _membership(layer: nn.Module) -> _Membership | None:
     return membership
 
 
+def _stacked_names(layer: nn.Module) -> tuple[str, ...]:
+    """The arrays of a quantized layer that `Siblings` stack, in order."""
+    return tuple(name for name in _STACKED_ARRAYS if name in layer)
+
+
 def _stacked_layer(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
     """A dense quantized layer of the rows class quantized as `like`, holding
     `arrays`: not a module of the model (its arrays are the members')."""
@@ -360,7 +364,7 @@ def _stacked_layer(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
     for name, array in arrays.items():
         layer[name] = array
     layer.freeze()
-    layer.decoding_rows, layer.dense_expert = like.decoding_rows, like.dense_expert
+    layer.decoding_rows = like.decoding_rows  # its dense_expert follows the members' (`join`)
     return layer
 
 
@@ -371,7 +375,7 @@ def _joinable(members: list) -> bool:
     if not all(isinstance(m, nn.QuantizedLinear) and isinstance(m, RowsProjection)
                and _membership(m) is None for m in members):
         return False
-    names = [name for name in _STACKED_ARRAYS if name in first]
+    names = _stacked_names(first)
     return (first.mode == "affine" and first.decoding_rows
             and all(set(m.keys()) == set(names) for m in members)
             and all((m.bits, m.group_size, m.mode, m.dense_expert)
