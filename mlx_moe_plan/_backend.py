@@ -1,12 +1,13 @@
 """Backend dispatch: the stream's device picks the implementation.
 
 `Backend` declares what an implementation offers the public ops: `plan`,
-`gather_rows` and `combine_rows`, all lazy; and two optional kernels the
-layer and the routers use where a backend has them, `grouped_qmm` and
-`argsort_slice` (None where it has not, with a predicate saying which inputs
-it computes). Two satisfy it: `_cpu.CpuBackend`, the C++ primitives of
-`src/`, and `_gpu.GpuBackend`, the kernel texts of `kernels/` run through
-`mx.fast.metal_kernel` or `mx.fast.cuda_kernel`. Neither imports this module
+`gather_rows` and `combine_rows`, all lazy; and three optional kernels
+that the layer, the routers and the attention use where a backend has them,
+`grouped_qmm`, `argsort_slice` and `head_norm_rope` (None where it has not,
+with a predicate saying which inputs it computes). Two satisfy it:
+`_cpu.CpuBackend`, the C++ primitives of `src/`, and `_gpu.GpuBackend`, the
+kernel texts of `kernels/` run through `mx.fast.metal_kernel` or
+`mx.fast.cuda_kernel`. Neither imports this module
 (it imports them): they match the protocol by their methods, which
 tests/test_structure.py compares with it.
 """
@@ -106,9 +107,48 @@ class ArgsortSlice(Protocol):
         ...
 
 
+class HeadNormRope(Protocol):
+    """A backend's queries and keys of an attention, normalized and rotated
+    in one launch, where it has one."""
+
+    def __call__(self, queries_in: mx.array, keys_in: mx.array, q_weight: mx.array,
+                 k_weight: mx.array, offsets: mx.array, *, batch: int, q_heads: int,
+                 k_heads: int, q_at: int, k_at: int, eps: float, base: float, scale: float,
+                 stream: mx.Stream) -> tuple[mx.array, mx.array]:
+        """Qwen3's attention's queries and keys from its projections' outputs:
+        `rope(rms_norm(heads, weight, eps))` of each, transposed to `[batch,
+        heads, length, head_dim]`, as `mx.fast.rms_norm` and `mx.fast.rope`
+        (non-traditional, over the whole head, `base`, `scale`, the
+        positions from `offsets`) compute them, within their rounding
+        (kernels/head_norm_rope.h says how it rounds). For heads
+        `head_norm_rope_computes` accepts. Differentiable with respect to
+        the inputs and weights, through those ops.
+
+        Args:
+            queries_in (array): `[batch, length, q_row]`, the query heads one
+                after another from column `q_at`.
+            keys_in (array): `[batch, length, k_row]` of the same dtype, the
+                key heads from `k_at`; may be `queries_in` itself.
+            q_weight (array): `[head_dim]`, the queries' norm's weight.
+            k_weight (array): `[head_dim]`, the keys'.
+            offsets (array): int32 `[batch]` or `[1]`: the position of each
+                sequence's first row (or of every sequence's).
+            batch, q_heads, k_heads, q_at, k_at (int): As above.
+            eps (float): The norms' epsilon.
+            base (float): RoPE's base.
+            scale (float): RoPE's position scale.
+            stream (Stream): Where to run.
+
+        Returns:
+            tuple(array, array): queries `[batch, q_heads, length, head_dim]`
+            and keys `[batch, k_heads, length, head_dim]`, in the inputs' dtype.
+        """
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """The three operations every implementation provides, and two it may.
+    """The three operations every implementation provides, and three it may.
 
     Arrays come in checked and sized by the public ops (`plan.py`,
     `gather.py`, `combine.py`); what comes back is lazy. The results are the
@@ -124,6 +164,10 @@ class Backend(Protocol):
     argsort_slice: ArgsortSlice | None
     """A row-wise argsort's slice (kernels/argsort_slice.h); None where the backend has none."""
 
+    head_norm_rope: HeadNormRope | None
+    """An attention's queries and keys normalized and rotated (kernels/head_norm_rope.h);
+    None where the backend has none."""
+
     def grouped_qmm_computes(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
         """Whether `grouped_qmm` computes affine-quantized weights of `bits`
         and `group_size` on rows of `dtype`; False where there is none."""
@@ -131,6 +175,11 @@ class Backend(Protocol):
 
     def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
         """Whether `argsort_slice` sorts rows of `row_size` values of `dtype`;
+        False where there is none."""
+        ...
+
+    def head_norm_rope_computes(self, *, head_dim: int, dtype: mx.Dtype) -> bool:
+        """Whether `head_norm_rope` takes heads of `head_dim` values of `dtype`;
         False where there is none."""
         ...
 

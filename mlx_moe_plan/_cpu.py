@@ -49,11 +49,15 @@ class CpuBackend:
     # The GPU's optional kernels have no C++ counterpart: callers use MLX's ops.
     grouped_qmm = None
     argsort_slice = None
+    head_norm_rope = None
 
     def grouped_qmm_computes(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
         return False
 
     def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
+        return False
+
+    def head_norm_rope_computes(self, *, head_dim: int, dtype: mx.Dtype) -> bool:
         return False
 
     def plan(

@@ -234,6 +234,41 @@ class GpuBackend:
     def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
         return _name(dtype) in launch.ROW_KINDS and row_size <= launch.ARGSORT_SLICE_MAX_ROW
 
+    def head_norm_rope_computes(self, *, head_dim: int, dtype: mx.Dtype) -> bool:
+        return (_name(dtype) in launch.ROW_KINDS and head_dim % 2 == 0
+                and 2 <= head_dim <= launch.HEAD_NORM_ROPE_MAX_HEAD)
+
+    def head_norm_rope(self, queries_in: mx.array, keys_in: mx.array, q_weight: mx.array,
+                       k_weight: mx.array, offsets: mx.array, *, batch: int, q_heads: int,
+                       k_heads: int, q_at: int, k_at: int, eps: float, base: float,
+                       scale: float, stream: mx.Stream) -> tuple[mx.array, mx.array]:
+        """`_backend.HeadNormRope` in one launch of kernels/head_norm_rope.h."""
+        head_dim = q_weight.shape[-1]
+        for name, heads in (("q_heads", q_heads), ("k_heads", k_heads)):
+            if heads < 1:
+                raise ValueError(f"{name}: expected at least 1 head, got {heads}")
+        if queries_in.ndim != 3 or queries_in.shape[0] != batch:
+            raise ValueError(f"queries_in: expected [batch={batch}, length, values], got "
+                             f"{queries_in.shape}")
+        length = queries_in.shape[1]
+        for name, rows_in, at, heads in (("queries_in", queries_in, q_at, q_heads),
+                                         ("keys_in", keys_in, k_at, k_heads)):
+            if (rows_in.dtype != queries_in.dtype or rows_in.shape[:2] != (batch, length)
+                    or at < 0 or at + heads * head_dim > rows_in.shape[2]):
+                raise ValueError(f"{name}: expected {queries_in.dtype} [{batch}, {length}, "
+                                 f">= {at} + {heads} * {head_dim}], got {rows_in.dtype} "
+                                 f"{rows_in.shape}")
+        for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if weight.dtype != queries_in.dtype or weight.shape != (head_dim,):
+                raise ValueError(f"{name}: expected {queries_in.dtype} [{head_dim}], got "
+                                 f"{weight.dtype} {weight.shape}")
+        if offsets.dtype != mx.int32 or offsets.shape not in ((1,), (batch,)):
+            raise ValueError(f"offsets: expected int32 [1] or [{batch}], got {offsets.dtype} "
+                             f"{offsets.shape}")
+        return _head_norm_rope_function(
+            self.backend, batch, q_heads, k_heads, q_at, k_at, float(eps), float(base),
+            float(scale), stream)(queries_in, keys_in, q_weight, k_weight, offsets)
+
     def argsort_slice(self, values: mx.array, start: int, count: int, *,
                       normalize: bool = False,
                       stream: mx.Stream) -> tuple[mx.array, mx.array]:
@@ -351,6 +386,59 @@ def _argsort_slice_function(backend, start, count, normalize, stream):
         return grad
 
     return argsort_slice
+
+
+def _head_norm_rope(backend, queries_in, keys_in, q_weight, k_weight, offsets, batch, q_heads,
+                    k_heads, q_at, k_at, eps, base, scale, stream):
+    length = queries_in.shape[1]
+    head_dim = q_weight.shape[0]
+    if length == 0:
+        return (mx.zeros((batch, q_heads, 0, head_dim), queries_in.dtype),
+                mx.zeros((batch, k_heads, 0, head_dim), queries_in.dtype))
+    head_launch = launch.head_norm_rope_launch(
+        batch, length, q_heads, k_heads, head_dim, queries_in.shape[2], q_at, keys_in.shape[2],
+        k_at, offsets.size > 1, eps, base, scale, _name(queries_in.dtype))
+    queries, keys = _run(backend, [queries_in, keys_in, q_weight, k_weight, offsets],
+                         head_launch, stream)
+    return queries, keys
+
+
+def head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets, q_heads, k_heads,
+                          q_at, k_at, eps, base, scale, stream=None):
+    """What kernels/head_norm_rope.h computes, by MLX's own ops (`mx.fast.rms_norm`,
+    `mx.fast.rope`), as Qwen3's attention calls them: its gradient's formula."""
+    batch, length, _ = queries_in.shape
+    head_dim = q_weight.shape[0]
+    offset = offsets if offsets.size > 1 else offsets.reshape(())
+
+    def heads(rows_in, at, count, weight):
+        part = rows_in[..., at:at + count * head_dim].reshape(batch, length, count, head_dim)
+        normed = mx.fast.rms_norm(part, weight, eps, stream=stream).transpose(0, 2, 1, 3)
+        return mx.fast.rope(normed, head_dim, traditional=False, base=base, scale=scale,
+                            offset=offset, stream=stream)
+
+    return heads(queries_in, q_at, q_heads, q_weight), heads(keys_in, k_at, k_heads, k_weight)
+
+
+@cache_by_stream
+def _head_norm_rope_function(backend, batch, q_heads, k_heads, q_at, k_at, eps, base, scale,
+                             stream):
+    sizes = (q_heads, k_heads, q_at, k_at, eps, base, scale)
+
+    @mx.custom_function
+    def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets):
+        return _head_norm_rope(backend, queries_in, keys_in, q_weight, k_weight, offsets, batch,
+                               *sizes, stream)
+
+    @head_norm_rope.vjp
+    def head_norm_rope_vjp(primals, cotangents, outputs):
+        *differentiable, offsets = primals
+        _, grads = mx.vjp(lambda *arrays: head_norm_rope_by_ops(*arrays, offsets, *sizes,
+                                                                 stream=stream),
+                          differentiable, list(cotangents))
+        return (*grads, mx.zeros_like(offsets))
+
+    return head_norm_rope
 
 
 def _device_buffer(array, stream):

@@ -230,6 +230,44 @@ def normalized(picked, dtype: str = "float32") -> np.ndarray:
         return from_float32(values / total[..., None], dtype)
 
 
+def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets, q_heads: int,
+                   k_heads: int, q_at: int, k_at: int, eps: float, base: float, scale: float,
+                   dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3's attention's queries and keys from its projections' outputs
+    `[batch, length, values]` stored as `dtype`: each head's RMS norm with its
+    weight (the normalized value rounded to `dtype`, times the weight,
+    rounded), then non-traditional RoPE over the whole head at position
+    `offsets[b or 0] + l` (the angle as float32 computes it, the rotation
+    exact, rounded once), as `[batch, heads, length, head_dim]`. The norm's
+    sum is exact here: a backend's float32 sum may round a normalized value
+    the other way (kernels/head_norm_rope.h)."""
+    head_dim = np.asarray(q_weight).shape[-1]
+    half = head_dim // 2
+    queries_in, keys_in = np.asarray(queries_in), np.asarray(keys_in)
+    batch, length, _ = queries_in.shape
+    offsets = np.asarray(offsets, np.int64).reshape(-1)
+    positions = offsets[:, None] + np.arange(length) if offsets.size > 1 else \
+        np.broadcast_to(offsets[0] + np.arange(length), (batch, length))
+    inv_freq = np.exp2((-(np.arange(half, dtype=np.float32) / np.float32(half)))
+                       * np.float32(np.log2(np.float32(base)))).astype(np.float32)
+    theta = (np.float32(scale) * positions.astype(np.float32))[..., None] * inv_freq
+    cos, sin = np.cos(theta.astype(np.float64)), np.sin(theta.astype(np.float64))
+
+    def heads(rows_in, at, count, weight):
+        values = to_float32(rows_in[..., at:at + count * head_dim], dtype).astype(np.float64)
+        values = values.reshape(batch, length, count, head_dim)
+        normalizer = 1 / np.sqrt(np.mean(values * values, axis=-1, keepdims=True) + eps)
+        weight = to_float32(np.asarray(weight), dtype).astype(np.float64)
+        normed = to_float32(from_float32(values * normalizer, dtype), dtype).astype(np.float64)
+        normed = to_float32(from_float32(weight * normed, dtype), dtype).astype(np.float64)
+        first, second = normed[..., :half], normed[..., half:]
+        c, s = cos[:, :, None], sin[:, :, None]
+        rotated = np.concatenate([first * c - second * s, first * s + second * c], axis=-1)
+        return from_float32(rotated.transpose(0, 2, 1, 3), dtype)
+
+    return heads(queries_in, q_at, q_heads, q_weight), heads(keys_in, k_at, k_heads, k_weight)
+
+
 # --- comparing an implementation with the reference, bit for bit ---------------
 # The tests assert these; the benchmark checks the same before it times.
 

@@ -596,3 +596,33 @@ def assert_gemm_close(actual, rows, weight, scales, biases, offsets, bits, group
     worst = np.max(np.abs(values - expected) - tolerance, initial=-1.0)
     assert worst <= 0, f"max excess over tolerance {worst}"
     assert (values[offsets[-1]:] == 0).all(), "tail rows must be zeros"
+
+
+# --- an attention's queries and keys, normalized and rotated (head_norm_rope) ---
+
+# Relative precision of each row dtype: a value rounds to within half of it.
+_PRECISION = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def head_norm_rope_tolerance(expected: np.ndarray, positions: np.ndarray, name: str,
+                             scale: float) -> np.ndarray:
+    """How far a backend's queries or keys `[batch, heads, length, head_dim]`
+    may lie from the reference's, a bound a head: three roundings of its
+    largest value (a normalized value may round the other way on a float32
+    sum, and the rotation's result once more), and the angle's float32 error
+    (its factor's and product's roundings, the sine's and cosine's), which
+    grows with the position (`positions` `[batch, length]`)."""
+    largest = 2 * np.abs(ref.to_float32(expected, name)).max(axis=-1, keepdims=True)
+    angle = 2.0 ** -24 * (8 + 8 * np.abs(positions * scale))[:, None, :, None]
+    return largest * (3 * _PRECISION[name] + angle)
+
+
+def check_head_norm_rope(actual, expected, positions, name: str, scale: float) -> None:
+    """Each of `actual`'s queries and keys (NumPy, stored as `name`) within
+    `head_norm_rope_tolerance` of `expected`'s."""
+    for got, want in zip(actual, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        error = np.abs(ref.to_float32(got, name) - ref.to_float32(want, name))
+        bound = head_norm_rope_tolerance(want, positions, name, scale)
+        assert np.all(error <= bound), (error.max(), np.unravel_index(
+            np.argmax(error - bound), error.shape))

@@ -59,7 +59,9 @@ _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "f
               "rows": "InT", "weight": "uint", "scales": "InT", "biases": "InT",
               "up_weight": "uint", "up_scales": "InT", "up_biases": "InT", "bias": "InT",
               "up_bias": "InT",
-              "values": "InT", "indices": "uint", "slice_values": "InT"}
+              "values": "InT", "indices": "uint", "slice_values": "InT",
+              "queries_in": "InT", "keys_in": "InT", "q_weight": "InT", "k_weight": "InT",
+              "queries": "OutT", "keys": "OutT"}
 
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
@@ -347,3 +349,21 @@ def argsort_slice(values: np.ndarray, start: int, count: int,
                                                dtype_name(values), normalize)
     indices, slice_values = run([_device_buffer(values)], slice_launch)
     return indices, slice_values
+
+
+def head_norm_rope(queries_in: np.ndarray, keys_in: np.ndarray, q_weight: np.ndarray,
+                   k_weight: np.ndarray, offsets: np.ndarray, q_heads: int, k_heads: int,
+                   q_at: int, k_at: int, eps: float, base: float,
+                   scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Queries and keys normalized and rotated, as `_gpu.GpuBackend.head_norm_rope`
+    runs it; `queries_in` and `keys_in` [batch, length, values] float32,
+    float16 or uint16 (bfloat16 bits), the weights of the same storage,
+    `offsets` int32 [batch] or [1]."""
+    batch, length, _ = queries_in.shape
+    head_dim = q_weight.shape[0]
+    head_launch = launch.head_norm_rope_launch(
+        batch, length, q_heads, k_heads, head_dim, queries_in.shape[2], q_at, keys_in.shape[2],
+        k_at, offsets.size > 1, eps, base, scale, dtype_name(queries_in))
+    queries, keys = run([queries_in, keys_in, q_weight, k_weight,
+                         np.asarray(offsets, np.int32)], head_launch)
+    return queries, keys

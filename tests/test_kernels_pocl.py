@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import (INT32_MAX, INT32_MIN, SHARED_WEIGHTS_BLOCK, assert_bitwise,
-                      assert_gemm_close, check_grouped_qmm, experts_strategy, grouped_qmm_case,
-                      grouped_qmm_cases, make_ids, quantized_experts, reference_combine,
-                      reference_gather, token_rows)
+                      assert_gemm_close, check_grouped_qmm, check_head_norm_rope,
+                      experts_strategy, grouped_qmm_case, grouped_qmm_cases, make_ids,
+                      quantized_experts, reference_combine, reference_gather, token_rows)
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -1263,3 +1263,85 @@ def test_argsort_slice_reference_is_a_stable_sort():
     values = np.array([[1.0, np.nan, -0.0, 1.0, 0.0, -np.inf, -np.nan]], np.float32)
     assert np.signbit(values[0, 6])
     assert ref.argsort_slice(values, 0, 7).tolist() == [[5, 2, 4, 0, 3, 1, 6]]
+
+
+# --- head_norm_rope: an attention's queries and keys, normalized and rotated ---------
+
+@given(batch=st.integers(1, 4), length=st.integers(1, 3), q_heads=st.integers(1, 5),
+       k_heads=st.integers(1, 3),
+       head_dim=st.sampled_from([2, 4, 16, 64, 128, 256, launch.HEAD_NORM_ROPE_MAX_HEAD]),
+       name=st.sampled_from(launch.ROW_KINDS), joined=st.booleans(),
+       per_sequence=st.booleans(), scale=st.sampled_from([1.0, 0.25]),
+       base=st.sampled_from([1e4, 1e6]), eps=st.sampled_from([1e-6, 1e-5]),
+       seed=st.integers(0, 2**32 - 1))
+def test_head_norm_rope_matches_reference(batch, length, q_heads, k_heads, head_dim, name,
+                                          joined, per_sequence, scale, base, eps, seed):
+    """Queries and keys read from one GEMM's output (Qwen3's q, k and v
+    joined) or from arrays apart with columns before the heads; an offset a
+    sequence or one for all, from 0 to a long context's; a head of zeros or
+    of values small beside the norm's epsilon among others, against the reference
+    within `head_norm_rope_tolerance`; every output element written (the
+    harness poisons them)."""
+    rng = np.random.default_rng(seed)
+    q_columns, k_columns = q_heads * head_dim, k_heads * head_dim
+
+    def rows(width):
+        values = rng.standard_normal((batch, length, width)).astype(np.float32) * 3
+        # The first head zeros, or small enough that the norm's epsilon counts.
+        values[..., :head_dim] *= rng.choice([0.0, 1e-3, 1.0])
+        return ref.from_float32(values, name)
+
+    if joined:  # queries, keys, then values
+        queries_in = keys_in = rows(q_columns + 2 * k_columns)
+        q_at, k_at = 0, q_columns
+    else:
+        q_at, k_at = int(rng.integers(0, 3)) * head_dim, int(rng.integers(0, 5))
+        queries_in, keys_in = rows(q_at + q_columns), rows(k_at + k_columns + 3)
+    q_weight, k_weight = (ref.from_float32(rng.standard_normal(head_dim).astype(np.float32), name)
+                          for _ in range(2))
+    offsets = rng.integers(0, 5000, batch if per_sequence else 1).astype(np.int32)
+    args = (q_weight, k_weight, offsets, q_heads, k_heads, q_at, k_at, eps, base, scale)
+    actual = ocl.head_norm_rope(queries_in, keys_in, *args)
+    expected = ref.head_norm_rope(queries_in, keys_in, *args, name)
+    positions = np.broadcast_to(offsets[:, None], (batch, 1)) + np.arange(length)
+    check_head_norm_rope(actual, expected, positions, name, scale)
+
+
+def test_head_norm_rope_items_beyond_max_groups():
+    """More heads of rows than groups: each group makes several in turn."""
+    rng = np.random.default_rng(43)
+    batch, q_heads, k_heads, head_dim = launch.MAX_GROUPS // 8 + 5, 6, 2, 4
+    joined = ref.from_float32(rng.standard_normal((batch, 1, (q_heads + 2 * k_heads) * head_dim))
+                              .astype(np.float32), "bfloat16")
+    weight = ref.from_float32(rng.standard_normal(head_dim).astype(np.float32) + 1, "bfloat16")
+    offsets = np.array([100], np.int32)
+    args = (weight, weight, offsets, q_heads, k_heads, 0, q_heads * head_dim, 1e-6, 1e6, 1.0)
+    actual = ocl.head_norm_rope(joined, joined, *args)
+    expected = ref.head_norm_rope(joined, joined, *args, "bfloat16")
+    positions = np.full((batch, 1), 100)
+    check_head_norm_rope(actual, expected, positions, "bfloat16", 1.0)
+
+
+def test_head_norm_rope_reference_is_mlx_ops():
+    """The reference computes what Qwen3's attention does with MLX's own
+    `mx.fast.rms_norm` and `mx.fast.rope` (on the CPU), within the tolerance."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(44)
+    batch, length, q_heads, k_heads, head_dim = 3, 2, 4, 2, 64
+    x = rng.standard_normal((batch, length, (q_heads + 2 * k_heads) * head_dim)) * 3
+    weights = rng.standard_normal((2, head_dim)) + 1
+    offsets = np.array([7, 300, 4000], np.int32)
+    x_mx, w_mx = mx.array(x, mx.bfloat16), mx.array(weights, mx.bfloat16)
+    made = []
+    for at, heads, weight in ((0, q_heads, w_mx[0]), (q_heads * head_dim, k_heads, w_mx[1])):
+        part = x_mx[..., at:at + heads * head_dim].reshape(batch, length, heads, head_dim)
+        normed = mx.fast.rms_norm(part, weight, 1e-6).transpose(0, 2, 1, 3)
+        made.append(ref.to_numpy(mx.fast.rope(normed, head_dim, traditional=False, base=1e6,
+                                               scale=1.0, offset=mx.array(offsets))))
+    stored = ref.to_numpy(x_mx)
+    expected = ref.head_norm_rope(stored, stored, ref.to_numpy(w_mx[0]), ref.to_numpy(w_mx[1]),
+                                  offsets, q_heads, k_heads, 0, q_heads * head_dim, 1e-6, 1e6,
+                                  1.0, "bfloat16")
+    positions = offsets[:, None] + np.arange(length)
+    check_head_norm_rope(made, expected, positions, "bfloat16", 1.0)

@@ -339,7 +339,10 @@ def test_launches_carry_their_bodys_params():
                                                          backend="cuda"),
                 "grouped_qmm_tiles": launch.grouped_qmm_launch(4, 64, 24, 900, 4, 32, "bfloat16",
                                                                backend="cuda"),
-                "argsort_slice": launch.argsort_slice_launch(3, 128, 120, 8, "bfloat16")}
+                "argsort_slice": launch.argsort_slice_launch(3, 128, 120, 8, "bfloat16"),
+                "head_norm_rope": launch.head_norm_rope_launch(8, 1, 32, 4, 128, 5120, 0, 5120,
+                                                               4096, False, 1e-6, 1e6, 1.0,
+                                                               "bfloat16")}
     assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
     for name, kernel_launch in launches.items():
         assert kernel_launch.body == name

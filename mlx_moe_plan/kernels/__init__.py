@@ -82,6 +82,18 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
               (`_gpu._argsort_slice_function`); the indices: none
     tests:    `tests/test_routing.py`, `tests/test_kernels_pocl.py` (argsort_slice)
 
+`head_norm_rope.h` -- a Qwen3 attention's queries and keys, each head
+    RMS-normalized and rotated (`mlx_moe_plan/fused_attention.py`); not a
+    public op
+    launch:   `launch.head_norm_rope_launch`, `launch.HeadNormRopeParams`
+    GPU glue: `_gpu.GpuBackend.head_norm_rope`, `_gpu._head_norm_rope`,
+              `_gpu._head_norm_rope_function`
+    C++:      none (the CPU runs the attention's own `mx.fast.rms_norm` and
+              `mx.fast.rope`)
+    gradient: those ops' (`_gpu.head_norm_rope_by_ops`)
+    tests:    `tests/test_fused_attention.py`, `tests/test_kernels_pocl.py`
+              (head_norm_rope, within float tolerance)
+
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL
 rules; `tests/test_cuda_source.py` compiles its CUDA source with nvcc (where
 installed); `tests/test_structure.py` checks its `params` reads against `launch.py`
@@ -95,7 +107,8 @@ from functools import cache
 from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
-BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "argsort_slice")
+BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "argsort_slice",
+          "head_norm_rope")
 
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (

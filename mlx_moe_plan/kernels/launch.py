@@ -9,6 +9,7 @@ are named ("float32", "float16", "bfloat16", "int32", "uint16", "uint32").
 
 from __future__ import annotations
 
+import math
 import struct
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -64,6 +65,8 @@ INPUTS_OUTPUTS = {
     "grouped_qmm": _GROUPED_QMM_ARGUMENTS,
     "grouped_qmm_tiles": _GROUPED_QMM_ARGUMENTS,  # grouped_qmm.h's GEMM in block tiles
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
+    "head_norm_rope": (("queries_in", "keys_in", "q_weight", "k_weight", "offsets", "params"),
+                       ("queries", "keys")),
 }
 
 
@@ -323,9 +326,24 @@ class ArgsortSliceParams(NamedTuple):
     count: int  # positions taken
 
 
+class HeadNormRopeParams(NamedTuple):
+    rows: int  # batch * length
+    length: int
+    q_heads: int
+    k_heads: int
+    q_row: int  # values a row of queries_in
+    q_at: int  # the column of a row's first query head
+    k_row: int
+    k_at: int
+    offset_stride: int  # 1: an offset a sequence; 0: one for all
+    eps_bits: int  # the norms' epsilon, float32 bits
+    log2_base_bits: int  # log2 of RoPE's base, float32 bits
+    scale_bits: int  # RoPE's position scale, float32 bits
+
+
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
           "grouped_qmm": GroupedQmmParams, "grouped_qmm_tiles": GroupedQmmParams,
-          "argsort_slice": ArgsortSliceParams}
+          "argsort_slice": ArgsortSliceParams, "head_norm_rope": HeadNormRopeParams}
 
 
 @dataclass(frozen=True)
@@ -335,7 +353,8 @@ class Launch:
     body: str  # the body run (grouped_qmm's launch picks one of two)
     groups: int
     group_size: int
-    params: PlanParams | GatherParams | CombineParams | GroupedQmmParams | ArgsortSliceParams
+    params: (PlanParams | GatherParams | CombineParams | GroupedQmmParams | ArgsortSliceParams
+             | HeadNormRopeParams)
     template: tuple[tuple[str, object], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
     # bytes of the body's SHARED_WORDS, requested at launch where the
@@ -1030,4 +1049,31 @@ def argsort_slice_launch(num_rows: int, row_size: int, start: int, count: int,
          ("IN_KIND", ROW_KINDS.index(dtype)), ("MAX_ROW", ARGSORT_SLICE_MAX_ROW),
          ("NORMALIZE", bool(normalize))),
         (((num_rows, count), "uint32"), ((num_rows, count), dtype)),
+    )
+
+
+# The longest head head_norm_rope.h takes: a thread a pair of its values, one
+# group a head.
+HEAD_NORM_ROPE_MAX_HEAD = 2 * MAX_ROW_GROUP
+
+
+@lru_cache(maxsize=256)
+def head_norm_rope_launch(batch: int, length: int, q_heads: int, k_heads: int, head_dim: int,
+                          q_row: int, q_at: int, k_row: int, k_at: int, per_sequence: bool,
+                          eps: float, base: float, scale: float, dtype: str) -> Launch:
+    """For `batch, length >= 1`, `q_heads + k_heads >= 1`, an even `head_dim` of
+    at most HEAD_NORM_ROPE_MAX_HEAD, rows of queries_in (keys_in) of `q_row`
+    (`k_row`) values holding the heads from `q_at` (`k_at`), and an offset
+    a sequence (`per_sequence`) or one for all (head_norm_rope.h)."""
+    rows = batch * length
+    return Launch(
+        "head_norm_rope", min(rows * (q_heads + k_heads), MAX_GROUPS),
+        _round_up(head_dim // 2, 32),
+        HeadNormRopeParams(rows=rows, length=length, q_heads=q_heads, k_heads=k_heads,
+                           q_row=q_row, q_at=q_at, k_row=k_row, k_at=k_at,
+                           offset_stride=int(per_sequence), eps_bits=_float_bits(eps),
+                           log2_base_bits=_float_bits(math.log2(base)),
+                           scale_bits=_float_bits(scale)),
+        (("InT", dtype), ("OutT", dtype), ("HEAD_DIM", head_dim)),
+        (((batch, q_heads, length, head_dim), dtype), ((batch, k_heads, length, head_dim), dtype)),
     )
