@@ -255,6 +255,7 @@ class Siblings:
 
     def __init__(self, members: list[nn.Module]):
         first = members[0]
+        self.size = len(members)
         self._names = _stacked_names(first)
         bounds = [0]
         for member in members:
@@ -288,13 +289,28 @@ class Siblings:
     def join(self, index: int, layer: nn.Module, x: mx.array) -> mx.array | None:
         """Member `index`'s (`layer`'s) output on `x` by one GEMM of every
         member's rows, the others' parts kept; None where it computes alone."""
-        stacked = self.stacked
-        if stacked is None or tracing() or not self._holds_views(index, layer):
+        y = self._stacked_call([(index, layer)], x)
+        if y is None:
             return None
-        stacked.dense_expert = layer.dense_expert  # the members' flags, as they are now
-        parts = mx.split(stacked(x), self._splits, axis=-1)
+        parts = mx.split(y, self._splits, axis=-1)
         self._kept = (x, {i: part for i, part in enumerate(parts) if i != index})
         return parts[index]
+
+    def output(self, members: tuple[nn.Module, ...], x: mx.array) -> mx.array | None:
+        """The one GEMM's output on `x`, every member's rows one after another
+        (`members`, all of them in order, read it whole: none keeps a part);
+        None where they compute alone."""
+        return self._stacked_call(list(enumerate(members)), x)
+
+    def _stacked_call(self, members: list[tuple[int, nn.Module]], x: mx.array) -> mx.array | None:
+        """The stacked layer on `x`, where the `(index, layer)` members still
+        hold their views; None where they compute alone."""
+        stacked = self.stacked
+        if stacked is None or tracing() or not all(self._holds_views(index, layer)
+                                                   for index, layer in members):
+            return None
+        stacked.dense_expert = members[0][1].dense_expert  # the members' flags, as they are now
+        return stacked(x)
 
     def _holds_views(self, index: int, layer: nn.Module) -> bool:
         """Whether `layer` (member `index`, or a shallow copy of it) still
@@ -348,6 +364,25 @@ def _membership(layer: nn.Module) -> _Membership | None:
     if membership is None or not membership.siblings.keeps(membership.index, layer):
         return None
     return membership
+
+
+def joined(members: tuple[nn.Module, ...], x: mx.array) -> mx.array | None:
+    """The output on `x` of the one GEMM of `members`, their rows one after
+    another, where they are every member of one `Siblings`, in order, and
+    their calls on `x` would make that GEMM (`_route` "siblings"); else None,
+    and each computes alone. For a forward that reads the output whole
+    (`fused_attention`)."""
+    memberships = [_membership(member) for member in members]
+    if any(membership is None for membership in memberships):
+        return None
+    siblings = memberships[0].siblings
+    if siblings.size != len(members) or any(
+            membership.siblings is not siblings or membership.index != index
+            for index, membership in enumerate(memberships)):
+        return None
+    if _route(members[0], x, join=True) != "siblings":
+        return None
+    return siblings.output(members, x)
 
 
 def _stacked_names(layer: nn.Module) -> tuple[str, ...]:

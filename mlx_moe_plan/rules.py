@@ -8,8 +8,9 @@ the facts and applies the choice. The rules here are the expert GEMMs' formulati
 decoding batch (`dense_decoding_expert`, else `dense_as_rows`, and
 `dense_joins_siblings` for projections that share their input) and a
 prefill (`dense_as_expert`), which fused blocks submit early
-(`submits_block`), and where a router's top k renormalizes its scores
-(`top_k_normalizes`).
+(`submits_block`), where a router's top k renormalizes its scores
+(`top_k_normalizes`), and where an attention's queries and keys are
+normalized and rotated in one launch (`fuses_head_norm_rope`).
 
 A formulation is a `Formulation`. The layer's public `tile_m` names one as an
 int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
@@ -346,6 +347,35 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
     """
     return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
             and rows >= DENSE_EXPERT_FROM_ROWS and out_dims >= DENSE_EXPERT_FROM_OUT_DIMS)
+
+
+# A Qwen3 attention's queries and keys, normalized and rotated in one launch
+# of kernels/head_norm_rope.h (`fused_attention`), a decoding step's: mlx-lm
+# makes them with four launches (each one's norm and rotary embedding), six
+# where the projections are one GEMM's parts, whose rows the norms copy
+# first. At batch 8 a step's length follows its launches more than their GPU
+# time (benchmarks/HISTORY.md, "The whole step at batch 8"). Not yet
+# measured in a whole step: off (`HEAD_NORM_ROPE_FROM_ROWS` out of reach)
+# until it is; `benchmarks.step_kernels --variants
+# "fused:HEAD_NORM_ROPE_FROM_ROWS=1"` measures it.
+HEAD_NORM_ROPE_FROM_ROWS = 1 << 30
+
+
+def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
+    """Whether a Qwen3 attention's queries and keys of a decoding step are
+    normalized and rotated in one launch.
+
+    On CUDA, from `HEAD_NORM_ROPE_FROM_ROWS` rows (not yet measured: never).
+    Elsewhere never until measured.
+
+    Args:
+        rows (int): Rows of the step (sequences decoding together).
+        cuda (bool): Whether the attention runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True for the one launch.
+    """
+    return cuda and rows >= HEAD_NORM_ROPE_FROM_ROWS
 
 
 # A router that renormalizes its top k (Qwen3-MoE's and Qwen3-Next's blocks,

@@ -165,6 +165,13 @@
 #               rules.dense_joins_siblings says so) beside each projection
 #               alone (unjoined) and joined at every batch and input width
 #               (everywhere), alternated (benchmarks.step_kernels --variants).
+#   head-norm   (not in `bench`) Qwen3-MoE attention's queries and keys normalized
+#               and rotated in one launch (kernels/head_norm_rope.h,
+#               rules.fuses_head_norm_rope, off until measured): its GPU tests
+#               against the reference, MLX's ops and unfused decoding (and
+#               under compute-sanitizer's three tools), then the whole
+#               Qwen3-30B-A3B at batch 1 to 64, the patch beside the variant
+#               that takes it from one row, alternated.
 #   top-k-normalize (not in `bench`) the router's scores renormalized in its top
 #               k's launch (rules.TOP_K_NORMALIZES_IN_LAUNCH, on CUDA):
 #               its GPU test against the reference and MLX's ops (and under
@@ -451,17 +458,27 @@ if wanted siblings; then
       --variants "unjoined:SIBLINGS_FROM_ROWS=1000000;everywhere:SIBLINGS_FROM_ROWS=1,SIBLINGS_BELOW_IN_DIMS=1000000"
   done
 fi
-if wanted top-k-normalize; then
-  logged "$results/top-k-normalize-test.log" python3 -m pytest -q -m gpu tests/test_routing.py \
-    -k normalizes_in_its_launch -p no:cacheprovider
+# kernel_tests STEP FILE FILTER: FILE's GPU tests matching FILTER, then the same
+# under compute-sanitizer's three tools (this package's kernels), a log each
+kernel_tests() {
+  local step=$1 file=$2 filter=$3 tool
+  logged "$results/$step-test.log" python3 -m pytest -q -m gpu "$file" -k "$filter" \
+    -p no:cacheprovider
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck synccheck; do
-      HYPOTHESIS_PROFILE=sanitize logged "$results/top-k-normalize-$tool.log" \
+      HYPOTHESIS_PROFILE=sanitize logged "$results/$step-$tool.log" \
         compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
-        python3 -m pytest -q -x -m gpu tests/test_routing.py -k normalizes_in_its_launch \
-        -p no:cacheprovider
+        python3 -m pytest -q -x -m gpu "$file" -k "$filter" -p no:cacheprovider
     done
   fi
+}
+if wanted head-norm; then
+  kernel_tests head-norm tests/test_fused_attention.py "kernel_against or decoding_on"
+  logged "$results/head-norm.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8,4,1,32,64 --rounds 5 --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"
+fi
+if wanted top-k-normalize; then
+  kernel_tests top-k-normalize tests/test_routing.py normalizes_in_its_launch
   logged "$results/top-k-normalize.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 1,4,8,32,64 --rounds 5 --variants "ops:TOP_K_NORMALIZES_IN_LAUNCH=0"
 fi
