@@ -243,17 +243,24 @@ class GpuBackend:
                        k_heads: int, q_at: int, k_at: int, eps: float, base: float,
                        scale: float, stream: mx.Stream) -> tuple[mx.array, mx.array]:
         """`_backend.HeadNormRope` in one launch of kernels/head_norm_rope.h."""
-        head_dim = q_weight.shape[-1]
         for name, heads in (("q_heads", q_heads), ("k_heads", k_heads)):
             if heads < 1:
                 raise ValueError(f"{name}: expected at least 1 head, got {heads}")
         if queries_in.ndim != 3 or queries_in.shape[0] != batch:
             raise ValueError(f"queries_in: expected [batch={batch}, length, values], got "
                              f"{queries_in.shape}")
+        head_dim = q_weight.shape[-1]
+        if q_weight.ndim != 1 or not self.head_norm_rope_computes(head_dim=head_dim,
+                                                                  dtype=queries_in.dtype):
+            raise ValueError(f"q_weight: expected [head_dim], head_dim even from 2 to "
+                             f"{launch.HEAD_NORM_ROPE_MAX_HEAD}, of a dtype of "
+                             f"{launch.ROW_KINDS}, got {q_weight.shape} for rows of "
+                             f"{queries_in.dtype}")
         length = queries_in.shape[1]
         for name, rows_in, at, heads in (("queries_in", queries_in, q_at, q_heads),
                                          ("keys_in", keys_in, k_at, k_heads)):
-            if (rows_in.dtype != queries_in.dtype or rows_in.shape[:2] != (batch, length)
+            if (rows_in.dtype != queries_in.dtype or rows_in.ndim != 3
+                    or rows_in.shape[:2] != (batch, length)
                     or at < 0 or at + heads * head_dim > rows_in.shape[2]):
                 raise ValueError(f"{name}: expected {queries_in.dtype} [{batch}, {length}, "
                                  f">= {at} + {heads} * {head_dim}], got {rows_in.dtype} "

@@ -63,7 +63,8 @@ def fusable(module: nn.Module) -> bool:
 
 def _offsets(cache) -> mx.array | None:
     """The cache's positions as head_norm_rope.h reads them: int32 `[1]` for
-    one offset (`KVCache`), `[batch]` for one a sequence (`BatchKVCache`)."""
+    one offset (`KVCache`; made here, as `mx.fast.rope` makes an int offset
+    an array at every call), `[batch]` for one a sequence (`BatchKVCache`)."""
     offset = getattr(cache, "offset", None)
     if isinstance(offset, int):
         return mx.array([offset], mx.int32)
@@ -80,7 +81,8 @@ def _route(attention: nn.Module, x: mx.array) -> bool:
     dtype of `x`, the norms' dtype and kind of device, then kept on the
     attention (its `ModuleCache`, which `_compiled.forget` drops): every
     layer asks at every step."""
-    key = (x.shape, x.dtype, attention.q_norm.weight.dtype, mx.default_device().type)
+    key = (x.shape, x.dtype, attention.q_norm.weight.dtype, attention.k_norm.weight.dtype,
+           mx.default_device().type)
     routes = module_cache(attention, "_attention_routes")
     route = routes.get(key)
     if route is None:
@@ -105,12 +107,14 @@ def _asked_route(attention: nn.Module, x: mx.array) -> bool:
 
 
 def _forward(attention: nn.Module, x: mx.array, mask, cache, offsets: mx.array,
-             code: ModuleType) -> mx.array:
+             code: ModuleType) -> mx.array | None:
     """mlx-lm's Qwen3-MoE `Attention.__call__` with a cache, line for line,
     but that the queries' and keys' norms and rotations are one launch, which
     reads the projections' outputs where their one GEMM wrote them
-    (`projections.joined`). `code`: the module of the attention's class,
-    whose `scaled_dot_product_attention` it calls."""
+    (`projections.joined`); None where the projections give another dtype
+    than the norms' (float32 scales, say: the attention's own call then runs,
+    and the lazy outputs made here are never computed). `code`: the module
+    of the attention's class, whose `scaled_dot_product_attention` it calls."""
     B, L, D = x.shape
     head_dim = attention.q_norm.weight.shape[-1]
     q_columns = attention.n_heads * head_dim
@@ -124,6 +128,8 @@ def _forward(attention: nn.Module, x: mx.array, mask, cache, offsets: mx.array,
         queries_in = keys_in = joined
         q_at, k_at = 0, q_columns
         values = joined[..., q_columns + k_columns:]
+    if not queries_in.dtype == keys_in.dtype == x.dtype:
+        return None
     stream = _backend.resolve_stream(None)
     queries, keys = _backend.implementation(stream).head_norm_rope(
         queries_in, keys_in, attention.q_norm.weight, attention.k_norm.weight, offsets,
@@ -148,8 +154,9 @@ def _fused_class(attention_class: type) -> type:
         def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
             if cache is not None and _route(self, x):
                 offsets = _offsets(cache)
-                if offsets is not None:
-                    return _forward(self, x, mask, cache, offsets, code)
+                y = None if offsets is None else _forward(self, x, mask, cache, offsets, code)
+                if y is not None:
+                    return y
             return attention_class.__call__(self, x, mask, cache)
 
         _FUSED_CLASSES[attention_class] = type(

@@ -201,6 +201,26 @@ def test_batch_generate_through_the_fused_forward(launch_stood_in, joined, tmp_p
     assert got == want and all(want)
 
 
+def test_projections_of_another_dtype_keep_the_attentions_call(launch_stood_in):
+    """Projections whose output is not the norms' dtype (float32 scales on
+    bfloat16 rows) make the fused attention call its own code: no launch,
+    the same logits."""
+    model = make_model()
+    patch_model(model)
+    for layer in model.layers:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+            projection.scales = projection.scales.astype(mx.float32)
+    plain = copy.deepcopy(model)
+    prompt = mx.array(np.random.default_rng(4).integers(0, 40, (2, 5)))
+    got = decode(model, prompt, 2)
+    assert launch_stood_in == []
+    with pytest.MonkeyPatch.context() as off:
+        off.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)
+        want = decode(plain, prompt, 2)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()
+
+
 # ------------------------------------------------------- the GPU glue, on the CPU
 
 
@@ -264,6 +284,9 @@ def test_glue_forward_and_gradient(launch_stood_in, joined):
     (dict(keys_in=mx.zeros((3, 2, 64), mx.float16)), "keys_in"),
     (dict(k_at=60), "keys_in"),
     (dict(q_weight=mx.zeros((8,), mx.bfloat16)), "k_weight"),
+    (dict(q_weight=mx.zeros((15,), mx.bfloat16)), "q_weight"),
+    (dict(q_weight=mx.zeros((2, 16), mx.bfloat16)), "q_weight"),
+    (dict(keys_in=mx.zeros((3, 64), mx.bfloat16)), "keys_in"),
     (dict(k_weight=mx.zeros((16,), mx.float32)), "k_weight"),
     (dict(offsets=mx.zeros((2,), mx.int32)), "offsets"),
     (dict(offsets=mx.zeros((3,), mx.float32)), "offsets"),
@@ -326,8 +349,20 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     plain = copy.deepcopy(model)
     monkeypatch.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1)
     monkeypatch.setattr(rules, "SIBLINGS_FROM_ROWS", 1)
+    launches = []
+    launched = _gpu._head_norm_rope
+
+    def counted(backend, queries_in, keys_in, *args):
+        launches.append(keys_in.shape[-1])
+        return launched(backend, queries_in, keys_in, *args)
+
+    monkeypatch.setattr(_gpu, "_head_norm_rope", counted)
     prompt = mx.array(np.random.default_rng(9).integers(0, 40, (8, 6)))
     got = decode(model, prompt, 4)
+    config = lm_fixtures.CONFIGS["qwen3_moe"]
+    joined_width = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) \
+        * config["head_dim"]
+    assert launches == [joined_width] * 4 * config["num_hidden_layers"]
     with pytest.MonkeyPatch.context() as off:
         off.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)
         want = decode(plain, prompt, 4)

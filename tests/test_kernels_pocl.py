@@ -1278,28 +1278,30 @@ def test_head_norm_rope_matches_reference(batch, length, q_heads, k_heads, head_
                                           joined, per_sequence, scale, base, eps, seed):
     """Queries and keys read from one GEMM's output (Qwen3's q, k and v
     joined) or from arrays apart with columns before the heads; an offset a
-    sequence or one for all, from 0 to a long context's; a head of zeros or
+    sequence or one for all, from a padded prompt's negative ones to a long
+    context's; a head of zeros or
     of values small beside the norm's epsilon among others, against the reference
     within `head_norm_rope_tolerance`; every output element written (the
     harness poisons them)."""
     rng = np.random.default_rng(seed)
     q_columns, k_columns = q_heads * head_dim, k_heads * head_dim
 
-    def rows(width):
+    def rows(width, at):
         values = rng.standard_normal((batch, length, width)).astype(np.float32) * 3
         # The first head zeros, or small enough that the norm's epsilon counts.
-        values[..., :head_dim] *= rng.choice([0.0, 1e-3, 1.0])
+        values[..., at:at + head_dim] *= rng.choice([0.0, 1e-3, 1.0])
         return ref.from_float32(values, name)
 
     if joined:  # queries, keys, then values
-        queries_in = keys_in = rows(q_columns + 2 * k_columns)
+        queries_in = keys_in = rows(q_columns + 2 * k_columns, 0)
         q_at, k_at = 0, q_columns
     else:
         q_at, k_at = int(rng.integers(0, 3)) * head_dim, int(rng.integers(0, 5))
-        queries_in, keys_in = rows(q_at + q_columns), rows(k_at + k_columns + 3)
+        queries_in, keys_in = rows(q_at + q_columns, q_at), rows(k_at + k_columns + 3, k_at)
     q_weight, k_weight = (ref.from_float32(rng.standard_normal(head_dim).astype(np.float32), name)
                           for _ in range(2))
-    offsets = rng.integers(0, 5000, batch if per_sequence else 1).astype(np.int32)
+    # A batch cache's offsets are negative while a left-padded prompt's padding lasts.
+    offsets = rng.integers(-8, 5000, batch if per_sequence else 1).astype(np.int32)
     args = (q_weight, k_weight, offsets, q_heads, k_heads, q_at, k_at, eps, base, scale)
     actual = ocl.head_norm_rope(queries_in, keys_in, *args)
     expected = ref.head_norm_rope(queries_in, keys_in, *args, name)
