@@ -235,43 +235,16 @@ class GpuBackend:
         return _name(dtype) in launch.ROW_KINDS and row_size <= launch.ARGSORT_SLICE_MAX_ROW
 
     def head_norm_rope_computes(self, *, head_dim: int, dtype: mx.Dtype) -> bool:
-        return (_name(dtype) in launch.ROW_KINDS and head_dim % 2 == 0
-                and 2 <= head_dim <= launch.HEAD_NORM_ROPE_MAX_HEAD)
+        return _head_norm_rope_computes(head_dim, dtype)
 
     def head_norm_rope(self, queries_in: mx.array, keys_in: mx.array, q_weight: mx.array,
                        k_weight: mx.array, offsets: mx.array, *, batch: int, q_heads: int,
                        k_heads: int, q_at: int, k_at: int, eps: float, base: float,
                        scale: float, stream: mx.Stream) -> tuple[mx.array, mx.array]:
         """`_backend.HeadNormRope` in one launch of kernels/head_norm_rope.h."""
-        for name, heads in (("q_heads", q_heads), ("k_heads", k_heads)):
-            if heads < 1:
-                raise ValueError(f"{name}: expected at least 1 head, got {heads}")
-        if queries_in.ndim != 3 or queries_in.shape[0] != batch:
-            raise ValueError(f"queries_in: expected [batch={batch}, length, values], got "
-                             f"{queries_in.shape}")
-        head_dim = q_weight.shape[-1]
-        if q_weight.ndim != 1 or not self.head_norm_rope_computes(head_dim=head_dim,
-                                                                  dtype=queries_in.dtype):
-            raise ValueError(f"q_weight: expected [head_dim], head_dim even from 2 to "
-                             f"{launch.HEAD_NORM_ROPE_MAX_HEAD}, of a dtype of "
-                             f"{launch.ROW_KINDS}, got {q_weight.shape} for rows of "
-                             f"{queries_in.dtype}")
-        length = queries_in.shape[1]
-        for name, rows_in, at, heads in (("queries_in", queries_in, q_at, q_heads),
-                                         ("keys_in", keys_in, k_at, k_heads)):
-            if (rows_in.dtype != queries_in.dtype or rows_in.ndim != 3
-                    or rows_in.shape[:2] != (batch, length)
-                    or at < 0 or at + heads * head_dim > rows_in.shape[2]):
-                raise ValueError(f"{name}: expected {queries_in.dtype} [{batch}, {length}, "
-                                 f">= {at} + {heads} * {head_dim}], got {rows_in.dtype} "
-                                 f"{rows_in.shape}")
-        for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
-            if weight.dtype != queries_in.dtype or weight.shape != (head_dim,):
-                raise ValueError(f"{name}: expected {queries_in.dtype} [{head_dim}], got "
-                                 f"{weight.dtype} {weight.shape}")
-        if offsets.dtype != mx.int32 or offsets.shape not in ((1,), (batch,)):
-            raise ValueError(f"offsets: expected int32 [1] or [{batch}], got {offsets.dtype} "
-                             f"{offsets.shape}")
+        _check_head_norm_rope(queries_in.shape, keys_in.shape, q_weight.shape, k_weight.shape,
+                              offsets.shape, queries_in.dtype, keys_in.dtype, q_weight.dtype,
+                              k_weight.dtype, offsets.dtype, batch, q_heads, k_heads, q_at, k_at)
         return _head_norm_rope_function(
             self.backend, batch, q_heads, k_heads, q_at, k_at, float(eps), float(base),
             float(scale), stream)(queries_in, keys_in, q_weight, k_weight, offsets)
@@ -393,6 +366,45 @@ def _argsort_slice_function(backend, start, count, normalize, stream):
         return grad
 
     return argsort_slice
+
+
+def _head_norm_rope_computes(head_dim: int, dtype: mx.Dtype) -> bool:
+    return (_name(dtype) in launch.ROW_KINDS and head_dim % 2 == 0
+            and 2 <= head_dim <= launch.HEAD_NORM_ROPE_MAX_HEAD)
+
+
+@lru_cache(maxsize=256)
+def _check_head_norm_rope(q_shape, k_shape, q_weight_shape, k_weight_shape, offsets_shape,
+                          dtype, k_dtype, q_weight_dtype, k_weight_dtype, offsets_dtype, batch,
+                          q_heads, k_heads, q_at, k_at) -> None:
+    """Raises ValueError, naming the argument, where head_norm_rope.h cannot take
+    these arrays (their shapes and dtypes) and sizes. Cached: every layer of a
+    decoding step asks alike, and reading the arrays' attributes a check
+    cost the host as much as the rest of the call."""
+    for name, heads in (("q_heads", q_heads), ("k_heads", k_heads)):
+        if heads < 1:
+            raise ValueError(f"{name}: expected at least 1 head, got {heads}")
+    if len(q_shape) != 3 or q_shape[0] != batch:
+        raise ValueError(f"queries_in: expected [batch={batch}, length, values], got {q_shape}")
+    head_dim = q_weight_shape[-1] if q_weight_shape else 0
+    if len(q_weight_shape) != 1 or not _head_norm_rope_computes(head_dim, dtype):
+        raise ValueError(f"q_weight: expected [head_dim], head_dim even from 2 to "
+                         f"{launch.HEAD_NORM_ROPE_MAX_HEAD}, rows of a dtype of "
+                         f"{launch.ROW_KINDS}, got {q_weight_shape} for rows of {dtype}")
+    length = q_shape[1]
+    for name, shape, rows_dtype, at, heads in (("queries_in", q_shape, dtype, q_at, q_heads),
+                                               ("keys_in", k_shape, k_dtype, k_at, k_heads)):
+        if (rows_dtype != dtype or len(shape) != 3 or shape[:2] != (batch, length)
+                or at < 0 or at + heads * head_dim > shape[2]):
+            raise ValueError(f"{name}: expected {dtype} [{batch}, {length}, >= {at} + {heads} "
+                             f"* {head_dim}], got {rows_dtype} {shape}")
+    for name, shape, weight_dtype in (("q_weight", q_weight_shape, q_weight_dtype),
+                                      ("k_weight", k_weight_shape, k_weight_dtype)):
+        if weight_dtype != dtype or shape != (head_dim,):
+            raise ValueError(f"{name}: expected {dtype} [{head_dim}], got {weight_dtype} {shape}")
+    if offsets_dtype != mx.int32 or offsets_shape not in ((1,), (batch,)):
+        raise ValueError(f"offsets: expected int32 [1] or [{batch}], got {offsets_dtype} "
+                         f"{offsets_shape}")
 
 
 def _head_norm_rope(backend, queries_in, keys_in, q_weight, k_weight, offsets, batch, q_heads,

@@ -61,13 +61,22 @@ def fusable(module: nn.Module) -> bool:
     return digest is not None and source_digest(attention_class.__call__) == digest
 
 
+# The last int offset and its array: a step's layers share one (their caches
+# are at the same offset), where mlx-lm's rope makes one a call. Replaced
+# whole, so a thread reads a matching pair.
+_last_offset: tuple[int, mx.array] | None = None
+
+
 def _offsets(cache) -> mx.array | None:
     """The cache's positions as head_norm_rope.h reads them: int32 `[1]` for
-    one offset (`KVCache`; made here, as `mx.fast.rope` makes an int offset
-    an array at every call), `[batch]` for one a sequence (`BatchKVCache`)."""
+    one offset (`KVCache`), `[batch]` for one a sequence (`BatchKVCache`)."""
+    global _last_offset
     offset = getattr(cache, "offset", None)
     if isinstance(offset, int):
-        return mx.array([offset], mx.int32)
+        last = _last_offset
+        if last is None or last[0] != offset:
+            last = _last_offset = (offset, mx.array([offset], mx.int32))
+        return last[1]
     if isinstance(offset, mx.array) and offset.ndim == 1:
         return offset.astype(mx.int32)
     return None
