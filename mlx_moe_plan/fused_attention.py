@@ -161,7 +161,11 @@ def _fused_class(attention_class: type) -> type:
         code = sys.modules[attention_class.__module__]
 
         def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-            if cache is not None and _route(self, x):
+            # The rule's rows first, as on CUDA: where it says no even there
+            # (its default), the attention's own call costs no more than
+            # unpatched.
+            if (cache is not None and rules.fuses_head_norm_rope(step_rows(x), cuda=True)
+                    and _route(self, x)):
                 offsets = _offsets(cache)
                 y = None if offsets is None else _forward(self, x, mask, cache, offsets, code)
                 if y is not None:
