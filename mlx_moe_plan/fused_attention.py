@@ -21,7 +21,6 @@ matches the installed mlx-lm.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from types import ModuleType
 
@@ -44,13 +43,6 @@ class FusedAttention:
     """Marks an mlx-lm attention whose class `patch_model` swapped for one
     that normalizes and rotates its queries and keys in one launch where
     `rules.fuses_head_norm_rope` says so (a subclass of its own class)."""
-
-
-def load_class(name: str) -> type:
-    """An attention class of `FUSED_ATTENTION` from the installed mlx-lm
-    (ImportError if absent)."""
-    module, _, qualname = name.rpartition(".")
-    return getattr(importlib.import_module(module), qualname)
 
 
 def fusable(module: nn.Module) -> bool:

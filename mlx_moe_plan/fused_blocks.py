@@ -100,8 +100,7 @@ class FusedBlock:
 
     def load_class(self) -> type:
         """The block class from the installed mlx-lm (ImportError if absent)."""
-        module, _, name = self.block_class.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+        return load_class(self.block_class)
 
 
 FUSED_BLOCKS: dict[str, FusedBlock] = {entry.block_class: entry for entry in (
@@ -127,6 +126,13 @@ class FusedMoEBlock:
     prompt chunk's, submits its output for evaluation as soon as it is built
     where `rules.submits_block` says so for it (`_compiled.submit_as_built`).
     None: never. Expert-parallel layers never submit (not measured)."""
+
+
+def load_class(name: str) -> type:
+    """The class `name`, `module.QualName`, from the installed mlx-lm
+    (ImportError if absent)."""
+    module, _, qualname = name.rpartition(".")
+    return getattr(importlib.import_module(module), qualname)
 
 
 @functools.cache  # once a class, not once a block of it

@@ -77,7 +77,7 @@ def test_fused_attention_matches_mlx_lm(name):
     # The fused forward mirrors the class's __call__: when mlx-lm's code
     # changes, the attention silently keeps its own call. Say which, and its
     # new digest, so the forward can be checked against the new code.
-    digest = fused_blocks.source_digest(fused_attention.load_class(name).__call__)
+    digest = fused_blocks.source_digest(fused_blocks.load_class(name).__call__)
     assert digest == fused_attention.FUSED_ATTENTION[name], (
         f"{name}.__call__ is not the code fused_attention._forward mirrors: its source digest "
         f"is now {digest!r}; compare the forward with the new code, then update "
@@ -219,6 +219,32 @@ def test_projections_of_another_dtype_keep_the_attentions_call(launch_stood_in):
         want = decode(plain, prompt, 2)
     for g, w in zip(got, want):
         assert mx.array_equal(g, w).item()
+
+
+# ------------------------------------------------------------- the reference
+
+
+def test_head_norm_rope_reference_is_mlx_ops():
+    """The reference computes what Qwen3's attention does with MLX's own
+    `mx.fast.rms_norm` and `mx.fast.rope` (on the CPU), within the tolerance."""
+    rng = np.random.default_rng(44)
+    batch, length, q_heads, k_heads, head_dim = 3, 2, 4, 2, 64
+    x = rng.standard_normal((batch, length, (q_heads + 2 * k_heads) * head_dim)) * 3
+    weights = rng.standard_normal((2, head_dim)) + 1
+    offsets = np.array([7, 300, 4000], np.int32)
+    x_mx, w_mx = mx.array(x, mx.bfloat16), mx.array(weights, mx.bfloat16)
+    made = []
+    for at, heads, weight in ((0, q_heads, w_mx[0]), (q_heads * head_dim, k_heads, w_mx[1])):
+        part = x_mx[..., at:at + heads * head_dim].reshape(batch, length, heads, head_dim)
+        normed = mx.fast.rms_norm(part, weight, 1e-6).transpose(0, 2, 1, 3)
+        made.append(ref.to_numpy(mx.fast.rope(normed, head_dim, traditional=False, base=1e6,
+                                               scale=1.0, offset=mx.array(offsets))))
+    stored = ref.to_numpy(x_mx)
+    expected = ref.head_norm_rope(stored, stored, ref.to_numpy(w_mx[0]), ref.to_numpy(w_mx[1]),
+                                  offsets, q_heads, k_heads, 0, q_heads * head_dim, 1e-6, 1e6,
+                                  1.0, "bfloat16")
+    positions = offsets[:, None] + np.arange(length)
+    check_head_norm_rope(made, expected, positions, "bfloat16", 1.0)
 
 
 # ------------------------------------------------------- the GPU glue, on the CPU
