@@ -13,14 +13,12 @@ attention's own call; the kernel body itself is tested on PoCL
 from __future__ import annotations
 
 import copy
-import importlib
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import check_head_norm_rope
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
 
@@ -33,23 +31,18 @@ from mlx_moe_plan import fused_blocks, projections, rules  # noqa: E402
 from mlx_moe_plan import reference as ref  # noqa: E402
 from mlx_moe_plan.fused_attention import FusedAttention  # noqa: E402
 from mlx_moe_plan.nn import patch_model  # noqa: E402
+from test_nn import CONFIGS  # noqa: E402
+from test_nn import make_model as make_mlx_lm_model  # noqa: E402
 
 # The launch runs where the rule takes it, CUDA: Metal is not measured.
 on_cuda = pytest.mark.skipif(_backend.gpu_backend() != "cuda", reason="needs CUDA MLX")
 
 
-def make_model(name: str = "qwen3_moe", seed: int = 3):
-    """mlx-lm's `name` of `lm_fixtures.CONFIGS`, random weights, 4 bits in
-    groups of 32, bfloat16."""
-    module = importlib.import_module(f"mlx_lm.models.{name}")
-    model = module.Model(module.ModelArgs.from_dict(lm_fixtures.CONFIGS[name]))
-    rng = np.random.default_rng(seed)
-    model.update(tree_map(
-        lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32) * 0.5)
-        if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
-    nn.quantize(model, group_size=32, bits=4)
+def make_model(name: str = "qwen3_moe"):
+    """The layer tests' mlx-lm `name` (random weights, 4 bits in groups of
+    32), in bfloat16."""
+    model = make_mlx_lm_model(name, quantized=True)
     model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
     return model
 
 
@@ -90,7 +83,7 @@ def test_patch_model_fuses_the_registered_attention(name, fused):
     model = make_model(name)
     patch_model(model)
     attentions = [m for _, m in model.named_modules() if isinstance(m, FusedAttention)]
-    assert len(attentions) == (lm_fixtures.CONFIGS[name]["num_hidden_layers"] if fused else 0)
+    assert len(attentions) == (CONFIGS[name]["num_hidden_layers"] if fused else 0)
     unfused = make_model(name)
     patch_model(unfused, fuse=False)
     assert not any(isinstance(m, FusedAttention) for _, m in unfused.named_modules())
@@ -174,9 +167,8 @@ def test_fused_forward_is_the_attention_op_for_op(launch_stood_in, joined, batch
     got = decode(model, prompt, 3, caches(model, batch, per_sequence))
     for g, w in zip(got, want):
         assert mx.array_equal(g, w).item()
-    q_columns = lm_fixtures.CONFIGS["qwen3_moe"]["num_attention_heads"] * \
-        lm_fixtures.CONFIGS["qwen3_moe"]["head_dim"]
-    layers = lm_fixtures.CONFIGS["qwen3_moe"]["num_hidden_layers"]
+    q_columns = CONFIGS["qwen3_moe"]["num_attention_heads"] * CONFIGS["qwen3_moe"]["head_dim"]
+    layers = CONFIGS["qwen3_moe"]["num_hidden_layers"]
     offsets = (batch,) if per_sequence else (1,)
     assert launch_stood_in == [(0, q_columns if joined else 0, offsets)] * 3 * layers
 
@@ -385,7 +377,7 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     monkeypatch.setattr(_gpu, "_head_norm_rope", counted)
     prompt = mx.array(np.random.default_rng(9).integers(0, 40, (8, 6)))
     got = decode(model, prompt, 4)
-    config = lm_fixtures.CONFIGS["qwen3_moe"]
+    config = CONFIGS["qwen3_moe"]
     joined_width = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) \
         * config["head_dim"]
     assert launches == [joined_width] * 4 * config["num_hidden_layers"]
