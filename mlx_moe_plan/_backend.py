@@ -1,10 +1,11 @@
 """Backend dispatch: the stream's device picks the implementation.
 
 `Backend` declares what an implementation offers the public ops: `plan`,
-`gather_rows` and `combine_rows`, all lazy; and three optional kernels
-that the layer, the routers and the attention use where a backend has them,
-`grouped_qmm`, `argsort_slice` and `head_norm_rope` (None where it has not,
-with a predicate saying which inputs it computes). Two satisfy it:
+`gather_rows` and `combine_rows`, all lazy; and four optional kernels that
+the layer, the routers, the attention and the decoder layers use where a
+backend has them, `grouped_qmm`, `argsort_slice`, `head_norm_rope` and
+`add_rms_norm` (None where it has not, with a predicate saying which inputs
+it computes). Two satisfy it:
 `_cpu.CpuBackend`, the C++ primitives of `src/`, and `_gpu.GpuBackend`, the
 kernel texts of `kernels/` run through `mx.fast.metal_kernel` or
 `mx.fast.cuda_kernel`. Neither imports this module
@@ -146,9 +147,35 @@ class HeadNormRope(Protocol):
         ...
 
 
+class AddRmsNorm(Protocol):
+    """A backend's residual add and the RMS norm after it in one launch,
+    where it has one."""
+
+    def __call__(self, residual: mx.array, update: mx.array, weight: mx.array, *, eps: float,
+                 stream: mx.Stream) -> tuple[mx.array, mx.array]:
+        """`sums = residual + update` and `mx.fast.rms_norm(sums, weight, eps)`,
+        as a decoder layer computes them: the sums bit for bit, the norm
+        within its rounding (kernels/add_rms_norm.h says how it rounds). For
+        a dtype `add_rms_norm_computes` accepts. Differentiable with respect
+        to the three arrays, through those ops.
+
+        Args:
+            residual (array): `[..., dims]`, the layer's residual stream.
+            update (array): The same shape and dtype, what a block adds to it.
+            weight (array): `[dims]` of the same dtype, the norm's weight.
+            eps (float): The norm's epsilon.
+            stream (Stream): Where to run.
+
+        Returns:
+            tuple(array, array): the sums and their norm, each of the
+            inputs' shape and dtype.
+        """
+        ...
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """The three operations every implementation provides, and three it may.
+    """The three operations every implementation provides, and four it may.
 
     Arrays come in checked and sized by the public ops (`plan.py`,
     `gather.py`, `combine.py`); what comes back is lazy. The results are the
@@ -178,9 +205,17 @@ class Backend(Protocol):
         False where there is none."""
         ...
 
+    add_rms_norm: AddRmsNorm | None
+    """A residual add and the RMS norm after it (kernels/add_rms_norm.h); None
+    where the backend has none."""
+
     def head_norm_rope_computes(self, *, head_dim: int, dtype: mx.Dtype) -> bool:
         """Whether `head_norm_rope` takes heads of `head_dim` values of `dtype`;
         False where there is none."""
+        ...
+
+    def add_rms_norm_computes(self, *, dtype: mx.Dtype) -> bool:
+        """Whether `add_rms_norm` takes rows of `dtype`; False where there is none."""
         ...
 
     def plan(

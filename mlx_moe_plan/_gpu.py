@@ -249,6 +249,16 @@ class GpuBackend:
             self.backend, batch, q_heads, k_heads, q_at, k_at, float(eps), float(base),
             float(scale), stream)(queries_in, keys_in, q_weight, k_weight, offsets)
 
+    def add_rms_norm_computes(self, *, dtype: mx.Dtype) -> bool:
+        return _name(dtype) in launch.ROW_KINDS
+
+    def add_rms_norm(self, residual: mx.array, update: mx.array, weight: mx.array, *,
+                     eps: float, stream: mx.Stream) -> tuple[mx.array, mx.array]:
+        """`_backend.AddRmsNorm` in one launch of kernels/add_rms_norm.h."""
+        _check_add_rms_norm(residual.shape, update.shape, weight.shape, residual.dtype,
+                            update.dtype, weight.dtype)
+        return _add_rms_norm_function(self.backend, float(eps), stream)(residual, update, weight)
+
     def argsort_slice(self, values: mx.array, start: int, count: int, *,
                       normalize: bool = False,
                       stream: mx.Stream) -> tuple[mx.array, mx.array]:
@@ -458,6 +468,55 @@ def _head_norm_rope_function(backend, batch, q_heads, k_heads, q_at, k_at, eps, 
         return (*grads, mx.zeros_like(offsets))
 
     return head_norm_rope
+
+
+@lru_cache(maxsize=256)
+def _check_add_rms_norm(residual_shape, update_shape, weight_shape, dtype, update_dtype,
+                        weight_dtype) -> None:
+    """Raises ValueError, naming the argument, where add_rms_norm.h cannot take
+    arrays of these shapes and dtypes. Cached, as `_check_head_norm_rope`."""
+    if len(residual_shape) < 1 or residual_shape[-1] < 1 \
+            or _name(dtype) not in launch.ROW_KINDS:
+        raise ValueError(f"residual: expected [..., dims] of a dtype of {launch.ROW_KINDS}, "
+                         f"got {dtype} {residual_shape}")
+    if update_shape != residual_shape or update_dtype != dtype:
+        raise ValueError(f"update: expected {dtype} {residual_shape}, got {update_dtype} "
+                         f"{update_shape}")
+    if weight_shape != residual_shape[-1:] or weight_dtype != dtype:
+        raise ValueError(f"weight: expected {dtype} [{residual_shape[-1]}], got {weight_dtype} "
+                         f"{weight_shape}")
+
+
+def _add_rms_norm(backend, residual, update, weight, eps, stream):
+    dims = residual.shape[-1]
+    rows = residual.size // dims
+    if rows == 0:
+        return mx.zeros(residual.shape, residual.dtype), mx.zeros(residual.shape, residual.dtype)
+    norm_launch = launch.add_rms_norm_launch(rows, dims, eps, _name(residual.dtype))
+    sums, normed = _run(backend, [residual, update, weight], norm_launch, stream)
+    return sums.reshape(residual.shape), normed.reshape(residual.shape)
+
+
+def add_rms_norm_by_ops(residual, update, weight, eps, stream=None):
+    """What kernels/add_rms_norm.h computes, by MLX's own ops (an add and
+    `mx.fast.rms_norm`), as a decoder layer calls them: its gradient's formula."""
+    sums = mx.add(residual, update, stream=stream)
+    return sums, mx.fast.rms_norm(sums, weight, eps, stream=stream)
+
+
+@cache_by_stream
+def _add_rms_norm_function(backend, eps, stream):
+    @mx.custom_function
+    def add_rms_norm(residual, update, weight):
+        return _add_rms_norm(backend, residual, update, weight, eps, stream)
+
+    @add_rms_norm.vjp
+    def add_rms_norm_vjp(primals, cotangents, outputs):
+        _, grads = mx.vjp(lambda *arrays: add_rms_norm_by_ops(*arrays, eps, stream=stream),
+                          list(primals), list(cotangents))
+        return tuple(grads)
+
+    return add_rms_norm
 
 
 def _device_buffer(array, stream):

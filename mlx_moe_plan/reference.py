@@ -230,6 +230,16 @@ def normalized(picked, dtype: str = "float32") -> np.ndarray:
         return from_float32(values / total[..., None], dtype)
 
 
+def _rms_norm(values: np.ndarray, weight, eps: float, dtype: str) -> np.ndarray:
+    """`values` (float64, each a `dtype` value) RMS-normalized over the last
+    axis as MLX's rms_norm rounds: the normalized value rounded to `dtype`,
+    times the weight, rounded again; float64. The sum of squares is exact."""
+    normalizer = 1 / np.sqrt(np.mean(values * values, axis=-1, keepdims=True) + eps)
+    weight = to_float32(np.asarray(weight), dtype).astype(np.float64)
+    normed = to_float32(from_float32(values * normalizer, dtype), dtype).astype(np.float64)
+    return to_float32(from_float32(weight * normed, dtype), dtype).astype(np.float64)
+
+
 def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets, q_heads: int,
                    k_heads: int, q_at: int, k_at: int, eps: float, base: float, scale: float,
                    dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
@@ -255,11 +265,7 @@ def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets, q_heads: in
 
     def heads(rows_in, at, count, weight):
         values = to_float32(rows_in[..., at:at + count * head_dim], dtype).astype(np.float64)
-        values = values.reshape(batch, length, count, head_dim)
-        normalizer = 1 / np.sqrt(np.mean(values * values, axis=-1, keepdims=True) + eps)
-        weight = to_float32(np.asarray(weight), dtype).astype(np.float64)
-        normed = to_float32(from_float32(values * normalizer, dtype), dtype).astype(np.float64)
-        normed = to_float32(from_float32(weight * normed, dtype), dtype).astype(np.float64)
+        normed = _rms_norm(values.reshape(batch, length, count, head_dim), weight, eps, dtype)
         first, second = normed[..., :half], normed[..., half:]
         c, s = cos[:, :, None], sin[:, :, None]
         rotated = np.concatenate([first * c - second * s, first * s + second * c], axis=-1)
@@ -361,3 +367,16 @@ def plan_mismatch(plan, expected: ReferencePlan) -> str | None:
         return f"row_weights: dtype {plan.row_weights.dtype}"
     problem = bitwise_mismatch(plan.row_weights, expected.row_weights)
     return f"row_weights: {problem}" if problem else None
+
+
+def add_rms_norm(residual, update, weight, eps: float,
+                 dtype: str = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """A decoder layer's residual add and the RMS norm after it, on `[..., dims]`
+    stored as `dtype`: the sums rounded once to `dtype` (as the layer's add
+    rounds them), then `_rms_norm` of them, each stored as `dtype`. The
+    norm's sum is exact here: a backend's float32 sum may round a normalized
+    value the other way (kernels/add_rms_norm.h)."""
+    sums = from_float32(to_float32(np.asarray(residual), dtype).astype(np.float64)
+                        + to_float32(np.asarray(update), dtype), dtype)
+    values = to_float32(sums, dtype).astype(np.float64)
+    return sums, from_float32(_rms_norm(values, weight, eps, dtype), dtype)

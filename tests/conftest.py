@@ -626,3 +626,23 @@ def check_head_norm_rope(actual, expected, positions, name: str, scale: float) -
         bound = head_norm_rope_tolerance(want, positions, name, scale)
         assert np.all(error <= bound), (error.max(), np.unravel_index(
             np.argmax(error - bound), error.shape))
+
+
+# --- a residual add and the RMS norm after it (add_rms_norm) -------------------------
+
+def check_add_rms_norm(actual, expected, name: str) -> None:
+    """`actual`'s sums (NumPy or MLX, stored as `name`) bit for bit `expected`'s,
+    and its normed rows within two roundings of a row's largest value (the
+    normalized value may round the other way on a float32 sum, and its
+    product with the weight once more) and that sum's own float32 error (its
+    additions, fewer than a row's values, and the square root's)."""
+    (sums, normed), (want_sums, want_normed) = actual, expected
+    assert_bitwise(sums, want_sums, "sums")
+    normed = ref.to_numpy(normed) if isinstance(normed, mx.array) else np.asarray(normed)
+    assert normed.dtype == want_normed.dtype and normed.shape == want_normed.shape
+    wanted = ref.to_float32(want_normed, name)
+    error = np.abs(ref.to_float32(normed, name) - wanted)
+    sum_error = 2.0 ** -24 * (8 + want_normed.shape[-1])
+    bound = 2 * np.abs(wanted).max(axis=-1, keepdims=True) * (2 * _PRECISION[name] + sum_error)
+    assert np.all(error <= bound), (error.max(), np.unravel_index(np.argmax(error - bound),
+                                                                  error.shape))

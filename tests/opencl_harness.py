@@ -61,7 +61,9 @@ _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "f
               "up_bias": "InT",
               "values": "InT", "indices": "uint", "slice_values": "InT",
               "queries_in": "InT", "keys_in": "InT", "q_weight": "InT", "k_weight": "InT",
-              "queries": "OutT", "keys": "OutT"}
+              "queries": "OutT", "keys": "OutT",
+              "residual": "InT", "update": "InT", "norm_weight": "InT", "sums": "OutT",
+              "normed": "OutT"}
 
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
@@ -367,3 +369,14 @@ def head_norm_rope(queries_in: np.ndarray, keys_in: np.ndarray, q_weight: np.nda
     queries, keys = run([queries_in, keys_in, q_weight, k_weight,
                          np.asarray(offsets, np.int32)], head_launch)
     return queries, keys
+
+
+def add_rms_norm(residual: np.ndarray, update: np.ndarray, weight: np.ndarray,
+                 eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """A residual add and the RMS norm after it, as `_gpu.GpuBackend.add_rms_norm`
+    runs it; `residual` and `update` [rows, dims] float32, float16 or uint16
+    (bfloat16 bits), `weight` [dims] of the same storage."""
+    rows, dims = residual.shape
+    norm_launch = launch.add_rms_norm_launch(rows, dims, eps, dtype_name(residual))
+    sums, normed = run([residual, update, weight], norm_launch)
+    return sums, normed

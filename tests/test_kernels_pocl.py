@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import (INT32_MAX, INT32_MIN, SHARED_WEIGHTS_BLOCK, assert_bitwise,
-                      assert_gemm_close, check_grouped_qmm, check_head_norm_rope,
-                      experts_strategy, grouped_qmm_case, grouped_qmm_cases, make_ids,
-                      quantized_experts, reference_combine, reference_gather, token_rows)
+                      assert_gemm_close, check_add_rms_norm, check_grouped_qmm,
+                      check_head_norm_rope, experts_strategy, grouped_qmm_case,
+                      grouped_qmm_cases, make_ids, quantized_experts, reference_combine,
+                      reference_gather, token_rows)
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -1322,3 +1323,44 @@ def test_head_norm_rope_items_beyond_max_groups():
     expected = ref.head_norm_rope(joined, joined, *args, "bfloat16")
     positions = np.full((batch, 1), 100)
     check_head_norm_rope(actual, expected, positions, "bfloat16", 1.0)
+
+
+# --- add_rms_norm: a residual add and the RMS norm after it ------------------------
+
+@given(rows=st.integers(1, 5),
+       dims=st.sampled_from([1, 2, 7, 32, 255, 256, 257, 2048, 2880, 4096]),
+       name=st.sampled_from(launch.ROW_KINDS), eps=st.sampled_from([1e-6, 1e-5]),
+       seed=st.integers(0, 2**32 - 1))
+def test_add_rms_norm_matches_reference(rows, dims, name, eps, seed):
+    """Rows of the residual stream and a block's update of every width a group
+    takes in one pass or several, against the reference: the sums bit for
+    bit, the norm within `check_add_rms_norm`'s tolerance; a row whose update
+    cancels the residual (sums of zeros: the norm is the epsilon's alone), one
+    of values small beside the epsilon, one of large ones; every output
+    element written (the harness poisons them)."""
+    rng = np.random.default_rng(seed)
+    residual = rng.standard_normal((rows, dims)).astype(np.float32) * 4
+    update = rng.standard_normal((rows, dims)).astype(np.float32)
+    scales = rng.choice([0.0, 1e-3, 1.0, 1.0, 300.0], size=(rows, 1)).astype(np.float32)
+    residual, update = residual * scales, update * scales
+    cancels = rng.integers(0, rows)
+    residual = ref.from_float32(residual, name)
+    update = ref.from_float32(update, name)
+    if rng.random() < 0.3:
+        cancelled = -ref.to_float32(residual[cancels], name)
+        update[cancels] = ref.from_float32(cancelled, name)
+    weight = ref.from_float32(rng.standard_normal(dims).astype(np.float32) + 1, name)
+    check_add_rms_norm(ocl.add_rms_norm(residual, update, weight, eps),
+                       ref.add_rms_norm(residual, update, weight, eps, name), name)
+
+
+def test_add_rms_norm_rows_beyond_max_groups():
+    """More rows than groups: each group makes several in turn."""
+    rng = np.random.default_rng(45)
+    rows, dims = launch.MAX_GROUPS + 3, 4
+    residual, update = (ref.from_float32(rng.standard_normal((rows, dims)).astype(np.float32),
+                                         "bfloat16") for _ in range(2))
+    weight = ref.from_float32(rng.standard_normal(dims).astype(np.float32) + 1, "bfloat16")
+    check_add_rms_norm(ocl.add_rms_norm(residual, update, weight, 1e-6),
+                       ref.add_rms_norm(residual, update, weight, 1e-6, "bfloat16"), "bfloat16")
+

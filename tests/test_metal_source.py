@@ -166,6 +166,12 @@ def record_launches(backend: str = "metal") -> list[Launch]:
             gpu.head_norm_rope(mx.zeros((2, 3, 2), dtype), mx.zeros((2, 3, 4), dtype), norm,
                                norm, mx.zeros((2,), mx.int32), batch=2, q_heads=1, k_heads=2,
                                q_at=0, k_at=0, eps=1e-5, base=1e4, scale=0.5, stream=None)
+        # add_rms_norm: a decoding step's rows of Qwen3-30B-A3B's width, and
+        # rows narrower than a warp.
+        for dtype in ROW_DTYPES:
+            for shape in ((8, 1, 2048), (3, 7)):
+                rows = mx.zeros(shape, dtype)
+                gpu.add_rms_norm(rows, rows, mx.zeros(shape[-1:], dtype), eps=1e-6, stream=None)
     # The backend caches a launch's kernel object: drop the recorder's, so a
     # test on the GPU that makes the same launch makes the real kernel.
     _gpu._kernel_call.cache_clear()
@@ -292,7 +298,7 @@ def test_pointer_parameters_have_address_spaces(launch):
 
 
 # Bodies that read and write their buffers by index alone, making no pointer.
-INDEXED_ONLY = ("head_norm_rope",)
+INDEXED_ONLY = ("head_norm_rope", "add_rms_norm")
 
 
 @pytest.mark.parametrize("name", BODIES)

@@ -342,7 +342,8 @@ def test_launches_carry_their_bodys_params():
                 "argsort_slice": launch.argsort_slice_launch(3, 128, 120, 8, "bfloat16"),
                 "head_norm_rope": launch.head_norm_rope_launch(8, 1, 32, 4, 128, 5120, 0, 5120,
                                                                4096, False, 1e-6, 1e6, 1.0,
-                                                               "bfloat16")}
+                                                               "bfloat16"),
+                "add_rms_norm": launch.add_rms_norm_launch(8, 2048, 1e-6, "bfloat16")}
     assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
     for name, kernel_launch in launches.items():
         assert kernel_launch.body == name

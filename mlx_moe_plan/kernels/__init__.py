@@ -94,6 +94,16 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     tests:    `tests/test_fused_attention.py`, `tests/test_kernels_pocl.py`
               (head_norm_rope, within float tolerance)
 
+`add_rms_norm.h` -- a decoder layer's residual add and the RMS norm after
+    it; not a public op
+    launch:   `launch.add_rms_norm_launch`, `launch.AddRmsNormParams`
+    GPU glue: `_gpu.GpuBackend.add_rms_norm`, `_gpu._add_rms_norm`,
+              `_gpu._add_rms_norm_function`
+    C++:      none (the CPU runs the layer's own add and `mx.fast.rms_norm`)
+    gradient: those ops' (`_gpu.add_rms_norm_by_ops`)
+    tests:    `tests/test_kernels_pocl.py` (add_rms_norm, within float
+              tolerance)
+
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL
 rules; `tests/test_cuda_source.py` compiles its CUDA source with nvcc (where
 installed); `tests/test_structure.py` checks its `params` reads against `launch.py`
@@ -108,7 +118,7 @@ from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
 BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "argsort_slice",
-          "head_norm_rope")
+          "head_norm_rope", "add_rms_norm")
 
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (

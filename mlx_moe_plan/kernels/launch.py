@@ -67,6 +67,7 @@ INPUTS_OUTPUTS = {
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
     "head_norm_rope": (("queries_in", "keys_in", "q_weight", "k_weight", "offsets", "params"),
                        ("queries", "keys")),
+    "add_rms_norm": (("residual", "update", "norm_weight", "params"), ("sums", "normed")),
 }
 
 
@@ -341,9 +342,16 @@ class HeadNormRopeParams(NamedTuple):
     scale_bits: int  # RoPE's position scale, float32 bits
 
 
+class AddRmsNormParams(NamedTuple):
+    rows: int
+    dims: int  # values a row
+    eps_bits: int  # the norm's epsilon, float32 bits
+
+
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
           "grouped_qmm": GroupedQmmParams, "grouped_qmm_tiles": GroupedQmmParams,
-          "argsort_slice": ArgsortSliceParams, "head_norm_rope": HeadNormRopeParams}
+          "argsort_slice": ArgsortSliceParams, "head_norm_rope": HeadNormRopeParams,
+          "add_rms_norm": AddRmsNormParams}
 
 
 @dataclass(frozen=True)
@@ -354,7 +362,7 @@ class Launch:
     groups: int
     group_size: int
     params: (PlanParams | GatherParams | CombineParams | GroupedQmmParams | ArgsortSliceParams
-             | HeadNormRopeParams)
+             | HeadNormRopeParams | AddRmsNormParams)
     template: tuple[tuple[str, object], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
     # bytes of the body's SHARED_WORDS, requested at launch where the
@@ -1076,4 +1084,21 @@ def head_norm_rope_launch(batch: int, length: int, q_heads: int, k_heads: int, h
                            scale_bits=_float_bits(scale)),
         (("InT", dtype), ("OutT", dtype), ("HEAD_DIM", head_dim)),
         (((batch, q_heads, length, head_dim), dtype), ((batch, k_heads, length, head_dim), dtype)),
+    )
+
+
+# add_rms_norm.h's group: about 8 values a thread, from a warp to this many
+# threads (a power of two, for its tree of sums).
+ADD_RMS_NORM_MAX_GROUP = 256
+
+
+@lru_cache(maxsize=256)
+def add_rms_norm_launch(rows: int, dims: int, eps: float, dtype: str) -> Launch:
+    """For `rows, dims >= 1` (add_rms_norm.h)."""
+    threads = min(max(32, 1 << max(0, (dims - 1) // 8).bit_length()), ADD_RMS_NORM_MAX_GROUP)
+    return Launch(
+        "add_rms_norm", min(rows, MAX_GROUPS), threads,
+        AddRmsNormParams(rows=rows, dims=dims, eps_bits=_float_bits(eps)),
+        (("InT", dtype), ("OutT", dtype), ("THREADS", threads)),
+        (((rows, dims), dtype), ((rows, dims), dtype)),
     )
