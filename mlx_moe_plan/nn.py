@@ -56,7 +56,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from . import _backend, _mlx_lm, expert_parallel, fused_attention, fused_blocks, projections, rules
+from . import (_backend, _mlx_lm, expert_parallel, fused_attention, fused_blocks, fused_model,
+               projections, rules)
 from ._compiled import COMPILE_MAX_TOKENS, compiled_if_small
 from ._grouped import GroupedExperts
 from .combine import moe_combine
@@ -355,7 +356,10 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     attention classes of `fused_attention.FUSED_ATTENTION` of a model with
     MoE layers likewise become `FusedAttention`s, which normalize and rotate
     a decoding step's queries and keys in one launch where
-    `rules.fuses_head_norm_rope` says so. With
+    `rules.fuses_head_norm_rope` says so, and the models of
+    `fused_model.FUSED_MODELS` `FusedModel`s, which make a decoding step's
+    residual adds and the RMS norms after them one launch each where
+    `rules.fuses_add_rms_norm` says so. With
     `dense_rows`, the dense quantized projections of a model with MoE layers
     (attention, shared experts, routers, the lm_head) take a decoding batch's
     rows as one matrix where `rules.dense_as_rows` measured that faster
@@ -387,8 +391,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         model (Module): A loaded mlx-lm model (or any module tree).
         tile_m (int, optional): The GEMM formulation of every new layer (see
           `SwitchGLU`). Default: `default_tile_m`, per call.
-        fuse (bool): Fuse the weighted sums, and the attentions' norms and
-          rotations, where that is known to be safe. Default: ``True``.
+        fuse (bool): Fuse the weighted sums, the attentions' norms and
+          rotations, and the residual adds with the norms after them, where
+          that is known to be safe. Default: ``True``.
         dense_rows (bool): Give the dense quantized projections a decoding
           batch's rows as one matrix, and those on one input one GEMM, where
           measured faster. Default: ``True``.
@@ -425,6 +430,10 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
                   if fuse and has_layers and fused_attention.fusable(module)]
     for module in attentions:
         fused_attention.fuse(module)
+    models = [module for _, module in model.named_modules()
+              if fuse and has_layers and fused_model.fusable(module)]
+    for module in models:
+        fused_model.fuse(module)
     rows = (projections.take_rows(model, decoding=dense_rows, expert=dense)
             if (dense_rows or dense) and has_layers else 0)
     name = type(model).__name__
@@ -432,7 +441,8 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         warnings.warn(f"patch_model: {name} is patched already ({ours_before} MoE layers "
                       f"this package's): tile_m={tile_m} not applied to them; set their "
                       "tile_m instead", stacklevel=2)
-    elif not replacements and not fused and not attentions and not rows and has_layers:
+    elif (not replacements and not fused and not attentions and not models and not rows
+          and has_layers):
         warnings.warn(f"patch_model: {name} is patched already (its MoE layers this "
                       "package's); nothing changed", stacklevel=2)
     return len(replacements)

@@ -9,8 +9,10 @@ decoding batch (`dense_decoding_expert`, else `dense_as_rows`, and
 `dense_joins_siblings` for projections that share their input) and a
 prefill (`dense_as_expert`), which fused blocks submit early
 (`submits_block`), where a router's top k renormalizes its scores
-(`top_k_normalizes`), and where an attention's queries and keys are
-normalized and rotated in one launch (`fuses_head_norm_rope`).
+(`top_k_normalizes`), where an attention's queries and keys are
+normalized and rotated in one launch (`fuses_head_norm_rope`), and where a
+decoder layer's residual adds and the norms after them are one launch each
+(`fuses_add_rms_norm`).
 
 A formulation is a `Formulation`. The layer's public `tile_m` names one as an
 int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
@@ -376,6 +378,33 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
         bool: True for the one launch.
     """
     return cuda and rows >= HEAD_NORM_ROPE_FROM_ROWS
+
+
+# A decoder layer's residual adds and the RMS norms after them, each pair in
+# one launch of kernels/add_rms_norm.h (`fused_model`), a decoding step's:
+# mlx-lm makes each with two (an add, `mx.fast.rms_norm`), four a layer; the
+# one launch makes two, 96 launches fewer a step of Qwen3-30B-A3B's 48
+# layers. Not yet measured in a whole step: off (`ADD_RMS_NORM_FROM_ROWS`
+# out of reach) until it is; `benchmarks.step_kernels --variants
+# "fused:ADD_RMS_NORM_FROM_ROWS=1"` measures it.
+ADD_RMS_NORM_FROM_ROWS = 1 << 30
+
+
+def fuses_add_rms_norm(rows: int, *, cuda: bool) -> bool:
+    """Whether a decoding step's residual adds and the RMS norms after them
+    are one launch each.
+
+    On CUDA, from `ADD_RMS_NORM_FROM_ROWS` rows (not yet measured: never).
+    Elsewhere never until measured.
+
+    Args:
+        rows (int): Rows of the step (sequences decoding together).
+        cuda (bool): Whether the model runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True for the one launch.
+    """
+    return cuda and rows >= ADD_RMS_NORM_FROM_ROWS
 
 
 # A router that renormalizes its top k (Qwen3-MoE's and Qwen3-Next's blocks,

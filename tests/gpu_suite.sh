@@ -172,6 +172,14 @@
 #               under compute-sanitizer's three tools), then the whole
 #               Qwen3-30B-A3B at batch 1 to 64, the patch beside the variant
 #               that takes it from one row, alternated.
+#   add-norm    (not in `bench`) Qwen3-MoE's residual adds and the RMS norms after
+#               them one launch each (kernels/add_rms_norm.h,
+#               rules.fuses_add_rms_norm, off until measured): its GPU tests
+#               against the reference, MLX's ops and unfused decoding (and
+#               under compute-sanitizer's three tools), then the whole
+#               Qwen3-30B-A3B at batch 1 to 64, the patch beside the variant
+#               that takes it from one row, and beside both launches
+#               (head-norm's too), alternated.
 #   top-k-normalize (not in `bench`) the router's scores renormalized in its top
 #               k's launch (rules.TOP_K_NORMALIZES_IN_LAUNCH, on CUDA):
 #               its GPU test against the reference and MLX's ops (and under
@@ -476,6 +484,12 @@ if wanted head-norm; then
   kernel_tests head-norm tests/test_fused_attention.py "kernel_against or decoding_on"
   logged "$results/head-norm.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,4,1,32,64 --rounds 5 --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"
+fi
+if wanted add-norm; then
+  kernel_tests add-norm tests/test_fused_model.py "kernel_against or decoding_on"
+  logged "$results/add-norm.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8,4,1,32,64 --rounds 5 \
+    --variants "fused:ADD_RMS_NORM_FROM_ROWS=1;both:ADD_RMS_NORM_FROM_ROWS=1,HEAD_NORM_ROPE_FROM_ROWS=1"
 fi
 if wanted top-k-normalize; then
   kernel_tests top-k-normalize tests/test_routing.py normalizes_in_its_launch

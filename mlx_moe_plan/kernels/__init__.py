@@ -95,14 +95,14 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
               (head_norm_rope, within float tolerance)
 
 `add_rms_norm.h` -- a decoder layer's residual add and the RMS norm after
-    it; not a public op
+    it (`mlx_moe_plan/fused_model.py`); not a public op
     launch:   `launch.add_rms_norm_launch`, `launch.AddRmsNormParams`
     GPU glue: `_gpu.GpuBackend.add_rms_norm`, `_gpu._add_rms_norm`,
               `_gpu._add_rms_norm_function`
     C++:      none (the CPU runs the layer's own add and `mx.fast.rms_norm`)
     gradient: those ops' (`_gpu.add_rms_norm_by_ops`)
-    tests:    `tests/test_kernels_pocl.py` (add_rms_norm, within float
-              tolerance)
+    tests:    `tests/test_fused_model.py`, `tests/test_kernels_pocl.py`
+              (add_rms_norm, within float tolerance)
 
 Every body: `tests/test_metal_source.py` checks its Metal source against MSL
 rules; `tests/test_cuda_source.py` compiles its CUDA source with nvcc (where

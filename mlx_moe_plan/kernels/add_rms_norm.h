@@ -3,7 +3,7 @@
 // normed = rms_norm(sums, weight, eps), the next block's input. mlx-lm makes
 // them with an add and mx.fast.rms_norm, two launches; a Qwen3-MoE layer
 // makes two such pairs (after its attention, and after its MoE block with
-// the next layer's input norm).
+// the next layer's input norm), which fused_model.py makes one launch each.
 // A group makes one row. Its thread t takes the row's values t, t + THREADS,
 // ... (neighbouring threads, neighbouring values), each sum rounded to the
 // rows' type as MLX's add rounds it (a float32 sum of two 16-bit values
