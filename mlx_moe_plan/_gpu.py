@@ -38,7 +38,7 @@ def _kernel(backend: str, name: str, shared_bytes: int = 0):
         input_names=list(inputs),
         output_names=list(outputs),
         source=kernels.body(name, backend),
-        header=kernels.prelude(backend),
+        header=kernels.prelude(backend, name),
     )
 
 

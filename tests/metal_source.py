@@ -99,7 +99,7 @@ def metal_source(name, template, input_arrays_meta, output_dtypes, *, utils=Fals
     kernel += "".join("_" + TYPE_NAMES[dtype] for dtype in output_dtypes)
 
     text = UTILS_INCLUDE if utils else ""
-    text += kernels.prelude("metal")
+    text += kernels.prelude("metal", name)
     if template:
         text += "template <" + ", ".join(
             f"{kind} {pname}" for (pname, _), (kind, _) in zip(template, params)) + ">\n"

@@ -157,7 +157,7 @@ def source(name: str, template: tuple, unaligned: bool = False,
     arguments += [f"__global {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in outputs]
     return "\n".join([
         *defines,
-        kernels.prelude("opencl"),
+        kernels.prelude("opencl", name),
         *([_UNALIGNED] if unaligned else []),
         f"__kernel void moe_{name}({', '.join(arguments)}) {{",
         kernels.body(name, "opencl"),

@@ -57,11 +57,13 @@ def cuda_function(launch, function_name: str) -> str:
                       kernels.body(launch.name, "cuda"), "}"])
 
 
-def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...] = ()) -> None:
-    """`functions` on the CUDA prelude, in MLX's namespace as its cuda_kernel
+def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...] = (),
+                         body_name: str | None = None) -> None:
+    """`functions` on the CUDA prelude (the sections body `body_name` takes, as
+    `_gpu.py` gives it; else all of it), in MLX's namespace as its cuda_kernel
     puts them, written to `path` and compiled by nvcc for sm_90a: no error and,
     but the `suppress`ed diagnostics, no warning."""
-    path.write_text(HEADER + kernels.prelude("cuda") + "namespace mlx::core::cu {\n"
+    path.write_text(HEADER + kernels.prelude("cuda", body_name) + "namespace mlx::core::cu {\n"
                     "namespace cg = cooperative_groups;\n" + "\n".join(functions)
                     + "\n}  // namespace mlx::core::cu\n")
     flags = [flag for number in suppress for flag in ("-diag-suppress", number)]
@@ -88,7 +90,7 @@ def test_nvcc_compiles_every_launch(name, tmp_path):
     # Every warning but #177, declared but never referenced: the prologue
     # declares every thread index, and grouped_qmm.h the exchange buffer that
     # only the OpenCL prelude's emulated multiply-add uses.
-    assert_nvcc_compiles(functions, tmp_path / f"{name}.cu", suppress=("177",))
+    assert_nvcc_compiles(functions, tmp_path / f"{name}.cu", suppress=("177",), body_name=name)
 
 
 def test_cuda_launches_include_their_own_blocks():

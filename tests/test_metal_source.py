@@ -402,7 +402,7 @@ def test_shared_atomics_are_relaxed_atomic_uint(name):
     for type_name, var, _, _, _ in _threadgroup_arrays(body):
         if "atomic" in type_name:
             assert type_name == "atomic_uint", var
-    text = _strip_comments(kernels.prelude("metal")) + body
+    text = _strip_comments(kernels.prelude("metal", name)) + body
     assert set(re.findall(r"\bmemory_order_\w+", text)) <= {"memory_order_relaxed"}
     for call in re.findall(r"\b(atomic_\w+)\s*\(", text):
         assert call.endswith("_explicit"), call
@@ -663,3 +663,33 @@ def test_xcrun_compiles(launch, tmp_path):
 
 def test_type_names_cover_the_row_dtypes():
     assert {TYPE_NAMES[d] for d in ROW_DTYPES} == {"float", "float16_t", "bfloat16_t"}
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+def test_prelude_sections_are_the_prelude(backend):
+    """The prelude's sections, joined, are the whole prelude; each names what it
+    defines, and each dialect name is defined in the head or one section."""
+    sections = kernels.prelude_sections(backend)
+    assert "".join(text for _, text in sections) == kernels.prelude(backend)
+    assert len(sections) > 1 and all(names for names, _ in sections[1:])
+    for name in kernels.DIALECT_NAMES:
+        where = [i for i, (_, text) in enumerate(sections)
+                 if re.search(rf"^\s*(#\s*define\s+{name}\b|typedef\b[^;]*\b{name}\s*;)", text,
+                              flags=re.M)]
+        assert len(where) == 1, (name, where)
+        assert where == [0] or name in sections[where[0]][0], (name, where)
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+@pytest.mark.parametrize("name", BODIES)
+def test_a_bodys_prelude_defines_what_it_uses(backend, name):
+    """The prelude a body is compiled with (its head and the sections it uses)
+    defines every dialect name the body uses, and leaves out the warps'
+    multiply-adds where the body has none, and the warpgroup's likewise."""
+    prelude = kernels.prelude(backend, name)
+    used = set(re.findall(r"[A-Za-z_]\w*", kernels.body(name, backend)))
+    for dialect_name in set(kernels.DIALECT_NAMES) & used:
+        assert re.search(rf"^\s*(#\s*define\s+{dialect_name}\b|typedef\b[^;]*\b{dialect_name}"
+                         r"\s*;)", prelude, flags=re.M), dialect_name
+    for macro in ("MMA_16x8x16", "WARPGROUP_MMA"):
+        assert (re.search(rf"#\s*define\s+{macro}\b", prelude) is not None) == (macro in used)

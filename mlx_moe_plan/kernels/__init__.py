@@ -3,7 +3,8 @@
 A body is plain C in a small dialect whose names every prelude defines
 (`DIALECT_NAMES`); the prologue declares the thread indices at the top of the
 body (Metal's signature gains a thread attribute only when the body names it).
-Metal and CUDA compile `prelude(backend)` and `body(name, backend)` through MLX
+Metal and CUDA compile `prelude(backend, name)` (the prelude's sections the
+body uses) and `body(name, backend)` through MLX
 (`mlx_moe_plan/_gpu.py`); the tests compile the OpenCL ones on PoCL
 (`tests/opencl_harness.py`). `launch.py` says how each body is run (arguments,
 run-time sizes, groups, template constants), for every instantiation alike.
@@ -179,7 +180,11 @@ def compact(name: str) -> str:
     comments, line continuations, character literals and escapes in string
     literals (CUDA's inline PTX is strings): any of those raises ValueError.
     """
-    text_in = source(name)
+    return _compact_text(source(name), name)
+
+
+def _compact_text(text_in: str, name: str) -> str:
+    """`compact`'s work on a text of the file `name`."""
     if "/*" in text_in or re.search(r"\\[ \t]*$", text_in, flags=re.M):
         raise ValueError(f"{name}.h: kernels.compact takes no /* */ comments and no "
                          "backslash line continuations")
@@ -192,8 +197,51 @@ def compact(name: str) -> str:
     return "".join(line.strip() + "\n" for line in code.splitlines() if line.strip())
 
 
-def prelude(backend: str) -> str:
-    return compact(f"prelude_{backend}")
+# A prelude is a head, which every body takes, then sections, each opening
+# with lines `// defines: NAME ...` that name what it defines (the dialect's
+# names, and helpers another section calls). A body takes the sections that
+# define a name it uses, and the sections those use in turn: MLX's CUDA
+# backend hashes a kernel's whole source at every call, so the plan's 6 KB
+# need not carry the warps' multiply-adds and wgmma's spellings (6 KB more).
+_SECTION = re.compile(r"((?:^[ \t]*// defines:[^\n]*\n)+)", flags=re.M)
+
+
+@cache
+def prelude_sections(backend: str) -> tuple[tuple[frozenset[str], str], ...]:
+    """`backend`'s prelude as (the names a section defines, its compact text):
+    the head first, which defines no name of its own here and every body
+    takes, then the sections in the file's order."""
+    name = f"prelude_{backend}"
+    parts = _SECTION.split(text(name))
+    return ((frozenset(), _compact_text(parts[0], name)),
+            *((frozenset(re.sub(r"// defines:", " ", names).split()),
+               _compact_text(section, name))
+              for names, section in zip(parts[1::2], parts[2::2])))
+
+
+def _identifiers(code: str) -> set[str]:
+    return set(re.findall(r"[A-Za-z_]\w*", code))
+
+
+@cache
+def prelude(backend: str, body_name: str | None = None) -> str:
+    """`backend`'s prelude as compiled: for the body `body_name`, its head and
+    the sections that body uses (`prelude_sections`), in the file's order;
+    without one, all of it."""
+    sections = prelude_sections(backend)
+    if body_name is None:
+        return "".join(section for _, section in sections)
+    wanted = _identifiers(body(body_name, backend)) | _identifiers(sections[0][1])
+    taken = {0}
+    grown = True
+    while grown:  # a section's own names may call for another's
+        grown = False
+        for index, (names, section) in enumerate(sections):
+            if index not in taken and names & wanted:
+                taken.add(index)
+                wanted |= _identifiers(section)
+                grown = True
+    return "".join(section for index, (_, section) in enumerate(sections) if index in taken)
 
 
 def body(name: str, backend: str) -> str:

@@ -31,6 +31,8 @@ typedef long long i64;
 // UNROLL: unroll the loop that follows (its arrays indexed by constants stay
 // in registers).
 #define UNROLL _Pragma("unroll")
+// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
+// defines: ASYNC_COPY16 ASYNC_COMMIT ASYNC_WAIT mma_16x8x16
 // MMA_16x8x16: a warp's D += A B, PTX's mma.sync.m16n8k16 (A 16 x 16 row
 // major, B 16 x 8 column major, float D), with 16-bit pairs of the rows'
 // format (KIND 1 float16, 2 bfloat16). PAIR_SUB: a - b on two such pairs.
@@ -106,6 +108,8 @@ __device__ __forceinline__ void async_wait() {
 #define ASYNC_COPY16(shared, global) async_copy16((shared), (global))
 #define ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
 #define ASYNC_WAIT(n) async_wait<(n)>()
+// defines: WARPGROUP_MMA WARPGROUP_MMA_SS WARPGROUP_FENCE WARPGROUP_COMMIT
+// defines: WARPGROUP_WAIT SHARED_PROXY_FENCE SWIZZLE128 SHARED_ALIGN1024
 // WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane): the group's
 // four warps (a warpgroup: the block tiles that take it have four) together
 // D += A B, Hopper's wgmma.mma_async.m64nNk16 (sm_90a; N = 8 * row_tiles:

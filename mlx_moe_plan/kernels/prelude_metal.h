@@ -38,6 +38,8 @@ typedef long i64;
 // UNROLL: unroll the loop that follows (its arrays indexed by constants stay
 // in registers).
 #define UNROLL _Pragma("unroll")
+// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
+// defines: ASYNC_COPY16 ASYNC_COMMIT ASYNC_WAIT mma_16x8x16
 // MMA_16x8x16 (PTX's mma.m16n8k16 in prelude_cuda.h), emulated: a lane reads
 // the A and B registers it needs from the lanes that hold them (simd_shuffle,
 // with every lane of the SIMD group taking part) and adds its own four sums.
@@ -109,6 +111,8 @@ inline uint pair_fma(uint a, uint b, uint c) {
 #define ASYNC_COPY16(shared, global) (*(threadgroup uint4*)(shared) = *(device const uint4*)(global))
 #define ASYNC_COMMIT() ((void)0)
 #define ASYNC_WAIT(n) ((void)0)
+// defines: WARPGROUP_MMA WARPGROUP_MMA_SS WARPGROUP_FENCE WARPGROUP_COMMIT
+// defines: WARPGROUP_WAIT SHARED_PROXY_FENCE SWIZZLE128 SHARED_ALIGN1024
 // WARPGROUP_MMA (Hopper's wgmma in prelude_cuda.h, which says what it
 // computes), emulated: each SIMD group's row_tiles MMA_16x8x16 over its own
 // 16 rows of A, each n tile's B fragment read from the core matrices at b.

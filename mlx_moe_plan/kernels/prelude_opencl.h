@@ -59,6 +59,8 @@ inline float round_out(float v) { return v; }
 #endif
 #define ROUND_OUT(v) round_out(v)
 
+// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
+// defines: ASYNC_COPY16 ASYNC_COMMIT ASYNC_WAIT mma_16x8x16
 // MMA_16x8x16 (PTX's mma.m16n8k16 in prelude_cuda.h), emulated: the 32 lanes
 // of a warp put their fragments in exchange (6 uints a lane), and each adds
 // its own four sums. It meets barriers: every thread of the group calls it.
@@ -137,6 +139,8 @@ inline uint pair_fma(uint a, uint b, uint c) {
 #define ASYNC_COPY16(shared, global) (*(__local uint4*)(shared) = *(__global const uint4*)(global))
 #define ASYNC_COMMIT() ((void)0)
 #define ASYNC_WAIT(n) ((void)0)
+// defines: WARPGROUP_MMA WARPGROUP_MMA_SS WARPGROUP_FENCE WARPGROUP_COMMIT
+// defines: WARPGROUP_WAIT SHARED_PROXY_FENCE SWIZZLE128 SHARED_ALIGN1024
 // WARPGROUP_MMA (Hopper's wgmma in prelude_cuda.h, which says what it
 // computes), emulated: each warp's row_tiles MMA_16x8x16 over its own 16
 // rows of A, each n tile's B fragment read from the core matrices at b. Done
