@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,7 +31,7 @@ import mlx.nn as nn
 from . import _backend, projections, rules
 from ._backend import on_cuda
 from ._compiled import module_cache, step_rows
-from .fused_blocks import source_digest
+from .fused_blocks import source_digest, swap_class
 
 # The attention classes whose `__call__` `_forward` mirrors, and that
 # source's digest (mlx-lm 0.32.2).
@@ -145,33 +146,24 @@ def _forward(attention: nn.Module, x: mx.array, mask, cache, offsets: mx.array,
     return attention.o_proj(output)
 
 
-_FUSED_CLASSES: dict[type, type] = {}
+def _fused_call(attention_class: type) -> Callable:
+    code = sys.modules[attention_class.__module__]
 
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        # The rule's rows first, as on CUDA: where it says no even there (its
+        # default), the attention's own call costs no more than unpatched.
+        if (cache is not None and rules.fuses_head_norm_rope(step_rows(x), cuda=True)
+                and _route(self, x)):
+            offsets = _offsets(cache)
+            y = None if offsets is None else _forward(self, x, mask, cache, offsets, code)
+            if y is not None:
+                return y
+        return attention_class.__call__(self, x, mask, cache)
 
-def _fused_class(attention_class: type) -> type:
-    if attention_class not in _FUSED_CLASSES:
-        code = sys.modules[attention_class.__module__]
-
-        def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-            # The rule's rows first, as on CUDA: where it says no even there
-            # (its default), the attention's own call costs no more than
-            # unpatched.
-            if (cache is not None and rules.fuses_head_norm_rope(step_rows(x), cuda=True)
-                    and _route(self, x)):
-                offsets = _offsets(cache)
-                y = None if offsets is None else _forward(self, x, mask, cache, offsets, code)
-                if y is not None:
-                    return y
-            return attention_class.__call__(self, x, mask, cache)
-
-        _FUSED_CLASSES[attention_class] = type(
-            f"Fused{attention_class.__name__}", (attention_class, FusedAttention),
-            {"__call__": __call__, "__module__": __name__,
-             "__doc__": f"{attention_class.__qualname__} with its queries' and keys' norms "
-                        "and rotary embedding in one launch where the measured rule says so."})
-    return _FUSED_CLASSES[attention_class]
+    return __call__
 
 
 def fuse(module: nn.Module) -> None:
     """Give `module`, a `fusable` attention, the fused call (in place)."""
-    module.__class__ = _fused_class(type(module))
+    swap_class(module, FusedAttention, _fused_call, "with its queries' and keys' norms and "
+               "rotary embedding in one launch where the measured rule says so.")

@@ -25,7 +25,7 @@ import hashlib
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -153,11 +153,30 @@ def entry_for(module: nn.Module) -> FusedBlock | None:
     return entry
 
 
-_FUSED_CLASSES: dict[tuple[type, FusedBlock], type] = {}
+_SWAPPED_CLASSES: dict[tuple, type] = {}
 
 
-def _fused_class(block_class: type, entry: FusedBlock) -> type:
-    if (block_class, entry) not in _FUSED_CLASSES:
+def swap_class(module: nn.Module, marker: type, make_call: Callable[[type], Callable],
+               doc: str, key: Hashable = None) -> None:
+    """Make `module`, in place, an instance of a subclass of its own class and
+    of `marker` whose `__call__` is `make_call(its class)`; the subclass is
+    made once for each class, marker and `key` (what else the call closes
+    over), named `Fused` and the class's name, its docstring the class's
+    qualified name and `doc`. Its parameters stay the module's own."""
+    own_class = type(module)
+    swapped = _SWAPPED_CLASSES.get((own_class, marker, key))
+    if swapped is None:
+        swapped = _SWAPPED_CLASSES[own_class, marker, key] = type(
+            f"Fused{own_class.__name__}", (own_class, marker),
+            {"__call__": make_call(own_class), "__module__": marker.__module__,
+             "__doc__": f"{own_class.__qualname__} {doc}"})
+    module.__class__ = swapped
+
+
+def fuse(module: nn.Module, entry: FusedBlock) -> None:
+    """Give `module`, a block of `entry`'s class, the fused forward (in place)."""
+
+    def fused_call(block_class: type) -> Callable:
         def __call__(self, x: mx.array) -> mx.array:
             # Distributed blocks (a sharding group set) keep their own call.
             if getattr(self, "sharding_group", None) is not None:
@@ -171,13 +190,7 @@ def _fused_class(block_class: type, entry: FusedBlock) -> type:
                                 max_tokens=experts.compile_max_tokens)
             return y
 
-        _FUSED_CLASSES[block_class, entry] = type(
-            f"Fused{block_class.__name__}", (block_class, FusedMoEBlock),
-            {"__call__": __call__, "__module__": __name__,
-             "__doc__": f"{block_class.__qualname__} with the experts' weighted sum fused."})
-    return _FUSED_CLASSES[block_class, entry]
+        return __call__
 
-
-def fuse(module: nn.Module, entry: FusedBlock) -> None:
-    """Give `module`, a block of `entry`'s class, the fused forward (in place)."""
-    module.__class__ = _fused_class(type(module), entry)
+    swap_class(module, FusedMoEBlock, fused_call, "with the experts' weighted sum fused.",
+               key=entry)

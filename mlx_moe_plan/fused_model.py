@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,7 +31,7 @@ import mlx.nn as nn
 from . import _backend, rules
 from ._backend import on_cuda
 from ._compiled import module_cache, step_rows
-from .fused_blocks import source_digest
+from .fused_blocks import source_digest, swap_class
 
 
 class FusedModelEntry(NamedTuple):
@@ -147,34 +147,25 @@ def _step_rows(inputs: mx.array, input_embeddings: mx.array | None) -> int:
     return shape[0] if len(shape) == 2 and shape[1] == 1 else 0
 
 
-_FUSED_CLASSES: dict[type, type] = {}
+def _fused_call(model_class: type) -> Callable:
+    code = sys.modules[model_class.__module__]
+    entry = FUSED_MODELS[_qualified_name(model_class)]
 
+    def __call__(self, inputs: mx.array, cache=None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        # The rule's rows first, as on CUDA: where it says no even there (its
+        # default), the model's own call costs no more than unpatched.
+        if (cache is not None
+                and rules.fuses_add_rms_norm(_step_rows(inputs, input_embeddings), cuda=True)):
+            y = _forward(self, inputs, cache, input_embeddings, entry, code)
+            if y is not None:
+                return y
+        return model_class.__call__(self, inputs, cache, input_embeddings)
 
-def _fused_class(model_class: type) -> type:
-    if model_class not in _FUSED_CLASSES:
-        code = sys.modules[model_class.__module__]
-        entry = FUSED_MODELS[_qualified_name(model_class)]
-
-        def __call__(self, inputs: mx.array, cache=None,
-                     input_embeddings: mx.array | None = None) -> mx.array:
-            # The rule's rows first, as on CUDA: where it says no even there
-            # (its default), the model's own call costs no more than
-            # unpatched.
-            if (cache is not None
-                    and rules.fuses_add_rms_norm(_step_rows(inputs, input_embeddings), cuda=True)):
-                y = _forward(self, inputs, cache, input_embeddings, entry, code)
-                if y is not None:
-                    return y
-            return model_class.__call__(self, inputs, cache, input_embeddings)
-
-        _FUSED_CLASSES[model_class] = type(
-            f"Fused{model_class.__name__}", (model_class, FusedModel),
-            {"__call__": __call__, "__module__": __name__,
-             "__doc__": f"{model_class.__qualname__} with each residual add and the RMS norm "
-                        "after it in one launch where the measured rule says so."})
-    return _FUSED_CLASSES[model_class]
+    return __call__
 
 
 def fuse(module: nn.Module) -> None:
     """Give `module`, a `fusable` model, the fused call (in place)."""
-    module.__class__ = _fused_class(type(module))
+    swap_class(module, FusedModel, _fused_call, "with each residual add and the RMS norm "
+               "after it in one launch where the measured rule says so.")

@@ -25,10 +25,11 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra br
 import lm_fixtures  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
 from test_fused_attention import caches, decode, make_model  # noqa: E402
+from test_fused_attention import launch_stood_in as attention_launch_stood_in  # noqa: E402, F401
 from test_nn import CONFIGS  # noqa: E402
 
-from mlx_moe_plan import _backend, _compiled, _cpu, _gpu, fused_attention  # noqa: E402
-from mlx_moe_plan import fused_blocks, fused_model, rules  # noqa: E402
+from mlx_moe_plan import _backend, _compiled, _cpu, _gpu, fused_blocks, fused_model  # noqa: E402
+from mlx_moe_plan import rules  # noqa: E402
 from mlx_moe_plan import reference as ref  # noqa: E402
 from mlx_moe_plan.fused_model import FusedModel  # noqa: E402
 from mlx_moe_plan.nn import patch_model  # noqa: E402
@@ -114,24 +115,11 @@ def launch_stood_in(monkeypatch):
 
 
 @pytest.fixture(params=[False, True], ids=["attention", "fused-attention"])
-def attention_fused(request, monkeypatch):
-    """The attentions' own norms and rotations, or theirs in one launch as
-    well (`fused_attention`, its rule and launch stood in by MLX's ops)."""
-    if request.param:
-        gpu = _gpu.GpuBackend("cuda")
-
-        def by_ops(backend, queries_in, keys_in, q_weight, k_weight, offsets, batch, *sizes):
-            *sizes, stream = sizes
-            return _gpu.head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets,
-                                              *sizes, stream=stream)
-
-        monkeypatch.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1)
-        monkeypatch.setattr(fused_attention, "on_cuda", lambda stream=None: True)
-        monkeypatch.setattr(_gpu, "_head_norm_rope", by_ops)
-        monkeypatch.setattr(_cpu.CPU, "head_norm_rope", gpu.head_norm_rope, raising=False)
-        monkeypatch.setattr(_cpu.CPU, "head_norm_rope_computes", gpu.head_norm_rope_computes,
-                            raising=False)
-    return request.param
+def attention_fused(request):
+    """The attentions' own norms and rotations (None), or theirs in one launch
+    as well (`fused_attention`, its rule and launch stood in by MLX's ops as
+    its own tests stand them in: the list of those launches)."""
+    return request.getfixturevalue("attention_launch_stood_in") if request.param else None
 
 
 def unfused_logits(model, prompt, steps: int, cache=None):
@@ -159,6 +147,8 @@ def test_fused_forward_is_the_model_op_for_op(launch_stood_in, attention_fused, 
     for g, w in zip(got, want):
         assert mx.array_equal(g, w).item()
     assert launch_stood_in == [(batch, 1, CONFIGS["qwen3_moe"]["hidden_size"])] * 2 * LAYERS * 3
+    # Both models' attentions, 3 steps each, where they are fused too.
+    assert attention_fused is None or len(attention_fused) == 2 * 3 * LAYERS
 
 
 def test_batch_generate_through_the_fused_forward(launch_stood_in, tmp_path):
