@@ -475,8 +475,8 @@ def _check_add_rms_norm(residual_shape, update_shape, weight_shape, dtype, updat
                         weight_dtype) -> None:
     """Raises ValueError, naming the argument, where add_rms_norm.h cannot take
     arrays of these shapes and dtypes. Cached, as `_check_head_norm_rope`."""
-    if len(residual_shape) < 1 or residual_shape[-1] < 1 \
-            or _name(dtype) not in launch.ROW_KINDS:
+    if (len(residual_shape) < 1 or residual_shape[-1] < 1
+            or _name(dtype) not in launch.ROW_KINDS):
         raise ValueError(f"residual: expected [..., dims] of a dtype of {launch.ROW_KINDS}, "
                          f"got {dtype} {residual_shape}")
     if update_shape != residual_shape or update_dtype != dtype:

@@ -31,7 +31,7 @@ import mlx.nn as nn
 from . import _backend, projections, rules
 from ._backend import on_cuda
 from ._compiled import module_cache, step_rows
-from .fused_blocks import source_digest, swap_class
+from .fused_blocks import qualified_name, source_digest, swap_class
 
 # The attention classes whose `__call__` `_forward` mirrors, and that
 # source's digest (mlx-lm 0.32.2).
@@ -50,7 +50,7 @@ def fusable(module: nn.Module) -> bool:
     """Whether `module` is an attention of `FUSED_ATTENTION`, its code as the
     entry's, not fused yet."""
     attention_class = type(module)
-    digest = FUSED_ATTENTION.get(f"{attention_class.__module__}.{attention_class.__qualname__}")
+    digest = FUSED_ATTENTION.get(qualified_name(attention_class))
     return digest is not None and source_digest(attention_class.__call__) == digest
 
 

@@ -128,6 +128,11 @@ class FusedMoEBlock:
     None: never. Expert-parallel layers never submit (not measured)."""
 
 
+def qualified_name(cls: type) -> str:
+    """`module.QualName` of `cls`, as the registries name classes."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def load_class(name: str) -> type:
     """The class `name`, `module.QualName`, from the installed mlx-lm
     (ImportError if absent)."""
@@ -147,7 +152,7 @@ def source_digest(function) -> str | None:
 def entry_for(module: nn.Module) -> FusedBlock | None:
     """The registry entry of `module`'s class, if its code is as the entry's."""
     block_class = type(module)
-    entry = FUSED_BLOCKS.get(f"{block_class.__module__}.{block_class.__qualname__}")
+    entry = FUSED_BLOCKS.get(qualified_name(block_class))
     if entry is None or source_digest(block_class.__call__) != entry.source_digest:
         return None
     return entry

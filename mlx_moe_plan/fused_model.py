@@ -31,7 +31,7 @@ import mlx.nn as nn
 from . import _backend, rules
 from ._backend import on_cuda
 from ._compiled import module_cache, step_rows
-from .fused_blocks import source_digest, swap_class
+from .fused_blocks import qualified_name, source_digest, swap_class
 
 
 class FusedModelEntry(NamedTuple):
@@ -54,14 +54,10 @@ class FusedModel:
     own class)."""
 
 
-def _qualified_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def fusable(module: nn.Module) -> bool:
     """Whether `module` is a model of `FUSED_MODELS`, its code as the entry's,
     not fused yet."""
-    entry = FUSED_MODELS.get(_qualified_name(type(module)))
+    entry = FUSED_MODELS.get(qualified_name(type(module)))
     return entry is not None and source_digest(type(module).__call__) == entry.model_digest
 
 
@@ -89,7 +85,7 @@ def _asked_route(model: nn.Module, h: mx.array, entry: FusedModelEntry) -> bool:
         return False
     layers = list(model.pipeline_layers)
     for layer in layers:
-        if (_qualified_name(type(layer)) != entry.layer_class
+        if (qualified_name(type(layer)) != entry.layer_class
                 or source_digest(type(layer).__call__) != entry.layer_digest):
             return False
     norms = [model.norm, *(norm for layer in layers
@@ -106,9 +102,13 @@ def _forward(model: nn.Module, inputs: mx.array, cache, input_embeddings: mx.arr
     """mlx-lm's Qwen3-MoE `Qwen3MoeModel.__call__` with a cache and one
     process's layers, and each `Qwen3MoeDecoderLayer.__call__` inside it,
     line for line, but that each residual add and the norm after it are one
-    launch; None where `_route` says no (the model's own call then runs, and
-    the lazy embedding made here is never computed). `code`: the module of
-    the model's class, whose `create_attention_mask` it calls."""
+    launch; None where `_route` says no, or where the caches are not one a
+    layer (the model's own call then runs, and the lazy embedding made here is
+    never computed). `code`: the module of the model's class, whose
+    `create_attention_mask` it calls."""
+    layers = model.pipeline_layers
+    if len(cache) != len(layers):  # mlx-lm's loop would stop at the shorter
+        return None
     if input_embeddings is not None:
         h = input_embeddings
     else:
@@ -119,14 +119,14 @@ def _forward(model: nn.Module, inputs: mx.array, cache, input_embeddings: mx.arr
     launch = _backend.implementation(stream).add_rms_norm
 
     def add_rms_norm(h: mx.array, r: mx.array, norm: nn.RMSNorm) -> tuple[mx.array, mx.array]:
-        # A block's output of another dtype or shape than the stream's (the
-        # route checked the norms): the layer's own ops.
-        if r.dtype != h.dtype or r.shape != h.shape:
+        # A block's output of another dtype or shape than the stream's, or a
+        # stream whose dtype an earlier such output changed (the route checked
+        # the norms against the first): the layer's own ops.
+        if r.dtype != h.dtype or r.shape != h.shape or norm.weight.dtype != h.dtype:
             h = h + r
             return h, norm(h)
         return launch(h, r, norm.weight, eps=norm.eps, stream=stream)
 
-    layers = model.pipeline_layers
     mask = code.create_attention_mask(h, cache[0])
     normed = layers[0].input_layernorm(h)
     for index, (layer, layer_cache) in enumerate(zip(layers, cache)):
@@ -149,7 +149,7 @@ def _step_rows(inputs: mx.array, input_embeddings: mx.array | None) -> int:
 
 def _fused_call(model_class: type) -> Callable:
     code = sys.modules[model_class.__module__]
-    entry = FUSED_MODELS[_qualified_name(model_class)]
+    entry = FUSED_MODELS[qualified_name(model_class)]
 
     def __call__(self, inputs: mx.array, cache=None,
                  input_embeddings: mx.array | None = None) -> mx.array:

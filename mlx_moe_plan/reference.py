@@ -233,7 +233,8 @@ def normalized(picked, dtype: str = "float32") -> np.ndarray:
 def _rms_norm(values: np.ndarray, weight, eps: float, dtype: str) -> np.ndarray:
     """`values` (float64, each a `dtype` value) RMS-normalized over the last
     axis as MLX's rms_norm rounds: the normalized value rounded to `dtype`,
-    times the weight, rounded again; float64. The sum of squares is exact."""
+    times the weight, rounded again; float64. The sum of squares is
+    float64's (near exact), in no backend's float32 order."""
     normalizer = 1 / np.sqrt(np.mean(values * values, axis=-1, keepdims=True) + eps)
     weight = to_float32(np.asarray(weight), dtype).astype(np.float64)
     normed = to_float32(from_float32(values * normalizer, dtype), dtype).astype(np.float64)
@@ -249,8 +250,8 @@ def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets, q_heads: in
     rounded), then non-traditional RoPE over the whole head at position
     `offsets[b or 0] + l` (the angle as float32 computes it, the rotation
     exact, rounded once), as `[batch, heads, length, head_dim]`. The norm's
-    sum is exact here: a backend's float32 sum may round a normalized value
-    the other way (kernels/head_norm_rope.h)."""
+    sum is float64's here: a backend's float32 sum may round a normalized
+    value the other way (kernels/head_norm_rope.h)."""
     head_dim = np.asarray(q_weight).shape[-1]
     half = head_dim // 2
     queries_in, keys_in = np.asarray(queries_in), np.asarray(keys_in)
@@ -374,8 +375,8 @@ def add_rms_norm(residual, update, weight, eps: float,
     """A decoder layer's residual add and the RMS norm after it, on `[..., dims]`
     stored as `dtype`: the sums rounded once to `dtype` (as the layer's add
     rounds them), then `_rms_norm` of them, each stored as `dtype`. The
-    norm's sum is exact here: a backend's float32 sum may round a normalized
-    value the other way (kernels/add_rms_norm.h)."""
+    norm's sum is float64's here: a backend's float32 sum may round a
+    normalized value the other way (kernels/add_rms_norm.h)."""
     sums = from_float32(to_float32(np.asarray(residual), dtype).astype(np.float64)
                         + to_float32(np.asarray(update), dtype), dtype)
     values = to_float32(sums, dtype).astype(np.float64)

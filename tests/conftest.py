@@ -632,10 +632,11 @@ def check_head_norm_rope(actual, expected, positions, name: str, scale: float) -
 
 def check_add_rms_norm(actual, expected, name: str) -> None:
     """`actual`'s sums (NumPy or MLX, stored as `name`) bit for bit `expected`'s,
-    and its normed rows within two roundings of a row's largest value (the
-    normalized value may round the other way on a float32 sum, and its
-    product with the weight once more) and that sum's own float32 error (its
-    additions, fewer than a row's values, and the square root's)."""
+    and its normed rows within two units in the last place of a row's largest
+    value (the normalized value may round the other way on a float32 sum,
+    and its product with the weight once more; a unit is at most twice the
+    dtype's precision times the value), and that sum's own float32 error
+    (its additions, fewer than a row's values, and the square root's)."""
     (sums, normed), (want_sums, want_normed) = actual, expected
     assert_bitwise(sums, want_sums, "sums")
     normed = ref.to_numpy(normed) if isinstance(normed, mx.array) else np.asarray(normed)

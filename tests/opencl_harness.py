@@ -1,7 +1,7 @@
 """The kernel bodies as OpenCL C on PoCL: the third instantiation of each text.
 
 A program is `#define` lines for the template constants, then
-`kernels.prelude("opencl")`, then a generated `__kernel void moe_<name>(...)`
+`kernels.prelude("opencl", name)`, then a generated `__kernel void moe_<name>(...)`
 around `kernels.body(name, "opencl")`, its arguments named and ordered as in
 `kernels/launch.py`'s INPUTS_OUTPUTS (inputs `const`). OpenCL C has no templates: a dtype
 argument becomes `#define InT half` (say), and InT / OutT also an IN_DTYPE /

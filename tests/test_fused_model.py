@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import check_add_rms_norm
@@ -24,6 +25,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra br
 
 import lm_fixtures  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from test_fused_attention import caches, decode, make_model  # noqa: E402
 from test_fused_attention import launch_stood_in as attention_launch_stood_in  # noqa: E402, F401
 from test_nn import CONFIGS  # noqa: E402
@@ -140,7 +142,7 @@ def test_fused_forward_is_the_model_op_for_op(launch_stood_in, attention_fused, 
     the model's own call."""
     model = make_model()
     patch_model(model)
-    plain = copy.deepcopy(model)  # a copy computes alone: its model's rule says no
+    plain = copy.deepcopy(model)  # decoded with the rule off, its model's own call
     prompt = mx.array(np.random.default_rng(batch).integers(0, 40, (batch, 6)))
     want = unfused_logits(plain, prompt, 3, caches(plain, batch, per_sequence))
     got = decode(model, prompt, 3, caches(model, batch, per_sequence))
@@ -170,26 +172,31 @@ def test_batch_generate_through_the_fused_forward(launch_stood_in, tmp_path):
     assert got == want and all(want)
 
 
-def test_a_block_of_another_dtype_takes_the_layers_ops(launch_stood_in):
+def float32_block(block: nn.Module) -> None:
+    """Make `block`'s output float32, in place."""
+    block_class = type(block)
+    block.__class__ = type("Float32Block", (block_class,), {
+        "__call__": lambda self, x: block_class.__call__(self, x).astype(mx.float32)})
+
+
+@pytest.mark.parametrize("layer", range(LAYERS))
+def test_a_block_of_another_dtype_takes_the_layers_ops(launch_stood_in, layer):
     """A MoE block whose output is float32 (on bfloat16 rows) makes the sum
     float32, as the layer's own add does, and every pair from there on the
-    layer's ops: the logits of the model's own call, the launches only
-    before it."""
+    layer's ops, the bfloat16 norms' included: the logits of the model's own
+    call, the launches only before that block's output."""
     model = make_model()
     patch_model(model)
     plain = copy.deepcopy(model)
     for each in (model, plain):
-        block = each.model.layers[1].mlp
-        block_class = type(block)
-        block.__class__ = type("Float32Block", (block_class,), {
-            "__call__": lambda self, x: block_class.__call__(self, x).astype(mx.float32)})
+        float32_block(each.model.layers[layer].mlp)
     prompt = mx.array(np.random.default_rng(4).integers(0, 40, (2, 5)))
     got = decode(model, prompt, 2)
     want = unfused_logits(plain, prompt, 2)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and mx.array_equal(g, w).item()
-    # Per step: layer 0's two, layer 1's first (before its block).
-    assert len(launch_stood_in) == 3 * 2
+    # Per step: the layers' before it, two each, and its own first.
+    assert len(launch_stood_in) == (2 * layer + 1) * 2
 
 
 @pytest.mark.parametrize("change", ["float32-norm", "other-layer"])
@@ -213,6 +220,45 @@ def test_the_route_keeps_the_models_call(launch_stood_in, change):
     want = unfused_logits(model, prompt, 2)
     for g, w in zip(got, want):
         assert mx.array_equal(g, w).item()
+
+
+def test_a_step_of_embeddings(launch_stood_in):
+    """A decoding step given as embeddings (`input_embeddings`, `[B, 1, D]`)
+    takes the launches as one of tokens does, the same logits as the model's
+    own call."""
+    model = make_model()
+    patch_model(model)
+    plain = copy.deepcopy(model)
+    prompt = mx.array(np.random.default_rng(6).integers(0, 40, (2, 5)))
+    logits = []
+    for each, rule in ((plain, 1 << 30), (model, 1)):
+        with pytest.MonkeyPatch.context() as rule_set:
+            rule_set.setattr(rules, "ADD_RMS_NORM_FROM_ROWS", rule)
+            cache = make_prompt_cache(each)
+            each(prompt, cache=cache)
+            step = each.model.embed_tokens(mx.array([[7], [9]]))
+            logits.append(each(None, cache=cache, input_embeddings=step))
+    assert mx.array_equal(*logits).item()
+    assert launch_stood_in == [(2, 1, CONFIGS["qwen3_moe"]["hidden_size"])] * 2 * LAYERS
+
+
+@pytest.mark.parametrize("caches_given", ["none", "fewer"])
+def test_a_step_without_a_cache_a_layer_keeps_the_models_call(launch_stood_in, caches_given):
+    """A one-token call without a cache, or with fewer caches than layers (the
+    model's loop stops at the shorter): the model's own call, no launch."""
+    model = make_model()
+    patch_model(model)
+    tokens = mx.array([[3], [5]])
+
+    def caches():
+        return None if caches_given == "none" else make_prompt_cache(model)[:-1]
+
+    got = model(tokens, cache=caches())
+    assert launch_stood_in == []
+    with pytest.MonkeyPatch.context() as off:
+        off.setattr(rules, "ADD_RMS_NORM_FROM_ROWS", 1 << 30)
+        want = model(tokens, cache=caches())
+    assert mx.array_equal(got, want).item()
 
 
 def test_the_route_refuses_a_pipeline_rank(launch_stood_in):

@@ -1363,4 +1363,3 @@ def test_add_rms_norm_rows_beyond_max_groups():
     weight = ref.from_float32(rng.standard_normal(dims).astype(np.float32) + 1, "bfloat16")
     check_add_rms_norm(ocl.add_rms_norm(residual, update, weight, 1e-6),
                        ref.add_rms_norm(residual, update, weight, 1e-6, "bfloat16"), "bfloat16")
-

@@ -670,7 +670,8 @@ def test_prelude_sections_are_the_prelude(backend):
     """The prelude's sections, joined, are the whole prelude; each names what it
     defines, and each dialect name is defined in the head or one section."""
     sections = kernels.prelude_sections(backend)
-    assert "".join(text for _, text in sections) == kernels.prelude(backend)
+    assert "".join(text for _, text in sections) == kernels.compact(f"prelude_{backend}")
+    assert kernels.prelude(backend) == kernels.compact(f"prelude_{backend}")
     assert len(sections) > 1 and all(names for names, _ in sections[1:])
     for name in kernels.DIALECT_NAMES:
         where = [i for i, (_, text) in enumerate(sections)
@@ -693,3 +694,21 @@ def test_a_bodys_prelude_defines_what_it_uses(backend, name):
                          r"\s*;)", prelude, flags=re.M), dialect_name
     for macro in ("MMA_16x8x16", "WARPGROUP_MMA"):
         assert (re.search(rf"#\s*define\s+{macro}\b", prelude) is not None) == (macro in used)
+
+
+@pytest.mark.parametrize("backend", kernels.BACKENDS)
+def test_prelude_sections_name_what_others_use(backend):
+    """A name a section defines (a macro it keeps, a helper function) that a
+    body or another section uses is one of the names its `// defines:` lines
+    list: else a body could take the user without it, which only that
+    backend's compiler would notice (Metal's, not run here)."""
+    sections = kernels.prelude_sections(backend)
+    bodies = "".join(kernels.body(name, backend) for name in BODIES)
+    for index, (names, text) in enumerate(sections[1:], start=1):
+        defined = set(re.findall(r"^#\s*define\s+(\w+)", text, flags=re.M))
+        defined -= set(re.findall(r"^#\s*undef\s+(\w+)", text, flags=re.M))
+        defined |= set(re.findall(r"^(?:inline|__device__)\b[^(\n]*?\b(\w+)\s*\(", text,
+                                  flags=re.M))
+        others = bodies + "".join(other for i, (_, other) in enumerate(sections) if i != index)
+        used_elsewhere = defined & set(re.findall(r"[A-Za-z_]\w*", others))
+        assert used_elsewhere <= names, (backend, sorted(used_elsewhere - names))

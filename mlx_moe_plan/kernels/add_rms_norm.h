@@ -9,12 +9,14 @@
 // rows' type as MLX's add rounds it (a float32 sum of two 16-bit values
 // rounds to the nearest 16-bit value as the exact sum would), and adds their
 // squares in that order; the threads' sums then meet in a fixed tree (fixed
-// order, fixed bits; MLX's rms_norm sums in another, so the normalizers may
-// differ in their last bit). The normalized values round as MLX's CUDA
-// rms_norm.cu rounds them: the value times the normalizer, rounded to the
-// rows' type, times the weight, rounded again. The second pass makes each sum
-// again from the inputs, as the first did, rather than reading back what the
-// group stored.
+// order, fixed bits; MLX's rms_norm sums in another order, so the normalizers
+// may differ in their last bits, and a normalized value round the other way).
+// The normalized values round as MLX's CUDA rms_norm.cu rounds them: the value
+// times the normalizer, rounded to the rows' type, times the weight, rounded
+// again. (MLX's Metal rms_norm takes a precise rsqrt where this takes the
+// language's own: rules.fuses_add_rms_norm takes this launch on CUDA only.)
+// The second pass reads back the sums the thread itself stored: one load
+// where the inputs are two.
 // Inputs: residual InT [rows, dims], update InT [rows, dims], norm_weight InT
 //   [dims], params int32, the fields of launch.py's AddRmsNormParams in order
 //   (read below; the epsilon as its float32 bits).
@@ -45,7 +47,7 @@ for (int row = GROUP_ID; row < rows; row += NUM_GROUPS) {
   const float normalizer = rsqrt(ADD_RN(thread_squares[0] / (float)dims, eps));
   BARRIER();  // the next row's squares overwrite these
   for (int i = LOCAL_ID; i < dims; i += THREADS) {
-    const float sum = ROUND_OUT(ADD_RN(LOAD_IN(residual, at + i), LOAD_IN(update, at + i)));
+    const float sum = LOAD_IN(sums, at + i);
     const float weight_value = LOAD_IN(norm_weight, i);
     STORE_OUT(normed, at + i, MUL_RN(weight_value, ROUND_OUT(MUL_RN(sum, normalizer))));
   }
