@@ -449,25 +449,31 @@ def head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets, q_he
     return heads(queries_in, q_at, q_heads, q_weight), heads(keys_in, k_at, k_heads, k_weight)
 
 
+def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) -> Callable:
+    """`launched(*arrays)` (a launch's outputs) as an `mx.custom_function` whose
+    gradient is `by_ops`' (the same computation by MLX's own ops, as the
+    launch's glue states it) with respect to the first `differentiable`
+    arrays; the others (positions, say) get zeros."""
+    function = mx.custom_function(launched)
+
+    @function.vjp
+    def vjp(primals, cotangents, outputs):
+        fixed = primals[differentiable:]
+        _, grads = mx.vjp(lambda *arrays: by_ops(*arrays, *fixed),
+                          list(primals[:differentiable]), list(cotangents))
+        return (*grads, *(mx.zeros_like(array) for array in fixed))
+
+    return function
+
+
 @cache_by_stream
 def _head_norm_rope_function(backend, batch, q_heads, k_heads, q_at, k_at, eps, base, scale,
                              stream):
     sizes = (q_heads, k_heads, q_at, k_at, eps, base, scale)
-
-    @mx.custom_function
-    def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets):
-        return _head_norm_rope(backend, queries_in, keys_in, q_weight, k_weight, offsets, batch,
-                               *sizes, stream)
-
-    @head_norm_rope.vjp
-    def head_norm_rope_vjp(primals, cotangents, outputs):
-        *differentiable, offsets = primals
-        _, grads = mx.vjp(lambda *arrays: head_norm_rope_by_ops(*arrays, offsets, *sizes,
-                                                                 stream=stream),
-                          differentiable, list(cotangents))
-        return (*grads, mx.zeros_like(offsets))
-
-    return head_norm_rope
+    return _gradient_by_ops(
+        lambda queries_in, keys_in, q_weight, k_weight, offsets: _head_norm_rope(
+            backend, queries_in, keys_in, q_weight, k_weight, offsets, batch, *sizes, stream),
+        lambda *arrays: head_norm_rope_by_ops(*arrays, *sizes, stream=stream), differentiable=4)
 
 
 @lru_cache(maxsize=256)
@@ -506,17 +512,10 @@ def add_rms_norm_by_ops(residual, update, weight, eps, stream=None):
 
 @cache_by_stream
 def _add_rms_norm_function(backend, eps, stream):
-    @mx.custom_function
-    def add_rms_norm(residual, update, weight):
-        return _add_rms_norm(backend, residual, update, weight, eps, stream)
-
-    @add_rms_norm.vjp
-    def add_rms_norm_vjp(primals, cotangents, outputs):
-        _, grads = mx.vjp(lambda *arrays: add_rms_norm_by_ops(*arrays, eps, stream=stream),
-                          list(primals), list(cotangents))
-        return tuple(grads)
-
-    return add_rms_norm
+    return _gradient_by_ops(
+        lambda residual, update, weight: _add_rms_norm(backend, residual, update, weight, eps,
+                                                       stream),
+        lambda *arrays: add_rms_norm_by_ops(*arrays, eps, stream=stream), differentiable=3)
 
 
 def _device_buffer(array, stream):
