@@ -426,14 +426,12 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         for position, (_, block) in enumerate(in_layer_order):
             block.submit_position = position
     has_layers = any(isinstance(m, SwitchGLU) for _, m in model.named_modules())
-    attentions = [module for _, module in model.named_modules()
-                  if fuse and has_layers and fused_attention.fusable(module)]
-    for module in attentions:
-        fused_attention.fuse(module)
-    models = [module for _, module in model.named_modules()
-              if fuse and has_layers and fused_model.fusable(module)]
-    for module in models:
-        fused_model.fuse(module)
+    # Attentions and models whose forward a fused module mirrors, in one walk.
+    swaps = [(module, fused) for _, module in model.named_modules()
+             if fuse and has_layers for fused in (fused_attention, fused_model)
+             if fused.fusable(module)]
+    for module, fused in swaps:
+        fused.fuse(module)
     rows = (projections.take_rows(model, decoding=dense_rows, expert=dense)
             if (dense_rows or dense) and has_layers else 0)
     name = type(model).__name__
@@ -441,8 +439,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         warnings.warn(f"patch_model: {name} is patched already ({ours_before} MoE layers "
                       f"this package's): tile_m={tile_m} not applied to them; set their "
                       "tile_m instead", stacklevel=2)
-    elif (not replacements and not fused and not attentions and not models and not rows
-          and has_layers):
+    elif not replacements and not fused and not swaps and not rows and has_layers:
         warnings.warn(f"patch_model: {name} is patched already (its MoE layers this "
                       "package's); nothing changed", stacklevel=2)
     return len(replacements)
