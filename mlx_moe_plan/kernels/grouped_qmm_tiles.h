@@ -124,6 +124,12 @@ SHARED int expert_blocks[MAX_EXPERTS];
 SHARED int group_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 const int warp_exchange = warp * 32 * 6;
+// The warp's place among the block's warps, and its warpgroup (WARPGROUP),
+// each said the same in all its lanes (WARP_UNIFORM): wgmma's descriptors,
+// which follow from them, are then computed in uniform registers.
+const int row_warp = WARP_UNIFORM(warp / COLUMN_WARPS);
+const int column_warp = WARP_UNIFORM(warp % COLUMN_WARPS);
+const int warpgroup = WARP_UNIFORM(warp / 4);
 
 // Each expert's row blocks, scanned: thread t counts experts [t *
 // MAX_EXPERTS / THREADS, ...), as grouped_qmm.h lists its experts. Offsets
@@ -352,10 +358,10 @@ UNROLL
     // The buffers of the stage multiplied this step (while stage >= 0).
     const int buffer = max(stage, 0) % STAGES;
     const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
-                        + (warp / COLUMN_WARPS) * 8 * ROW_TILES * ROW_STRIDE;
+                        + row_warp * 8 * ROW_TILES * ROW_STRIDE;
     const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
     const int scales_at = buffer * 2 * STAGE_SCALES;
-    const int warp_column = (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
+    const int warp_column = column_warp * 16 * COLUMN_TILES;
     const int weights_at = max(stage, 0) % 2 * WEIGHT_WORDS;
     if (SHARED_WEIGHTS) {
       if (stage >= 0) {
@@ -437,7 +443,7 @@ UNROLL
   if (WARPGROUP) {
     WARPGROUP_WAIT(0, sums, TILES * ROW_TILES * 4);
   }
-  const int warp_row0 = row0 + (warp / COLUMN_WARPS) * 8 * ROW_TILES;
-  const int warp_column0 = column0 + (warp % COLUMN_WARPS) * 16 * COLUMN_TILES;
+  const int warp_row0 = row0 + row_warp * 8 * ROW_TILES;
+  const int warp_column0 = column0 + column_warp * 16 * COLUMN_TILES;
   // include: qmm_store
 }

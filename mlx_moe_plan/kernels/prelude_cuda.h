@@ -28,6 +28,10 @@ typedef long long i64;
 // VEC16(a, b, c, d): four words as one 16-byte vector (uint4).
 #define VEC16(a, b, c, d) make_uint4((a), (b), (c), (d))
 #define IS_ALIGNED16(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0)
+// WARP_UNIFORM(x): x, which every lane of the warp holds, broadcast from lane
+// 0 so that the compiler knows it: it then computes what follows from x in its
+// uniform registers, where wgmma takes its descriptors, not in each lane's.
+#define WARP_UNIFORM(x) __shfl_sync(0xFFFFFFFFu, (x), 0)
 // UNROLL: unroll the loop that follows (its arrays indexed by constants stay
 // in registers).
 #define UNROLL _Pragma("unroll")
@@ -159,32 +163,39 @@ __device__ __forceinline__ void async_wait() {
 // N trap (a body's text for other blocks, never run: the launch says
 // WARPGROUP 0).
 #define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { if (KIND == 2) { FORM##32("bf16.bf16"); } else { FORM##32("f16.f16"); } } else if (ROW_TILES_N == 8) { if (KIND == 2) { FORM##64("bf16.bf16"); } else { FORM##64("f16.f16"); } } else if (ROW_TILES_N == 16) { if (KIND == 2) { FORM##128("bf16.bf16"); } else { FORM##128("f16.f16"); } } else { __trap(); }
-// A shared-memory matrix descriptor: address, lbo and sbo (words) in bytes
-// over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8 rows
-// 1024 bytes apart, lbo unused.
-__device__ __forceinline__ unsigned long long warpgroup_descriptor(const unsigned* at, int lbo,
-                                                                   int sbo, bool swizzled) {
-  return ((__cvta_generic_to_shared(at) & 0x3FFFF) >> 4)
-         | (swizzled ? (1ull << 16) | (64ull << 32) | (1ull << 62)
-                     : ((unsigned long long)(lbo / 4) << 16)
-                       | ((unsigned long long)(sbo / 4) << 32));
+// A shared-memory matrix descriptor of the matrix `at` words past `base` (a
+// multiple of 4; both 16-byte aligned): its address, lbo and sbo (words) in
+// bytes over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8
+// rows 1024 bytes apart, lbo unused. A group's addresses take the low 14 bits
+// (256 KB over 16), below lbo's, so the low word is a sum: base's part, which
+// the compiler keeps for a loop, plus at / 4 and lbo, which it adds to it (the
+// whole address converted and masked at each call cost four instructions more
+// a multiply-add).
+__device__ __forceinline__ unsigned long long warpgroup_descriptor(const unsigned* base, int at,
+                                                                   int lbo, int sbo,
+                                                                   bool swizzled) {
+  const unsigned long long layout = swizzled ? (1ull << 16) | (64ull << 32) | (1ull << 62)
+                                             : ((unsigned long long)(lbo / 4) << 16)
+                                               | ((unsigned long long)(sbo / 4) << 32);
+  return (layout >> 32 << 32) | ((unsigned)(__cvta_generic_to_shared(base) >> 4)
+                                 + ((unsigned)at >> 2) + (unsigned)layout);
 }
 template <int KIND, int ROW_TILES_N>
 __device__ __forceinline__ void warpgroup_mma(float* d, const unsigned* a, const unsigned* b,
                                               int lbo, int sbo) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const unsigned long long desc = warpgroup_descriptor(b, lbo, sbo, false);
+  const unsigned long long desc = warpgroup_descriptor(b, 0, lbo, sbo, false);
   WGMMA_BY_N(WGMMA_)
 #else
   __trap();  // no wgmma before sm_90a: the launch takes it only there
 #endif
 }
 template <int KIND, int ROW_TILES_N>
-__device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a,
-                                                 const unsigned* b) {
+__device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a, int a_at,
+                                                 const unsigned* b, int b_at) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const unsigned long long desc_a = warpgroup_descriptor(a, 0, 0, true);
-  const unsigned long long desc_b = warpgroup_descriptor(b, 0, 0, true);
+  const unsigned long long desc_a = warpgroup_descriptor(a, a_at, 0, 0, true);
+  const unsigned long long desc_b = warpgroup_descriptor(b, b_at, 0, 0, true);
   WGMMA_BY_N(WGMMA_SS_)
 #else
   __trap();  // no wgmma before sm_90a: the launch takes it only there
@@ -226,4 +237,4 @@ __device__ __forceinline__ void warpgroup_wait(float* d, int count) {
 #endif
 #define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma<IN_KIND, (row_tiles)>((d), (a), (b), (lbo), (sbo))
 #define WARPGROUP_WAIT(n, d, count) warpgroup_wait<(n)>((d), (count))
-#define WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp) warpgroup_mma_ss<IN_KIND, (row_tiles)>((d), (a) + (a_at), (b) + (b_at))
+#define WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp) warpgroup_mma_ss<IN_KIND, (row_tiles)>((d), (a), (a_at), (b), (b_at))

@@ -35,6 +35,8 @@ typedef long i64;
 // (x.reshape(-1)[1:].reshape(...)) is not, and is the one unsupported input
 // of the Metal vector copy (MLX passes row-contiguous views uncopied).
 #define IS_ALIGNED16(p) true
+// WARP_UNIFORM(x): x, which every lane of a SIMD group holds (CUDA says so).
+#define WARP_UNIFORM(x) (x)
 // UNROLL: unroll the loop that follows (its arrays indexed by constants stay
 // in registers).
 #define UNROLL _Pragma("unroll")

@@ -25,6 +25,8 @@ typedef long i64;
 #define ADD_RN(a, b) ((a) + (b))
 #define VEC16(a, b, c, d) ((uint4)((a), (b), (c), (d)))
 #define IS_ALIGNED16(p) ((((ulong)(p)) & 15ul) == 0)
+// WARP_UNIFORM(x): x, which every lane of a warp holds (CUDA says so).
+#define WARP_UNIFORM(x) (x)
 // UNROLL: nothing here. Unrolled, grouped_qmm.h took PoCL five times as long
 // to compile (8 s against 1.6 s an instantiation), and the tests time nothing.
 #define UNROLL

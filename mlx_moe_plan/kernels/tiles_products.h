@@ -12,14 +12,13 @@
 // `sums` and declares nothing outside its own loop, so two copies can sit
 // side by side. With WARPGROUP, the warpgroup's multiply-adds instead (below);
 // with SHARED_WEIGHTS, those of the weights the group made (`stage_weights`
-// at `weights_at`), the stage's as one batch.
+// at `weights_at`, the warp's `warpgroup`), the stage's as one batch.
 if (SHARED_WEIGHTS) {
   // Each 16 values, one multiply-add a matrix: A the warpgroup's 64 columns
   // of it, B the rows, each from their slab of the step's values. The batch
   // runs while the group makes the next stage's weights; the one before it
   // is waited for here (its weights' buffer and rows are then free for the
   // step after next).
-  const int warpgroup = warp / 4;
   WARPGROUP_FENCE();
 UNROLL
   for (int step = 0; step < STAGE_VALUES / 16; ++step) {
