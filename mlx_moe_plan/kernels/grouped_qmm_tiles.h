@@ -91,6 +91,13 @@ const int ROW_CHUNKS = STAGE_VALUES / 8;  // 16-byte chunks of a row a stage
 const int CORE_WORDS = ROW_STRIDE * 8 / ROW_CHUNKS;
 const int COLUMN_CHUNKS = STAGE_GROUPS * GROUP_WORDS / 4;  // of a column a stage
 const int ROW_COPIES = (BLOCK_ROWS * ROW_CHUNKS + THREADS - 1) / THREADS;
+// A thread's row copies are ROW_STEP rows apart where THREADS is a multiple
+// of a row's chunks (below: used where it is a multiple of 8 rows'), and
+// their places in each layout ROW_TARGET_STEP words.
+const int ROW_STEP = THREADS % ROW_CHUNKS == 0 ? THREADS / ROW_CHUNKS : 1;
+const int ROW_TARGET_STEP = SHARED_WEIGHTS ? ROW_STEP * 32
+                            : WARPGROUP ? ROW_STEP / 8 * ROW_CHUNKS * CORE_WORDS
+                                        : ROW_STEP * ROW_STRIDE;
 const int WORD_COPIES = (MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS + THREADS - 1) / THREADS;
 const int SCALE_COPIES = (MATRICES * BLOCK_COLUMNS * STAGE_GROUPS + THREADS - 1) / THREADS;
 const int STAGE_SCALES = MATRICES * BLOCK_COLUMNS * STAGE_GROUPS;
@@ -203,10 +210,18 @@ for (int item = GROUP_ID; item < block_items * INPUT_SPLITS; item += NUM_GROUPS)
   // The block's 8-row tiles that hold rows of the expert.
   const int live_row_tiles = (min(last - row0, BLOCK_ROWS) + 7) / 8;
 
-  // What this thread copies each stage, fixed for the item: its chunks of
-  // the block's rows (a row past the expert's copies its last row; with
-  // TOKEN_ROWS, the row's token, clamped into rows), of the packed columns
-  // and of their scales and biases (a column past out_dims copies the last).
+  // The split's stages: [first_stage, first_stage + num_stages) of the
+  // row's (STAGE_GROUPS divides it; the launch gives each split one or more).
+  const int all_stages = row_groups / STAGE_GROUPS;
+  const int first_stage = input_split * all_stages / INPUT_SPLITS;
+  const int num_stages = (input_split + 1) * all_stages / INPUT_SPLITS - first_stage;
+  // What this thread copies each stage: its chunks of the block's rows (a
+  // row past the expert's copies its last row; with TOKEN_ROWS, the row's
+  // token, clamped into rows), of the packed columns and of their scales and
+  // biases (a column past out_dims copies the last). The sources start at the
+  // split's first stage and move a stage on after each: a pointer's add,
+  // where their place from the item's start took a product and a 64-bit add
+  // a copy at every stage; the places in group memory are fixed.
   GLOBAL const unsigned short* row_sources[ROW_COPIES];
   int row_targets[ROW_COPIES];
 UNROLL
@@ -216,13 +231,19 @@ UNROLL
     const int row = min(row0 + block_row, last - 1);
     const int source = TOKEN_ROWS ? min(max(row_tokens[row], 0), num_rows - 1) : row;
     row_sources[i] = (GLOBAL const unsigned short*)rows + (i64)source * in_dims
-                     + (chunk % ROW_CHUNKS) * 8;
+                     + first_stage * STAGE_VALUES + (chunk % ROW_CHUNKS) * 8;
     // With WARPGROUP, core matrices (CORE_WORDS apart): the 8 lanes of one
     // 16-byte copy's pass take 8 chunks of a row, each in its own core
     // matrix, which the pad after each puts in other banks. With
-    // SHARED_WEIGHTS, swizzled slabs.
+    // SHARED_WEIGHTS, swizzled slabs. Where THREADS is a multiple of 8 rows'
+    // chunks, copy i is ROW_STEP rows past copy 0, at the same chunk, and
+    // every layout repeats each 8 rows: its place is copy 0's plus a
+    // constant, so the compiler keeps one register for all the copies, not
+    // one a copy or each place computed again every stage. (A copy past the
+    // block is never made.)
     const int row_chunk = chunk % ROW_CHUNKS;
-    row_targets[i] = SHARED_WEIGHTS ? (row_chunk / 8) * ROW_SLAB_WORDS
+    row_targets[i] = i > 0 && ROW_STEP % 8 == 0 ? row_targets[0] + i * ROW_TARGET_STEP
+                   : SHARED_WEIGHTS ? (row_chunk / 8) * ROW_SLAB_WORDS
                                       + SWIZZLE128(block_row * 32 + (row_chunk % 8) * 4)
                    : WARPGROUP ? ((block_row / 8) * ROW_CHUNKS + row_chunk) * CORE_WORDS
                                  + (block_row % 8) * 4
@@ -238,8 +259,11 @@ UNROLL
     const i64 column_row = (i64)expert * out_dims
                            + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);
     word_sources[i] = (column < BLOCK_COLUMNS ? weight : up_weight) + column_row * row_words
-                      + (chunk % COLUMN_CHUNKS) * 4;
-    word_targets[i] = column * WORD_STRIDE + (chunk % COLUMN_CHUNKS) * 4;
+                      + first_stage * STAGE_GROUPS * GROUP_WORDS + (chunk % COLUMN_CHUNKS) * 4;
+    // As the rows' (above), where THREADS is a multiple of a column's chunks.
+    word_targets[i] = i > 0 && THREADS % COLUMN_CHUNKS == 0
+                          ? word_targets[0] + i * (THREADS / COLUMN_CHUNKS) * WORD_STRIDE
+                          : column * WORD_STRIDE + (chunk % COLUMN_CHUNKS) * 4;
   }
   GLOBAL const unsigned short* scale_sources[SCALE_COPIES];
   GLOBAL const unsigned short* bias_sources[SCALE_COPIES];
@@ -250,9 +274,11 @@ UNROLL
     const i64 column_row = (i64)expert * out_dims
                            + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);
     scale_sources[i] = (GLOBAL const unsigned short*)(column < BLOCK_COLUMNS ? scales : up_scales)
-                       + column_row * row_groups + entry % STAGE_GROUPS;
+                       + column_row * row_groups + first_stage * STAGE_GROUPS
+                       + entry % STAGE_GROUPS;
     bias_sources[i] = (GLOBAL const unsigned short*)(column < BLOCK_COLUMNS ? biases : up_biases)
-                      + column_row * row_groups + entry % STAGE_GROUPS;
+                      + column_row * row_groups + first_stage * STAGE_GROUPS
+                      + entry % STAGE_GROUPS;
   }
   // sums[(t * ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2),
   // row n * 8 + 2 * fragment_slot + e % 2 of the warp's (the accumulator layout).
@@ -267,11 +293,6 @@ UNROLL
   // load's first use holds the thread until it arrives).
   unsigned pending_scales[SCALE_COPIES];
   unsigned pending_biases[SCALE_COPIES];
-  // The split's stages: [first_stage, first_stage + num_stages) of the
-  // row's (STAGE_GROUPS divides it; the launch gives each split one or more).
-  const int all_stages = row_groups / STAGE_GROUPS;
-  const int first_stage = input_split * all_stages / INPUT_SPLITS;
-  const int num_stages = (input_split + 1) * all_stages / INPUT_SPLITS - first_stage;
   BARRIER();  // the previous item's last stage is read by every warp
   // Step s copies stage s (while there is one) and computes stage s - AHEAD:
   // AHEAD stages are in flight while one is multiplied.
@@ -305,9 +326,6 @@ UNROLL
     BARRIER();
     if (step < num_stages) {
       const int buffer = step % STAGES;
-      const int group0 = (first_stage + step) * STAGE_GROUPS;
-      const int value = (first_stage + step) * STAGE_VALUES;
-      const int word = group0 * GROUP_WORDS;
       SHARED_SPACE unsigned* rows_into = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE;
       SHARED_SPACE unsigned* words_into = stage_words
                                           + buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
@@ -318,14 +336,14 @@ UNROLL
         for (int i = 0; i < ROW_COPIES; ++i) {
           if (ROW_COPIES * THREADS == BLOCK_ROWS * ROW_CHUNKS
               || (int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
-            ASYNC_COPY16(rows_into + row_targets[i], row_sources[i] + value);
+            ASYNC_COPY16(rows_into + row_targets[i], row_sources[i]);
           }
         }
 UNROLL
         for (int i = 0; i < WORD_COPIES; ++i) {
           if (WORD_COPIES * THREADS == MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS
               || (int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
-            ASYNC_COPY16(words_into + word_targets[i], word_sources[i] + word);
+            ASYNC_COPY16(words_into + word_targets[i], word_sources[i]);
           }
         }
       } else {
@@ -334,8 +352,8 @@ UNROLL
 UNROLL
             for (int j = 0; j < 4; ++j) {
               rows_into[row_targets[i] + j] =
-                  (unsigned)row_sources[i][value + 2 * j]
-                  | ((unsigned)row_sources[i][value + 2 * j + 1] << 16);
+                  (unsigned)row_sources[i][2 * j]
+                  | ((unsigned)row_sources[i][2 * j + 1] << 16);
             }
           }
         }
@@ -343,15 +361,29 @@ UNROLL
           if ((int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
 UNROLL
             for (int j = 0; j < 4; ++j) {
-              words_into[word_targets[i] + j] = word_sources[i][word + j];
+              words_into[word_targets[i] + j] = word_sources[i][j];
             }
           }
         }
       }
 UNROLL
       for (int i = 0; i < SCALE_COPIES; ++i) {
-        pending_scales[i] = scale_sources[i][group0];
-        pending_biases[i] = bias_sources[i][group0];
+        pending_scales[i] = scale_sources[i][0];
+        pending_biases[i] = bias_sources[i][0];
+      }
+      // The next stage's.
+UNROLL
+      for (int i = 0; i < ROW_COPIES; ++i) {
+        row_sources[i] += STAGE_VALUES;
+      }
+UNROLL
+      for (int i = 0; i < WORD_COPIES; ++i) {
+        word_sources[i] += STAGE_GROUPS * GROUP_WORDS;
+      }
+UNROLL
+      for (int i = 0; i < SCALE_COPIES; ++i) {
+        scale_sources[i] += STAGE_GROUPS;
+        bias_sources[i] += STAGE_GROUPS;
       }
     }
     ASYNC_COMMIT();
