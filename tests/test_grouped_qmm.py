@@ -101,17 +101,35 @@ needs_warpgroup = pytest.mark.skipif(
 # by one warpgroup or two (the rule's block).
 WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
                     "shared-2": launch.SHARED_WEIGHTS_TILING}
+# And for one projection, the made weights' block of 192 rows (24 row tiles,
+# wgmma's N of 192; a gated block's sums would not fit a thread's registers).
+PROJECTION_BLOCKS = {**WARPGROUP_BLOCKS,
+                     "shared-192": dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24)}
 
 
 @needs_warpgroup
-@pytest.mark.parametrize("form", WARPGROUP_BLOCKS)
+@pytest.mark.parametrize("form", PROJECTION_BLOCKS)
 @given(case=grouped_qmm_cases())
 def test_warpgroup_tiles_match_reference(form, case):
     """The block tiles through wgmma (`block_warpgroup`): every format, empty
     and uneven experts, rows of 1 to 4 quantization groups."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_BLOCKS[form]):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **PROJECTION_BLOCKS[form]):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
+
+
+@needs_warpgroup
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_warpgroup_tiles_192_rows(name):
+    """The made weights' blocks of 192 rows at Qwen3-30B-A3B's down
+    projection (768 values in, 2048 out): experts of 1 to 400 rows, full and
+    part-empty blocks, against the reference."""
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **PROJECTION_BLOCKS["shared-192"]):
+        template = dict(launch.grouped_qmm_launch(6, 768, 2048, 1000, 4, 64, name,
+                                                  backend="cuda", warpgroup=True).template)
+        assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
+        check_grouped_qmm(_run, np.random.default_rng(71), [192, 1, 0, 191, 400, 130], 2048,
+                          768, 4, 64, name, 3)
 
 
 @needs_warpgroup
