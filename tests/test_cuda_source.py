@@ -101,10 +101,11 @@ def test_cuda_launches_include_their_own_blocks():
     assert any(t["GATED"] and t["BLOCK_ROWS"] == 128 for t in templates)
     assert any(t["STAGES"] == 3 and t["STAGE_GROUPS"] == 2 for t in templates)
     # and the warpgroup's multiply-adds (wgmma's text), in blocks of 64 rows and 128,
-    # of the weights made in shared memory too (both operands there), and one
-    # projection's of 192 made weights' rows (wgmma's N of 192)
+    # of the weights made in shared memory too (both operands there), and in
+    # their blocks of 192 rows (wgmma's N of 192), one projection and gated
     assert {t["ROW_TILES"] for t in templates if t["WARPGROUP"]} == {8, 16, 24}
-    assert any(t["SHARED_WEIGHTS"] and t["ROW_TILES"] == 24 for t in templates)
+    assert {t["GATED"] for t in templates if t["SHARED_WEIGHTS"] and t["ROW_TILES"] == 24} \
+        == {False, True}
 
 
 def test_nvcc_compiles_the_load_patterns(tmp_path):

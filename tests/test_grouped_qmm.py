@@ -101,10 +101,10 @@ needs_warpgroup = pytest.mark.skipif(
 # by one warpgroup or two (the rule's block).
 WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
                     "shared-2": launch.SHARED_WEIGHTS_TILING}
-# And for one projection, the made weights' block of 192 rows (24 row tiles,
-# wgmma's N of 192; a gated block's sums would not fit a thread's registers).
+# And the made weights' blocks of 192 rows (24 row tiles, wgmma's N of 192).
 PROJECTION_BLOCKS = {**WARPGROUP_BLOCKS,
-                     "shared-192": dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24)}
+                     "shared-192": dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24,
+                                        block_gated_row_tiles=24)}
 
 
 @needs_warpgroup
@@ -121,15 +121,30 @@ def test_warpgroup_tiles_match_reference(form, case):
 @needs_warpgroup
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
 def test_warpgroup_tiles_192_rows(name):
-    """The made weights' blocks of 192 rows at Qwen3-30B-A3B's down
-    projection (768 values in, 2048 out): experts of 1 to 400 rows, full and
+    """The made weights' blocks of 192 rows at Qwen3-30B-A3B's shapes: its
+    down projection (768 values in, 2048 out) and its fused gate and up
+    (rows from tokens, silu(gate) * up), experts of 1 to 400 rows, full and
     part-empty blocks, against the reference."""
+    rng = np.random.default_rng(71)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **PROJECTION_BLOCKS["shared-192"]):
-        template = dict(launch.grouped_qmm_launch(6, 768, 2048, 1000, 4, 64, name,
-                                                  backend="cuda", warpgroup=True).template)
-        assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
-        check_grouped_qmm(_run, np.random.default_rng(71), [192, 1, 0, 191, 400, 130], 2048,
-                          768, 4, 64, name, 3)
+        for gated, in_dims in ((False, 768), (True, 2048)):
+            template = dict(launch.grouped_qmm_launch(6, in_dims, 2048, 1000, 4, 64, name,
+                                                      backend="cuda", gated=gated,
+                                                      warpgroup=True).template)
+            assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
+        check_grouped_qmm(_run, rng, [192, 1, 0, 191, 400, 130], 2048, 768, 4, 64, name, 3)
+        counts, tokens = [192, 1, 0, 191, 400, 130], 90
+        offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
+            rng, counts, 768, 2048, 4, 64, name, 5)
+        up = quantized_experts(rng, len(counts), 768, 2048, 4, 64, name)
+        row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
+                                     np.full(5, -1)]).astype(np.int32)
+        values = ref.from_float32(
+            0.1 * rng.standard_normal((tokens, 2048)).astype(np.float32), name)
+        out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
+                         row_tokens, up, name)
+        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
+                          biases, offsets, 4, 64, name, up=up)
 
 
 @needs_warpgroup

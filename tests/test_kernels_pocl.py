@@ -869,22 +869,19 @@ def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
 
 
 def test_grouped_qmm_tiles_shared_weights_192_rows():
-    """One projection in SHARED_WEIGHTS' blocks of 192 rows (24 row tiles,
-    wgmma's N of 192): experts whose last block holds 20, 40, 150 and 191
-    rows, full ones and an empty one. A gated launch asked for 24 row tiles
-    keeps the warps' own multiply-adds (its two matrices' sums would not fit
-    a thread's registers)."""
+    """SHARED_WEIGHTS' blocks of 192 rows (24 row tiles, wgmma's N of 192),
+    one projection and the fused gate and up: experts whose last block holds
+    1 to 191 rows, full ones and an empty one."""
     rng = np.random.default_rng(53)
     block = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24, block_gated_row_tiles=24)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
-        template = dict(launch.grouped_qmm_launch(6, 128, 40, 900, 4, 64, "bfloat16",
-                                                  backend="opencl").template)
-        assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
-        gated = dict(launch.grouped_qmm_launch(6, 128, 40, 900, 4, 64, "bfloat16",
-                                               backend="opencl", gated=True).template)
-        assert not gated["SHARED_WEIGHTS"]
+        for gated in (False, True):
+            template = dict(launch.grouped_qmm_launch(6, 128, 40, 900, 4, 64, "bfloat16",
+                                                      backend="opencl", gated=gated).template)
+            assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
         check_grouped_qmm(_grouped_qmm, rng, [192 + 20, 0, 40, 192 + 150, 191, 384], 40, 128, 4,
                           64, "bfloat16", 3)
+        _check_fused(rng, [193, 70, 0, 150, 1, 192], 24, 128, 4, 64, "float16", 2, 5, True, True)
 
 
 def test_shared_weights_rule():

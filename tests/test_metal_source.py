@@ -146,14 +146,17 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                         gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
                                         group_size=group_size, stream=None,
                                         row_tokens=row_tokens, up=up)
-                # One projection in the made weights' blocks of 192 rows
-                # (wgmma's N of 192).
-                if warpgroup == 2:
-                    with (grouped_qmm_tiling(**{**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 24}),
-                          mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
-                        gpu.grouped_qmm(mx.zeros((capacity, in_dims), src_dtype), *matrices,
-                                        *prefill_arrays, bits=bits, group_size=group_size,
-                                        stream=None)
+                # The made weights' blocks of 192 rows (wgmma's N of 192),
+                # one projection and the layer's fused form.
+                block = {**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 24,
+                         "block_gated_row_tiles": 24}
+                for row_tokens, up in [(None, None), (mx.zeros((capacity,), mx.int32), matrices)]:
+                    if warpgroup == 2:
+                        with (grouped_qmm_tiling(**block),
+                              mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
+                            gpu.grouped_qmm(mx.zeros((capacity, in_dims), src_dtype), *matrices,
+                                            *prefill_arrays, bits=bits, group_size=group_size,
+                                            stream=None, row_tokens=row_tokens, up=up)
         # argsort_slice: a tiny row (constant), a router's rows, the longest;
         # and a router's, its top k over their sum.
         for dtype in ROW_DTYPES:
