@@ -58,6 +58,23 @@ def _run_fused(x, offsets, weight, scales, biases, row_experts, row_tokens, up, 
                            up=up_mx)
 
 
+def _check_fused_from_tokens(rng, counts, out_dims, in_dims, name, tokens=90):
+    """The fused form (`_run_fused`, 4 bits in groups of 64) on experts of
+    `counts` rows and 5 tail rows (-1), each row one of `tokens` random
+    tokens, against the reference, in the tiling the caller has set."""
+    offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
+        rng, counts, out_dims, in_dims, 4, 64, name, 5)
+    up = quantized_experts(rng, len(counts), out_dims, in_dims, 4, 64, name)
+    row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
+                                 np.full(5, -1)]).astype(np.int32)
+    values = ref.from_float32(0.1 * rng.standard_normal((tokens, in_dims)).astype(np.float32),
+                              name)
+    out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
+                     row_tokens, up, name)
+    assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales, biases,
+                      offsets, 4, 64, name, up=up)
+
+
 @given(case=grouped_qmm_cases())
 def test_matches_reference(case):
     seed, *arguments = case
@@ -102,19 +119,19 @@ needs_warpgroup = pytest.mark.skipif(
 WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
                     "shared-2": launch.SHARED_WEIGHTS_TILING}
 # And the made weights' blocks of 192 rows (24 row tiles, wgmma's N of 192).
-PROJECTION_BLOCKS = {**WARPGROUP_BLOCKS,
+WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                      "shared-192": dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24,
                                         block_gated_row_tiles=24)}
 
 
 @needs_warpgroup
-@pytest.mark.parametrize("form", PROJECTION_BLOCKS)
+@pytest.mark.parametrize("form", WARPGROUP_FORMS)
 @given(case=grouped_qmm_cases())
 def test_warpgroup_tiles_match_reference(form, case):
     """The block tiles through wgmma (`block_warpgroup`): every format, empty
     and uneven experts, rows of 1 to 4 quantization groups."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, **PROJECTION_BLOCKS[form]):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_FORMS[form]):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
@@ -126,25 +143,14 @@ def test_warpgroup_tiles_192_rows(name):
     (rows from tokens, silu(gate) * up), experts of 1 to 400 rows, full and
     part-empty blocks, against the reference."""
     rng = np.random.default_rng(71)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, **PROJECTION_BLOCKS["shared-192"]):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_FORMS["shared-192"]):
         for gated, in_dims in ((False, 768), (True, 2048)):
             template = dict(launch.grouped_qmm_launch(6, in_dims, 2048, 1000, 4, 64, name,
                                                       backend="cuda", gated=gated,
                                                       warpgroup=True).template)
             assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
         check_grouped_qmm(_run, rng, [192, 1, 0, 191, 400, 130], 2048, 768, 4, 64, name, 3)
-        counts, tokens = [192, 1, 0, 191, 400, 130], 90
-        offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
-            rng, counts, 768, 2048, 4, 64, name, 5)
-        up = quantized_experts(rng, len(counts), 768, 2048, 4, 64, name)
-        row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
-                                     np.full(5, -1)]).astype(np.int32)
-        values = ref.from_float32(
-            0.1 * rng.standard_normal((tokens, 2048)).astype(np.float32), name)
-        out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
-                         row_tokens, up, name)
-        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
-                          biases, offsets, 4, 64, name, up=up)
+        _check_fused_from_tokens(rng, [192, 1, 0, 191, 400, 130], 768, 2048, name)
 
 
 @needs_warpgroup
@@ -158,27 +164,16 @@ def test_warpgroup_tiles_fused(form, name, in_dims, tall):
     A fragments or made weights, core matrices and descriptors against the
     reference; experts' last blocks of 12, 44, 82 and 122 rows in the tall
     blocks."""
-    rng = np.random.default_rng(67)
-    counts, tokens = [300, 0, 140, 1, 210, 250], 90
-    offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
-        rng, counts, 200, in_dims, 4, 64, name, 5)
-    up = quantized_experts(rng, len(counts), 200, in_dims, 4, 64, name)
-    row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
-                                 np.full(5, -1)]).astype(np.int32)
-    values = ref.from_float32(0.1 * rng.standard_normal((tokens, in_dims)).astype(np.float32),
-                              name)
+    counts = [300, 0, 140, 1, 210, 250]
     block = {**WARPGROUP_BLOCKS[form], "block_row_tiles": 8}
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0 if tall else 512,
                                    **block):
-        template = dict(launch.grouped_qmm_launch(len(counts), in_dims, 200, len(row_tokens), 4,
+        template = dict(launch.grouped_qmm_launch(len(counts), in_dims, 200, sum(counts) + 5, 4,
                                                   64, name, backend="cuda", gated=True,
-                                                  num_rows=tokens, warpgroup=True).template)
+                                                  num_rows=90, warpgroup=True).template)
         assert template["WARPGROUP"] and template["BLOCK_ROWS"] == (128 if tall else 64)
         assert template["SHARED_WEIGHTS"] == (form != "registers")
-        out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
-                         row_tokens, up, name)
-        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
-                          biases, offsets, 4, 64, name, up=up)
+        _check_fused_from_tokens(np.random.default_rng(67), counts, 200, in_dims, name)
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
@@ -439,23 +434,13 @@ def test_tall_gated_blocks(name):
     """The fused gate and up in blocks of 128 rows (the launch's from 512 rows
     an expert, launch._tall_gated_blocks), forced at a smaller size: experts
     past one block and inside one, an empty one, the tail; rows from tokens."""
-    rng = np.random.default_rng(61)
-    counts, tokens = [300, 0, 140, 1], 90
-    offsets, weight, scales, biases, _, row_experts = grouped_qmm_case(
-        rng, counts, 200, 2048, 4, 64, name, 5)
-    up = quantized_experts(rng, len(counts), 200, 2048, 4, 64, name)
-    row_tokens = np.concatenate([rng.integers(0, tokens, sum(counts)),
-                                 np.full(5, -1)]).astype(np.int32)
-    values = ref.from_float32(0.1 * rng.standard_normal((tokens, 2048)).astype(np.float32), name)
+    counts = [300, 0, 140, 1]
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0):
-        template = dict(launch.grouped_qmm_launch(len(counts), 2048, 200, len(row_tokens), 4,
+        template = dict(launch.grouped_qmm_launch(len(counts), 2048, 200, sum(counts) + 5, 4,
                                                   64, name, backend="cuda", gated=True,
-                                                  num_rows=tokens).template)
+                                                  num_rows=90).template)
         assert template["BLOCK_ROWS"] == 128
-        out = _run_fused(_as_mlx(values, name), offsets, weight, scales, biases, row_experts,
-                         row_tokens, up, name)
-        assert_gemm_close(ref.to_numpy(out), token_rows(values, row_tokens), weight, scales,
-                          biases, offsets, 4, 64, name, up=up)
+        _check_fused_from_tokens(np.random.default_rng(61), counts, 200, 2048, name)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3])

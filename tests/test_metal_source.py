@@ -148,12 +148,13 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                                         row_tokens=row_tokens, up=up)
                 # The made weights' blocks of 192 rows (wgmma's N of 192),
                 # one projection and the layer's fused form.
-                block = {**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 24,
-                         "block_gated_row_tiles": 24}
-                for row_tokens, up in [(None, None), (mx.zeros((capacity,), mx.int32), matrices)]:
-                    if warpgroup == 2:
-                        with (grouped_qmm_tiling(**block),
-                              mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
+                if warpgroup == 2:
+                    block = {**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 24,
+                             "block_gated_row_tiles": 24}
+                    with (grouped_qmm_tiling(**block),
+                          mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
+                        for row_tokens, up in [(None, None),
+                                               (mx.zeros((capacity,), mx.int32), matrices)]:
                             gpu.grouped_qmm(mx.zeros((capacity, in_dims), src_dtype), *matrices,
                                             *prefill_arrays, bits=bits, group_size=group_size,
                                             stream=None, row_tokens=row_tokens, up=up)
