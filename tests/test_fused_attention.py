@@ -26,7 +26,7 @@ import lm_fixtures  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 
-from mlx_moe_plan import _backend, _compiled, _cpu, _gpu, fused_attention  # noqa: E402
+from mlx_moe_plan import _backend, _compiled, _gpu, fused_attention  # noqa: E402
 from mlx_moe_plan import fused_blocks, projections, rules  # noqa: E402
 from mlx_moe_plan import reference as ref  # noqa: E402
 from mlx_moe_plan.fused_attention import FusedAttention  # noqa: E402
@@ -108,6 +108,9 @@ def launch_stood_in(monkeypatch):
         launches.append((sizes[2], sizes[3], offsets.shape))
         return _gpu.head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets,
                                           *sizes, stream=stream)
+
+    # imported here, not above: the GPU suite runs from a tree without the C++ extension
+    from mlx_moe_plan import _cpu
 
     gpu = _gpu.GpuBackend("cuda")
     monkeypatch.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1)
