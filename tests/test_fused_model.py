@@ -386,7 +386,8 @@ def test_kernel_against_reference_and_mlx_ops(dtype, shape):
     expected = ref.add_rms_norm(ref.to_numpy(residual), ref.to_numpy(update),
                                 ref.to_numpy(weight), 1e-6, name)
     check_add_rms_norm(got, expected, name)
-    check_add_rms_norm(mlx_ops, expected, name)
+    if shape[0]:  # MLX's CUDA rms_norm fails on no rows (cudaGraphAddKernelNode: invalid argument)
+        check_add_rms_norm(mlx_ops, expected, name)
 
 
 @on_cuda
