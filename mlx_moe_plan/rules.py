@@ -356,10 +356,13 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # makes them with four launches (each one's norm and rotary embedding), six
 # where the projections are one GEMM's parts, whose rows the norms copy
 # first. At batch 8 a step's length follows its launches more than their GPU
-# time (benchmarks/HISTORY.md, "The whole step at batch 8"). Not yet
-# measured in a whole step: off (`HEAD_NORM_ROPE_FROM_ROWS` out of reach)
-# until it is; `benchmarks.step_kernels --variants
-# "fused:HEAD_NORM_ROPE_FROM_ROWS=1"` measures it.
+# time (benchmarks/HISTORY.md, "The whole step at batch 8"). But each launch
+# of the package's costs the host more than one of MLX's ops (its glue and
+# `mx.custom_function`), so it pays only where it replaces several. Timed in
+# a whole step only together with `add_rms_norm`, which lost (HISTORY, "The
+# fused attention's and residual norms' launches in a step"): off
+# (`HEAD_NORM_ROPE_FROM_ROWS` out of reach) until it is timed alone;
+# `benchmarks.step_kernels --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"`.
 HEAD_NORM_ROPE_FROM_ROWS = 1 << 30
 
 
@@ -367,7 +370,7 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
     """Whether a Qwen3 attention's queries and keys of a decoding step are
     normalized and rotated in one launch.
 
-    On CUDA, from `HEAD_NORM_ROPE_FROM_ROWS` rows (not yet measured: never).
+    On CUDA, from `HEAD_NORM_ROPE_FROM_ROWS` rows (not yet timed alone: never).
     Elsewhere never until measured.
 
     Args:
@@ -384,9 +387,10 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
 # one launch of kernels/add_rms_norm.h (`fused_model`), a decoding step's:
 # mlx-lm makes each with two (an add, `mx.fast.rms_norm`), four a layer; the
 # one launch makes two, 96 launches fewer a step of Qwen3-30B-A3B's 48
-# layers. Not yet measured in a whole step: off (`ADD_RMS_NORM_FROM_ROWS`
-# out of reach) until it is; `benchmarks.step_kernels --variants
-# "fused:ADD_RMS_NORM_FROM_ROWS=1"` measures it.
+# layers. Off (`ADD_RMS_NORM_FROM_ROWS` out of reach): its glue builds more
+# slowly than the add and the norm it replaces, and with the fused attention
+# a step at batch 8 lost 1.22x (benchmarks/HISTORY.md, "The fused attention's
+# and residual norms' launches in a step").
 ADD_RMS_NORM_FROM_ROWS = 1 << 30
 
 
@@ -394,7 +398,7 @@ def fuses_add_rms_norm(rows: int, *, cuda: bool) -> bool:
     """Whether a decoding step's residual adds and the RMS norms after them
     are one launch each.
 
-    On CUDA, from `ADD_RMS_NORM_FROM_ROWS` rows (not yet measured: never).
+    On CUDA, from `ADD_RMS_NORM_FROM_ROWS` rows (measured slower: never).
     Elsewhere never until measured.
 
     Args:
