@@ -106,6 +106,8 @@ def test_cuda_launches_include_their_own_blocks():
     assert {t["ROW_TILES"] for t in templates if t["WARPGROUP"]} == {8, 16, 24}
     assert {t["GATED"] for t in templates if t["SHARED_WEIGHTS"] and t["ROW_TILES"] == 24} \
         == {False, True}
+    # and the weights made a step ahead of their multiply-adds (WEIGHTS_AHEAD)
+    assert {t["GATED"] for t in templates if t["WEIGHTS_AHEAD"]} == {False, True}
 
 
 def test_nvcc_compiles_the_load_patterns(tmp_path):

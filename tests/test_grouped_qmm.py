@@ -118,10 +118,12 @@ needs_warpgroup = pytest.mark.skipif(
 # by one warpgroup or two (the rule's block).
 WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
                     "shared-2": launch.SHARED_WEIGHTS_TILING}
-# And the made weights' blocks of 192 rows (24 row tiles, wgmma's N of 192).
+# And the made weights' blocks of 192 rows (24 row tiles, wgmma's N of 192),
+# and the weights made a step ahead of their multiply-adds (WEIGHTS_AHEAD).
 WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                      "shared-192": dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24,
-                                        block_gated_row_tiles=24)}
+                                        block_gated_row_tiles=24),
+                     "shared-ahead": dict(launch.SHARED_WEIGHTS_TILING, block_weights_ahead=1)}
 
 
 @needs_warpgroup
@@ -136,21 +138,27 @@ def test_warpgroup_tiles_match_reference(form, case):
 
 
 @needs_warpgroup
+@pytest.mark.parametrize("form", ["shared-192", "shared-ahead"])
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
-def test_warpgroup_tiles_192_rows(name):
-    """The made weights' blocks of 192 rows at Qwen3-30B-A3B's shapes: its
-    down projection (768 values in, 2048 out) and its fused gate and up
-    (rows from tokens, silu(gate) * up), experts of 1 to 400 rows, full and
-    part-empty blocks, against the reference."""
+def test_warpgroup_tiles_made_weights_forms(form, name):
+    """The made weights' tilings no rule takes yet, at Qwen3-30B-A3B's
+    shapes: blocks of 192 rows, and the weights made a step ahead of their
+    multiply-adds (6 and 32 stages). Its down projection (768 values in, 2048
+    out) and its fused gate and up (rows from tokens, silu(gate) * up),
+    experts of 1 to 400 rows, full and part-empty blocks, against the
+    reference."""
+    block_rows = 192 if form == "shared-192" else 128
     rng = np.random.default_rng(71)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_FORMS["shared-192"]):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_FORMS[form]):
         for gated, in_dims in ((False, 768), (True, 2048)):
             template = dict(launch.grouped_qmm_launch(6, in_dims, 2048, 1000, 4, 64, name,
                                                       backend="cuda", gated=gated,
                                                       warpgroup=True).template)
-            assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
-        check_grouped_qmm(_run, rng, [192, 1, 0, 191, 400, 130], 2048, 768, 4, 64, name, 3)
-        _check_fused_from_tokens(rng, [192, 1, 0, 191, 400, 130], 768, 2048, name)
+            assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == block_rows
+            assert template["WEIGHTS_AHEAD"] == (form == "shared-ahead")
+        counts = [block_rows, 1, 0, block_rows - 1, 400, 130]
+        check_grouped_qmm(_run, rng, counts, 2048, 768, 4, 64, name, 3)
+        _check_fused_from_tokens(rng, counts, 768, 2048, name)
 
 
 @needs_warpgroup

@@ -884,6 +884,33 @@ def test_grouped_qmm_tiles_shared_weights_192_rows():
         _check_fused(rng, [193, 70, 0, 150, 1, 192], 24, 128, 4, 64, "float16", 2, 5, True, True)
 
 
+@pytest.mark.parametrize("row_tiles", [8, 16, 24])
+def test_grouped_qmm_tiles_weights_ahead(row_tiles):
+    """WEIGHTS_AHEAD: each stage's weights made a step before its
+    multiply-adds, over more stages than the buffers (10 of 64 values):
+    experts whose last block is part empty (half-empty ones multiply half
+    their row tiles), full ones and an empty one, one projection and the
+    fused gate and up; a block without SHARED_WEIGHTS ignores it."""
+    rng = np.random.default_rng(59)
+    rows = 8 * row_tiles
+    block = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
+                 block_gated_row_tiles=row_tiles, block_stage_values=64, block_weights_ahead=1)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
+        for gated in (False, True):
+            template = dict(launch.grouped_qmm_launch(6, 640, 40, 900, 4, 64, "bfloat16",
+                                                      backend="opencl", gated=gated).template)
+            assert template["SHARED_WEIGHTS"] and template["WEIGHTS_AHEAD"]
+            assert template["BLOCK_ROWS"] == rows and template["STAGE_GROUPS"] == 1
+        check_grouped_qmm(_grouped_qmm, rng, [rows + 20, 0, rows // 2 - 3, rows + rows // 2 + 5,
+                                              rows - 1, 2 * rows], 40, 640, 4, 64, "bfloat16", 3)
+        _check_fused(rng, [rows + 1, 70, 0, rows // 2, 1, rows], 24, 640, 4, 64, "float16", 2, 5,
+                     True, True)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_weights_ahead=1):
+        template = dict(launch.grouped_qmm_launch(6, 640, 40, 900, 4, 64, "bfloat16",
+                                                  backend="opencl").template)
+        assert not template["SHARED_WEIGHTS"] and not template["WEIGHTS_AHEAD"]
+
+
 def test_shared_weights_rule():
     """By default (`block_warpgroup=None`) the experts' launches of 4 bits in
     groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's

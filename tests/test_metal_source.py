@@ -147,10 +147,12 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                                         group_size=group_size, stream=None,
                                         row_tokens=row_tokens, up=up)
                 # The made weights' blocks of 192 rows (wgmma's N of 192),
+                # and the weights made a step ahead of their multiply-adds,
                 # one projection and the layer's fused form.
-                if warpgroup == 2:
-                    block = {**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 24,
-                             "block_gated_row_tiles": 24}
+                blocks = ({**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 24,
+                           "block_gated_row_tiles": 24},
+                          {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1})
+                for block in blocks if warpgroup == 2 else ():
                     with (grouped_qmm_tiling(**block),
                           mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
                         for row_tokens, up in [(None, None),
@@ -613,7 +615,8 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
     ("grouped_qmm", "qmm_fields", 1), ("tiles_products", "qmm_fields", 2),
     ("grouped_qmm", "qmm_params", 1), ("grouped_qmm_tiles", "qmm_params", 1),
     ("grouped_qmm", "qmm_store", 1), ("grouped_qmm_tiles", "qmm_store", 1),
-    ("grouped_qmm_tiles", "tiles_products", 2),
+    ("grouped_qmm_tiles", "tiles_products", 2), ("grouped_qmm_tiles", "tiles_weights", 2),
+    ("tiles_weights", "qmm_fields", 1),
     ("plan", "group_scan", 1), ("grouped_qmm", "group_scan", 1),
     ("grouped_qmm_tiles", "group_scan", 1)])
 def test_bodies_include_their_shared_texts(name, included, times):
@@ -625,10 +628,11 @@ def test_bodies_include_their_shared_texts(name, included, times):
 def test_block_tiles_products_twice_with_their_fields():
     """grouped_qmm_tiles.h multiplies all its row tiles or half of them: the
     products' text twice, each with the field pairs it includes (once for the
-    warpgroup's multiply-adds, once for the warps' own), and once more where
-    the group makes a stage's weights in shared memory (SHARED_WEIGHTS)."""
+    warpgroup's multiply-adds, once for the warps' own), and twice more where
+    the group makes a stage's weights in shared memory (SHARED_WEIGHTS: before
+    the stage's multiply-adds, or with WEIGHTS_AHEAD a step before)."""
     source = kernels.source("grouped_qmm_tiles")
-    assert source.count(kernels.text("qmm_fields")) == 5
+    assert source.count(kernels.text("qmm_fields")) == 6
     assert source.count("const int product_row_tiles = ROW_TILES;") == 1
     assert source.count("const int product_row_tiles = ROW_TILES / 2;") == 1
 

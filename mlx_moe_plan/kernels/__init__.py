@@ -71,6 +71,11 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     `launch._shared_weights_tiling` takes it), which grouped_qmm_tiles.h
     includes twice, over all of a warp's row tiles and over half (`INCLUDED`)
 
+`tiles_weights.h` -- not a body: with SHARED_WEIGHTS, a stage's weights made
+    16-bit by the whole group into group memory, which grouped_qmm_tiles.h
+    includes before the stage's multiply-adds or, with WEIGHTS_AHEAD
+    (`launch.GroupedQmmTiling.block_weights_ahead`), a step before (`INCLUDED`)
+
 `group_scan.h` -- not a body: a group's inclusive scan of one count a
     thread, the text plan.h and both grouped GEMM bodies include (`INCLUDED`)
 
@@ -147,7 +152,8 @@ def text(name: str) -> str:
 # NAME.h before compaction, and so are an included text's own (an included
 # text reads and declares variables of the body around it, as its own comment
 # says).
-INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products")
+INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products",
+            "tiles_weights")
 
 
 def source(name: str, _including: tuple[str, ...] = ()) -> str:

@@ -104,6 +104,13 @@ const int SCALE_COPIES = (MATRICES * BLOCK_COLUMNS * STAGE_GROUPS + THREADS - 1)
 const int STAGE_SCALES = MATRICES * BLOCK_COLUMNS * STAGE_GROUPS;
 // Stages of copies in flight while one is multiplied (SHARED_WEIGHTS above).
 const int AHEAD = SHARED_WEIGHTS ? STAGES - 2 : STAGES - 1;
+// WEIGHTS_AHEAD (with SHARED_WEIGHTS): a stage's weights are made a step
+// before its multiply-adds, while the stage before it is multiplied, so one
+// barrier a step both shows them and frees the buffers (else a second,
+// between the weights made and their products). Each warpgroup waits for its
+// batch at the end of the step: the weights' buffer it read is the next
+// step's to make, and every warpgroup reads all of it.
+const int LAG = SHARED_WEIGHTS && WEIGHTS_AHEAD ? 1 : 0;
 // SHARED_WEIGHTS: a buffer of the stage's weights made 16-bit, MATRICES *
 // BLOCK_COLUMNS columns of STAGE_VALUES, in slabs of 64 values (the
 // matrices' columns, 32 words each, one after another), and the same of the
@@ -296,9 +303,11 @@ UNROLL
   unsigned pending_biases[SCALE_COPIES];
   BARRIER();  // the previous item's last stage is read by every warp
   // Step s copies stage s (while there is one) and computes stage s - AHEAD:
-  // AHEAD stages are in flight while one is multiplied.
-  for (int step = 0; step < num_stages + AHEAD; ++step) {
+  // AHEAD stages are in flight while one is multiplied. With WEIGHTS_AHEAD,
+  // step s makes stage s - AHEAD's weights and multiplies the stage before.
+  for (int step = 0; step < num_stages + AHEAD + LAG; ++step) {
     const int stage = step - AHEAD;
+    const int product_stage = stage - LAG;
     if (step > 0 && step - 1 < num_stages) {  // the last step's scales, arrived by now
       const int into = ((step - 1) % STAGES) * 2 * STAGE_SCALES;
 UNROLL
@@ -388,72 +397,36 @@ UNROLL
       }
     }
     ASYNC_COMMIT();
-    // The buffers of the stage multiplied this step (while stage >= 0).
-    const int buffer = max(stage, 0) % STAGES;
+    // The buffers of the stage multiplied this step (while product_stage >= 0).
+    const int buffer = max(product_stage, 0) % STAGES;
     const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
                         + row_warp * 8 * ROW_TILES * ROW_STRIDE;
     const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
     const int scales_at = buffer * 2 * STAGE_SCALES;
     const int warp_column = column_warp * 16 * COLUMN_TILES;
-    const int weights_at = max(stage, 0) % 2 * WEIGHT_WORDS;
-    if (SHARED_WEIGHTS) {
+    const int weights_at = max(product_stage, 0) % 2 * WEIGHT_WORDS;
+    // The weights of the stage `stage`, made into its buffers (stage_words,
+    // stage_scales at made_words_at, made_scales_at; stage_weights at
+    // made_at): then a barrier shows them to the products of the same step,
+    // or with WEIGHTS_AHEAD the next step's one barrier does, the products of
+    // the stage before them issued first to run meanwhile and waited for
+    // after. Without it they are the products' offsets, named once: computed
+    // twice, nvcc kept both (13 more instructions a stage).
+    const int made_buffer = max(stage, 0) % STAGES;
+    const int made_words_at = LAG ? made_buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE
+                                  : words_at;
+    const int made_scales_at = LAG ? made_buffer * 2 * STAGE_SCALES : scales_at;
+    const int made_at = LAG ? max(stage, 0) % 2 * WEIGHT_WORDS : weights_at;
+    if (SHARED_WEIGHTS && !WEIGHTS_AHEAD) {
       if (stage >= 0) {
-        // The stage's weights, scale * q + bias rounded once to 16 bits, as
-        // tiles_products.h makes them. Item i: 32 values (4 chunks) of one
-        // column; 8 lanes in a row take 8 columns of a column block, so their
-        // 16-byte stores of a chunk, swizzled, meet no bank conflict, and
-        // their 16-byte loads of the words, WORD_STRIDE apart (launch.py pads
-        // it), none either. A stage's buffer was read by the multiply-adds of
-        // stage - 2, waited for before this step's barrier.
-        const int RUNS = STAGE_VALUES / 32;  // a column's items a stage
-        const int ITEMS = MATRICES * BLOCK_COLUMNS * RUNS;
-UNROLL
-        for (int i0 = 0; i0 < ITEMS; i0 += THREADS) {
-          const int item = i0 + (int)LOCAL_ID;
-          if (ITEMS % THREADS == 0 || item < ITEMS) {
-            const int column = (item / (8 * RUNS)) * 8 + item % 8;  // among the matrices'
-            const int run = item / 8 % RUNS;
-            const int group = run * 32 / QUANT_GROUP;
-            const unsigned scale_pair = stage_scales[scales_at + column * STAGE_GROUPS + group];
-            const unsigned bias_pair = stage_scales[scales_at + STAGE_SCALES
-                                                    + column * STAGE_GROUPS + group];
-            // The run's words: 4 at 4 bits, 8 at 8.
-            unsigned run_words[32 / VALUES];
-UNROLL
-            for (int w = 0; w < 32 / VALUES; w += 4) {
-              const uint4 quad = ((SHARED_SPACE uint4*)(stage_words + words_at
-                                                         + column * WORD_STRIDE
-                                                         + run * (32 / VALUES) + w))[0];
-              run_words[w] = quad.x;
-              run_words[w + 1] = quad.y;
-              run_words[w + 2] = quad.z;
-              run_words[w + 3] = quad.w;
-            }
-UNROLL
-            for (int c = 0; c < 4; ++c) {  // the run's chunk c: values 8 c to 8 c + 7
-              unsigned made[4];
-UNROLL
-              for (int p = 0; p < 4; ++p) {  // values 8 c + 2 p, + 1: a pair of a word
-                const int field = 8 * c + 2 * p;
-                const unsigned word = run_words[field / VALUES];
-                const unsigned fields = BYTE_PAIR(word, word >> BITS, (field % VALUES) * BITS / 8);
-                // include: qmm_fields
-                made[p] = PAIR_FMA(field_pair, scale_pair, bias_pair);
-              }
-              const int chunk = run * 4 + c;
-              ((SHARED_SPACE uint4*)(stage_weights + weights_at + (chunk / 8) * WEIGHT_SLAB_WORDS
-                                     + SWIZZLE128(column * 32 + (chunk % 8) * 4)))[0] =
-                  VEC16(made[0], made[1], made[2], made[3]);
-            }
-          }
-        }
+        // include: tiles_weights
       }
       // Made for every thread, and for the multiply-adds' reads (the async
       // proxy's).
       SHARED_PROXY_FENCE();
       BARRIER();
     }
-    if (stage >= 0) {
+    if (product_stage >= 0) {
       // An expert's last block is part empty (most are, at prefill sizes and
       // under skewed routing): where its rows fill half a warp's row tiles
       // or fewer (ROW_TILES / 2, all in the first warp row), every warp
@@ -471,6 +444,12 @@ UNROLL
         const int product_row_tiles = ROW_TILES / 2;
         // include: tiles_products
       }
+    }
+    if (SHARED_WEIGHTS && WEIGHTS_AHEAD) {
+      if (stage >= 0 && stage < num_stages) {
+        // include: tiles_weights
+      }
+      WARPGROUP_WAIT(0, sums, 0);
     }
   }
   if (WARPGROUP) {

@@ -184,6 +184,11 @@ class GroupedQmmTiling:
     # where the projection is whole blocks (_whole_blocks), and a dense
     # projection's (one expert) from block_shared_dense_rows rows; else 0.
     block_warpgroup: int | None = None
+    # 1: with SHARED_WEIGHTS, a stage's weights made a step before its
+    # multiply-adds, one barrier a stage instead of two (WEIGHTS_AHEAD, which
+    # grouped_qmm_tiles.h says more of); 0: made, then multiplied, in one step.
+    # Not measured: off.
+    block_weights_ahead: int = 0
     block_shared_gated_rows: int = 64
     block_shared_rows: int = 512
     block_shared_whole_rows: int = 256
@@ -910,7 +915,9 @@ def _grouped_qmm_tiles_launch(
          ("BLOCK_ROWS", block_rows), ("BLOCK_COLUMNS", block_columns),
          ("STAGE_GROUPS", stage_groups), ("STAGES", stages), ("ROW_STRIDE", row_stride),
          ("WORD_STRIDE", word_stride), ("INPUT_SPLITS", splits), ("WARPGROUP", by_warpgroup),
-         ("SHARED_WEIGHTS", shared_weights), *_store_template(store)),
+         ("SHARED_WEIGHTS", shared_weights),
+         ("WEIGHTS_AHEAD", shared_weights and bool(tiling.block_weights_ahead)),
+         *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed, stages * stage_bytes + made_bytes),
     )
