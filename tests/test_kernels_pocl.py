@@ -884,23 +884,27 @@ def test_grouped_qmm_tiles_shared_weights_192_rows():
         _check_fused(rng, [193, 70, 0, 150, 1, 192], 24, 128, 4, 64, "float16", 2, 5, True, True)
 
 
-@pytest.mark.parametrize("row_tiles", [8, 16, 24])
-def test_grouped_qmm_tiles_weights_ahead(row_tiles):
+@pytest.mark.parametrize("row_tiles, stages, max_groups", [(8, 3, 4096), (16, 4, 2),
+                                                          (24, 3, 4096)])
+def test_grouped_qmm_tiles_weights_ahead(row_tiles, stages, max_groups):
     """WEIGHTS_AHEAD: each stage's weights made a step before its
-    multiply-adds, over more stages than the buffers (10 of 64 values):
-    experts whose last block is part empty (half-empty ones multiply half
-    their row tiles), full ones and an empty one, one projection and the
-    fused gate and up; a block without SHARED_WEIGHTS ignores it."""
+    multiply-adds, over more stages than the buffers (10 of 64 values, 3 or 4
+    buffers), a group taking one block or several: experts whose last block
+    is part empty (half-empty ones multiply half their row tiles), full ones
+    and an empty one, one projection and the fused gate and up; a block
+    without SHARED_WEIGHTS ignores it, and it is 0 or 1."""
     rng = np.random.default_rng(59)
     rows = 8 * row_tiles
     block = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
-                 block_gated_row_tiles=row_tiles, block_stage_values=64, block_weights_ahead=1)
+                 block_gated_row_tiles=row_tiles, block_stage_values=64, block_stages=stages,
+                 block_max_groups=max_groups, block_weights_ahead=1)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
         for gated in (False, True):
             template = dict(launch.grouped_qmm_launch(6, 640, 40, 900, 4, 64, "bfloat16",
                                                       backend="opencl", gated=gated).template)
             assert template["SHARED_WEIGHTS"] and template["WEIGHTS_AHEAD"]
             assert template["BLOCK_ROWS"] == rows and template["STAGE_GROUPS"] == 1
+            assert template["STAGES"] == stages
         check_grouped_qmm(_grouped_qmm, rng, [rows + 20, 0, rows // 2 - 3, rows + rows // 2 + 5,
                                               rows - 1, 2 * rows], 40, 640, 4, 64, "bfloat16", 3)
         _check_fused(rng, [rows + 1, 70, 0, rows // 2, 1, rows], 24, 640, 4, 64, "float16", 2, 5,
@@ -909,6 +913,8 @@ def test_grouped_qmm_tiles_weights_ahead(row_tiles):
         template = dict(launch.grouped_qmm_launch(6, 640, 40, 900, 4, 64, "bfloat16",
                                                   backend="opencl").template)
         assert not template["SHARED_WEIGHTS"] and not template["WEIGHTS_AHEAD"]
+    with pytest.raises(ValueError, match="block_weights_ahead"):
+        launch.GroupedQmmTiling(block_weights_ahead=2).check()
 
 
 def test_shared_weights_rule():

@@ -108,8 +108,9 @@ const int AHEAD = SHARED_WEIGHTS ? STAGES - 2 : STAGES - 1;
 // before its multiply-adds, while the stage before it is multiplied, so one
 // barrier a step both shows them and frees the buffers (else a second,
 // between the weights made and their products). Each warpgroup waits for its
-// batch at the end of the step: the weights' buffer it read is the next
-// step's to make, and every warpgroup reads all of it.
+// batch at the end of the step: the next step's copies refill the rows'
+// buffer it read, and the next step's making rewrites the weights' buffer,
+// from threads of every warpgroup.
 const int LAG = SHARED_WEIGHTS && WEIGHTS_AHEAD ? 1 : 0;
 // SHARED_WEIGHTS: a buffer of the stage's weights made 16-bit, MATRICES *
 // BLOCK_COLUMNS columns of STAGE_VALUES, in slabs of 64 values (the

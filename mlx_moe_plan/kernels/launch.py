@@ -223,9 +223,11 @@ class GroupedQmmTiling:
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
-                or self.block_warpgroup not in (None, 0, 1, 2):
-            raise ValueError(f"grouped_qmm tiling: wide_loads and loads_ahead are 0 or 1, "
-                             f"block_warpgroup None, 0, 1 or 2: {self}")
+                or self.block_warpgroup not in (None, 0, 1, 2) \
+                or self.block_weights_ahead not in (0, 1):
+            raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead and "
+                             f"block_weights_ahead are 0 or 1, block_warpgroup None, 0, 1 or "
+                             f"2: {self}")
         if self.word_stages == 1 or self.word_stages < 0 or (
                 self.word_stages and (self.k_splits or 1) > 1):
             raise ValueError(f"grouped_qmm tiling: word_stages is 0 or at least 2, and takes "

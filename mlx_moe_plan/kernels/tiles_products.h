@@ -18,7 +18,7 @@ if (SHARED_WEIGHTS) {
   // of it, B the rows, each from their slab of the step's values. The batch
   // runs while the group makes the next stage's weights; the one before it
   // is waited for here (its weights' buffer and rows are then free for the
-  // step after next).
+  // step after next), with WEIGHTS_AHEAD already at the end of the last step.
   WARPGROUP_FENCE();
 UNROLL
   for (int step = 0; step < STAGE_VALUES / 16; ++step) {
