@@ -868,41 +868,26 @@ def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
         _check_fused(rng, [33, 70, 0, 100, 1, 128], 24, 128, 4, 64, "float16", 2, 5, True, True)
 
 
-def test_grouped_qmm_tiles_shared_weights_192_rows():
-    """SHARED_WEIGHTS' blocks of 192 rows (24 row tiles, wgmma's N of 192),
-    one projection and the fused gate and up: experts whose last block holds
-    1 to 191 rows, full ones and an empty one."""
-    rng = np.random.default_rng(53)
-    block = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24, block_gated_row_tiles=24)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
-        for gated in (False, True):
-            template = dict(launch.grouped_qmm_launch(6, 128, 40, 900, 4, 64, "bfloat16",
-                                                      backend="opencl", gated=gated).template)
-            assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == 192
-        check_grouped_qmm(_grouped_qmm, rng, [192 + 20, 0, 40, 192 + 150, 191, 384], 40, 128, 4,
-                          64, "bfloat16", 3)
-        _check_fused(rng, [193, 70, 0, 150, 1, 192], 24, 128, 4, 64, "float16", 2, 5, True, True)
-
-
-@pytest.mark.parametrize("row_tiles, stages, max_groups", [(8, 3, 4096), (16, 4, 2),
-                                                          (24, 3, 4096)])
-def test_grouped_qmm_tiles_weights_ahead(row_tiles, stages, max_groups):
-    """WEIGHTS_AHEAD: each stage's weights made a step before its
-    multiply-adds, over more stages than the buffers (10 of 64 values, 3 or 4
-    buffers), a group taking one block or several: experts whose last block
-    is part empty (half-empty ones multiply half their row tiles), full ones
-    and an empty one, one projection and the fused gate and up; a block
-    without SHARED_WEIGHTS ignores it, and it is 0 or 1."""
+@pytest.mark.parametrize("row_tiles, stages, max_groups, ahead", [
+    (24, 3, 4096, 0), (8, 3, 4096, 1), (16, 4, 2, 1), (24, 3, 4096, 1)])
+def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahead):
+    """The made weights' forms no rule takes yet: blocks of 192 rows (24 row
+    tiles, wgmma's N of 192), and WEIGHTS_AHEAD, each stage's weights made a
+    step before its multiply-adds. Over more stages than the buffers (10 of
+    64 values, 3 or 4 buffers), a group taking one block or several: experts
+    whose last block is part empty (half-empty ones multiply half their row
+    tiles), full ones and an empty one, one projection and the fused gate and
+    up; a block without SHARED_WEIGHTS ignores WEIGHTS_AHEAD, and it is 0 or 1."""
     rng = np.random.default_rng(59)
     rows = 8 * row_tiles
     block = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
                  block_gated_row_tiles=row_tiles, block_stage_values=64, block_stages=stages,
-                 block_max_groups=max_groups, block_weights_ahead=1)
+                 block_max_groups=max_groups, block_weights_ahead=ahead)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
         for gated in (False, True):
             template = dict(launch.grouped_qmm_launch(6, 640, 40, 900, 4, 64, "bfloat16",
                                                       backend="opencl", gated=gated).template)
-            assert template["SHARED_WEIGHTS"] and template["WEIGHTS_AHEAD"]
+            assert template["SHARED_WEIGHTS"] and template["WEIGHTS_AHEAD"] == bool(ahead)
             assert template["BLOCK_ROWS"] == rows and template["STAGE_GROUPS"] == 1
             assert template["STAGES"] == stages
         check_grouped_qmm(_grouped_qmm, rng, [rows + 20, 0, rows // 2 - 3, rows + rows // 2 + 5,
