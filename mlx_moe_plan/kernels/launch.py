@@ -824,8 +824,8 @@ def _grouped_qmm_tiles_launch(
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
     `warpgroup`: the tiling's `block_warpgroup`, the block's multiply-adds a
     warpgroup's (WARPGROUP; 2: SHARED_WEIGHTS) where the block allows it (4
-    warps side by side, or 8 with SHARED_WEIGHTS, 8 or 16 row tiles, or 24
-    with SHARED_WEIGHTS);
+    warps side by side, or 8 with SHARED_WEIGHTS, 8 or 16 row tiles, or 20
+    or 24 with SHARED_WEIGHTS);
     `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
     `halved`: half the block's rows and columns (_halved_blocks);
     `splits_input`: the blocks' input split where they are few (_input_splits),
@@ -850,11 +850,13 @@ def _grouped_qmm_tiles_launch(
     stages = tiling.block_stages
     while True:
         stage_values = stage_groups * quant_group
-        # 24 row tiles: wgmma's N of 192 (the gated block's two matrices' sums
-        # take 192 registers a thread; nvcc 13 keeps its stage loop unspilled).
+        # 20 and 24 row tiles: wgmma's N of 160 and 192 (the gated block's two
+        # matrices' sums take 160 and 192 registers a thread; nvcc 13 keeps its
+        # stage loop unspilled).
         shared_weights = (warpgroup == 2 and tiling.block_row_warps == 1
                           and tiling.block_column_warps in (4, 8) and column_tiles == 1
-                          and row_tiles in (8, 16, 24) and stages >= 3 and stage_values % 64 == 0)
+                          and row_tiles in (8, 16, 20, 24) and stages >= 3
+                          and stage_values % 64 == 0)
         by_warpgroup = shared_weights or (
             warpgroup == 1 and (tiling.block_row_warps, tiling.block_column_warps) == (1, 4)
             and row_tiles in (8, 16))

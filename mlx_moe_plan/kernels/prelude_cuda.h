@@ -117,7 +117,7 @@ __device__ __forceinline__ void async_wait() {
 // WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane): the group's
 // four warps (a warpgroup: the block tiles that take it have four) together
 // D += A B, Hopper's wgmma.mma_async.m64nNk16 (sm_90a; N = 8 * row_tiles:
-// 32, 64, 128 or 192, a constant). A is 64 x 16, warp w's rows 16 w to 16 w + 15
+// 32, 64, 128, 160 or 192, a constant). A is 64 x 16, warp w's rows 16 w to 16 w + 15
 // in its registers a as MMA_16x8x16's A; B is 16 x N in group memory at b,
 // in core matrices of 8 of its columns by 8 of its k (8 rows of 16 bytes,
 // 128 bytes), the next 8 k `lbo` words on and the next 8 columns `sbo` words
@@ -157,16 +157,18 @@ __device__ __forceinline__ void async_wait() {
 #define WGMMA_32(types) asm volatile(WG_OP("21", "m64n32k16.f32." types) " {" WG_D0_15 "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;}" : WG_F16(0) : WG_IN)
 #define WGMMA_64(types) asm volatile(WG_OP("37", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16) : WG_IN)
 #define WGMMA_128(types) asm volatile(WG_OP("69", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_IN)
+#define WGMMA_160(types) asm volatile(WG_OP("85", "m64n160k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "}, {%80,%81,%82,%83}, %84, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64) : WG_IN)
 #define WGMMA_192(types) asm volatile(WG_OP("101", "m64n192k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "," WG_D80_95 "}, {%96,%97,%98,%99}, %100, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64), WG_F16(80) : WG_IN)
 #define WGMMA_SS_32(types) asm volatile(WG_OP("18", "m64n32k16.f32." types) " {" WG_D0_15 "}, %16, %17, p, 1, 1, 0, 0;}" : WG_F16(0) : WG_SS_IN)
 #define WGMMA_SS_64(types) asm volatile(WG_OP("34", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, %32, %33, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16) : WG_SS_IN)
 #define WGMMA_SS_128(types) asm volatile(WG_OP("66", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, %64, %65, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_SS_IN)
+#define WGMMA_SS_160(types) asm volatile(WG_OP("82", "m64n160k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "}, %80, %81, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64) : WG_SS_IN)
 #define WGMMA_SS_192(types) asm volatile(WG_OP("98", "m64n192k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "," WG_D80_95 "}, %96, %97, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64), WG_F16(80) : WG_SS_IN)
 // WGMMA_BY_N(FORM): FORM's wgmma (WGMMA_ or WGMMA_SS_) of N = 8 * ROW_TILES_N
 // rows, in the rows' 16-bit format (KIND 2: bfloat16, else float16); other
 // N trap (a body's text for other blocks, never run: the launch says
 // WARPGROUP 0).
-#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { if (KIND == 2) { FORM##32("bf16.bf16"); } else { FORM##32("f16.f16"); } } else if (ROW_TILES_N == 8) { if (KIND == 2) { FORM##64("bf16.bf16"); } else { FORM##64("f16.f16"); } } else if (ROW_TILES_N == 16) { if (KIND == 2) { FORM##128("bf16.bf16"); } else { FORM##128("f16.f16"); } } else if (ROW_TILES_N == 24) { if (KIND == 2) { FORM##192("bf16.bf16"); } else { FORM##192("f16.f16"); } } else { __trap(); }
+#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { if (KIND == 2) { FORM##32("bf16.bf16"); } else { FORM##32("f16.f16"); } } else if (ROW_TILES_N == 8) { if (KIND == 2) { FORM##64("bf16.bf16"); } else { FORM##64("f16.f16"); } } else if (ROW_TILES_N == 16) { if (KIND == 2) { FORM##128("bf16.bf16"); } else { FORM##128("f16.f16"); } } else if (ROW_TILES_N == 20) { if (KIND == 2) { FORM##160("bf16.bf16"); } else { FORM##160("f16.f16"); } } else if (ROW_TILES_N == 24) { if (KIND == 2) { FORM##192("bf16.bf16"); } else { FORM##192("f16.f16"); } } else { __trap(); }
 // A shared-memory matrix descriptor of the matrix `at` words past `base` (a
 // multiple of 4; both 16-byte aligned): its address, lbo and sbo (words) in
 // bytes over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8
@@ -219,10 +221,12 @@ __device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a, in
 #undef WGMMA_32
 #undef WGMMA_64
 #undef WGMMA_128
+#undef WGMMA_160
 #undef WGMMA_192
 #undef WGMMA_SS_32
 #undef WGMMA_SS_64
 #undef WGMMA_SS_128
+#undef WGMMA_SS_160
 #undef WGMMA_SS_192
 #undef WGMMA_BY_N
 template <int N>
