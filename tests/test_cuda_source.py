@@ -93,6 +93,24 @@ def test_nvcc_compiles_every_launch(name, tmp_path):
     assert_nvcc_compiles(functions, tmp_path / f"{name}.cu", suppress=("177",), body_name=name)
 
 
+def test_nvcc_compiles_every_warpgroup_width(tmp_path):
+    """Each wgmma width the prelude spells (N = 8 * row tiles) in both forms,
+    A from registers and from shared memory, in both 16-bit formats, through
+    ptxas: the launches take only some (the register form 8 and 16 row
+    tiles), and a width no launch takes is otherwise never assembled."""
+    calls = [f"  warpgroup_mma<{kind}, {row_tiles}>(d, a, b, 64, 256);\n"
+             f"  warpgroup_mma_ss<{kind}, {row_tiles}>(d, b, 0, b, 1024);"
+             for kind in (1, 2) for row_tiles in (4, 8, 16, 20, 24)]
+    function = "\n".join([
+        "__global__ void warpgroup_widths(const uint32_t* in, float* out) {",
+        "  __shared__ __align__(1024) unsigned b[8192];",
+        "  unsigned a[4] = {in[0], in[1], in[2], in[3]};",
+        "  float d[96] = {};", *calls, "  warpgroup_wait<0>(d, 96);",
+        "  for (int i = 0; i < 96; ++i) out[i] = d[i];", "}"])
+    assert_nvcc_compiles([function], tmp_path / "warpgroup_widths.cu",
+                         body_name="grouped_qmm_tiles")
+
+
 def test_cuda_launches_include_their_own_blocks():
     """CUDA's block tiles differ from Metal's (99 KB of stages against 32, the
     gated launch's tall blocks), so the compiled launches hold CUDA's own."""
