@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from functools import cache
@@ -26,7 +27,8 @@ import pytest
 from test_metal_source import LAUNCHES, record_launches, unique_launches
 
 from mlx_moe_plan import kernels
-from mlx_moe_plan.kernels.launch import INPUTS_OUTPUTS
+from mlx_moe_plan.kernels.launch import (INPUTS_OUTPUTS, SHARED_WEIGHTS_ROW_TILES,
+                                         WARPGROUP_ROW_TILES)
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
@@ -94,21 +96,37 @@ def test_nvcc_compiles_every_launch(name, tmp_path):
 
 
 def test_nvcc_compiles_every_warpgroup_width(tmp_path):
-    """Each wgmma width the prelude spells (N = 8 * row tiles) in both forms,
-    A from registers and from shared memory, in both 16-bit formats, through
-    ptxas: the launches take only some (the register form 8 and 16 row
-    tiles), and a width no launch takes is otherwise never assembled."""
+    """Each wgmma width the CUDA prelude spells (`WGMMA_BY_N`: N = 8 * row
+    tiles), in both forms (A from registers, from shared memory) and both
+    16-bit formats, through ptxas, each call its own width's instruction: a
+    width no launch takes (the register form at 20 and 24 row tiles) is
+    otherwise never assembled. And every width a launch may take is one it
+    spells."""
+    prelude = kernels.prelude("cuda", "grouped_qmm_tiles")
+    by_n = re.search(r"#define WGMMA_BY_N\(FORM\)(.*)", prelude).group(1)
+    widths = [int(n) for n in re.findall(r"ROW_TILES_N == (\d+)", by_n)]
+    assert set(WARPGROUP_ROW_TILES) | set(SHARED_WEIGHTS_ROW_TILES) <= set(widths)
     calls = [f"  warpgroup_mma<{kind}, {row_tiles}>(d, a, b, 64, 256);\n"
              f"  warpgroup_mma_ss<{kind}, {row_tiles}>(d, b, 0, b, 1024);"
-             for kind in (1, 2) for row_tiles in (4, 8, 16, 20, 24)]
+             for kind in (1, 2) for row_tiles in widths]
+    sums = 4 * max(widths)  # a thread's N / 2 sums
     function = "\n".join([
         "__global__ void warpgroup_widths(const uint32_t* in, float* out) {",
         "  __shared__ __align__(1024) unsigned b[8192];",
         "  unsigned a[4] = {in[0], in[1], in[2], in[3]};",
-        "  float d[96] = {};", *calls, "  warpgroup_wait<0>(d, 96);",
-        "  for (int i = 0; i < 96; ++i) out[i] = d[i];", "}"])
-    assert_nvcc_compiles([function], tmp_path / "warpgroup_widths.cu",
-                         body_name="grouped_qmm_tiles")
+        f"  float d[{sums}] = {{}};", *calls, f"  warpgroup_wait<0>(d, {sums});",
+        f"  for (int i = 0; i < {sums}; ++i) out[i] = d[i];", "}"])
+    path = tmp_path / "warpgroup_widths.cu"
+    assert_nvcc_compiles([function], path, body_name="grouped_qmm_tiles")
+    result = subprocess.run([NVCC, "-arch=sm_90a", "-std=c++17", "-ptx", str(path), "-o",
+                             str(path.with_suffix(".ptx"))], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    ptx = path.with_suffix(".ptx").read_text()
+    for row_tiles in widths:
+        for types in ("f16.f16", "bf16.bf16"):
+            shape = f"wgmma.mma_async.sync.aligned.m64n{8 * row_tiles}k16.f32.{types}"
+            assert ptx.count(shape) == 2, shape  # the register form's and the shared one's
 
 
 def test_cuda_launches_include_their_own_blocks():

@@ -167,16 +167,18 @@ class GroupedQmmTiling:
     block_stage_values: int = 128
     block_max_groups: int = 4096
     # 1: the block's multiply-adds as one warpgroup's (WARPGROUP: Hopper's
-    # wgmma), where the block is 4 warps side by side of 8 or 16 row tiles,
-    # on a GPU that has them (the launch's `warpgroup`) or a prelude that
-    # emulates them (OpenCL, Metal); 0, never. Off by default: on the H200 it
-    # ran 1.3x to 1.6x slower than the warps' own (benchmarks/RESULTS.md,
-    # "The block tiles through Hopper's warpgroup multiply-add").
+    # wgmma), where the block is 4 warps side by side, each of
+    # WARPGROUP_ROW_TILES row tiles, on a GPU that has them (the launch's
+    # `warpgroup`) or a prelude that emulates them (OpenCL, Metal); 0, never.
+    # Off by default: on the H200 it ran 1.3x to 1.6x slower than the warps'
+    # own (benchmarks/RESULTS.md, "The block tiles through Hopper's warpgroup
+    # multiply-add").
     # 2: the same with the stage's weights made 16-bit by the whole group into
     # shared memory, where the warpgroups read both operands (SHARED_WEIGHTS),
     # where the block is 4 or 8 warps side by side, each of one 16-column tile
-    # a matrix (block_tiles, block_gated_tiles 1) and 8 or 16 row tiles, in 3
-    # stages or more of a multiple of 64 values, within SHARED_WEIGHTS_BYTES.
+    # a matrix (block_tiles, block_gated_tiles 1) and SHARED_WEIGHTS_ROW_TILES
+    # row tiles, in 3 stages or more of a multiple of 64 values, within
+    # SHARED_WEIGHTS_BYTES.
     # None: by the rule (_shared_weights_tiling): 2 in SHARED_WEIGHTS_TILING's
     # block where the GPU has wgmma, for the experts' gated launches (4 bits,
     # groups of 64) from block_shared_gated_rows rows an expert on average and
@@ -570,6 +572,15 @@ def grouped_qmm_launch(
                                dtype, num_rows, gated, tiling, SHARED_BYTES[backend], store)
 
 
+# The row tiles a block through wgmma takes (N = 8 * row tiles: widths the
+# CUDA prelude spells, tests/test_cuda_source.py checks): the warps' A from
+# registers in 8 or 16; the made weights' in 20 and 24 too, whose gated sums
+# take 160 and 192 registers a thread (nvcc 13.0 as the launch builds them,
+# 16-byte and plain copies both: 255 registers, none spilled at 20; at 24, 92
+# bytes spilled and 10 loads of them a stage in the stage loop).
+WARPGROUP_ROW_TILES = (8, 16)
+SHARED_WEIGHTS_ROW_TILES = (8, 16, 20, 24)
+
 # SHARED_WEIGHTS' block where the rule takes it (_shared_weights_tiling): two
 # warpgroups side by side (128 columns), each warp one 16-column tile a
 # matrix, 128 rows, 128 values a stage (fewer where memory is short: a
@@ -850,16 +861,13 @@ def _grouped_qmm_tiles_launch(
     stages = tiling.block_stages
     while True:
         stage_values = stage_groups * quant_group
-        # 20 and 24 row tiles: wgmma's N of 160 and 192 (the gated block's two
-        # matrices' sums take 160 and 192 registers a thread; nvcc 13 keeps its
-        # stage loop unspilled).
         shared_weights = (warpgroup == 2 and tiling.block_row_warps == 1
                           and tiling.block_column_warps in (4, 8) and column_tiles == 1
-                          and row_tiles in (8, 16, 20, 24) and stages >= 3
+                          and row_tiles in SHARED_WEIGHTS_ROW_TILES and stages >= 3
                           and stage_values % 64 == 0)
         by_warpgroup = shared_weights or (
             warpgroup == 1 and (tiling.block_row_warps, tiling.block_column_warps) == (1, 4)
-            and row_tiles in (8, 16))
+            and row_tiles in WARPGROUP_ROW_TILES)
         if shared_weights:  # the rows swizzled, 64 values (128 bytes) a row a slab
             row_stride = stage_values // 2
             word_stride = _made_weights_word_stride(stage_values // values)

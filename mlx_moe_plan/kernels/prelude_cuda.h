@@ -117,7 +117,8 @@ __device__ __forceinline__ void async_wait() {
 // WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane): the group's
 // four warps (a warpgroup: the block tiles that take it have four) together
 // D += A B, Hopper's wgmma.mma_async.m64nNk16 (sm_90a; N = 8 * row_tiles:
-// 32, 64, 128, 160 or 192, a constant). A is 64 x 16, warp w's rows 16 w to 16 w + 15
+// 32, 64, 128, 160 or 192, a constant). A is 64 x 16, warp w's rows 16 w
+// to 16 w + 15
 // in its registers a as MMA_16x8x16's A; B is 16 x N in group memory at b,
 // in core matrices of 8 of its columns by 8 of its k (8 rows of 16 bytes,
 // 128 bytes), the next 8 k `lbo` words on and the next 8 columns `sbo` words
