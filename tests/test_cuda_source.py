@@ -138,10 +138,10 @@ def test_cuda_launches_include_their_own_blocks():
     assert any(t["STAGES"] == 3 and t["STAGE_GROUPS"] == 2 for t in templates)
     # and the warpgroup's multiply-adds (wgmma's text), in blocks of 64 rows and 128,
     # of the weights made in shared memory too (both operands there), and in
-    # their blocks of 160 and 192 rows (wgmma's N of 160 and 192), one
-    # projection and gated
-    assert {t["ROW_TILES"] for t in templates if t["WARPGROUP"]} == {8, 16, 20, 24}
-    for row_tiles in (20, 24):
+    # their blocks of every other width, one projection and gated
+    assert {t["ROW_TILES"] for t in templates if t["WARPGROUP"]} \
+        == set(SHARED_WEIGHTS_ROW_TILES) | set(WARPGROUP_ROW_TILES)
+    for row_tiles in set(SHARED_WEIGHTS_ROW_TILES) - set(WARPGROUP_ROW_TILES):
         assert {t["GATED"] for t in templates
                 if t["SHARED_WEIGHTS"] and t["ROW_TILES"] == row_tiles} == {False, True}
     # and the weights made a step ahead of their multiply-adds (WEIGHTS_AHEAD)

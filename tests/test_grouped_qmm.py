@@ -118,14 +118,15 @@ needs_warpgroup = pytest.mark.skipif(
 # by one warpgroup or two (the rule's block).
 WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
                     "shared-2": launch.SHARED_WEIGHTS_TILING}
-# And the made weights' blocks of 160 and 192 rows (20 and 24 row tiles,
-# wgmma's N of 160 and 192), and the weights made a step ahead of their
-# multiply-adds (WEIGHTS_AHEAD).
+# And the made weights' blocks of 80, 96, 160 and 192 rows (wgmma's N of as
+# many), and the weights made a step ahead of their multiply-adds
+# (WEIGHTS_AHEAD).
+MADE_WEIGHTS_ROWS = (80, 96, 160, 192)
 WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
-                     "shared-160": dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=20,
-                                        block_gated_row_tiles=20),
-                     "shared-192": dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=24,
-                                        block_gated_row_tiles=24),
+                     **{f"shared-{rows}": dict(launch.SHARED_WEIGHTS_TILING,
+                                               block_row_tiles=rows // 8,
+                                               block_gated_row_tiles=rows // 8)
+                        for rows in MADE_WEIGHTS_ROWS},
                      "shared-ahead": dict(launch.SHARED_WEIGHTS_TILING, block_weights_ahead=1)}
 
 
@@ -141,16 +142,17 @@ def test_warpgroup_tiles_match_reference(form, case):
 
 
 @needs_warpgroup
-@pytest.mark.parametrize("form", ["shared-160", "shared-192", "shared-ahead"])
+@pytest.mark.parametrize("form", [*(f"shared-{rows}" for rows in MADE_WEIGHTS_ROWS),
+                                  "shared-ahead"])
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
 def test_warpgroup_tiles_made_weights_forms(form, name):
     """The made weights' tilings no rule takes yet, at Qwen3-30B-A3B's
-    shapes: blocks of 160 and 192 rows, and the weights made a step ahead of their
+    shapes: blocks of 80 to 192 rows, and the weights made a step ahead of their
     multiply-adds (6 and 32 stages). Its down projection (768 values in, 2048
     out) and its fused gate and up (rows from tokens, silu(gate) * up),
     experts of 1 to 400 rows, full and part-empty blocks, against the
     reference."""
-    block_rows = {"shared-160": 160, "shared-192": 192}.get(form, 128)
+    block_rows = 128 if form == "shared-ahead" else int(form.removeprefix("shared-"))
     rng = np.random.default_rng(71)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_FORMS[form]):
         for gated, in_dims in ((False, 768), (True, 2048)):

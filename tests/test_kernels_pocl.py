@@ -869,11 +869,11 @@ def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
 
 
 @pytest.mark.parametrize("row_tiles, stages, max_groups, ahead", [
-    (24, 3, 4096, 0), (20, 3, 4096, 0), (8, 3, 4096, 1), (16, 4, 2, 1), (20, 3, 4096, 1),
-    (24, 3, 4096, 1)])
+    (24, 3, 4096, 0), (20, 3, 4096, 0), (10, 3, 4096, 0), (12, 4, 2, 0), (8, 3, 4096, 1),
+    (16, 4, 2, 1), (20, 3, 4096, 1), (24, 3, 4096, 1)])
 def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahead):
-    """The made weights' forms no rule takes yet: blocks of 160 and 192 rows
-    (20 and 24 row tiles, wgmma's N of 160 and 192), and WEIGHTS_AHEAD, each
+    """The made weights' forms no rule takes yet: blocks of 80, 96, 160 and
+    192 rows (10 to 24 row tiles, wgmma's N of as many), and WEIGHTS_AHEAD, each
     stage's weights made a step before its multiply-adds. Over more stages
     than the buffers (10 of 64 values, 3 or 4 buffers), a group taking one
     block or several: experts whose last block is part empty (at 8 row

@@ -146,13 +146,11 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                         gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
                                         group_size=group_size, stream=None,
                                         row_tokens=row_tokens, up=up)
-                # The made weights' blocks of 160 and 192 rows (wgmma's N of
-                # 160 and 192), and the weights made a step ahead of their
+                # The made weights' blocks of other rows (wgmma's N of 80,
+                # 96, 160 and 192), and the weights made a step ahead of their
                 # multiply-adds, one projection and the layer's fused form.
-                blocks = ({**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 20,
-                           "block_gated_row_tiles": 20},
-                          {**SHARED_WEIGHTS_BLOCK, "block_row_tiles": 24,
-                           "block_gated_row_tiles": 24},
+                blocks = (*({**SHARED_WEIGHTS_BLOCK, "block_row_tiles": row_tiles,
+                             "block_gated_row_tiles": row_tiles} for row_tiles in (10, 12, 20, 24)),
                           {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1})
                 for block in blocks if warpgroup == 2 else ():
                     with (grouped_qmm_tiling(**block),

@@ -117,7 +117,7 @@ __device__ __forceinline__ void async_wait() {
 // WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane): the group's
 // four warps (a warpgroup: the block tiles that take it have four) together
 // D += A B, Hopper's wgmma.mma_async.m64nNk16 (sm_90a; N = 8 * row_tiles:
-// 32, 64, 128, 160 or 192, a constant). A is 64 x 16, warp w's rows 16 w
+// 32, 64, 80, 96, 128, 160 or 192, a constant). A is 64 x 16, warp w's rows 16 w
 // to 16 w + 15
 // in its registers a as MMA_16x8x16's A; B is 16 x N in group memory at b,
 // in core matrices of 8 of its columns by 8 of its k (8 rows of 16 bytes,
@@ -147,21 +147,27 @@ __device__ __forceinline__ void async_wait() {
 #define WG_D0_15 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
 #define WG_D16_31 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
 #define WG_D32_47 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+#define WG_D32_39 "%32,%33,%34,%35,%36,%37,%38,%39"
 #define WG_D48_63 "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
 #define WG_D64_79 "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79"
 #define WG_D80_95 "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
 #define WG_F4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define WG_F16(i) WG_F4(i), WG_F4(i + 4), WG_F4(i + 8), WG_F4(i + 12)
+#define WG_F8(i) WG_F4(i), WG_F4(i + 4)
+#define WG_F16(i) WG_F8(i), WG_F8(i + 8)
 #define WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
 #define WG_SS_IN "l"(desc_a), "l"(desc_b), "r"(1)
 #define WG_OP(n, types) "{.reg .pred p; setp.ne.b32 p, %" n ", 0; wgmma.mma_async.sync.aligned." types
 #define WGMMA_32(types) asm volatile(WG_OP("21", "m64n32k16.f32." types) " {" WG_D0_15 "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;}" : WG_F16(0) : WG_IN)
 #define WGMMA_64(types) asm volatile(WG_OP("37", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16) : WG_IN)
+#define WGMMA_80(types) asm volatile(WG_OP("45", "m64n80k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_39 "}, {%40,%41,%42,%43}, %44, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F8(32) : WG_IN)
+#define WGMMA_96(types) asm volatile(WG_OP("53", "m64n96k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32) : WG_IN)
 #define WGMMA_128(types) asm volatile(WG_OP("69", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_IN)
 #define WGMMA_160(types) asm volatile(WG_OP("85", "m64n160k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "}, {%80,%81,%82,%83}, %84, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64) : WG_IN)
 #define WGMMA_192(types) asm volatile(WG_OP("101", "m64n192k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "," WG_D80_95 "}, {%96,%97,%98,%99}, %100, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64), WG_F16(80) : WG_IN)
 #define WGMMA_SS_32(types) asm volatile(WG_OP("18", "m64n32k16.f32." types) " {" WG_D0_15 "}, %16, %17, p, 1, 1, 0, 0;}" : WG_F16(0) : WG_SS_IN)
 #define WGMMA_SS_64(types) asm volatile(WG_OP("34", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, %32, %33, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16) : WG_SS_IN)
+#define WGMMA_SS_80(types) asm volatile(WG_OP("42", "m64n80k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_39 "}, %40, %41, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F8(32) : WG_SS_IN)
+#define WGMMA_SS_96(types) asm volatile(WG_OP("50", "m64n96k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "}, %48, %49, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32) : WG_SS_IN)
 #define WGMMA_SS_128(types) asm volatile(WG_OP("66", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, %64, %65, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_SS_IN)
 #define WGMMA_SS_160(types) asm volatile(WG_OP("82", "m64n160k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "}, %80, %81, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64) : WG_SS_IN)
 #define WGMMA_SS_192(types) asm volatile(WG_OP("98", "m64n192k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "," WG_D80_95 "}, %96, %97, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64), WG_F16(80) : WG_SS_IN)
@@ -169,7 +175,7 @@ __device__ __forceinline__ void async_wait() {
 // rows, in the rows' 16-bit format (KIND 2: bfloat16, else float16); other
 // N trap (a body's text for other blocks, never run: the launch says
 // WARPGROUP 0).
-#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { if (KIND == 2) { FORM##32("bf16.bf16"); } else { FORM##32("f16.f16"); } } else if (ROW_TILES_N == 8) { if (KIND == 2) { FORM##64("bf16.bf16"); } else { FORM##64("f16.f16"); } } else if (ROW_TILES_N == 16) { if (KIND == 2) { FORM##128("bf16.bf16"); } else { FORM##128("f16.f16"); } } else if (ROW_TILES_N == 20) { if (KIND == 2) { FORM##160("bf16.bf16"); } else { FORM##160("f16.f16"); } } else if (ROW_TILES_N == 24) { if (KIND == 2) { FORM##192("bf16.bf16"); } else { FORM##192("f16.f16"); } } else { __trap(); }
+#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { if (KIND == 2) { FORM##32("bf16.bf16"); } else { FORM##32("f16.f16"); } } else if (ROW_TILES_N == 8) { if (KIND == 2) { FORM##64("bf16.bf16"); } else { FORM##64("f16.f16"); } } else if (ROW_TILES_N == 10) { if (KIND == 2) { FORM##80("bf16.bf16"); } else { FORM##80("f16.f16"); } } else if (ROW_TILES_N == 12) { if (KIND == 2) { FORM##96("bf16.bf16"); } else { FORM##96("f16.f16"); } } else if (ROW_TILES_N == 16) { if (KIND == 2) { FORM##128("bf16.bf16"); } else { FORM##128("f16.f16"); } } else if (ROW_TILES_N == 20) { if (KIND == 2) { FORM##160("bf16.bf16"); } else { FORM##160("f16.f16"); } } else if (ROW_TILES_N == 24) { if (KIND == 2) { FORM##192("bf16.bf16"); } else { FORM##192("f16.f16"); } } else { __trap(); }
 // A shared-memory matrix descriptor of the matrix `at` words past `base` (a
 // multiple of 4; both 16-byte aligned): its address, lbo and sbo (words) in
 // bytes over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8
@@ -210,22 +216,28 @@ __device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a, in
 }
 #undef WG_D0_15
 #undef WG_D16_31
+#undef WG_D32_39
 #undef WG_D32_47
 #undef WG_D48_63
 #undef WG_D64_79
 #undef WG_D80_95
 #undef WG_F4
+#undef WG_F8
 #undef WG_F16
 #undef WG_IN
 #undef WG_SS_IN
 #undef WG_OP
 #undef WGMMA_32
 #undef WGMMA_64
+#undef WGMMA_80
+#undef WGMMA_96
 #undef WGMMA_128
 #undef WGMMA_160
 #undef WGMMA_192
 #undef WGMMA_SS_32
 #undef WGMMA_SS_64
+#undef WGMMA_SS_80
+#undef WGMMA_SS_96
 #undef WGMMA_SS_128
 #undef WGMMA_SS_160
 #undef WGMMA_SS_192
