@@ -117,13 +117,13 @@ __device__ __forceinline__ void async_wait() {
 // WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane): the group's
 // four warps (a warpgroup: the block tiles that take it have four) together
 // D += A B, Hopper's wgmma.mma_async.m64nNk16 (sm_90a; N = 8 * row_tiles:
-// 32, 64, 80, 96, 128, 160 or 192, a constant). A is 64 x 16, warp w's rows 16 w
-// to 16 w + 15
-// in its registers a as MMA_16x8x16's A; B is 16 x N in group memory at b,
-// in core matrices of 8 of its columns by 8 of its k (8 rows of 16 bytes,
-// 128 bytes), the next 8 k `lbo` words on and the next 8 columns `sbo` words
-// on (no swizzle: both constants, 16-byte multiples); D is each warp's
-// row_tiles MMA_16x8x16 accumulators (n tile j's four sums at d + 4 j).
+// 32, 64, 80, 96, 128, 160 or 192, a constant). A is 64 x 16, warp w's
+// rows 16 w to 16 w + 15 in its registers a as MMA_16x8x16's A; B is 16 x N
+// in group memory at b, in core matrices of 8 of its columns by 8 of its k
+// (8 rows of 16 bytes, 128 bytes), the next 8 k `lbo` words on and the next
+// 8 columns `sbo` words on (no swizzle: both constants, 16-byte multiples);
+// D is each warp's row_tiles MMA_16x8x16 accumulators (n tile j's four
+// sums at d + 4 j).
 // Asynchronous: WARPGROUP_FENCE before one that reads registers written
 // since the last, WARPGROUP_COMMIT closes a batch, WARPGROUP_WAIT(n, d,
 // count) waits until at most n batches are in flight and then makes d[0,
