@@ -436,6 +436,11 @@ def grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tai
 # 128 rows, 64 values a stage in 3 stages.
 SHARED_WEIGHTS_BLOCK = dict(block_warpgroup=2, block_tiles=1, block_gated_tiles=1,
                             block_row_tiles=16, block_gated_row_tiles=16, block_stage_values=64)
+# The row tiles only the made weights' block takes, past the register
+# form's (wgmma's N of 8 times as many): the tests of those widths take them
+# from here.
+OTHER_MADE_WEIGHTS_ROW_TILES = tuple(sorted(set(launch.SHARED_WEIGHTS_ROW_TILES)
+                                            - set(launch.WARPGROUP_ROW_TILES)))
 
 
 @st.composite

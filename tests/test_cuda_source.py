@@ -24,6 +24,7 @@ from functools import cache
 
 import mlx.core as mx
 import pytest
+from conftest import OTHER_MADE_WEIGHTS_ROW_TILES
 from test_metal_source import LAUNCHES, record_launches, unique_launches
 
 from mlx_moe_plan import kernels
@@ -99,7 +100,7 @@ def test_nvcc_compiles_every_warpgroup_width(tmp_path):
     """Each wgmma width the CUDA prelude spells (`WGMMA_BY_N`: N = 8 * row
     tiles), in both forms (A from registers, from shared memory) and both
     16-bit formats, through ptxas, each call its own width's instruction: a
-    width no launch takes (the register form at 20 and 24 row tiles) is
+    width no launch takes (the register form's past WARPGROUP_ROW_TILES) is
     otherwise never assembled. And every width a launch may take is one it
     spells."""
     prelude = kernels.prelude("cuda", "grouped_qmm_tiles")
@@ -141,7 +142,7 @@ def test_cuda_launches_include_their_own_blocks():
     # their blocks of every other width, one projection and gated
     assert {t["ROW_TILES"] for t in templates if t["WARPGROUP"]} \
         == set(SHARED_WEIGHTS_ROW_TILES) | set(WARPGROUP_ROW_TILES)
-    for row_tiles in set(SHARED_WEIGHTS_ROW_TILES) - set(WARPGROUP_ROW_TILES):
+    for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES:
         assert {t["GATED"] for t in templates
                 if t["SHARED_WEIGHTS"] and t["ROW_TILES"] == row_tiles} == {False, True}
     # and the weights made a step ahead of their multiply-adds (WEIGHTS_AHEAD)

@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import (_NO_GPU, SHARED_WEIGHTS_BLOCK, assert_gemm_close, check_grouped_qmm,
-                      grouped_qmm_by_mlx_ops, grouped_qmm_case, grouped_qmm_cases,
-                      quantized_experts, token_rows)
+from conftest import (_NO_GPU, OTHER_MADE_WEIGHTS_ROW_TILES, SHARED_WEIGHTS_BLOCK,
+                      assert_gemm_close, check_grouped_qmm, grouped_qmm_by_mlx_ops,
+                      grouped_qmm_case, grouped_qmm_cases, quantized_experts, token_rows)
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx.utils import tree_map
@@ -121,7 +121,7 @@ WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGH
 # And the made weights' blocks of 80, 96, 160 and 192 rows (wgmma's N of as
 # many), and the weights made a step ahead of their multiply-adds
 # (WEIGHTS_AHEAD).
-MADE_WEIGHTS_ROWS = (80, 96, 160, 192)
+MADE_WEIGHTS_ROWS = tuple(8 * row_tiles for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES)
 WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                      **{f"shared-{rows}": dict(launch.SHARED_WEIGHTS_TILING,
                                                block_row_tiles=rows // 8,

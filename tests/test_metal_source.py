@@ -22,7 +22,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from conftest import SHARED_WEIGHTS_BLOCK
+from conftest import OTHER_MADE_WEIGHTS_ROW_TILES, SHARED_WEIGHTS_BLOCK
 from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
 
 from mlx_moe_plan import MAX_EXPERTS, _gpu, kernels
@@ -146,11 +146,13 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                         gpu.grouped_qmm(rows, *matrices, *prefill_arrays, bits=bits,
                                         group_size=group_size, stream=None,
                                         row_tokens=row_tokens, up=up)
-                # The made weights' blocks of other rows (wgmma's N of 80,
-                # 96, 160 and 192), and the weights made a step ahead of their
-                # multiply-adds, one projection and the layer's fused form.
+                # The made weights' blocks of the other rows they take
+                # (wgmma's N of as many), and the weights made a step ahead
+                # of their multiply-adds, one projection and the layer's
+                # fused form.
                 blocks = (*({**SHARED_WEIGHTS_BLOCK, "block_row_tiles": row_tiles,
-                             "block_gated_row_tiles": row_tiles} for row_tiles in (10, 12, 20, 24)),
+                             "block_gated_row_tiles": row_tiles}
+                            for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES),
                           {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1})
                 for block in blocks if warpgroup == 2 else ():
                     with (grouped_qmm_tiling(**block),

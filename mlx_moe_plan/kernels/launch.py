@@ -836,8 +836,8 @@ def _grouped_qmm_tiles_launch(
     """grouped_qmm_tiles.h's launch, None where no block fits `shared_bytes`;
     `warpgroup`: the tiling's `block_warpgroup`, the block's multiply-adds a
     warpgroup's (WARPGROUP; 2: SHARED_WEIGHTS) where the block allows it (4
-    warps side by side, or 8 with SHARED_WEIGHTS, 8 or 16 row tiles, or 20
-    or 24 with SHARED_WEIGHTS);
+    warps side by side, or 8 with SHARED_WEIGHTS, of WARPGROUP_ROW_TILES row
+    tiles, or SHARED_WEIGHTS_ROW_TILES with SHARED_WEIGHTS);
     `tall`: the gated block of `block_gated_row_tiles` (_tall_gated_blocks);
     `halved`: half the block's rows and columns (_halved_blocks);
     `splits_input`: the blocks' input split where they are few (_input_splits),

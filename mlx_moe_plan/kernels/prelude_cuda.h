@@ -175,7 +175,8 @@ __device__ __forceinline__ void async_wait() {
 // rows, in the rows' 16-bit format (KIND 2: bfloat16, else float16); other
 // N trap (a body's text for other blocks, never run: the launch says
 // WARPGROUP 0).
-#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { if (KIND == 2) { FORM##32("bf16.bf16"); } else { FORM##32("f16.f16"); } } else if (ROW_TILES_N == 8) { if (KIND == 2) { FORM##64("bf16.bf16"); } else { FORM##64("f16.f16"); } } else if (ROW_TILES_N == 10) { if (KIND == 2) { FORM##80("bf16.bf16"); } else { FORM##80("f16.f16"); } } else if (ROW_TILES_N == 12) { if (KIND == 2) { FORM##96("bf16.bf16"); } else { FORM##96("f16.f16"); } } else if (ROW_TILES_N == 16) { if (KIND == 2) { FORM##128("bf16.bf16"); } else { FORM##128("f16.f16"); } } else if (ROW_TILES_N == 20) { if (KIND == 2) { FORM##160("bf16.bf16"); } else { FORM##160("f16.f16"); } } else if (ROW_TILES_N == 24) { if (KIND == 2) { FORM##192("bf16.bf16"); } else { FORM##192("f16.f16"); } } else { __trap(); }
+#define WG_BY_KIND(FORM, N) if (KIND == 2) { FORM##N("bf16.bf16"); } else { FORM##N("f16.f16"); }
+#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { WG_BY_KIND(FORM, 32) } else if (ROW_TILES_N == 8) { WG_BY_KIND(FORM, 64) } else if (ROW_TILES_N == 10) { WG_BY_KIND(FORM, 80) } else if (ROW_TILES_N == 12) { WG_BY_KIND(FORM, 96) } else if (ROW_TILES_N == 16) { WG_BY_KIND(FORM, 128) } else if (ROW_TILES_N == 20) { WG_BY_KIND(FORM, 160) } else if (ROW_TILES_N == 24) { WG_BY_KIND(FORM, 192) } else { __trap(); }
 // A shared-memory matrix descriptor of the matrix `at` words past `base` (a
 // multiple of 4; both 16-byte aligned): its address, lbo and sbo (words) in
 // bytes over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8
@@ -241,6 +242,7 @@ __device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a, in
 #undef WGMMA_SS_128
 #undef WGMMA_SS_160
 #undef WGMMA_SS_192
+#undef WG_BY_KIND
 #undef WGMMA_BY_N
 template <int N>
 __device__ __forceinline__ void warpgroup_wait(float* d, int count) {
