@@ -75,6 +75,13 @@
 #               multiply-adds: the default (blocks of 128 rows from 512 rows an
 #               expert, launch._tall_gated_blocks) beside blocks of 64 rows at
 #               every size (block_gated_tall_rows=1000000).
+#   made-weights-rows (not in `bench`) the made weights' blocks sized to an
+#               expert's rows (launch.SHARED_WEIGHTS_ROW_TILES), which no rule
+#               takes yet: Qwen3-30B-A3B at T = 2048 and 8192 (128 and 512
+#               rows an expert) in blocks of 128 (the default), 160 and 192
+#               rows and 128 a step ahead (block_weights_ahead=1); DeepSeek-V3
+#               at T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T = 4096 and
+#               8192 (80 and 160) in 80, 96 and 160.
 #   halved-blocks (not in `bench`) a dense projection's decoding batch in block
 #               tiles of half the rows and columns (launch._halved_blocks):
 #               Qwen3-30B-A3B's and gpt-oss-20b's attention outputs and lm_heads
@@ -561,6 +568,18 @@ if wanted tall-gated; then
   logged "$results/tall-gated.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
     --tilings "block_warpgroup=0;block_warpgroup=0,block_gated_tall_rows=1000000"
+fi
+if wanted made-weights-rows; then
+  made="block_warpgroup=2,block_column_warps=8,block_tiles=1,block_gated_tiles=1"
+  made="$made,block_stage_values=128"
+  rows() { echo "$made,block_row_tiles=$1,block_gated_row_tiles=$1"; }
+  for shape in "qwen3-30b-a3b 2048,8192 default;$(rows 20);$(rows 24);block_weights_ahead=1" \
+      "deepseek-v3 2048 default;$(rows 8);$(rows 10);$(rows 12)" \
+      "qwen3-next 4096,8192 default;$(rows 10);$(rows 12);$(rows 20)"; do
+    read -r name tokens tilings <<<"$shape"
+    logged "$results/made-weights-rows-$name.log" python3 -m benchmarks.grouped_qmm \
+      --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
+  done
 fi
 if wanted halved-blocks; then
   halved="default;block_halved_up_to_rows=0;block_halved_below_blocks=1000000"
