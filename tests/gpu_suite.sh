@@ -77,11 +77,12 @@
 #               every size (block_gated_tall_rows=1000000).
 #   made-weights-rows (not in `bench`) the made weights' blocks sized to an
 #               expert's rows (launch.SHARED_WEIGHTS_ROW_TILES), which no rule
-#               takes yet: Qwen3-30B-A3B at T = 2048 and 8192 (128 and 512
-#               rows an expert) in blocks of 128 (the default), 160 and 192
-#               rows and 128 a step ahead (block_weights_ahead=1); DeepSeek-V3
-#               at T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T = 4096 and
-#               8192 (80 and 160) in 80, 96 and 160.
+#               takes yet, each beside the default (the rule's blocks, of 128
+#               rows where it makes the weights): Qwen3-30B-A3B at T = 2048 and
+#               8192 (128 and 512 rows an expert) in blocks of 160 and 192 rows
+#               and 128 a step ahead (block_weights_ahead=1); DeepSeek-V3 at
+#               T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T = 4096 and 8192
+#               (80 and 160) in 80, 96 and 160.
 #   halved-blocks (not in `bench`) a dense projection's decoding batch in block
 #               tiles of half the rows and columns (launch._halved_blocks):
 #               Qwen3-30B-A3B's and gpt-oss-20b's attention outputs and lm_heads
@@ -273,6 +274,11 @@ steps=${steps//tests/pytest,sanitizers,nn}
 steps=${steps//expert-parallel/ep-tests,ep-models,ep-variants}
 steps=${steps//bench/model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm,projections}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
+# launch.SHARED_WEIGHTS_TILING, the made weights' block, as --tilings text
+made_weights_tiling() {
+  python3 -c 'from mlx_moe_plan.kernels import launch
+print(",".join(f"{key}={value}" for key, value in launch.SHARED_WEIGHTS_TILING.items()))'
+}
 
 if wanted pytest; then
   logged "$results/pytest-gpu.log" python3 -m pytest -q -m gpu tests -p no:cacheprovider
@@ -552,11 +558,12 @@ if wanted grouped-qmm-prefill; then
   done
 fi
 if wanted grouped-qmm-formats; then
+  made=$(made_weights_tiling)
   for format in "--bits 8" "--dtype float16" "--group-size 32" "--group-size 128"; do
     name=${format//--/}
     logged "$results/grouped-qmm-formats-${name// /}.log" python3 -m benchmarks.grouped_qmm \
       --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted $format \
-      --tilings "default;block_warpgroup=2,block_column_warps=8,block_tiles=1,block_gated_tiles=1,block_row_tiles=16,block_gated_row_tiles=16,block_stage_values=128"
+      --tilings "default;$made"
   done
 fi
 if wanted stage-groups; then
@@ -570,8 +577,8 @@ if wanted tall-gated; then
     --tilings "block_warpgroup=0;block_warpgroup=0,block_gated_tall_rows=1000000"
 fi
 if wanted made-weights-rows; then
-  made="block_warpgroup=2,block_column_warps=8,block_tiles=1,block_gated_tiles=1"
-  made="$made,block_stage_values=128"
+  made=$(made_weights_tiling)
+  # the later row tiles take the place of the block's own (--tilings: the last of a key)
   rows() { echo "$made,block_row_tiles=$1,block_gated_row_tiles=$1"; }
   for shape in "qwen3-30b-a3b 2048,8192 default;$(rows 20);$(rows 24);block_weights_ahead=1" \
       "deepseek-v3 2048 default;$(rows 8);$(rows 10);$(rows 12)" \
