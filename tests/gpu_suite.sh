@@ -75,14 +75,17 @@
 #               multiply-adds: the default (blocks of 128 rows from 512 rows an
 #               expert, launch._tall_gated_blocks) beside blocks of 64 rows at
 #               every size (block_gated_tall_rows=1000000).
-#   made-weights-rows (not in `bench`) the made weights' blocks sized to an
-#               expert's rows (launch.SHARED_WEIGHTS_ROW_TILES), which no rule
-#               takes yet, each beside the default (the rule's blocks, of 128
-#               rows where it makes the weights): Qwen3-30B-A3B at T = 2048 and
-#               8192 (128 and 512 rows an expert) in blocks of 160 and 192 rows
-#               and 128 a step ahead (block_weights_ahead=1); DeepSeek-V3 at
-#               T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T = 4096 and 8192
-#               (80 and 160) in 80, 96 and 160.
+#   made-weights-rows (not in `bench`) the made weights' blocks of each width
+#               (launch.SHARED_WEIGHTS_ROW_TILES) beside the default (the
+#               rule's, launch._shared_weights_row_tiles): Qwen3-30B-A3B at T =
+#               2048 and 8192 (128 and 512 rows an expert) in blocks of 160 and
+#               192 rows and the default a step ahead (block_weights_ahead=1);
+#               DeepSeek-V3 at T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T
+#               = 4096 and 8192 (80 and 160) in 80, 96 and 160.
+#   made-weights-rule (not in `bench`) the rule's made-weights blocks against
+#               128 rows at every size (block_shared_row_tiles=16): the expert
+#               GEMMs of every shape at T = 2048 and 8192, then Qwen3-30B-A3B's
+#               whole prefill of 8192 tokens, three alternated turns.
 #   halved-blocks (not in `bench`) a dense projection's decoding batch in block
 #               tiles of half the rows and columns (launch._halved_blocks):
 #               Qwen3-30B-A3B's and gpt-oss-20b's attention outputs and lm_heads
@@ -587,6 +590,14 @@ if wanted made-weights-rows; then
     logged "$results/made-weights-rows-$name.log" python3 -m benchmarks.grouped_qmm \
       --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
   done
+fi
+if wanted made-weights-rule; then
+  logged "$results/made-weights-rule.log" python3 -m benchmarks.grouped_qmm \
+    --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
+    --calls 4 --no-sorted --sides kernel --tilings "default;block_shared_row_tiles=16"
+  logged "$results/made-weights-rule-prefill.log" python3 -m benchmarks.step_kernels \
+    --models qwen3-30b-a3b --layers 48 --prefill 8192 --rounds 3 \
+    --variants "rows128:block_shared_row_tiles=16"
 fi
 if wanted halved-blocks; then
   halved="default;block_halved_up_to_rows=0;block_halved_below_blocks=1000000"

@@ -146,9 +146,10 @@ def test_warpgroup_tiles_match_reference(form, case):
                                   "shared-ahead"])
 @pytest.mark.parametrize("name", ["bfloat16", "float16"])
 def test_warpgroup_tiles_made_weights_forms(form, name):
-    """The made weights' tilings no rule takes yet, at Qwen3-30B-A3B's
-    shapes: blocks of 80 to 192 rows, and the weights made a step ahead of their
-    multiply-adds (6 and 32 stages). Its down projection (768 values in, 2048
+    """The made weights' blocks of 80 to 192 rows, which the rule sizes to an
+    expert's rows (launch._shared_weights_row_tiles), and the weights made a
+    step ahead of their multiply-adds, which no rule takes (6 and 32 stages),
+    at Qwen3-30B-A3B's shapes. Its down projection (768 values in, 2048
     out) and its fused gate and up (rows from tokens, silu(gate) * up),
     experts of 1 to 400 rows, full and part-empty blocks, against the
     reference."""

@@ -921,7 +921,9 @@ def test_shared_weights_rule():
                                                   warpgroup=warpgroup).template)
         assert template["WARPGROUP"] == template["SHARED_WEIGHTS"]
         if template["SHARED_WEIGHTS"]:
-            assert (template["THREADS"], template["BLOCK_ROWS"]) == (256, 128)
+            rows = 128 if dense else 8 * launch._shared_weights_row_tiles(capacity / experts,
+                                                                          gated, in_dims)
+            assert (template["THREADS"], template["BLOCK_ROWS"]) == (256, rows)
         return template["SHARED_WEIGHTS"]
 
     tiling = launch.GROUPED_QMM_TILING
@@ -948,6 +950,53 @@ def test_shared_weights_rule():
     assert not shared(6400, bits=8) and not shared(6400, group_size=32)
     with launch.grouped_qmm_tiling(block_warpgroup=0):
         assert not shared(6400)
+
+
+def test_shared_weights_row_tiles_rule():
+    """The experts' made-weights block holds the rows an expert has on
+    average plus 1.5 of their square root, in the fewest of
+    SHARED_WEIGHTS_ROW_TILES that do; where none does, the tallest from
+    TALLEST_MADE_WEIGHTS_FROM_ROWS rows (gated, only for inputs of at most
+    TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values), else 128 rows; the
+    tiling's `block_shared_row_tiles` says another; a dense projection's
+    keeps 128."""
+    def block_rows(capacity, experts=4, dense=False, gated=True, in_dims=256):
+        template = dict(launch.grouped_qmm_launch(experts, in_dims, 256, capacity, 4, 64,
+                                                  "bfloat16", backend="cuda", gated=gated,
+                                                  dense=dense, warpgroup=True).template)
+        assert template["SHARED_WEIGHTS"]
+        return template["BLOCK_ROWS"]
+
+    widths = launch.SHARED_WEIGHTS_ROW_TILES
+    tallest, long_input = widths[-1], launch.TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS + 64
+    from_rows = launch.TALLEST_MADE_WEIGHTS_FROM_ROWS
+
+    def rule(rows, gated=True, in_dims=2048):
+        return 8 * launch._shared_weights_row_tiles(rows, gated, in_dims)
+
+    # As measured: 64 rows an expert in 80, 80 in 96, 128 in 160, 160 and 512
+    # in 192; 256 in 128; a long input's gated block at 512 in 128.
+    assert [rule(rows) for rows in (64, 80, 128, 160, 256, 512)] == [80, 96, 160, 192, 128, 192]
+    assert rule(512, in_dims=long_input) == 128 and rule(512, False, long_input) == 192
+    assert rule(from_rows - 1) == 128 and rule(from_rows) == 8 * tallest
+    assert rule(1) == 8 * widths[0]
+    for rows in range(1, 2 * from_rows):
+        wanted = rows + 1.5 * rows ** 0.5
+        for gated, in_dims in ((True, 2048), (False, long_input), (True, long_input)):
+            got = rule(rows, gated, in_dims) // 8
+            fitting = [tiles for tiles in widths if 8 * tiles >= wanted]
+            if got == 16 and not (fitting and fitting[0] == 16):
+                assert not fitting and rows < from_rows or gated and in_dims == long_input
+            else:
+                assert got == (fitting[0] if fitting else tallest)
+    assert block_rows(4 * 64) == 80 and block_rows(4 * 128) == 160
+    assert block_rows(4 * 512, gated=False, experts=1, dense=True) == 128
+    assert block_rows(4 * 2048) == 192 and block_rows(4 * 2048, gated=False) == 192
+    assert block_rows(4 * 2048, in_dims=long_input) == 128
+    with launch.grouped_qmm_tiling(block_shared_row_tiles=16):
+        assert block_rows(4 * 64) == block_rows(4 * 2048) == 128
+    with pytest.raises(ValueError, match="block_shared_row_tiles"):
+        launch.GroupedQmmTiling(block_shared_row_tiles=14).check()
 
 
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)

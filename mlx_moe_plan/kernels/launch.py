@@ -189,12 +189,17 @@ class GroupedQmmTiling:
     # 1: with SHARED_WEIGHTS, a stage's weights made a step before its
     # multiply-adds, one barrier a stage instead of two (WEIGHTS_AHEAD, which
     # grouped_qmm_tiles.h says more of); 0: made, then multiplied, in one step.
-    # Not measured: off.
+    # Off: on an H100, in blocks of 128 rows, 0.99x to 1.03x the step's own
+    # (benchmarks/RESULTS.md, "The made weights' block rows").
     block_weights_ahead: int = 0
     block_shared_gated_rows: int = 64
     block_shared_rows: int = 512
     block_shared_whole_rows: int = 256
     block_shared_dense_rows: int = 512
+    # the experts' made-weights block's 8-row tiles where the rule takes that
+    # block, one of SHARED_WEIGHTS_ROW_TILES; None: by the rows an expert holds
+    # on average (_shared_weights_row_tiles)
+    block_shared_row_tiles: int | None = None
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -230,6 +235,9 @@ class GroupedQmmTiling:
             raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead and "
                              f"block_weights_ahead are 0 or 1, block_warpgroup None, 0, 1 or "
                              f"2: {self}")
+        if self.block_shared_row_tiles not in (None, *SHARED_WEIGHTS_ROW_TILES):
+            raise ValueError(f"grouped_qmm tiling: block_shared_row_tiles is None or one of "
+                             f"{SHARED_WEIGHTS_ROW_TILES}: {self}")
         if self.word_stages == 1 or self.word_stages < 0 or (
                 self.word_stages and (self.k_splits or 1) > 1):
             raise ValueError(f"grouped_qmm tiling: word_stages is 0 or at least 2, and takes "
@@ -597,7 +605,8 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
                            out_dims: int) -> GroupedQmmTiling:
     """`tiling` with its `block_warpgroup` decided where it is None: the
     experts' launches of 4 bits in groups of 64 on CUDA where the GPU has
-    wgmma (`warpgroup`) take SHARED_WEIGHTS_TILING's block, gated from
+    wgmma (`warpgroup`) take SHARED_WEIGHTS_TILING's block (its rows by
+    `block_shared_row_tiles`, or `_shared_weights_row_tiles`), gated from
     `block_shared_gated_rows` rows an expert on average (the plan's capacity
     over its experts), ungated from `block_shared_whole_rows` where the
     projection is whole blocks (`_whole_blocks`) and else from
@@ -606,9 +615,9 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     multiply-adds (0).
 
     On the H200, against the warps' own at every shape's T = 512 to 8192
-    (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks
-    ran the fused gate and up 1.07x to 1.44x faster from 64 rows an expert
-    (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T = 512) and
+    (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks,
+    of 128 rows then, ran the fused gate and up 1.07x to 1.44x faster from 64
+    rows an expert (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T = 512) and
     0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave more of
     an expert's last block empty, and 0.69x at 40 (Qwen3-Next's T = 2048);
     one projection 1.04x to 1.46x from 512 rows an expert; at 256, 1.00x to
@@ -629,9 +638,55 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
             else tiling.block_shared_whole_rows
             if _whole_blocks(_decided_tiling(tiling, True), in_dims, out_dims)
             else tiling.block_shared_rows)
-    return _decided_tiling(tiling, backend == "cuda" and warpgroup
-                           and (bits, quant_group) == (4, 64)
-                           and capacity >= rows * num_experts)
+    shared_weights = (backend == "cuda" and warpgroup and (bits, quant_group) == (4, 64)
+                      and capacity >= rows * num_experts)
+    row_tiles = (SHARED_WEIGHTS_TILING["block_row_tiles"] if dense or not shared_weights
+                 else tiling.block_shared_row_tiles
+                 or _shared_weights_row_tiles(capacity / num_experts, gated, in_dims))
+    return _decided_tiling(tiling, shared_weights, row_tiles)
+
+
+def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int) -> int:
+    """The made weights' block's 8-row tiles for the experts' launches where
+    an expert holds `rows_per_expert` rows on average: the fewest of
+    SHARED_WEIGHTS_ROW_TILES whose rows reach the average plus 1.5 of its
+    square root; where none does, the tallest from
+    TALLEST_MADE_WEIGHTS_FROM_ROWS rows an expert, else 16 (128 rows). A
+    gated launch takes the tallest only for inputs of at most
+    TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values (else 16).
+
+    Routed counts spread about the average by about its square root, so a
+    block of exactly the average leaves many experts a second block, nearly
+    empty, whose weights are made again; a block a little taller holds most
+    experts whole. On an H100 (benchmarks/RESULTS.md, "The made weights'
+    block rows"), against blocks of 128 rows, the fused gate and up ran
+    1.04x to 1.47x faster in blocks of 80 rows at 64 an expert (DeepSeek-V3,
+    T = 2048), 96 at 80 (Qwen3-Next, 4096), 160 at 128 (Qwen3-30B-A3B,
+    2048), 192 at 160 (Qwen3-Next, 8192) and 192 at 512 and 1024
+    (Qwen3-30B-A3B's and gpt-oss-20b's T = 8192), and one projection 1.04x
+    to 1.23x in blocks of 192 from 512 rows (those two and Mixtral's T =
+    2048 and 8192). Slower: blocks of exactly the average (64 at 64, 0.86x;
+    80 at 80, 0.84x), blocks of 192 at 256 rows (DeepSeek-V3's T = 8192,
+    0.64x to 0.89x; gpt-oss-20b's fused T = 2048, 0.97x), and Mixtral's
+    fused gate and up (4096 values a row) in 192-row blocks, 0.91x and
+    0.94x: the gated sums of 24 row tiles spill (SHARED_WEIGHTS_ROW_TILES'
+    comment), which the shorter rows outweighed; not taken apart. A dense
+    projection's block keeps its 128 rows (not timed in others)."""
+    wanted = rows_per_expert + 1.5 * math.sqrt(rows_per_expert)
+    fitting = [row_tiles for row_tiles in SHARED_WEIGHTS_ROW_TILES if 8 * row_tiles >= wanted]
+    tallest = SHARED_WEIGHTS_ROW_TILES[-1]
+    row_tiles = fitting[0] if fitting else (
+        tallest if rows_per_expert >= TALLEST_MADE_WEIGHTS_FROM_ROWS
+        else SHARED_WEIGHTS_TILING["block_row_tiles"])
+    if gated and row_tiles == tallest and in_dims > TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS:
+        return SHARED_WEIGHTS_TILING["block_row_tiles"]
+    return row_tiles
+
+
+# _shared_weights_row_tiles' tallest block past the widths an expert's rows
+# would fill, and the inputs its gated launch takes it for, as measured.
+TALLEST_MADE_WEIGHTS_FROM_ROWS = 512
+TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS = 2880
 
 
 def _whole_blocks(shared: GroupedQmmTiling, in_dims: int, out_dims: int) -> bool:
@@ -645,11 +700,15 @@ def _whole_blocks(shared: GroupedQmmTiling, in_dims: int, out_dims: int) -> bool
 
 
 @lru_cache(maxsize=64)
-def _decided_tiling(tiling: GroupedQmmTiling, shared_weights: bool) -> GroupedQmmTiling:
-    """`tiling` in SHARED_WEIGHTS_TILING's block, or else with block_warpgroup
-    0, made once a tiling: a launch is built at every uncompiled call, where
-    a new dataclass a call would cost several times the rest of the launch."""
-    return replace(tiling, **SHARED_WEIGHTS_TILING) if shared_weights else \
+def _decided_tiling(tiling: GroupedQmmTiling, shared_weights: bool,
+                    row_tiles: int = SHARED_WEIGHTS_TILING["block_row_tiles"]
+                    ) -> GroupedQmmTiling:
+    """`tiling` in SHARED_WEIGHTS_TILING's block of `row_tiles` 8-row tiles,
+    or else with block_warpgroup 0, made once a tiling: a launch is built at
+    every uncompiled call, where a new dataclass a call would cost several
+    times the rest of the launch."""
+    return replace(tiling, **dict(SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
+                                  block_gated_row_tiles=row_tiles)) if shared_weights else \
         replace(tiling, block_warpgroup=0)
 
 
