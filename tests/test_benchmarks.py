@@ -694,3 +694,18 @@ def test_grouped_qmm_prefill_sides(monkeypatch):
     monkeypatch.setattr(bench_qmm, "MLX_SORTED_ROWS", tokens * shape.top_k)
     past = bench_qmm.measure("small", tokens, 2, 4800.0, [{}])
     assert [(line["projection"], line["tiling"], line["reference"]) for line in past] == expected
+
+
+def test_decode_attention_sides_attend_to_the_same_keys(capsys):
+    """Both sides' keys are the first context + 1 of their buffers, the same
+    values: on the CPU (one path) they agree, and each line has both times."""
+    from benchmarks import decode_attention
+    assert decode_attention.attention_shape("qwen3-30b-a3b") == (32, 4, 128, False)
+    assert decode_attention.attention_shape("gpt-oss-20b") == (64, 8, 64, True)
+    got = decode_attention.measure("small-qwen3-moe", 300, 2, 2)
+    assert got["cudnn"] > 0 and got["vector"] > 0 and got["diff"] < 1e-2
+    assert decode_attention.main(["--models", "small-qwen3-moe", "--contexts", "8",
+                                  "--batches", "1", "--layers", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["model", "context", "batch"]
+    assert lines[1].split()[:3] == ["small-qwen3-moe", "8", "1"] and len(lines) == 2
