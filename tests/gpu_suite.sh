@@ -83,9 +83,11 @@
 #               DeepSeek-V3 at T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T
 #               = 4096 and 8192 (80 and 160) in 80, 96 and 160.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
-#               128 rows at every size (block_shared_row_tiles=16): the expert
-#               GEMMs of every shape at T = 2048 and 8192, then Qwen3-30B-A3B's
-#               whole prefill of 8192 tokens, three alternated turns.
+#               the rule before them: 128 rows at every size
+#               (block_shared_row_tiles=16), one projection's from 256 rows an
+#               expert only (block_shared_sized_up_to_rows=0); the expert GEMMs
+#               of every shape at T = 2048 and 8192, then Qwen3-30B-A3B's whole
+#               prefill of 8192 tokens, three alternated turns.
 #   halved-blocks (not in `bench`) a dense projection's decoding batch in block
 #               tiles of half the rows and columns (launch._halved_blocks):
 #               Qwen3-30B-A3B's and gpt-oss-20b's attention outputs and lm_heads
@@ -592,12 +594,12 @@ if wanted made-weights-rows; then
   done
 fi
 if wanted made-weights-rule; then
+  before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"
   logged "$results/made-weights-rule.log" python3 -m benchmarks.grouped_qmm \
     --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
-    --calls 4 --no-sorted --sides kernel --tilings "default;block_shared_row_tiles=16"
+    --calls 4 --no-sorted --sides kernel --tilings "default;$before"
   logged "$results/made-weights-rule-prefill.log" python3 -m benchmarks.step_kernels \
-    --models qwen3-30b-a3b --layers 48 --prefill 8192 --rounds 3 \
-    --variants "rows128:block_shared_row_tiles=16"
+    --models qwen3-30b-a3b --layers 48 --prefill 8192 --rounds 3 --variants "before:$before"
 fi
 if wanted halved-blocks; then
   halved="default;block_halved_up_to_rows=0;block_halved_below_blocks=1000000"

@@ -909,7 +909,9 @@ def test_shared_weights_rule():
     groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's
     block, gated from `block_shared_gated_rows` rows an expert and ungated
     from `block_shared_whole_rows` where the projection is whole stages of
-    128 values and blocks of 128 columns, else from `block_shared_rows`, a
+    128 values and blocks of 128 columns (and there from
+    `block_shared_gated_rows` up to `block_shared_sized_up_to_rows` too),
+    else from `block_shared_rows`, a
     dense projection's from `block_shared_dense_rows` whatever its shape;
     fewer rows, another format or backend, no wgmma or a tiling that says 0
     keep the warps' own multiply-adds."""
@@ -934,6 +936,14 @@ def test_shared_weights_rule():
     assert shared(whole, out_dims=256) and not shared(whole - 1, out_dims=256)
     # Part of a stage (3 groups of 64 values) or of a block's 128 columns.
     assert not shared(whole, in_dims=192, out_dims=256) and not shared(whole, out_dims=192)
+    # Whole blocks also from block_shared_gated_rows up to
+    # block_shared_sized_up_to_rows rows an expert, in the block sized to them.
+    low, high = tiling.block_shared_gated_rows, tiling.block_shared_sized_up_to_rows
+    assert low < high < tiling.block_shared_whole_rows
+    assert shared(4 * low, out_dims=256) and shared(4 * high, out_dims=256)
+    assert not shared(4 * low - 1, out_dims=256) and not shared(4 * high + 1, out_dims=256)
+    assert not shared(4 * high, out_dims=192) and not shared(4 * high, in_dims=192,
+                                                              out_dims=256)
     assert shared(4 * tiling.block_shared_rows, in_dims=192, out_dims=192)
     assert shared(4 * tiling.block_shared_gated_rows, gated=True)
     assert not shared(4 * tiling.block_shared_gated_rows - 1, gated=True)

@@ -183,7 +183,8 @@ class GroupedQmmTiling:
     # block where the GPU has wgmma, for the experts' gated launches (4 bits,
     # groups of 64) from block_shared_gated_rows rows an expert on average and
     # their ungated ones from block_shared_rows, or from block_shared_whole_rows
-    # where the projection is whole blocks (_whole_blocks), and a dense
+    # where the projection is whole blocks (_whole_blocks) and then also from
+    # block_shared_gated_rows up to block_shared_sized_up_to_rows, and a dense
     # projection's (one expert) from block_shared_dense_rows rows; else 0.
     block_warpgroup: int | None = None
     # 1: with SHARED_WEIGHTS, a stage's weights made a step before its
@@ -195,6 +196,7 @@ class GroupedQmmTiling:
     block_shared_gated_rows: int = 64
     block_shared_rows: int = 512
     block_shared_whole_rows: int = 256
+    block_shared_sized_up_to_rows: int = 128
     block_shared_dense_rows: int = 512
     # the experts' made-weights block's 8-row tiles where the rule takes that
     # block, one of SHARED_WEIGHTS_ROW_TILES; None: by the rows an expert holds
@@ -219,7 +221,8 @@ class GroupedQmmTiling:
         if min(self.tiles_from_rows, self.block_gated_tall_rows, self.block_halved_up_to_rows,
                self.block_halved_below_blocks, self.block_split_below_groups,
                self.block_shared_gated_rows, self.block_shared_rows,
-               self.block_shared_whole_rows, self.block_shared_dense_rows) < 0 \
+               self.block_shared_whole_rows, self.block_shared_sized_up_to_rows,
+               self.block_shared_dense_rows) < 0 \
                 or self.block_stages < 2 or (self.block_input_splits is not None
                                              and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
@@ -609,16 +612,17 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     `block_shared_row_tiles`, or `_shared_weights_row_tiles`), gated from
     `block_shared_gated_rows` rows an expert on average (the plan's capacity
     over its experts), ungated from `block_shared_whole_rows` where the
-    projection is whole blocks (`_whole_blocks`) and else from
-    `block_shared_rows`; a dense projection's (`dense`, one expert) from
+    projection is whole blocks (`_whole_blocks`), and there also from
+    `block_shared_gated_rows` up to `block_shared_sized_up_to_rows`, and else
+    from `block_shared_rows`; a dense projection's (`dense`, one expert) from
     `block_shared_dense_rows` rows; every other launch the warps' own
     multiply-adds (0).
 
     On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks,
     of 128 rows then, ran the fused gate and up 1.07x to 1.44x faster from 64
-    rows an expert (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T = 512) and
-    0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave more of
+    rows an expert (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T
+    = 512) and 0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave more of
     an expert's last block empty, and 0.69x at 40 (Qwen3-Next's T = 2048);
     one projection 1.04x to 1.46x from 512 rows an expert; at 256, 1.00x to
     1.23x where it is whole blocks (Qwen3-30B-A3B's T = 4096, Mixtral's
@@ -628,18 +632,28 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     (attention's, DeepSeek-V3's shared expert's, an lm_head's) ran 1.04x to
     1.28x faster in them, but 0.96x for Qwen3-30B-A3B's keys and values at
     T = 2048 and 1.00x for gpt-oss-20b's queries at 512
-    (benchmarks/RESULTS.md, "Dense projections at prefill sizes"). The other
+    (benchmarks/RESULTS.md, "Dense projections at prefill sizes"). In blocks
+    sized to an expert's rows (`_shared_weights_row_tiles`), on an H100, one
+    projection of whole blocks ran 1.17x to 1.49x faster than the warps' own
+    at 64 to 128 rows an expert (DeepSeek-V3's T = 2048, Qwen3-Next's 4096,
+    Qwen3-30B-A3B's 2048), hence from `block_shared_gated_rows` up to
+    `block_shared_sized_up_to_rows`; at 160 (Qwen3-Next's 8192) 1.07x and
+    0.99x in blocks of 160 rows, so not there (benchmarks/RESULTS.md, "The
+    made weights' block rows"). The other
     formats, which the tests run in these blocks, keep theirs until timed in
     them, and so do Metal and OpenCL (no wgmma)."""
     if tiling.block_warpgroup is not None:
         return tiling
+    whole = not dense and not gated and _whole_blocks(_decided_tiling(tiling, True), in_dims,
+                                                      out_dims)
     rows = (tiling.block_shared_dense_rows if dense
             else tiling.block_shared_gated_rows if gated
-            else tiling.block_shared_whole_rows
-            if _whole_blocks(_decided_tiling(tiling, True), in_dims, out_dims)
+            else tiling.block_shared_whole_rows if whole
             else tiling.block_shared_rows)
+    sized = whole and (tiling.block_shared_gated_rows * num_experts <= capacity
+                       <= tiling.block_shared_sized_up_to_rows * num_experts)
     shared_weights = (backend == "cuda" and warpgroup and (bits, quant_group) == (4, 64)
-                      and capacity >= rows * num_experts)
+                      and (capacity >= rows * num_experts or sized))
     row_tiles = (SHARED_WEIGHTS_TILING["block_row_tiles"] if dense or not shared_weights
                  else tiling.block_shared_row_tiles
                  or _shared_weights_row_tiles(capacity / num_experts, gated, in_dims))
