@@ -621,16 +621,16 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks,
     of 128 rows then, ran the fused gate and up 1.07x to 1.44x faster from 64
-    rows an expert (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T
-    = 512) and 0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave more of
-    an expert's last block empty, and 0.69x at 40 (Qwen3-Next's T = 2048);
-    one projection 1.04x to 1.46x from 512 rows an expert; at 256, 1.00x to
-    1.23x where it is whole blocks (Qwen3-30B-A3B's T = 4096, Mixtral's
-    1024, DeepSeek-V3's 8192) and 0.91x where it is not (gpt-oss-20b's 2880
-    values and columns, T = 2048); bfloat16 rows (float16 takes the same
-    instructions). A dense projection's prefill of 512 to 8192 rows
-    (attention's, DeepSeek-V3's shared expert's, an lm_head's) ran 1.04x to
-    1.28x faster in them, but 0.96x for Qwen3-30B-A3B's keys and values at
+    rows an expert (DeepSeek-V3's T = 2048) but 0.99x at 64 (gpt-oss-20b's T =
+    512) and 0.95x at 160 (Qwen3-Next's T = 8192), where their 128 rows leave
+    more of an expert's last block empty, and 0.69x at 40 (Qwen3-Next's T =
+    2048); one projection 1.04x to 1.46x from 512 rows an expert; at 256,
+    1.00x to 1.23x where it is whole blocks (Qwen3-30B-A3B's T = 4096,
+    Mixtral's 1024, DeepSeek-V3's 8192) and 0.91x where it is not
+    (gpt-oss-20b's 2880 values and columns, T = 2048); bfloat16 rows (float16
+    takes the same instructions). A dense projection's prefill of 512 to 8192
+    rows (attention's, DeepSeek-V3's shared expert's, an lm_head's) ran 1.04x
+    to 1.28x faster in them, but 0.96x for Qwen3-30B-A3B's keys and values at
     T = 2048 and 1.00x for gpt-oss-20b's queries at 512
     (benchmarks/RESULTS.md, "Dense projections at prefill sizes"). In blocks
     sized to an expert's rows (`_shared_weights_row_tiles`), on an H100, one
@@ -639,9 +639,9 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     Qwen3-30B-A3B's 2048), hence from `block_shared_gated_rows` up to
     `block_shared_sized_up_to_rows`; at 160 (Qwen3-Next's 8192) 1.07x and
     0.99x in blocks of 160 rows, so not there (benchmarks/RESULTS.md, "The
-    made weights' block rows"). The other
-    formats, which the tests run in these blocks, keep theirs until timed in
-    them, and so do Metal and OpenCL (no wgmma)."""
+    made weights' block rows"). The other formats, which the tests run in
+    these blocks, keep theirs until timed in them, and so do Metal and OpenCL
+    (no wgmma)."""
     if tiling.block_warpgroup is not None:
         return tiling
     whole = not dense and not gated and _whole_blocks(_decided_tiling(tiling, True), in_dims,
