@@ -82,6 +82,14 @@
 #               192 rows and the default a step ahead (block_weights_ahead=1);
 #               DeepSeek-V3 at T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T
 #               = 4096 and 8192 (80 and 160) in 80, 96 and 160.
+#   made-weights-open (not in `bench`) the sizes the rule has not been timed
+#               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
+#               of 64 rows against the warps' own (the default there);
+#               Qwen3-30B-A3B at T = 1024 (64) and Mixtral at 512 (128), the
+#               default against one projection in the warps' own
+#               (block_shared_sized_up_to_rows=0) and 128-row blocks;
+#               gpt-oss-20b at T = 2048 and DeepSeek-V3 at 8192 (256) in blocks
+#               of 96 and 160 rows against the default's 128.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -590,6 +598,19 @@ if wanted made-weights-rows; then
       "qwen3-next 4096,8192 default;$(rows 10);$(rows 12);$(rows 20)"; do
     read -r name tokens tilings <<<"$shape"
     logged "$results/made-weights-rows-$name.log" python3 -m benchmarks.grouped_qmm \
+      --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
+  done
+fi
+if wanted made-weights-open; then
+  made=$(made_weights_tiling)
+  rows() { echo "$made,block_row_tiles=$1,block_gated_row_tiles=$1"; }
+  for shape in "qwen3-next 2048 default;$(rows 8)" \
+      "qwen3-30b-a3b 1024 default;block_shared_sized_up_to_rows=0;block_shared_row_tiles=16" \
+      "mixtral 512 default;block_shared_sized_up_to_rows=0;block_shared_row_tiles=16" \
+      "gpt-oss-20b 2048 default;$(rows 12);$(rows 20)" \
+      "deepseek-v3 8192 default;$(rows 12);$(rows 20)"; do
+    read -r name tokens tilings <<<"$shape"
+    logged "$results/made-weights-open-$name.log" python3 -m benchmarks.grouped_qmm \
       --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
   done
 fi
