@@ -82,6 +82,10 @@
 #               192 rows and the default a step ahead (block_weights_ahead=1);
 #               DeepSeek-V3 at T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T
 #               = 4096 and 8192 (80 and 160) in 80, 96 and 160.
+#   decode-attention (not in `bench`) a decoding step's attention on MLX's
+#               cuDNN path, its vector kernel and the sketch of the package's
+#               own (benchmarks.decode_attention), Qwen3-30B-A3B's and
+#               gpt-oss-20b's shapes, contexts 512 and 2048, batch 1 to 64.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -600,6 +604,9 @@ if wanted made-weights-rows; then
     logged "$results/made-weights-rows-$name.log" python3 -m benchmarks.grouped_qmm \
       --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
   done
+fi
+if wanted decode-attention; then
+  logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
 fi
 if wanted made-weights-open; then
   made=$(made_weights_tiling)

@@ -703,7 +703,9 @@ def test_decode_attention_sides_attend_to_the_same_keys(capsys):
     assert decode_attention.attention_shape("qwen3-30b-a3b") == (32, 4, 128, False)
     assert decode_attention.attention_shape("gpt-oss-20b") == (64, 8, 64, True)
     got = decode_attention.measure("small-qwen3-moe", 300, 2, 2)
-    assert got["cudnn"] > 0 and got["vector"] > 0 and got["diff"] < 1e-2
+    assert got["cudnn"] > 0 and got["vector"] > 0 and got["vector diff"] < 1e-2
+    if "kernel" in got:  # CUDA: the sketch against cuDNN's output
+        assert got["kernel diff"] < 2e-2
     assert decode_attention.main(["--models", "small-qwen3-moe", "--contexts", "8",
                                   "--batches", "1", "--layers", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
