@@ -296,6 +296,21 @@ made_weights_tiling() {
   python3 -c 'from mlx_moe_plan.kernels import launch
 print(",".join(f"{key}={value}" for key, value in launch.SHARED_WEIGHTS_TILING.items()))'
 }
+# the same block of ROWS 8-row tiles (--tilings keeps the last value of a key)
+made_weights_rows() {
+  echo "$(made_weights_tiling),block_row_tiles=$1,block_gated_row_tiles=$1"
+}
+# grouped_qmm_each PREFIX "NAME TOKENS TILINGS"...: the expert GEMMs of each
+# shape in its tilings, one log a shape
+grouped_qmm_each() {
+  local prefix=$1 shape name tokens tilings
+  shift
+  for shape in "$@"; do
+    read -r name tokens tilings <<<"$shape"
+    logged "$results/$prefix-$name.log" python3 -m benchmarks.grouped_qmm \
+      --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
+  done
+}
 
 if wanted pytest; then
   logged "$results/pytest-gpu.log" python3 -m pytest -q -m gpu tests -p no:cacheprovider
@@ -594,32 +609,20 @@ if wanted tall-gated; then
     --tilings "block_warpgroup=0;block_warpgroup=0,block_gated_tall_rows=1000000"
 fi
 if wanted made-weights-rows; then
-  made=$(made_weights_tiling)
-  # the later row tiles take the place of the block's own (--tilings: the last of a key)
-  rows() { echo "$made,block_row_tiles=$1,block_gated_row_tiles=$1"; }
-  for shape in "qwen3-30b-a3b 2048,8192 default;$(rows 20);$(rows 24);block_weights_ahead=1" \
-      "deepseek-v3 2048 default;$(rows 8);$(rows 10);$(rows 12)" \
-      "qwen3-next 4096,8192 default;$(rows 10);$(rows 12);$(rows 20)"; do
-    read -r name tokens tilings <<<"$shape"
-    logged "$results/made-weights-rows-$name.log" python3 -m benchmarks.grouped_qmm \
-      --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
-  done
+  grouped_qmm_each made-weights-rows \
+    "qwen3-30b-a3b 2048,8192 default;$(made_weights_rows 20);$(made_weights_rows 24);block_weights_ahead=1" \
+    "deepseek-v3 2048 default;$(made_weights_rows 8);$(made_weights_rows 10);$(made_weights_rows 12)" \
+    "qwen3-next 4096,8192 default;$(made_weights_rows 10);$(made_weights_rows 12);$(made_weights_rows 20)"
 fi
 if wanted decode-attention; then
   logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
 fi
 if wanted made-weights-open; then
-  made=$(made_weights_tiling)
-  rows() { echo "$made,block_row_tiles=$1,block_gated_row_tiles=$1"; }
-  for shape in "qwen3-next 2048 default;$(rows 8)" \
-      "qwen3-30b-a3b 1024 default;block_shared_sized_up_to_rows=0;block_shared_row_tiles=16" \
-      "mixtral 512 default;block_shared_sized_up_to_rows=0;block_shared_row_tiles=16" \
-      "gpt-oss-20b 2048 default;$(rows 12);$(rows 20)" \
-      "deepseek-v3 8192 default;$(rows 12);$(rows 20)"; do
-    read -r name tokens tilings <<<"$shape"
-    logged "$results/made-weights-open-$name.log" python3 -m benchmarks.grouped_qmm \
-      --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
-  done
+  grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \
+    "qwen3-30b-a3b 1024 default;block_shared_sized_up_to_rows=0;block_shared_row_tiles=16" \
+    "mixtral 512 default;block_shared_sized_up_to_rows=0;block_shared_row_tiles=16" \
+    "gpt-oss-20b 2048 default;$(made_weights_rows 12);$(made_weights_rows 20)" \
+    "deepseek-v3 8192 default;$(made_weights_rows 12);$(made_weights_rows 20)"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"
