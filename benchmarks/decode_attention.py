@@ -159,6 +159,8 @@ def sketch_attention(queries: mx.array, keys: mx.array, values: mx.array, keys_c
     _, kv_heads, length, _ = keys.shape
     splits = sketch_splits(batch, kv_heads, keys_count)
     rows = batch * heads * splits
+    # Sizes as template constants, the keys' count among them: a kernel a
+    # context, which a benchmark can afford and a decoding step could not.
     split_kernel, merge_kernel = _sketch_kernels()
     part_o, part_m, part_l = split_kernel(
         inputs=[queries, keys, values],
