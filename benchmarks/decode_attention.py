@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import cache
 
 import mlx.core as mx
 
@@ -127,21 +128,16 @@ for (int s = 0; s < SPLITS; ++s) {
 output[row * D + d] = __float2bfloat16(out / sum);
 """
 
-_SKETCH_KERNELS: list = []
-
-
+@cache
 def _sketch_kernels():
     """The sketch's two launches as MLX kernels, made once."""
-    if not _SKETCH_KERNELS:
-        _SKETCH_KERNELS.extend([
-            mx.fast.cuda_kernel(name="decode_attention_split",
+    return (mx.fast.cuda_kernel(name="decode_attention_split",
                                 input_names=["queries", "keys", "values"],
                                 output_names=["part_o", "part_m", "part_l"],
                                 source=_SPLIT_SOURCE),
             mx.fast.cuda_kernel(name="decode_attention_merge",
                                 input_names=["part_o", "part_m", "part_l", "sinks"],
-                                output_names=["output"], source=_MERGE_SOURCE)])
-    return _SKETCH_KERNELS
+                                output_names=["output"], source=_MERGE_SOURCE))
 
 
 def sketch_splits(batch: int, kv_heads: int, keys_count: int) -> int:
