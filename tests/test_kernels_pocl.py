@@ -967,9 +967,9 @@ def test_shared_weights_row_tiles_rule():
     average plus 1.5 of their square root, in the fewest of
     SHARED_WEIGHTS_ROW_TILES that do; where none does, the tallest from
     TALLEST_MADE_WEIGHTS_FROM_ROWS rows (gated, only for inputs of at most
-    TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values), else 128 rows; the
-    tiling's `block_shared_row_tiles` says another; a dense projection's
-    keeps 128."""
+    TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values, else 128 rows), else
+    OVERFULL_MADE_WEIGHTS_ROW_TILES; the tiling's `block_shared_row_tiles`
+    says another; a dense projection's keeps 128."""
     def block_rows(capacity, experts=4, dense=False, gated=True, in_dims=256):
         template = dict(launch.grouped_qmm_launch(experts, in_dims, 256, capacity, 4, 64,
                                                   "bfloat16", backend="cuda", gated=gated,
@@ -980,26 +980,28 @@ def test_shared_weights_row_tiles_rule():
     widths = launch.SHARED_WEIGHTS_ROW_TILES
     tallest, long_input = widths[-1], launch.TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS + 64
     from_rows = launch.TALLEST_MADE_WEIGHTS_FROM_ROWS
+    overfull = launch.OVERFULL_MADE_WEIGHTS_ROW_TILES
 
     def rule(rows, gated=True, in_dims=2048):
         return 8 * launch._shared_weights_row_tiles(rows, gated, in_dims)
 
     # As measured: 64 rows an expert in 80, 80 in 96, 128 in 160, 160 and 512
-    # in 192; 256 in 128; a long input's gated block at 512 in 128.
-    assert [rule(rows) for rows in (64, 80, 128, 160, 256, 512)] == [80, 96, 160, 192, 128, 192]
+    # in 192; 256 in 160; a long input's gated block at 512 in 128.
+    assert [rule(rows) for rows in (64, 80, 128, 160, 256, 512)] == [80, 96, 160, 192, 160, 192]
     assert rule(512, in_dims=long_input) == 128 and rule(512, False, long_input) == 192
-    assert rule(from_rows - 1) == 128 and rule(from_rows) == 8 * tallest
+    assert rule(256, in_dims=long_input) == 160 == rule(256, False, long_input)
+    assert rule(from_rows - 1) == 8 * overfull and rule(from_rows) == 8 * tallest
     assert rule(1) == 8 * widths[0]
     for rows in range(1, 2 * from_rows):
         wanted = rows + 1.5 * rows ** 0.5
         for gated, in_dims in ((True, 2048), (False, long_input), (True, long_input)):
             got = rule(rows, gated, in_dims) // 8
             fitting = [tiles for tiles in widths if 8 * tiles >= wanted]
-            if got == 16 and not (fitting and fitting[0] == 16):
-                assert not fitting and rows < from_rows or gated and in_dims == long_input
-            else:
-                assert got == (fitting[0] if fitting else tallest)
-    assert block_rows(4 * 64) == 80 and block_rows(4 * 128) == 160
+            expected = fitting[0] if fitting else overfull if rows < from_rows else tallest
+            if expected == tallest and gated and in_dims == long_input:
+                expected = 16
+            assert got == expected
+    assert block_rows(4 * 64) == 80 and block_rows(4 * 128) == 160 == block_rows(4 * 256)
     assert block_rows(4 * 512, gated=False, experts=1, dense=True) == 128
     assert block_rows(4 * 2048) == 192 and block_rows(4 * 2048, gated=False) == 192
     assert block_rows(4 * 2048, in_dims=long_input) == 128

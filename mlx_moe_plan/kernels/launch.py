@@ -665,9 +665,10 @@ def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int)
     an expert holds `rows_per_expert` rows on average: the fewest of
     SHARED_WEIGHTS_ROW_TILES whose rows reach the average plus 1.5 of its
     square root; where none does, the tallest from
-    TALLEST_MADE_WEIGHTS_FROM_ROWS rows an expert, else 16 (128 rows). A
-    gated launch takes the tallest only for inputs of at most
-    TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values (else 16).
+    TALLEST_MADE_WEIGHTS_FROM_ROWS rows an expert, else
+    OVERFULL_MADE_WEIGHTS_ROW_TILES. A gated launch takes the tallest only
+    for inputs of at most TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values
+    (else 16, 128 rows).
 
     Routed counts spread about the average by about its square root, so a
     block of exactly the average leaves many experts a second block, nearly
@@ -679,27 +680,32 @@ def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int)
     2048), 192 at 160 (Qwen3-Next, 8192) and 192 at 512 and 1024
     (Qwen3-30B-A3B's and gpt-oss-20b's T = 8192), and one projection 1.04x
     to 1.23x in blocks of 192 from 512 rows (those two and Mixtral's T =
-    2048 and 8192). Slower: blocks of exactly the average (64 at 64, 0.86x;
-    80 at 80, 0.84x), blocks of 192 at 256 rows (DeepSeek-V3's T = 8192,
-    0.64x to 0.89x; gpt-oss-20b's fused T = 2048, 0.97x), and Mixtral's
-    fused gate and up (4096 values a row) in 192-row blocks, 0.91x and
-    0.94x: the gated sums of 24 row tiles spill (SHARED_WEIGHTS_ROW_TILES'
-    comment), which the shorter rows outweighed; not taken apart. A dense
-    projection's block keeps its 128 rows (not timed in others)."""
+    2048 and 8192); at 256 rows, where none fits, blocks of 160 ran 1.11x
+    to 1.18x faster than 128 (DeepSeek-V3's T = 8192, gated and not;
+    gpt-oss-20b's fused T = 2048), and 96 0.92x to 1.01x. Slower: blocks of
+    exactly the average (64 at 64, 0.86x; 80 at 80, 0.84x), blocks of 192
+    at 256 rows (DeepSeek-V3's T = 8192, 0.64x to 0.89x; gpt-oss-20b's
+    fused T = 2048, 0.97x), and Mixtral's fused gate and up (4096 values a
+    row) in 192-row blocks, 0.91x and 0.94x: the gated sums of 24 row tiles
+    spill (SHARED_WEIGHTS_ROW_TILES' comment), which the shorter rows
+    outweighed; not taken apart. A dense projection's block keeps its 128
+    rows (not timed in others)."""
     wanted = rows_per_expert + 1.5 * math.sqrt(rows_per_expert)
     fitting = [row_tiles for row_tiles in SHARED_WEIGHTS_ROW_TILES if 8 * row_tiles >= wanted]
     tallest = SHARED_WEIGHTS_ROW_TILES[-1]
     row_tiles = fitting[0] if fitting else (
         tallest if rows_per_expert >= TALLEST_MADE_WEIGHTS_FROM_ROWS
-        else SHARED_WEIGHTS_TILING["block_row_tiles"])
+        else OVERFULL_MADE_WEIGHTS_ROW_TILES)
     if gated and row_tiles == tallest and in_dims > TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS:
         return SHARED_WEIGHTS_TILING["block_row_tiles"]
     return row_tiles
 
 
 # _shared_weights_row_tiles' tallest block past the widths an expert's rows
-# would fill, and the inputs its gated launch takes it for, as measured.
+# would fill, and the inputs its gated launch takes it for, as measured; below
+# those rows, the block there (160 rows; only 256 an expert was timed).
 TALLEST_MADE_WEIGHTS_FROM_ROWS = 512
+OVERFULL_MADE_WEIGHTS_ROW_TILES = 20
 TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS = 2880
 
 
