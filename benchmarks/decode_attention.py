@@ -41,61 +41,133 @@ from .workloads import MODELS
 CACHE_STEP = 256  # mlx-lm's KVCache.step
 
 # The sketch's first launch: grid (SPLITS groups, KV_HEADS, batch), 4 warps a
-# group, each warp every 4th key of the group's split; a lane holds D / 32
-# values of each of the G query heads and of a key's row. Online softmax in
-# base 2; the warps' partial sums merged through shared memory, unnormalized,
-# with their maximum and sum, one row a query head and split.
+# group, each warp STEP keys at a time of the group's split. A key's row is
+# read by D / 8 lanes, 16 bytes each, so a warp's load takes 32 / (D / 8) whole
+# rows at once and each lane issues ROUNDS loads before it needs the first:
+# one key at a time, a warp waited a memory round trip a key. A lane holds its
+# 8 values of each of the G query heads that share the key-value head, so each
+# key and value is read once. Online softmax in base 2, its maximum kept
+# alike in every lane of a warp; each lane sums its own keys, and the lanes
+# reading the same 8 values of different keys are summed at the end. The
+# warps' partial sums are merged through shared memory, unnormalized, with
+# their maximum and sum, one row a query head and split.
 _SPLIT_SOURCE = """
 constexpr int WARPS = 4;
-constexpr int V = D / 32;
+constexpr int LANES = D / 8;            // lanes a key's row, 8 values each
+constexpr int PER_LOAD = 32 / LANES;    // keys a warp's load
+constexpr int ROUNDS = 4;               // loads a lane issues before using one
+constexpr int STEP = PER_LOAD * ROUNDS; // keys a warp's iteration
 const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
 const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+const int slot = lane / LANES, part = lane % LANES;
 const float scale_log2 = rsqrtf(float(D)) * 1.4426950408889634f;
-float qf[G][V], m[G], l[G], o[G][V];
+// Every loop of a constant count is unrolled, so the arrays it indexes stay in
+// registers: one nvcc leaves rolled puts them on the stack.
+// The queries stay bfloat16 (as given), 4 registers a head, not 8: a lane
+// holds G of them beside G rows of 8 sums.
+__nv_bfloat162 q2[G][4];
+float o[G][8], m[G], l[G];
+#pragma unroll
 for (int h = 0; h < G; ++h) {
-  const int head = kv_head * G + h;
-  for (int v = 0; v < V; ++v) {
-    qf[h][v] = float(queries[(batch * HEADS + head) * D + lane * V + v]) * scale_log2;
-    o[h][v] = 0.0f;
-  }
+  const uint4 word = *reinterpret_cast<const uint4*>(
+      queries + (size_t(batch) * HEADS + kv_head * G + h) * D + part * 8);
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&word);
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) q2[h][i] = pairs[i];
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) o[h][i] = 0.0f;
+  // -1e30, not -infinity: a warp or split with no key merges as weight 0, not NaN.
   m[h] = -1e30f;
   l[h] = 0.0f;
 }
 const int start = split * CHUNK;
 const int stop = min(start + CHUNK, KEYS);
-const size_t base = (size_t(batch) * KV_HEADS + kv_head) * LENGTH * D + lane * V;
-for (int key = start + warp; key < stop; key += WARPS) {
-  float kf[V], vf[V];
-  for (int v = 0; v < V; v += 2) {
-    float2 kk = __bfloat1622float2(
-        *reinterpret_cast<const __nv_bfloat162*>(keys + base + size_t(key) * D + v));
-    float2 vv = __bfloat1622float2(
-        *reinterpret_cast<const __nv_bfloat162*>(values + base + size_t(key) * D + v));
-    kf[v] = kk.x; kf[v + 1] = kk.y; vf[v] = vv.x; vf[v + 1] = vv.y;
+const size_t base = (size_t(batch) * KV_HEADS + kv_head) * LENGTH * D + part * 8;
+for (int first = start + warp * STEP; first < stop; first += WARPS * STEP) {
+  uint4 key_words[ROUNDS], value_words[ROUNDS];
+  #pragma unroll
+  for (int r = 0; r < ROUNDS; ++r) {
+    // Past the split's last key a lane reads that key again and weighs it 0.
+    const size_t key = min(first + r * PER_LOAD + slot, stop - 1);
+    key_words[r] = *reinterpret_cast<const uint4*>(keys + base + key * D);
+    value_words[r] = *reinterpret_cast<const uint4*>(values + base + key * D);
   }
+  float score[ROUNDS][G];
+  #pragma unroll
+  for (int r = 0; r < ROUNDS; ++r) {
+    const __nv_bfloat162* key_pairs = reinterpret_cast<const __nv_bfloat162*>(&key_words[r]);
+    const bool valid = first + r * PER_LOAD + slot < stop;
+    #pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float dot = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 k = __bfloat1622float2(key_pairs[i]), q = __bfloat1622float2(q2[h][i]);
+        dot += q.x * k.x + q.y * k.y;
+      }
+      #pragma unroll
+      for (int offset = LANES / 2; offset > 0; offset /= 2)
+        dot += __shfl_xor_sync(0xffffffff, dot, offset);
+      score[r][h] = valid ? dot * scale_log2 : -INFINITY;
+    }
+  }
+  #pragma unroll
   for (int h = 0; h < G; ++h) {
-    float score = 0.0f;
-    for (int v = 0; v < V; ++v) score += qf[h][v] * kf[v];
-    for (int offset = 16; offset > 0; offset /= 2)
-      score += __shfl_xor_sync(0xffffffff, score, offset);
-    const float top = fmaxf(m[h], score);
-    const float rescale = exp2f(m[h] - top), weight = exp2f(score - top);
-    l[h] = l[h] * rescale + weight;
-    for (int v = 0; v < V; ++v) o[h][v] = o[h][v] * rescale + weight * vf[v];
+    float top = score[0][h];
+    #pragma unroll
+    for (int r = 1; r < ROUNDS; ++r) top = fmaxf(top, score[r][h]);
+    #pragma unroll
+    for (int offset = LANES; offset < 32; offset *= 2)
+      top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, offset));
+    top = fmaxf(top, m[h]);
+    const float rescale = exp2f(m[h] - top);
+    l[h] *= rescale;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) o[h][i] *= rescale;
     m[h] = top;
+  }
+  #pragma unroll
+  for (int r = 0; r < ROUNDS; ++r) {
+    const __nv_bfloat162* value_pairs =
+        reinterpret_cast<const __nv_bfloat162*>(&value_words[r]);
+    float value[8];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __bfloat1622float2(value_pairs[i]);
+      value[2 * i] = v.x;
+      value[2 * i + 1] = v.y;
+    }
+    #pragma unroll
+    for (int h = 0; h < G; ++h) {
+      const float weight = exp2f(score[r][h] - m[h]);
+      l[h] += weight;
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) o[h][i] += weight * value[i];
+    }
   }
 }
 __shared__ float warp_m[WARPS][G], warp_l[WARPS][G], warp_o[WARPS][G][D];
+#pragma unroll
 for (int h = 0; h < G; ++h) {
+  #pragma unroll
+  for (int offset = LANES; offset < 32; offset *= 2) {
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], offset);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) o[h][i] += __shfl_xor_sync(0xffffffff, o[h][i], offset);
+  }
   if (lane == 0) { warp_m[warp][h] = m[h]; warp_l[warp][h] = l[h]; }
-  for (int v = 0; v < V; ++v) warp_o[warp][h][lane * V + v] = o[h][v];
+  if (slot == 0)
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) warp_o[warp][h][part * 8 + i] = o[h][i];
 }
 __syncthreads();
 for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
   const int h = i / D, d = i % D;
   float top = -1e30f;
+  #pragma unroll
   for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w][h]);
   float sum = 0.0f, out = 0.0f;
+  #pragma unroll
   for (int w = 0; w < WARPS; ++w) {
     const float f = exp2f(warp_m[w][h] - top);
     sum += warp_l[w][h] * f;
@@ -140,10 +212,13 @@ def _sketch_kernels():
                                 output_names=["output"], source=_MERGE_SOURCE))
 
 
-def sketch_splits(batch: int, kv_heads: int, keys_count: int) -> int:
-    """Splits of the keys: groups enough for two an SM of an H100 or H200
-    (132 SMs), each split at least 64 keys (16 a warp)."""
-    return max(1, min(-(-264 // (batch * kv_heads)), keys_count // 64))
+def sketch_splits(batch: int, kv_heads: int, keys_count: int, head_dim: int) -> int:
+    """Splits of the keys: groups enough for four an SM of an H100 or H200
+    (132 SMs), so that enough loads are in flight to meet the memory's
+    latency, each split at least one iteration of its 4 warps (STEP keys
+    each: 32 / (head_dim / 8) a load, 4 loads)."""
+    group_keys = 4 * 4 * 32 * 8 // head_dim
+    return max(1, min(-(-528 // (batch * kv_heads)), -(-keys_count // group_keys)))
 
 
 def sketch_attention(queries: mx.array, keys: mx.array, values: mx.array, keys_count: int,
@@ -153,7 +228,7 @@ def sketch_attention(queries: mx.array, keys: mx.array, values: mx.array, keys_c
     heads, 1, head_dim]`, as the fused attention gives it."""
     batch, heads, _, head_dim = queries.shape
     _, kv_heads, length, _ = keys.shape
-    splits = sketch_splits(batch, kv_heads, keys_count)
+    splits = sketch_splits(batch, kv_heads, keys_count, head_dim)
     rows = batch * heads * splits
     # Sizes as template constants, the keys' count among them: a kernel a
     # context, which a benchmark can afford and a decoding step could not.
