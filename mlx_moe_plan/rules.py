@@ -358,11 +358,12 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # first. At batch 8 a step's length follows its launches more than their GPU
 # time (benchmarks/HISTORY.md, "The whole step at batch 8"). But each launch
 # of the package's costs the host more than one of MLX's ops (its glue and
-# `mx.custom_function`), so it pays only where it replaces several. Timed in
-# a whole step only together with `add_rms_norm`, which lost (HISTORY, "The
-# fused attention's and residual norms' launches in a step"): off
-# (`HEAD_NORM_ROPE_FROM_ROWS` out of reach) until it is timed alone;
-# `benchmarks.step_kernels --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"`.
+# `mx.custom_function`), so it pays only where it replaces several. It does
+# not: timed alone in a whole step, its step built 2.8 to 5.5 ms more slowly
+# and ran 0.86x to 0.90x at batch 4 and 8, slower at 1 (benchmarks/HISTORY.md,
+# "The fused attention's launch alone in a step"). Off
+# (`HEAD_NORM_ROPE_FROM_ROWS` out of reach); `benchmarks.step_kernels
+# --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"` times it again.
 HEAD_NORM_ROPE_FROM_ROWS = 1 << 30
 
 
@@ -370,7 +371,7 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
     """Whether a Qwen3 attention's queries and keys of a decoding step are
     normalized and rotated in one launch.
 
-    On CUDA, from `HEAD_NORM_ROPE_FROM_ROWS` rows (not yet timed alone: never).
+    On CUDA, from `HEAD_NORM_ROPE_FROM_ROWS` rows (measured slower: never).
     Elsewhere never until measured.
 
     Args:

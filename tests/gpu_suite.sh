@@ -192,7 +192,7 @@
 #               (everywhere), alternated (benchmarks.step_kernels --variants).
 #   head-norm   (not in `bench`) Qwen3-MoE attention's queries and keys normalized
 #               and rotated in one launch (kernels/head_norm_rope.h,
-#               rules.fuses_head_norm_rope, off until measured): its GPU tests
+#               rules.fuses_head_norm_rope, off: measured slower): its GPU tests
 #               against the reference, MLX's ops and unfused decoding (and
 #               under compute-sanitizer's three tools), then the whole
 #               Qwen3-30B-A3B at batch 1 to 64, the patch beside the variant
