@@ -23,12 +23,17 @@ scheme): one group of 4 warps a sequence, key-value head and split of the
 keys, the query heads that share the key-value head together, so each key and
 value is read once; then one group a query head merges the splits. "kernel
 diff" is its largest difference from cuDNN's output on the same keys.
+`sketch_in_models` puts it in mlx-lm's models for a decoding step's
+attention, which `benchmarks.step_kernels --variants "sketch:attention=sketch"`
+times in whole steps, its launches' host work included.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from contextlib import contextmanager
 from functools import cache
 
 import mlx.core as mx
@@ -40,8 +45,8 @@ from .workloads import MODELS
 
 CACHE_STEP = 256  # mlx-lm's KVCache.step
 
-# The sketch's first launch: grid (SPLITS groups, KV_HEADS, batch), 4 warps a
-# group, each warp STEP keys at a time of the group's split. A key's row is
+# The sketch's first launch: grid (splits groups, key-value heads, batch), 4
+# warps a group, each warp STEP keys at a time of the group's split. A key's row is
 # read by D / 8 lanes, 16 bytes each, so a warp's load takes 32 / (D / 8) whole
 # rows at once and each lane issues ROUNDS loads before it needs the first:
 # one key at a time, a warp waited a memory round trip a key. A lane holds its
@@ -70,7 +75,8 @@ float o[G][8], m[G], l[G];
 #pragma unroll
 for (int h = 0; h < G; ++h) {
   const uint4 word = *reinterpret_cast<const uint4*>(
-      queries + (size_t(batch) * HEADS + kv_head * G + h) * D + part * 8);
+      queries + batch * queries_strides[0] + (kv_head * G + h) * queries_strides[1]
+      + part * 8);
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&word);
   #pragma unroll
   for (int i = 0; i < 4; ++i) q2[h][i] = pairs[i];
@@ -80,17 +86,24 @@ for (int h = 0; h < G; ++h) {
   m[h] = -1e30f;
   l[h] = 0.0f;
 }
-const int start = split * CHUNK;
-const int stop = min(start + CHUNK, KEYS);
-const size_t base = (size_t(batch) * KV_HEADS + kv_head) * LENGTH * D + part * 8;
+// The keys' count and places at run time (a slice of the cache's buffer, as
+// mlx-lm hands it over, read where it lies): one kernel for every context.
+const int keys_count = keys_shape[2], splits = gridDim.x;
+const int chunk = (keys_count + splits - 1) / splits;
+const int start = split * chunk;
+const int stop = min(start + chunk, keys_count);
+const __nv_bfloat16* key_rows =
+    keys + batch * keys_strides[0] + kv_head * keys_strides[1] + part * 8;
+const __nv_bfloat16* value_rows =
+    values + batch * values_strides[0] + kv_head * values_strides[1] + part * 8;
 for (int first = start + warp * STEP; first < stop; first += WARPS * STEP) {
   uint4 key_words[ROUNDS], value_words[ROUNDS];
   #pragma unroll
   for (int r = 0; r < ROUNDS; ++r) {
     // Past the split's last key a lane reads that key again and weighs it 0.
     const size_t key = min(first + r * PER_LOAD + slot, stop - 1);
-    key_words[r] = *reinterpret_cast<const uint4*>(keys + base + key * D);
-    value_words[r] = *reinterpret_cast<const uint4*>(values + base + key * D);
+    key_words[r] = *reinterpret_cast<const uint4*>(key_rows + key * keys_strides[2]);
+    value_words[r] = *reinterpret_cast<const uint4*>(value_rows + key * values_strides[2]);
   }
   float score[ROUNDS][G];
   #pragma unroll
@@ -173,7 +186,7 @@ for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
     sum += warp_l[w][h] * f;
     out += warp_o[w][h][d] * f;
   }
-  const size_t row = (size_t(batch) * HEADS + kv_head * G + h) * SPLITS + split;
+  const size_t row = (size_t(batch) * HEADS + kv_head * G + h) * splits + split;
   part_o[row * D + d] = out;
   if (d == 0) { part_m[row] = top; part_l[row] = sum; }
 }
@@ -183,30 +196,32 @@ for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
 # merged (and gpt-oss's sink, a logit of no value, in the sum).
 _MERGE_SOURCE = """
 const size_t row = blockIdx.x;
-const int d = threadIdx.x;
+const int d = threadIdx.x, splits = part_m_shape[0] / gridDim.x;
 float top = -1e30f;
-for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, part_m[row * SPLITS + s]);
+for (int s = 0; s < splits; ++s) top = fmaxf(top, part_m[row * splits + s]);
 float sink = -1e30f;
 if (HAS_SINKS) {
   sink = float(sinks[row % HEADS]) * 1.4426950408889634f;
   top = fmaxf(top, sink);
 }
 float sum = HAS_SINKS ? exp2f(sink - top) : 0.0f, out = 0.0f;
-for (int s = 0; s < SPLITS; ++s) {
-  const float f = exp2f(part_m[row * SPLITS + s] - top);
-  sum += part_l[row * SPLITS + s] * f;
-  out += part_o[(row * SPLITS + s) * D + d] * f;
+for (int s = 0; s < splits; ++s) {
+  const float f = exp2f(part_m[row * splits + s] - top);
+  sum += part_l[row * splits + s] * f;
+  out += part_o[(row * splits + s) * D + d] * f;
 }
 output[row * D + d] = __float2bfloat16(out / sum);
 """
 
 @cache
 def _sketch_kernels():
-    """The sketch's two launches as MLX kernels, made once."""
+    """The sketch's two launches as MLX kernels, made once. The first reads
+    its inputs where they lie (their strides): a copy of the cache's slice
+    would read and write its keys and values once more."""
     return (mx.fast.cuda_kernel(name="decode_attention_split",
                                 input_names=["queries", "keys", "values"],
                                 output_names=["part_o", "part_m", "part_l"],
-                                source=_SPLIT_SOURCE),
+                                source=_SPLIT_SOURCE, ensure_row_contiguous=False),
             mx.fast.cuda_kernel(name="decode_attention_merge",
                                 input_names=["part_o", "part_m", "part_l", "sinks"],
                                 output_names=["output"], source=_MERGE_SOURCE))
@@ -221,33 +236,71 @@ def sketch_splits(batch: int, kv_heads: int, keys_count: int, head_dim: int) -> 
     return max(1, min(-(-528 // (batch * kv_heads)), -(-keys_count // group_keys)))
 
 
-def sketch_attention(queries: mx.array, keys: mx.array, values: mx.array, keys_count: int,
+def sketch_attention(queries: mx.array, keys: mx.array, values: mx.array,
                      sinks: mx.array | None) -> mx.array:
-    """The sketch on `keys_count` keys of the buffers `keys`, `values`
-    (`[batch, kv_heads, length, head_dim]`, bfloat16, contiguous): `[batch,
-    heads, 1, head_dim]`, as the fused attention gives it."""
+    """The sketch's attention of `queries` (`[batch, heads, 1, head_dim]`) to
+    `keys`, `values` (`[batch, kv_heads, keys, head_dim]`, a slice of a
+    longer buffer or not), bfloat16, the scale head_dim ** -0.5: `[batch,
+    heads, 1, head_dim]`, as `mx.fast.scaled_dot_product_attention` gives it."""
     batch, heads, _, head_dim = queries.shape
-    _, kv_heads, length, _ = keys.shape
+    _, kv_heads, keys_count, _ = keys.shape
     splits = sketch_splits(batch, kv_heads, keys_count, head_dim)
     rows = batch * heads * splits
-    # Sizes as template constants, the keys' count among them: a kernel a
-    # context, which a benchmark can afford and a decoding step could not.
     split_kernel, merge_kernel = _sketch_kernels()
     part_o, part_m, part_l = split_kernel(
         inputs=[queries, keys, values],
-        template=[("D", head_dim), ("G", heads // kv_heads), ("HEADS", heads),
-                  ("KV_HEADS", kv_heads), ("LENGTH", length), ("KEYS", keys_count),
-                  ("SPLITS", splits), ("CHUNK", -(-keys_count // splits))],
+        template=[("D", head_dim), ("G", heads // kv_heads), ("HEADS", heads)],
         grid=(splits * 128, kv_heads, batch), threadgroup=(128, 1, 1),
         output_shapes=[(rows, head_dim), (rows,), (rows,)],
         output_dtypes=[mx.float32] * 3)
     merged, = merge_kernel(
         inputs=[part_o, part_m, part_l, part_m if sinks is None else sinks],
-        template=[("D", head_dim), ("HEADS", heads), ("SPLITS", splits),
-                  ("HAS_SINKS", sinks is not None)],
+        template=[("D", head_dim), ("HEADS", heads), ("HAS_SINKS", sinks is not None)],
         grid=(batch * heads * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
         output_shapes=[(batch, heads, 1, head_dim)], output_dtypes=[mx.bfloat16])
     return merged
+
+
+def sketch_takes(queries: mx.array, keys: mx.array, scale: float, mask) -> bool:
+    """Whether the sketch computes this attention: a decoding step's (one
+    query a sequence, no mask), bfloat16, heads of 64 or 128 values, at most
+    8 query heads a key-value head (its registers), the scale of its text."""
+    batch, heads, queries_count, head_dim = queries.shape
+    return (queries_count == 1 and mask is None and queries.dtype == mx.bfloat16
+            and keys.dtype == mx.bfloat16 and head_dim in (64, 128)
+            and heads % keys.shape[1] == 0 and heads // keys.shape[1] <= 8
+            and abs(scale * head_dim ** 0.5 - 1) < 1e-6)
+
+
+@contextmanager
+def sketch_in_models():
+    """mlx-lm's models attend through the sketch wherever it takes their
+    attention (`sketch_takes`), mlx-lm's own call elsewhere, inside the
+    block: what a decoding step would gain, its host's part included. CUDA
+    only; the models' modules call `scaled_dot_product_attention` by the
+    name they imported, so each loaded one is patched, then restored."""
+    from mlx_lm.models import base
+
+    if _backend.gpu_backend() != "cuda":
+        raise RuntimeError("the decoding attention sketch is CUDA text: it needs MLX's CUDA "
+                           "backend")
+    original = base.scaled_dot_product_attention
+
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if not hasattr(cache, "bits") and sketch_takes(queries, keys, scale, mask):
+            return sketch_attention(queries, keys, values, sinks)
+        return original(queries, keys, values, cache, scale, mask, sinks)
+
+    modules = [module for name, module in list(sys.modules.items())
+               if name.startswith("mlx_lm.models.")
+               and getattr(module, "scaled_dot_product_attention", None) is original]
+    for module in modules:
+        module.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.scaled_dot_product_attention = original
 
 
 def attention_shape(model: str) -> tuple[int, int, int, bool]:
@@ -278,11 +331,11 @@ def measure(model: str, context: int, batch: int, layers: int) -> dict:
     mx.eval(queries, sinks)
 
     def attend(side, query, keys, values):
+        keys, values = keys[:, :, :keys_count], values[:, :, :keys_count]
         if side == "kernel":
-            return sketch_attention(query, keys, values, keys_count, sinks)
-        return mx.fast.scaled_dot_product_attention(
-            query, keys[:, :, :keys_count], values[:, :, :keys_count], scale=head_dim ** -0.5,
-            sinks=sinks)
+            return sketch_attention(query, keys, values, sinks)
+        return mx.fast.scaled_dot_product_attention(query, keys, values,
+                                                    scale=head_dim ** -0.5, sinks=sinks)
 
     micros = {side: [] for side in lengths}
     for side in [*lengths, *reversed(lengths)]:

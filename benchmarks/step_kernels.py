@@ -20,7 +20,9 @@ take in a step, and are for comparing kernels, not for the step's time.
 `--variants` compares instead: mlx-lm's model, the patched one as it is,
 and the patched one under each variant of the measured rules
 (`mlx_moe_plan.rules` constants, upper case) and of the grouped kernel's
-tiling (`GroupedQmmTiling` fields, lower case), their turns of 20 steps
+tiling (`GroupedQmmTiling` fields, lower case), or with an option of
+`VARIANT_OPTIONS` (`attention=sketch`: the decoding attention sketch of
+`benchmarks.decode_attention`, on CUDA), their turns of 20 steps
 alternated `--rounds` times at each batch, the median step of each turn,
 then the median turn. A variant's compiled forwards and projection routes
 are dropped when its turn starts, so each traces under its own rules. With
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import io
 import pstats
@@ -211,25 +214,35 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def parse_variants(text: str) -> dict[str, tuple[dict, dict]]:
-    """`name:KEY=VALUE,key=VALUE;...` as {name: (rules' constants, tiling fields)}."""
+# `--variants`' settings that are neither rules nor tiling: what each turns on
+# for its side's turns.
+VARIANT_OPTIONS = {"attention": {"sketch": "the decoding attention sketch "
+                                           "(benchmarks.decode_attention.sketch_in_models)"}}
+
+
+def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
+    """`name:KEY=VALUE,key=VALUE;...` as {name: (rules' constants, tiling
+    fields, VARIANT_OPTIONS' settings)}."""
     from mlx_moe_plan import rules
     from mlx_moe_plan.kernels import launch
 
     variants = {}
     for entry in filter(None, text.split(";")):
         name, _, settings = entry.partition(":")
-        constants, tiling = {}, {}
+        constants, tiling, options = {}, {}, {}
         for setting in filter(None, settings.split(",")):
             key, _, value = setting.partition("=")
             if key.isupper() and isinstance(getattr(rules, key, None), int):
                 constants[key] = int(value)
             elif key in launch.GroupedQmmTiling.__dataclass_fields__:
                 tiling[key] = int(value)
+            elif value in VARIANT_OPTIONS.get(key, ()):
+                options[key] = value
             else:
                 raise SystemExit(f"--variants: {key!r} is neither an int constant of "
-                                 f"mlx_moe_plan.rules nor a GroupedQmmTiling field")
-        variants[name.strip()] = constants, tiling
+                                 f"mlx_moe_plan.rules nor a GroupedQmmTiling field nor one of "
+                                 f"{VARIANT_OPTIONS}")
+        variants[name.strip()] = constants, tiling, options
     return variants
 
 
@@ -244,19 +257,23 @@ def compare_variants(model, patched, config: dict, args) -> str:
     from mlx_moe_plan import _compiled, rules
     from mlx_moe_plan.kernels import launch
 
-    sides = {"mlx-lm": (model, {}, {}), "patched": (patched, {}, {}),
+    sides = {"mlx-lm": (model, {}, {}, {}), "patched": (patched, {}, {}, {}),
              **{name: (patched, *changes) for name, changes in
                 parse_variants(args.variants).items()}}
-    defaults = {key: getattr(rules, key) for _, constants, _ in sides.values()
+    defaults = {key: getattr(rules, key) for _, constants, _, _ in sides.values()
                 for key in constants}
 
     def turn(name: str, run):
-        """`run(side)` with the side's rules, tiling and traces of its own."""
-        side, constants, tiling = sides[name]
+        """`run(side)` with the side's rules, tiling, options and traces of its own."""
+        side, constants, tiling, options = sides[name]
         for key, value in defaults.items():
             setattr(rules, key, constants.get(key, value))
         _compiled.forget(patched)  # another side's traces and routes
-        with launch.grouped_qmm_tiling(**tiling):
+        attention = contextlib.nullcontext()
+        if options.get("attention") == "sketch":
+            from .decode_attention import sketch_in_models
+            attention = sketch_in_models()
+        with launch.grouped_qmm_tiling(**tiling), attention:
             return run(side)
 
     what = (f"one prefill of {args.prefill} tokens" if args.prefill

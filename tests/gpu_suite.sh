@@ -84,8 +84,12 @@
 #               = 4096 and 8192 (80 and 160) in 80, 96 and 160.
 #   decode-attention (not in `bench`) a decoding step's attention on MLX's
 #               cuDNN path, its vector kernel and the sketch of the package's
-#               own (benchmarks.decode_attention), Qwen3-30B-A3B's and
-#               gpt-oss-20b's shapes, contexts 512 and 2048, batch 1 to 64.
+#               own (benchmarks.decode_attention; its tests first, a model's
+#               step through it against mlx-lm's logits among them),
+#               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and
+#               2048, batch 1 to 64; then both whole models decoding at batch 1
+#               to 64 with the sketch as their attention beside the patch
+#               (step_kernels' variant attention=sketch), alternated.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -615,7 +619,14 @@ if wanted made-weights-rows; then
     "qwen3-next 4096,8192 default;$(made_weights_rows 10);$(made_weights_rows 12);$(made_weights_rows 20)"
 fi
 if wanted decode-attention; then
+  logged "$results/decode-attention-test.log" python3 -m pytest -q tests/test_benchmarks.py \
+    -k "decode_attention" -p no:cacheprovider
   logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
+  logged "$results/decode-attention-qwen.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8,4,1,32,64 --rounds 5 --variants "sketch:attention=sketch"
+  logged "$results/decode-attention-gpt-oss.log" python3 -m benchmarks.step_kernels \
+    --models gpt-oss-20b --layers 24 --batches 8,32,64,1 --rounds 5 \
+    --variants "sketch:attention=sketch"
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \
