@@ -17,15 +17,17 @@ each on its own buffers (`benchmarks.timing`), the sides alternated twice,
 the median of the two; "diff" is the largest difference between the two
 sides' outputs on the same keys. Elsewhere both sides run the same ops.
 
-On CUDA a third side, `kernel`, is a sketch of the attention a decoding step
-could have instead, CUDA text of its own here (not the package's kernel
-scheme): one group of 4 warps a sequence, key-value head and split of the
-keys, the query heads that share the key-value head together, so each key and
-value is read once; then one group a query head merges the splits. "kernel
-diff" is its largest difference from cuDNN's output on the same keys.
-`sketch_in_models` puts it in mlx-lm's models for a decoding step's
-attention, which `benchmarks.step_kernels --variants "sketch:attention=sketch"`
-times in whole steps, its launches' host work included.
+On CUDA two more sides are a sketch of the attention a decoding step could
+have instead, CUDA text of its own here (not the package's kernel scheme):
+one group of 4 warps a sequence, key-value head and split of the keys, the
+query heads that share the key-value head together, so each key and value is
+read once; then one group a query head merges the splits. `cores` multiplies
+on the CUDA cores, `mma` on the tensor cores; "cores diff" and "mma diff" are
+their largest differences from cuDNN's output on the same keys.
+`sketch_in_models` puts either in mlx-lm's models for a decoding step's
+attention, which `benchmarks.step_kernels --variants
+"cores:attention=sketch;mma:attention=sketch-mma"` times in whole steps, its
+launches' host work included.
 """
 
 from __future__ import annotations
@@ -192,6 +194,184 @@ for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
 }
 """
 
+# The first launch again on the tensor cores (`mma.sync` m16n8k16, bfloat16
+# in, float32 sums), the same grid, groups and outputs: on the CUDA cores the
+# products bound heads of 128 values at batch 64 (the keys' bytes took half
+# the time). A warp takes 16 keys a step: the scores are the query heads
+# (rows, up to 16) by the keys (columns), the output the heads by the values'
+# dimensions. A product's order along its inner dimension is free as long as
+# both operands share it: so every lane loads 16 bytes of a row (a key's 32
+# dimensions for the scores, 8 of a value's for the output) where the
+# fragments' own order would take 4, and its registers are laid out in that
+# order. The scores' fragments are the output's multiplier's, as they come
+# out (rows g and g + 8, columns 2t and 2t + 1 of lane 4g + t).
+_MMA_HEADER = """
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4],
+                                         unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned bf16_pair(float low, float high) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  return *reinterpret_cast<const unsigned*>(&pair);
+}
+
+// The j-th bfloat16 of `words`, beside the j-th of `other`: one register of
+// two rows' values at the same column (low: `words`').
+__device__ __forceinline__ unsigned column_pair(const uint4& words, const uint4& other, int j) {
+  const unsigned w[4] = {words.x, words.y, words.z, words.w};
+  const unsigned o[4] = {other.x, other.y, other.z, other.w};
+  return __byte_perm(w[j / 2], o[j / 2], j % 2 ? 0x7632 : 0x5410);
+}
+"""
+
+_MMA_SPLIT_SOURCE = """
+constexpr int WARPS = 4;
+constexpr int CHUNKS = D / 16;  // the scores' products along a key's row
+constexpr int TILES = D / 8;    // the output's column tiles
+constexpr int HALVES = D / 64;  // a value row's 16-byte loads a lane
+const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+const int g = lane / 4, t = lane % 4;
+const float scale_log2 = rsqrtf(float(D)) * 1.4426950408889634f;
+const int keys_count = keys_shape[2], splits = gridDim.x;
+const int chunk = (keys_count + splits - 1) / splits;
+const int start = split * chunk;
+const int stop = min(start + chunk, keys_count);
+const __nv_bfloat16* key_rows = keys + batch * keys_strides[0] + kv_head * keys_strides[1];
+const __nv_bfloat16* value_rows =
+    values + batch * values_strides[0] + kv_head * values_strides[1];
+// Every loop of a constant count is unrolled, so the arrays it indexes stay in
+// registers.
+// The queries' fragments: rows g and g + 8 (the heads past G zero), chunk 2j
+// the first 4 of the lane's 8 values at 32 j + 8 t, chunk 2j + 1 the last 4.
+unsigned query[CHUNKS][4];
+#pragma unroll
+for (int j = 0; j < D / 32; ++j) {
+  const __nv_bfloat16* head_row =
+      queries + batch * queries_strides[0] + kv_head * G * queries_strides[1] + 32 * j + 8 * t;
+  uint4 low = make_uint4(0, 0, 0, 0), high = low;
+  if (g < G)
+    low = *reinterpret_cast<const uint4*>(head_row + g * queries_strides[1]);
+  if (g + 8 < G)
+    high = *reinterpret_cast<const uint4*>(head_row + (g + 8) * queries_strides[1]);
+  query[2 * j][0] = low.x; query[2 * j][1] = high.x;
+  query[2 * j][2] = low.y; query[2 * j][3] = high.y;
+  query[2 * j + 1][0] = low.z; query[2 * j + 1][1] = high.z;
+  query[2 * j + 1][2] = low.w; query[2 * j + 1][3] = high.w;
+}
+// The output's tile 8 h + j, column n: dimension 64 h + 8 n + j.
+float out[TILES][4];
+#pragma unroll
+for (int i = 0; i < TILES; ++i) out[i][0] = out[i][1] = out[i][2] = out[i][3] = 0.0f;
+// Rows g and g + 8's maximum and sum; -1e30, not -infinity, as above.
+float m[2] = {-1e30f, -1e30f}, l[2] = {0.0f, 0.0f};
+for (int first = start + warp * 16; first < stop; first += WARPS * 16) {
+  // Past the split's last key a lane reads that key again and weighs it 0.
+  uint4 key_words[2][D / 32], value_words[4][HALVES];
+  #pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const long long key = min(first + 8 * u + g, stop - 1);
+    #pragma unroll
+    for (int j = 0; j < D / 32; ++j)
+      key_words[u][j] = *reinterpret_cast<const uint4*>(
+          key_rows + key * keys_strides[2] + 32 * j + 8 * t);
+  }
+  #pragma unroll
+  for (int r = 0; r < 4; ++r) {  // keys 2t, 2t + 1, 2t + 8, 2t + 9 of the step
+    const long long key = min(first + 2 * t + (r & 1) + 8 * (r >> 1), stop - 1);
+    #pragma unroll
+    for (int h = 0; h < HALVES; ++h)
+      value_words[r][h] = *reinterpret_cast<const uint4*>(
+          value_rows + key * values_strides[2] + 64 * h + 8 * g);
+  }
+  float score[2][4];
+  #pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    score[u][0] = score[u][1] = score[u][2] = score[u][3] = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      mma_bf16(score[u], query[2 * j], key_words[u][j].x, key_words[u][j].y);
+      mma_bf16(score[u], query[2 * j + 1], key_words[u][j].z, key_words[u][j].w);
+    }
+    #pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const bool valid = first + 8 * u + 2 * t + (c & 1) < stop;
+      score[u][c] = valid ? score[u][c] * scale_log2 : -INFINITY;
+    }
+  }
+  float rescale[2];
+  #pragma unroll
+  for (int row = 0; row < 2; ++row) {
+    float top = fmaxf(fmaxf(score[0][2 * row], score[0][2 * row + 1]),
+                      fmaxf(score[1][2 * row], score[1][2 * row + 1]));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1));
+    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, 2));
+    top = fmaxf(top, m[row]);
+    rescale[row] = exp2f(m[row] - top);
+    m[row] = top;
+    l[row] *= rescale[row];
+  }
+  unsigned weights[4];
+  #pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    float p[4];
+    #pragma unroll
+    for (int c = 0; c < 4; ++c) p[c] = exp2f(score[u][c] - m[c / 2]);
+    l[0] += p[0] + p[1];
+    l[1] += p[2] + p[3];
+    weights[2 * u] = bf16_pair(p[0], p[1]);
+    weights[2 * u + 1] = bf16_pair(p[2], p[3]);
+  }
+  // The multiplier's fragment: rows g, g + 8 at keys 2t, 2t + 1, then 2t + 8, 2t + 9.
+  const unsigned multiplier[4] = {weights[0], weights[1], weights[2], weights[3]};
+  #pragma unroll
+  for (int h = 0; h < HALVES; ++h) {
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float (&tile)[4] = out[8 * h + j];
+      tile[0] *= rescale[0]; tile[1] *= rescale[0];
+      tile[2] *= rescale[1]; tile[3] *= rescale[1];
+      mma_bf16(tile, multiplier, column_pair(value_words[0][h], value_words[1][h], j),
+               column_pair(value_words[2][h], value_words[3][h], j));
+    }
+  }
+}
+__shared__ float warp_m[WARPS][16], warp_l[WARPS][16], warp_o[WARPS][16][D];
+#pragma unroll
+for (int row = 0; row < 2; ++row) {
+  l[row] += __shfl_xor_sync(0xffffffff, l[row], 1);
+  l[row] += __shfl_xor_sync(0xffffffff, l[row], 2);
+  if (t == 0) { warp_m[warp][g + 8 * row] = m[row]; warp_l[warp][g + 8 * row] = l[row]; }
+}
+#pragma unroll
+for (int h = 0; h < HALVES; ++h)
+  #pragma unroll
+  for (int j = 0; j < 8; ++j)
+    #pragma unroll
+    for (int c = 0; c < 4; ++c)
+      warp_o[warp][g + 8 * (c / 2)][64 * h + 8 * (2 * t + c % 2) + j] = out[8 * h + j][c];
+__syncthreads();
+for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+  const int h = i / D, d = i % D;
+  float top = -1e30f;
+  for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w][h]);
+  float sum = 0.0f, total = 0.0f;
+  for (int w = 0; w < WARPS; ++w) {
+    const float f = exp2f(warp_m[w][h] - top);
+    sum += warp_l[w][h] * f;
+    total += warp_o[w][h][d] * f;
+  }
+  const size_t row = (size_t(batch) * HEADS + kv_head * G + h) * splits + split;
+  part_o[row * D + d] = total;
+  if (d == 0) { part_m[row] = top; part_l[row] = sum; }
+}
+"""
+
 # The second: one group of D threads a sequence's query head, its splits
 # merged (and gpt-oss's sink, a logit of no value, in the sum).
 _MERGE_SOURCE = """
@@ -214,46 +394,58 @@ output[row * D + d] = __float2bfloat16(out / sum);
 """
 
 @cache
-def _sketch_kernels():
-    """The sketch's two launches as MLX kernels, made once. The first reads
-    its inputs where they lie (their strides): a copy of the cache's slice
-    would read and write its keys and values once more."""
-    return (mx.fast.cuda_kernel(name="decode_attention_split",
-                                input_names=["queries", "keys", "values"],
-                                output_names=["part_o", "part_m", "part_l"],
-                                source=_SPLIT_SOURCE, ensure_row_contiguous=False),
-            mx.fast.cuda_kernel(name="decode_attention_merge",
-                                input_names=["part_o", "part_m", "part_l", "sinks"],
-                                output_names=["output"], source=_MERGE_SOURCE))
+def _sketch_kernels() -> dict:
+    """The sketch's launches as MLX kernels, made once: its first on the CUDA
+    cores ("cores") or the tensor cores ("mma"), then the merge. The first
+    reads its inputs where they lie (their strides): a copy of the cache's
+    slice would read and write its keys and values once more."""
+    inputs, outputs = ["queries", "keys", "values"], ["part_o", "part_m", "part_l"]
+    return {"cores": mx.fast.cuda_kernel(name="decode_attention_split", input_names=inputs,
+                                         output_names=outputs, source=_SPLIT_SOURCE,
+                                         ensure_row_contiguous=False),
+            "mma": mx.fast.cuda_kernel(name="decode_attention_split_mma", input_names=inputs,
+                                       output_names=outputs, source=_MMA_SPLIT_SOURCE,
+                                       header=_MMA_HEADER, ensure_row_contiguous=False),
+            "merge": mx.fast.cuda_kernel(name="decode_attention_merge",
+                                         input_names=["part_o", "part_m", "part_l", "sinks"],
+                                         output_names=["output"], source=_MERGE_SOURCE)}
 
 
-def sketch_splits(batch: int, kv_heads: int, keys_count: int, head_dim: int) -> int:
+# The sketch's forms, and the most query heads a key-value head each takes:
+# the CUDA cores' form holds 8 heads' sums a lane, the tensor cores' 16 rows.
+SKETCH_FORMS = {"cores": 8, "mma": 16}
+
+
+def sketch_splits(batch: int, kv_heads: int, keys_count: int, head_dim: int,
+                  form: str = "cores") -> int:
     """Splits of the keys: groups enough for four an SM of an H100 or H200
     (132 SMs), so that enough loads are in flight to meet the memory's
-    latency, each split at least one iteration of its 4 warps (STEP keys
-    each: 32 / (head_dim / 8) a load, 4 loads)."""
-    group_keys = 4 * 4 * 32 * 8 // head_dim
+    latency, each split at least one step of its 4 warps (on the CUDA cores
+    STEP keys a warp: 32 / (head_dim / 8) a load, 4 loads; on the tensor
+    cores 16)."""
+    group_keys = 4 * 4 * 32 * 8 // head_dim if form == "cores" else 4 * 16
     return max(1, min(-(-528 // (batch * kv_heads)), -(-keys_count // group_keys)))
 
 
 def sketch_attention(queries: mx.array, keys: mx.array, values: mx.array,
-                     sinks: mx.array | None) -> mx.array:
+                     sinks: mx.array | None, form: str = "cores") -> mx.array:
     """The sketch's attention of `queries` (`[batch, heads, 1, head_dim]`) to
     `keys`, `values` (`[batch, kv_heads, keys, head_dim]`, a slice of a
-    longer buffer or not), bfloat16, the scale head_dim ** -0.5: `[batch,
-    heads, 1, head_dim]`, as `mx.fast.scaled_dot_product_attention` gives it."""
+    longer buffer or not), bfloat16, the scale head_dim ** -0.5, its first
+    launch in `form` (one of SKETCH_FORMS): `[batch, heads, 1, head_dim]`, as
+    `mx.fast.scaled_dot_product_attention` gives it."""
     batch, heads, _, head_dim = queries.shape
     _, kv_heads, keys_count, _ = keys.shape
-    splits = sketch_splits(batch, kv_heads, keys_count, head_dim)
+    splits = sketch_splits(batch, kv_heads, keys_count, head_dim, form)
     rows = batch * heads * splits
-    split_kernel, merge_kernel = _sketch_kernels()
-    part_o, part_m, part_l = split_kernel(
+    kernels = _sketch_kernels()
+    part_o, part_m, part_l = kernels[form](
         inputs=[queries, keys, values],
         template=[("D", head_dim), ("G", heads // kv_heads), ("HEADS", heads)],
         grid=(splits * 128, kv_heads, batch), threadgroup=(128, 1, 1),
         output_shapes=[(rows, head_dim), (rows,), (rows,)],
         output_dtypes=[mx.float32] * 3)
-    merged, = merge_kernel(
+    merged, = kernels["merge"](
         inputs=[part_o, part_m, part_l, part_m if sinks is None else sinks],
         template=[("D", head_dim), ("HEADS", heads), ("HAS_SINKS", sinks is not None)],
         grid=(batch * heads * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
@@ -261,21 +453,23 @@ def sketch_attention(queries: mx.array, keys: mx.array, values: mx.array,
     return merged
 
 
-def sketch_takes(queries: mx.array, keys: mx.array, scale: float, mask) -> bool:
-    """Whether the sketch computes this attention: a decoding step's (one
-    query a sequence, no mask), bfloat16, heads of 64 or 128 values, at most
-    8 query heads a key-value head (its registers), the scale of its text."""
+def sketch_takes(queries: mx.array, keys: mx.array, scale: float, mask,
+                 form: str = "cores") -> bool:
+    """Whether the sketch's `form` computes this attention: a decoding step's
+    (one query a sequence, no mask), bfloat16, heads of 64 or 128 values, at
+    most SKETCH_FORMS[form] query heads a key-value head, the scale of its
+    text."""
     batch, heads, queries_count, head_dim = queries.shape
     return (queries_count == 1 and mask is None and queries.dtype == mx.bfloat16
             and keys.dtype == mx.bfloat16 and head_dim in (64, 128)
-            and heads % keys.shape[1] == 0 and heads // keys.shape[1] <= 8
+            and heads % keys.shape[1] == 0 and heads // keys.shape[1] <= SKETCH_FORMS[form]
             and abs(scale * head_dim ** 0.5 - 1) < 1e-6)
 
 
 @contextmanager
-def sketch_in_models():
-    """mlx-lm's models attend through the sketch wherever it takes their
-    attention (`sketch_takes`), mlx-lm's own call elsewhere, inside the
+def sketch_in_models(form: str = "cores"):
+    """mlx-lm's models attend through the sketch's `form` wherever it takes
+    their attention (`sketch_takes`), mlx-lm's own call elsewhere, inside the
     block: what a decoding step would gain, its host's part included. CUDA
     only; the models' modules call `scaled_dot_product_attention` by the
     name they imported, so each loaded one is patched, then restored."""
@@ -287,8 +481,8 @@ def sketch_in_models():
     original = base.scaled_dot_product_attention
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if not hasattr(cache, "bits") and sketch_takes(queries, keys, scale, mask):
-            return sketch_attention(queries, keys, values, sinks)
+        if not hasattr(cache, "bits") and sketch_takes(queries, keys, scale, mask, form):
+            return sketch_attention(queries, keys, values, sinks, form)
         return original(queries, keys, values, cache, scale, mask, sinks)
 
     modules = [module for name, module in list(sys.modules.items())
@@ -324,7 +518,8 @@ def measure(model: str, context: int, batch: int, layers: int) -> dict:
     cache_length = -(-keys_count // CACHE_STEP) * CACHE_STEP
     lengths = {"cudnn": cache_length, "vector": cache_length + 1}
     if _backend.gpu_backend() == "cuda":
-        lengths["kernel"] = cache_length
+        lengths |= {form: cache_length for form in SKETCH_FORMS
+                    if heads // kv_heads <= SKETCH_FORMS[form]}
     queries = [mx.random.normal((batch, heads, 1, head_dim)).astype(mx.bfloat16)
                for _ in range(layers)]
     sinks = mx.random.normal((heads,)).astype(mx.bfloat16) if has_sinks else None
@@ -332,8 +527,8 @@ def measure(model: str, context: int, batch: int, layers: int) -> dict:
 
     def attend(side, query, keys, values):
         keys, values = keys[:, :, :keys_count], values[:, :, :keys_count]
-        if side == "kernel":
-            return sketch_attention(query, keys, values, sinks)
+        if side in SKETCH_FORMS:
+            return sketch_attention(query, keys, values, sinks, side)
         return mx.fast.scaled_dot_product_attention(query, keys, values,
                                                     scale=head_dim ** -0.5, sinks=sinks)
 
@@ -353,8 +548,8 @@ def measure(model: str, context: int, batch: int, layers: int) -> dict:
     mx.eval(cached_keys, cached_values)
     reference = attend("cudnn", queries[0], cached_keys, cached_values).astype(mx.float32)
     diffs = {"vector": attend("vector", queries[0], keys, values)}
-    if "kernel" in lengths:
-        diffs["kernel"] = attend("kernel", queries[0], cached_keys, cached_values)
+    for form in SKETCH_FORMS.keys() & lengths.keys():
+        diffs[form] = attend(form, queries[0], cached_keys, cached_values)
     return {side: statistics.median(times) for side, times in micros.items()} | {
         f"{side} diff": mx.abs(out.astype(mx.float32) - reference).max().item()
         for side, out in diffs.items()}
@@ -372,18 +567,20 @@ def main(argv=None) -> int:
                         help="calls a graph, each on its own buffers (default: %(default)s)")
     args = parser.parse_args(argv)
     print(f"{'model':15s} {'context':>7s} {'batch':>5s} {'cudnn us':>9s} {'vector us':>9s} "
-          f"{'cudnn/vector':>12s} {'diff':>9s} {'kernel us':>9s} {'cudnn/kernel':>12s} "
-          f"{'kernel diff':>11s}", flush=True)
+          f"{'cudnn/vector':>12s} {'diff':>9s}" + "".join(
+              f" {form + ' us':>9s} {'cudnn/' + form:>12s} {form + ' diff':>11s}"
+              for form in SKETCH_FORMS), flush=True)
     for model in args.models.split(","):
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 got = measure(model, context, batch, args.layers)
-                kernel = (f"{got['kernel']:9.1f} {got['cudnn'] / got['kernel']:11.2f}x "
-                          f"{got['kernel diff']:11.3g}" if "kernel" in got else
-                          f"{'-':>9s} {'-':>12s} {'-':>11s}")
+                sketches = "".join(
+                    f" {got[form]:9.1f} {got['cudnn'] / got[form]:11.2f}x "
+                    f"{got[form + ' diff']:11.3g}" if form in got else
+                    f" {'-':>9s} {'-':>12s} {'-':>11s}" for form in SKETCH_FORMS)
                 print(f"{model:15s} {context:7d} {batch:5d} {got['cudnn']:9.1f} "
                       f"{got['vector']:9.1f} {got['cudnn'] / got['vector']:11.2f}x "
-                      f"{got['vector diff']:9.3g} {kernel}", flush=True)
+                      f"{got['vector diff']:9.3g}{sketches}", flush=True)
     return 0
 
 

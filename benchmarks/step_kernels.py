@@ -21,8 +21,8 @@ take in a step, and are for comparing kernels, not for the step's time.
 and the patched one under each variant of the measured rules
 (`mlx_moe_plan.rules` constants, upper case) and of the grouped kernel's
 tiling (`GroupedQmmTiling` fields, lower case), or with an option of
-`VARIANT_OPTIONS` (`attention=sketch`: the decoding attention sketch of
-`benchmarks.decode_attention`, on CUDA), their turns of 20 steps
+`VARIANT_OPTIONS` (`attention=sketch` or `sketch-mma`: the decoding attention
+sketch of `benchmarks.decode_attention`, on CUDA), their turns of 20 steps
 alternated `--rounds` times at each batch, the median step of each turn,
 then the median turn. A variant's compiled forwards and projection routes
 are dropped when its turn starts, so each traces under its own rules. With
@@ -216,8 +216,10 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
 
 # `--variants`' settings that are neither rules nor tiling: what each turns on
 # for its side's turns.
-VARIANT_OPTIONS = {"attention": {"sketch": "the decoding attention sketch "
-                                           "(benchmarks.decode_attention.sketch_in_models)"}}
+VARIANT_OPTIONS = {"attention": {
+    "sketch": "the decoding attention sketch on the CUDA cores "
+              "(benchmarks.decode_attention.sketch_in_models)",
+    "sketch-mma": "the same on the tensor cores"}}
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
@@ -270,9 +272,10 @@ def compare_variants(model, patched, config: dict, args) -> str:
             setattr(rules, key, constants.get(key, value))
         _compiled.forget(patched)  # another side's traces and routes
         attention = contextlib.nullcontext()
-        if options.get("attention") == "sketch":
+        if "attention" in options:
             from .decode_attention import sketch_in_models
-            attention = sketch_in_models()
+            attention = sketch_in_models("mma" if options["attention"] == "sketch-mma"
+                                         else "cores")
         with launch.grouped_qmm_tiling(**tiling), attention:
             return run(side)
 

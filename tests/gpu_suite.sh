@@ -88,8 +88,9 @@
 #               step through it against mlx-lm's logits among them),
 #               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and
 #               2048, batch 1 to 64; then both whole models decoding at batch 1
-#               to 64 with the sketch as their attention beside the patch
-#               (step_kernels' variant attention=sketch), alternated.
+#               to 64 with either form of the sketch as their attention beside
+#               the patch (step_kernels' variants attention=sketch and
+#               sketch-mma), alternated.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -622,11 +623,11 @@ if wanted decode-attention; then
   logged "$results/decode-attention-test.log" python3 -m pytest -q tests/test_benchmarks.py \
     -k "decode_attention" -p no:cacheprovider
   logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
+  sketches="cores:attention=sketch;mma:attention=sketch-mma"
   logged "$results/decode-attention-qwen.log" python3 -m benchmarks.step_kernels --layers 48 \
-    --batches 8,4,1,32,64 --rounds 5 --variants "sketch:attention=sketch"
+    --batches 8,4,1,32,64 --rounds 5 --variants "$sketches"
   logged "$results/decode-attention-gpt-oss.log" python3 -m benchmarks.step_kernels \
-    --models gpt-oss-20b --layers 24 --batches 8,32,64,1 --rounds 5 \
-    --variants "sketch:attention=sketch"
+    --models gpt-oss-20b --layers 24 --batches 8,32,64,1 --rounds 5 --variants "$sketches"
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \

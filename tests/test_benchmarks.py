@@ -559,8 +559,10 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monk
         step_kernels.parse_variants("bad:NOT_A_RULE=1")
     with pytest.raises(SystemExit, match="neither"):
         step_kernels.parse_variants("bad:attention=cudnn")
-    assert step_kernels.parse_variants("sketch:attention=sketch,tiles_from_rows=65") == {
-        "sketch": ({}, {"tiles_from_rows": 65}, {"attention": "sketch"})}
+    assert step_kernels.parse_variants("a:attention=sketch,tiles_from_rows=65;"
+                                       "b:attention=sketch-mma") == {
+        "a": ({}, {"tiles_from_rows": 65}, {"attention": "sketch"}),
+        "b": ({}, {}, {"attention": "sketch-mma"})}
     # Nsight Compute's CSV: log lines, the table; kernels before the first
     # marker are another step's and not counted; units as the tool gives them.
     header = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"')
@@ -708,8 +710,9 @@ def test_decode_attention_sides_attend_to_the_same_keys(capsys):
     assert decode_attention.attention_shape("gpt-oss-20b") == (64, 8, 64, True)
     got = decode_attention.measure("small-qwen3-moe", 300, 2, 2)
     assert got["cudnn"] > 0 and got["vector"] > 0 and got["vector diff"] < 1e-2
-    if "kernel" in got:  # CUDA: the sketch against cuDNN's output
-        assert got["kernel diff"] < 2e-2
+    for form in decode_attention.SKETCH_FORMS:
+        if form in got:  # CUDA: the sketch against cuDNN's output
+            assert got[form + " diff"] < 2e-2
     assert decode_attention.main(["--models", "small-qwen3-moe", "--contexts", "8",
                                   "--batches", "1", "--layers", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -720,21 +723,24 @@ def test_decode_attention_sides_attend_to_the_same_keys(capsys):
 def test_decode_attention_sketch_takes_decoding_steps_only():
     """The sketch stands in for mlx-lm's attention only where its text
     computes it: one bfloat16 query a sequence, no mask, heads of 64 or 128
-    values, at most 8 query heads a key-value head, the scale 1 / sqrt(D)."""
+    values, at most 8 query heads a key-value head on the CUDA cores and 16
+    on the tensor cores, the scale 1 / sqrt(D)."""
     from benchmarks.decode_attention import sketch_takes
 
     def takes(heads=32, kv_heads=4, queries=1, head_dim=128, dtype=mx.bfloat16,
-              scale=None, mask=None):
+              scale=None, mask=None, form="cores"):
         q = mx.zeros((2, heads, queries, head_dim), dtype)
         k = mx.zeros((2, kv_heads, 300, head_dim), dtype)
-        return sketch_takes(q, k, head_dim ** -0.5 if scale is None else scale, mask)
+        return sketch_takes(q, k, head_dim ** -0.5 if scale is None else scale, mask, form)
 
     assert takes() and takes(heads=64, kv_heads=8, head_dim=64) and takes(heads=4, kv_heads=4)
     assert not takes(queries=2) and not takes(mask="causal") and not takes(dtype=mx.float16)
     assert not takes(head_dim=96) and not takes(kv_heads=2) and not takes(scale=0.1)
+    assert takes(kv_heads=2, form="mma") and not takes(kv_heads=1, form="mma")
 
 
-def test_decode_attention_sketch_in_a_model(monkeypatch):
+@pytest.mark.parametrize("form", ["cores", "mma"])
+def test_decode_attention_sketch_in_a_model(monkeypatch, form):
     """A decoding step of a model attending through the sketch gives mlx-lm's
     logits within bfloat16's rounding (CUDA); elsewhere the sketch says it
     needs CUDA, and a stand-in for its kernels (MLX's attention) shows the
@@ -748,12 +754,12 @@ def test_decode_attention_sketch_in_a_model(monkeypatch):
     model, _ = bench.random_model(config, dtype=mx.bfloat16, bits=4, group_size=64)
     stood_in = _backend.gpu_backend() != "cuda"
     if stood_in:
-        with pytest.raises(RuntimeError, match="CUDA"), decode_attention.sketch_in_models():
+        with pytest.raises(RuntimeError, match="CUDA"), decode_attention.sketch_in_models(form):
             pass
         calls = []
 
-        def stand_in(queries, keys, values, sinks):
-            calls.append(keys.shape)
+        def stand_in(queries, keys, values, sinks, form):
+            calls.append((keys.shape, form))
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=queries.shape[-1] ** -0.5, sinks=sinks)
         monkeypatch.setattr(_backend, "gpu_backend", lambda: "cuda")
@@ -764,11 +770,11 @@ def test_decode_attention_sketch_in_a_model(monkeypatch):
     for layer_cache in cache:  # the same step again, through the sketch
         layer_cache.offset -= 1
     original = base.scaled_dot_product_attention
-    with decode_attention.sketch_in_models():
+    with decode_attention.sketch_in_models(form):
         assert qwen3_moe.scaled_dot_product_attention is not original
         _, got = bench.build_step(model, cache, y)
     assert qwen3_moe.scaled_dot_product_attention is original is base.scaled_dot_product_attention
     expected, got = expected.astype(mx.float32), got.astype(mx.float32)
     assert (mx.linalg.norm(got - expected) / mx.linalg.norm(expected)).item() < 2e-2
-    if stood_in:
-        assert calls == [(3, 2, 301, 64)] * 2  # both layers, the cache's 301 keys
+    if stood_in:  # both layers, the cache's 301 keys
+        assert calls == [((3, 2, 301, 64), form)] * 2
