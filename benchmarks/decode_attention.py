@@ -47,6 +47,30 @@ from .workloads import MODELS
 
 CACHE_STEP = 256  # mlx-lm's KVCache.step
 
+# Both forms of the first launch end alike: the group's warps, each with its
+# rows' maximum, sum and unnormalized output in warp_m, warp_l and warp_o
+# (shared memory), merged into one row a query head and split, unnormalized,
+# with its maximum and sum.
+_WARPS_MERGED = """
+__syncthreads();
+for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+  const int h = i / D, d = i % D;
+  float top = -1e30f;
+  #pragma unroll
+  for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w][h]);
+  float sum = 0.0f, total = 0.0f;
+  #pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    const float f = exp2f(warp_m[w][h] - top);
+    sum += warp_l[w][h] * f;
+    total += warp_o[w][h][d] * f;
+  }
+  const size_t row = (size_t(batch) * HEADS + kv_head * G + h) * splits + split;
+  part_o[row * D + d] = total;
+  if (d == 0) { part_m[row] = top; part_l[row] = sum; }
+}
+"""
+
 # The sketch's first launch: grid (splits groups, key-value heads, batch), 4
 # warps a group, each warp STEP keys at a time of the group's split. A key's row is
 # read by D / 8 lanes, 16 bytes each, so a warp's load takes 32 / (D / 8) whole
@@ -55,9 +79,7 @@ CACHE_STEP = 256  # mlx-lm's KVCache.step
 # 8 values of each of the G query heads that share the key-value head, so each
 # key and value is read once. Online softmax in base 2, its maximum kept
 # alike in every lane of a warp; each lane sums its own keys, and the lanes
-# reading the same 8 values of different keys are summed at the end. The
-# warps' partial sums are merged through shared memory, unnormalized, with
-# their maximum and sum, one row a query head and split.
+# reading the same 8 values of different keys are summed at the end.
 _SPLIT_SOURCE = """
 constexpr int WARPS = 4;
 constexpr int LANES = D / 8;            // lanes a key's row, 8 values each
@@ -175,24 +197,7 @@ for (int h = 0; h < G; ++h) {
     #pragma unroll
     for (int i = 0; i < 8; ++i) warp_o[warp][h][part * 8 + i] = o[h][i];
 }
-__syncthreads();
-for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-  const int h = i / D, d = i % D;
-  float top = -1e30f;
-  #pragma unroll
-  for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w][h]);
-  float sum = 0.0f, out = 0.0f;
-  #pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
-    const float f = exp2f(warp_m[w][h] - top);
-    sum += warp_l[w][h] * f;
-    out += warp_o[w][h][d] * f;
-  }
-  const size_t row = (size_t(batch) * HEADS + kv_head * G + h) * splits + split;
-  part_o[row * D + d] = out;
-  if (d == 0) { part_m[row] = top; part_l[row] = sum; }
-}
-"""
+""" + _WARPS_MERGED
 
 # The first launch again on the tensor cores (`mma.sync` m16n8k16, bfloat16
 # in, float32 sums), the same grid, groups and outputs: on the CUDA cores the
@@ -355,22 +360,7 @@ for (int h = 0; h < HALVES; ++h)
     #pragma unroll
     for (int c = 0; c < 4; ++c)
       warp_o[warp][g + 8 * (c / 2)][64 * h + 8 * (2 * t + c % 2) + j] = out[8 * h + j][c];
-__syncthreads();
-for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-  const int h = i / D, d = i % D;
-  float top = -1e30f;
-  for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w][h]);
-  float sum = 0.0f, total = 0.0f;
-  for (int w = 0; w < WARPS; ++w) {
-    const float f = exp2f(warp_m[w][h] - top);
-    sum += warp_l[w][h] * f;
-    total += warp_o[w][h][d] * f;
-  }
-  const size_t row = (size_t(batch) * HEADS + kv_head * G + h) * splits + split;
-  part_o[row * D + d] = total;
-  if (d == 0) { part_m[row] = top; part_l[row] = sum; }
-}
-"""
+""" + _WARPS_MERGED
 
 # The second: one group of D threads a sequence's query head, its splits
 # merged (and gpt-oss's sink, a logit of no value, in the sum).
