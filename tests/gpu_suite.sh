@@ -87,7 +87,8 @@
 #               own (benchmarks.decode_attention; its tests first, a model's
 #               step through it against mlx-lm's logits among them),
 #               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and
-#               2048, batch 1 to 64; then both whole models decoding at batch 1
+#               2048, batch 1 to 64, and its kernels under compute-sanitizer's
+#               three tools (CUDA); then both whole models decoding at batch 1
 #               to 64 with either form of the sketch as their attention beside
 #               the patch (step_kernels' variants attention=sketch and
 #               sketch-mma), alternated.
@@ -623,6 +624,13 @@ if wanted decode-attention; then
   logged "$results/decode-attention-test.log" python3 -m pytest -q tests/test_benchmarks.py \
     -k "decode_attention" -p no:cacheprovider
   logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      logged "$results/decode-attention-$tool.log" compute-sanitizer --tool "$tool" \
+        --error-exitcode 9 --kernel-name kns=decode_attention python3 -m benchmarks.decode_attention \
+        --contexts 300 --batches 2 --layers 2
+    done
+  fi
   sketches="cores:attention=sketch;mma:attention=sketch-mma"
   logged "$results/decode-attention-qwen.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,4,1,32,64 --rounds 5 --variants "$sketches"
