@@ -47,6 +47,27 @@ from .workloads import MODELS
 
 CACHE_STEP = 256  # mlx-lm's KVCache.step
 
+# Both forms of the first launch begin alike: a group's place in the grid
+# (split, key-value head, sequence), its 4 warps, its split of the keys, and
+# where its sequence's rows of that key-value head start. The keys' count and
+# places come at run time (a slice of the cache's buffer, as mlx-lm hands it
+# over, read where it lies): one kernel for every context. Every loop of a
+# constant count in either is unrolled, so the arrays it indexes stay in
+# registers: one nvcc leaves rolled puts them on the stack.
+_SPLIT_BEGUN = """
+constexpr int WARPS = 4;
+const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+const float scale_log2 = rsqrtf(float(D)) * 1.4426950408889634f;
+const int keys_count = keys_shape[2], splits = gridDim.x;
+const int chunk = (keys_count + splits - 1) / splits;
+const int start = split * chunk;
+const int stop = min(start + chunk, keys_count);
+const __nv_bfloat16* key_rows = keys + batch * keys_strides[0] + kv_head * keys_strides[1];
+const __nv_bfloat16* value_rows =
+    values + batch * values_strides[0] + kv_head * values_strides[1];
+"""
+
 # Both forms of the first launch end alike: the group's warps, each with its
 # rows' maximum, sum and unnormalized output in warp_m, warp_l and warp_o
 # (shared memory), merged into one row a query head and split, unnormalized,
@@ -80,18 +101,12 @@ for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
 # key and value is read once. Online softmax in base 2, its maximum kept
 # alike in every lane of a warp; each lane sums its own keys, and the lanes
 # reading the same 8 values of different keys are summed at the end.
-_SPLIT_SOURCE = """
-constexpr int WARPS = 4;
+_SPLIT_SOURCE = _SPLIT_BEGUN + """
 constexpr int LANES = D / 8;            // lanes a key's row, 8 values each
 constexpr int PER_LOAD = 32 / LANES;    // keys a warp's load
 constexpr int ROUNDS = 4;               // loads a lane issues before using one
 constexpr int STEP = PER_LOAD * ROUNDS; // keys a warp's iteration
-const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 const int slot = lane / LANES, part = lane % LANES;
-const float scale_log2 = rsqrtf(float(D)) * 1.4426950408889634f;
-// Every loop of a constant count is unrolled, so the arrays it indexes stay in
-// registers: one nvcc leaves rolled puts them on the stack.
 // The queries stay bfloat16 (as given), 4 registers a head, not 8: a lane
 // holds G of them beside G rows of 8 sums.
 __nv_bfloat162 q2[G][4];
@@ -110,24 +125,15 @@ for (int h = 0; h < G; ++h) {
   m[h] = -1e30f;
   l[h] = 0.0f;
 }
-// The keys' count and places at run time (a slice of the cache's buffer, as
-// mlx-lm hands it over, read where it lies): one kernel for every context.
-const int keys_count = keys_shape[2], splits = gridDim.x;
-const int chunk = (keys_count + splits - 1) / splits;
-const int start = split * chunk;
-const int stop = min(start + chunk, keys_count);
-const __nv_bfloat16* key_rows =
-    keys + batch * keys_strides[0] + kv_head * keys_strides[1] + part * 8;
-const __nv_bfloat16* value_rows =
-    values + batch * values_strides[0] + kv_head * values_strides[1] + part * 8;
 for (int first = start + warp * STEP; first < stop; first += WARPS * STEP) {
   uint4 key_words[ROUNDS], value_words[ROUNDS];
   #pragma unroll
   for (int r = 0; r < ROUNDS; ++r) {
     // Past the split's last key a lane reads that key again and weighs it 0.
     const size_t key = min(first + r * PER_LOAD + slot, stop - 1);
-    key_words[r] = *reinterpret_cast<const uint4*>(key_rows + key * keys_strides[2]);
-    value_words[r] = *reinterpret_cast<const uint4*>(value_rows + key * values_strides[2]);
+    key_words[r] = *reinterpret_cast<const uint4*>(key_rows + key * keys_strides[2] + part * 8);
+    value_words[r] =
+        *reinterpret_cast<const uint4*>(value_rows + key * values_strides[2] + part * 8);
   }
   float score[ROUNDS][G];
   #pragma unroll
@@ -234,24 +240,11 @@ __device__ __forceinline__ unsigned column_pair(const uint4& words, const uint4&
 }
 """
 
-_MMA_SPLIT_SOURCE = """
-constexpr int WARPS = 4;
+_MMA_SPLIT_SOURCE = _SPLIT_BEGUN + """
 constexpr int CHUNKS = D / 16;  // the scores' products along a key's row
 constexpr int TILES = D / 8;    // the output's column tiles
 constexpr int HALVES = D / 64;  // a value row's 16-byte loads a lane
-const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 const int g = lane / 4, t = lane % 4;
-const float scale_log2 = rsqrtf(float(D)) * 1.4426950408889634f;
-const int keys_count = keys_shape[2], splits = gridDim.x;
-const int chunk = (keys_count + splits - 1) / splits;
-const int start = split * chunk;
-const int stop = min(start + chunk, keys_count);
-const __nv_bfloat16* key_rows = keys + batch * keys_strides[0] + kv_head * keys_strides[1];
-const __nv_bfloat16* value_rows =
-    values + batch * values_strides[0] + kv_head * values_strides[1];
-// Every loop of a constant count is unrolled, so the arrays it indexes stay in
-// registers.
 // The queries' fragments: rows g and g + 8 (the heads past G zero), chunk 2j
 // the first 4 of the lane's 8 values at 32 j + 8 t, chunk 2j + 1 the last 4.
 unsigned query[CHUNKS][4];
@@ -449,7 +442,7 @@ def sketch_takes(queries: mx.array, keys: mx.array, scale: float, mask,
     (one query a sequence, no mask), bfloat16, heads of 64 or 128 values, at
     most SKETCH_FORMS[form] query heads a key-value head, the scale of its
     text."""
-    batch, heads, queries_count, head_dim = queries.shape
+    _, heads, queries_count, head_dim = queries.shape
     return (queries_count == 1 and mask is None and queries.dtype == mx.bfloat16
             and keys.dtype == mx.bfloat16 and head_dim in (64, 128)
             and heads % keys.shape[1] == 0 and heads // keys.shape[1] <= SKETCH_FORMS[form]
