@@ -214,12 +214,10 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
     return "\n".join(lines)
 
 
-# `--variants`' settings that are neither rules nor tiling: what each turns on
-# for its side's turns.
-VARIANT_OPTIONS = {"attention": {
-    "sketch": "the decoding attention sketch on the CUDA cores "
-              "(benchmarks.decode_attention.sketch_in_models)",
-    "sketch-mma": "the same on the tensor cores"}}
+# `--variants`' settings that are neither rules nor tiling, and what each
+# value means: `attention`, the form of benchmarks.decode_attention's sketch
+# that `sketch_in_models` puts in the side's turns.
+VARIANT_OPTIONS = {"attention": {"sketch": "cores", "sketch-mma": "mma"}}
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
@@ -274,8 +272,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
         attention = contextlib.nullcontext()
         if "attention" in options:
             from .decode_attention import sketch_in_models
-            attention = sketch_in_models("mma" if options["attention"] == "sketch-mma"
-                                         else "cores")
+            attention = sketch_in_models(VARIANT_OPTIONS["attention"][options["attention"]])
         with launch.grouped_qmm_tiling(**tiling), attention:
             return run(side)
 

@@ -563,6 +563,8 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monk
                                        "b:attention=sketch-mma") == {
         "a": ({}, {"tiles_from_rows": 65}, {"attention": "sketch"}),
         "b": ({}, {}, {"attention": "sketch-mma"})}
+    from benchmarks.decode_attention import SKETCH_FORMS
+    assert set(step_kernels.VARIANT_OPTIONS["attention"].values()) == set(SKETCH_FORMS)
     # Nsight Compute's CSV: log lines, the table; kernels before the first
     # marker are another step's and not counted; units as the tool gives them.
     header = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"')
