@@ -1,11 +1,11 @@
 """Backend dispatch: the stream's device picks the implementation.
 
 `Backend` declares what an implementation offers the public ops: `plan`,
-`gather_rows` and `combine_rows`, all lazy; and four optional kernels that
+`gather_rows` and `combine_rows`, all lazy; and five optional kernels that
 the layer, the routers, the attention and the decoder layers use where a
-backend has them, `grouped_qmm`, `argsort_slice`, `head_norm_rope` and
-`add_rms_norm` (None where it has not, with a predicate saying which inputs
-it computes). Two satisfy it:
+backend has them, `grouped_qmm`, `argsort_slice`, `head_norm_rope`,
+`decode_attention` and `add_rms_norm` (None where it has not, with a
+predicate saying which inputs it computes). Two satisfy it:
 `_cpu.CpuBackend`, the C++ primitives of `src/`, and `_gpu.GpuBackend`, the
 kernel texts of `kernels/` run through `mx.fast.metal_kernel` or
 `mx.fast.cuda_kernel`. Neither imports this module
@@ -147,6 +147,38 @@ class HeadNormRope(Protocol):
         ...
 
 
+class DecodeAttention(Protocol):
+    """A backend's attention of a decoding step, where it has one."""
+
+    def __call__(self, queries: mx.array, keys: mx.array, values: mx.array,
+                 sinks: mx.array | None, *, scale: float, stream: mx.Stream) -> mx.array:
+        """Each sequence's one query a head attending to all its keys, as
+        `mx.fast.scaled_dot_product_attention(queries, keys, values,
+        scale=scale, sinks=sinks)` computes it with no mask, within the
+        rounding kernels/decode_attention.h states (the softmax's weights
+        rounded to the inputs' 16-bit format before they multiply the
+        values). The keys and values are read where they lie: a slice of a
+        cache's longer buffer costs no copy. For shapes and dtypes
+        `decode_attention_computes` accepts. Differentiable with respect to
+        the queries, keys, values and sinks, through MLX's attention.
+
+        Args:
+            queries (array): `[batch, heads, 1, head_dim]`.
+            keys (array): `[batch, kv_heads, keys, head_dim]`, of the queries'
+                dtype, `keys >= 1`; each key-value head serves `heads //
+                kv_heads` query heads in order.
+            values (array): The keys' shape and dtype.
+            sinks (array, optional): `[heads]` of the queries' dtype: a logit
+                a head with no value (gpt-oss's), or None.
+            scale (float): The scores' scale.
+            stream (Stream): Where to run.
+
+        Returns:
+            array: `[batch, heads, 1, head_dim]` in the queries' dtype.
+        """
+        ...
+
+
 class AddRmsNorm(Protocol):
     """A backend's residual add and the RMS norm after it in one launch,
     where it has one."""
@@ -212,6 +244,17 @@ class Backend(Protocol):
     def head_norm_rope_computes(self, *, head_dim: int, dtype: mx.Dtype) -> bool:
         """Whether `head_norm_rope` takes heads of `head_dim` values of `dtype`;
         False where there is none."""
+        ...
+
+    decode_attention: DecodeAttention | None
+    """A decoding step's attention (kernels/decode_attention.h); None where the
+    backend has none."""
+
+    def decode_attention_computes(self, *, head_dim: int, heads: int, kv_heads: int,
+                                  dtype: mx.Dtype) -> bool:
+        """Whether `decode_attention` takes `heads` query heads over `kv_heads`
+        key-value heads of `head_dim` values of `dtype`; False where there is
+        none."""
         ...
 
     def add_rms_norm_computes(self, *, dtype: mx.Dtype) -> bool:

@@ -50,6 +50,7 @@ class CpuBackend:
     grouped_qmm = None
     argsort_slice = None
     head_norm_rope = None
+    decode_attention = None
     add_rms_norm = None
 
     def grouped_qmm_computes(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
@@ -59,6 +60,10 @@ class CpuBackend:
         return False
 
     def head_norm_rope_computes(self, *, head_dim: int, dtype: mx.Dtype) -> bool:
+        return False
+
+    def decode_attention_computes(self, *, head_dim: int, heads: int, kv_heads: int,
+                                  dtype: mx.Dtype) -> bool:
         return False
 
     def add_rms_norm_computes(self, *, dtype: mx.Dtype) -> bool:

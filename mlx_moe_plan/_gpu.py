@@ -39,6 +39,7 @@ def _kernel(backend: str, name: str, shared_bytes: int = 0):
         output_names=list(outputs),
         source=kernels.body(name, backend),
         header=kernels.prelude(backend, name),
+        ensure_row_contiguous=name not in launch.STRIDED_BODIES,
     )
 
 
@@ -249,6 +250,22 @@ class GpuBackend:
             self.backend, batch, q_heads, k_heads, q_at, k_at, float(eps), float(base),
             float(scale), stream)(queries_in, keys_in, q_weight, k_weight, offsets)
 
+    def decode_attention_computes(self, *, head_dim: int, heads: int, kv_heads: int,
+                                  dtype: mx.Dtype) -> bool:
+        return launch.decode_attention_computes(head_dim, heads, kv_heads, _name(dtype))
+
+    def decode_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
+                         sinks: mx.array | None, *, scale: float,
+                         stream: mx.Stream) -> mx.array:
+        """`_backend.DecodeAttention` in two launches: kernels/decode_attention.h
+        and kernels/decode_attention_merge.h."""
+        _check_decode_attention(queries.shape, keys.shape, values.shape,
+                                None if sinks is None else sinks.shape, queries.dtype,
+                                keys.dtype, values.dtype, None if sinks is None else sinks.dtype)
+        arrays = (queries, keys, values) if sinks is None else (queries, keys, values, sinks)
+        return _decode_attention_function(self.backend, sinks is not None, float(scale),
+                                          stream)(*arrays)
+
     def add_rms_norm_computes(self, *, dtype: mx.Dtype) -> bool:
         return _name(dtype) in launch.ROW_KINDS
 
@@ -449,6 +466,65 @@ def head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets, q_he
     return heads(queries_in, q_at, q_heads, q_weight), heads(keys_in, k_at, k_heads, k_weight)
 
 
+def decode_attention_by_ops(queries, keys, values, sinks, scale, stream=None):
+    """What kernels/decode_attention.h computes, by MLX's own attention, as
+    mlx-lm calls it for a decoding step (no mask): its gradient's formula."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                sinks=sinks, stream=stream)
+
+
+@lru_cache(maxsize=256)
+def _check_decode_attention(q_shape, k_shape, v_shape, sinks_shape, dtype, k_dtype, v_dtype,
+                            sinks_dtype) -> None:
+    """Raises ValueError, naming the argument, where decode_attention.h cannot
+    take arrays of these shapes and dtypes. Cached, as `_check_head_norm_rope`."""
+    if len(q_shape) != 4 or q_shape[2] != 1:
+        raise ValueError(f"queries: expected [batch, heads, 1, head_dim], got {q_shape}")
+    batch, heads, _, head_dim = q_shape
+    if len(k_shape) != 4 or k_shape[0] != batch or k_shape[3] != head_dim or k_shape[2] < 1:
+        raise ValueError(f"keys: expected [{batch}, kv_heads, >= 1 keys, {head_dim}], "
+                         f"got {k_shape}")
+    if not launch.decode_attention_computes(head_dim, heads, k_shape[1], _name(dtype)):
+        raise ValueError(
+            f"queries: expected float16 or bfloat16 heads of {launch.DECODE_ATTENTION_HEAD_DIMS} "
+            f"values, 1 to 16 a key-value head and at most {launch.DECODE_ATTENTION_MAX_ROWS} "
+            f"values in all, got {dtype} {q_shape} over {k_shape[1]} key-value heads")
+    if k_dtype != dtype:
+        raise ValueError(f"keys: expected {dtype}, got {k_dtype}")
+    if v_shape != k_shape or v_dtype != dtype:
+        raise ValueError(f"values: expected {dtype} {k_shape}, got {v_dtype} {v_shape}")
+    if sinks_shape is not None and (sinks_shape != (heads,) or sinks_dtype != dtype):
+        raise ValueError(f"sinks: expected {dtype} [{heads}], got {sinks_dtype} {sinks_shape}")
+
+
+def _decode_attention(backend, queries, keys, values, sinks, scale, stream):
+    batch, heads, _, head_dim = queries.shape
+    if batch == 0:
+        return mx.zeros(queries.shape, queries.dtype)
+    split_launch, merge_launch = launch.decode_attention_launches(
+        batch, heads, keys.shape[1], head_dim, sinks is not None, scale, _name(queries.dtype))
+    parts = _run(backend, [queries, keys, values], split_launch, stream)
+    # Without sinks the merge is handed an array it never reads.
+    (out,) = _run(backend, [*parts, parts[1] if sinks is None else sinks], merge_launch,
+                  stream)
+    return out
+
+
+@cache_by_stream
+def _decode_attention_function(backend, has_sinks, scale, stream):
+    if has_sinks:
+        return _gradient_by_ops(
+            lambda queries, keys, values, sinks: _decode_attention(
+                backend, queries, keys, values, sinks, scale, stream),
+            lambda *arrays: decode_attention_by_ops(*arrays, scale, stream=stream),
+            differentiable=4)
+    return _gradient_by_ops(
+        lambda queries, keys, values: _decode_attention(
+            backend, queries, keys, values, None, scale, stream),
+        lambda *arrays: decode_attention_by_ops(*arrays, None, scale, stream=stream),
+        differentiable=3)
+
+
 def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) -> Callable:
     """`launched(*arrays)` (a launch's outputs) as an `mx.custom_function` whose
     gradient is `by_ops`' (the same computation by MLX's own ops, as the
@@ -459,6 +535,9 @@ def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) 
     @function.vjp
     def vjp(primals, cotangents, outputs):
         fixed = primals[differentiable:]
+        # A launch of one output gets its cotangent alone, not in a list.
+        if isinstance(cotangents, mx.array):
+            cotangents = [cotangents]
         _, grads = mx.vjp(lambda *arrays: by_ops(*arrays, *fixed),
                           list(primals[:differentiable]), list(cotangents))
         return (*grads, *(mx.zeros_like(array) for array in fixed))

@@ -275,6 +275,30 @@ def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets, q_heads: in
     return heads(queries_in, q_at, q_heads, q_weight), heads(keys_in, k_at, k_heads, k_weight)
 
 
+def decode_attention(queries, keys, values, sinks, scale: float,
+                     dtype: str = "bfloat16") -> np.ndarray:
+    """A decoding step's attention in float64: `queries` `[batch, heads, 1,
+    head_dim]`, `keys` and `values` `[batch, kv_heads, keys, head_dim]` (query
+    head h attends to key-value head h // (heads // kv_heads)), `sinks`
+    `[heads]` or None (a logit a head with no value), all stored as `dtype`.
+    Returns `[batch, heads, 1, head_dim]` float64, unrounded: the kernel rounds
+    the softmax's weights to `dtype` before they multiply the values, and
+    its float32 sums in its own order (kernels/decode_attention.h)."""
+    q = to_float32(np.asarray(queries), dtype).astype(np.float64)
+    k = to_float32(np.asarray(keys), dtype).astype(np.float64)
+    v = to_float32(np.asarray(values), dtype).astype(np.float64)
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = scale * q @ k.swapaxes(-1, -2)  # [batch, heads, 1, keys]
+    if sinks is not None:
+        sink = to_float32(np.asarray(sinks), dtype).astype(np.float64)
+        scores = np.concatenate(
+            [scores, np.broadcast_to(sink[None, :, None, None], scores.shape[:-1] + (1,))], -1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return weights[..., :k.shape[2]] @ v
+
+
 # --- comparing an implementation with the reference, bit for bit ---------------
 # The tests assert these; the benchmark checks the same before it times.
 

@@ -633,6 +633,25 @@ def check_head_norm_rope(actual, expected, positions, name: str, scale: float) -
             np.argmax(error - bound), error.shape))
 
 
+# --- a decoding step's attention (decode_attention) -----------------------------------
+
+def check_decode_attention(actual, expected, values, name: str) -> None:
+    """`actual` (NumPy or MLX `[batch, heads, 1, head_dim]`, stored as `name`)
+    within the kernel's rounding of `expected` (the float64 reference): each
+    softmax weight rounded to `name` before it multiplies the values (a
+    relative error of the format's precision eps, so at most eps times the
+    largest value a sum weighs), the output rounded once (eps |expected|),
+    and the float32 sums' own error, small beside both; twice that bound."""
+    actual = ref.to_numpy(actual) if isinstance(actual, mx.array) else np.asarray(actual)
+    assert actual.shape == expected.shape
+    eps = 2.0 ** -8 if name == "bfloat16" else 2.0 ** -11
+    largest = np.abs(ref.to_float32(np.asarray(values), name)).max()
+    error = np.abs(ref.to_float32(actual, name) - expected)
+    bound = 2 * eps * (largest + np.abs(expected)) + 1e-6
+    assert np.all(error <= bound), (error.max(), np.unravel_index(
+        np.argmax(error - bound), error.shape))
+
+
 # --- a residual add and the RMS norm after it (add_rms_norm) -------------------------
 
 def check_add_rms_norm(actual, expected, name: str) -> None:

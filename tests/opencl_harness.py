@@ -65,6 +65,18 @@ _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "f
               "residual": "InT", "update": "InT", "norm_weight": "InT", "sums": "OutT",
               "normed": "OutT"}
 
+# Where a body's argument of a name above has another type.
+_BODY_ARG_TYPES = {
+    "decode_attention": {"queries": "InT", "keys": "InT", "values": "InT", "part_out": "float",
+                         "part_max": "float", "part_sum": "float"},
+    "decode_attention_merge": {"part_out": "float", "part_max": "float", "part_sum": "float",
+                               "sinks": "InT"},
+}
+
+# The shape and strides (in elements) MLX hands with an input whose
+# `NAME_shape` or `NAME_strides` a body names, as buffers after it.
+_VIEW_ARGUMENTS = (("_shape", "int", np.int32), ("_strides", "long", np.int64))
+
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
 # OpenCL buffers always start 16-byte aligned, so IS_ALIGNED16 holds for every
@@ -151,16 +163,21 @@ def source(name: str, template: tuple, unaligned: bool = False,
         value = DTYPES[value][1] if isinstance(value, str) else int(value)
         defines.append(f"#define {key} {value}")
     inputs, outputs = launch.INPUTS_OUTPUTS[name]
-    input_types = ["uint" if arg in unsigned_inputs else _ARG_TYPES.get(arg, "int")
-                   for arg in inputs]
-    arguments = [f"__global const {kind}* {arg}" for kind, arg in zip(input_types, inputs)]
-    arguments += [f"__global {_ARG_TYPES.get(arg, 'int')}* {arg}" for arg in outputs]
+    types = _ARG_TYPES | _BODY_ARG_TYPES.get(name, {})
+    body = kernels.body(name, "opencl")
+    arguments = []
+    for arg in inputs:
+        kind = "uint" if arg in unsigned_inputs else types.get(arg, "int")
+        arguments.append(f"__global const {kind}* {arg}")
+        arguments += [f"__global const {view_kind}* {arg}{suffix}"
+                      for suffix, view_kind, _ in _VIEW_ARGUMENTS if arg + suffix in body]
+    arguments += [f"__global {types.get(arg, 'int')}* {arg}" for arg in outputs]
     return "\n".join([
         *defines,
         kernels.prelude("opencl", name),
         *([_UNALIGNED] if unaligned else []),
         f"__kernel void moe_{name}({', '.join(arguments)}) {{",
-        kernels.body(name, "opencl"),
+        body,
         "}",
     ])
 
@@ -188,8 +205,14 @@ def _buffer(context: cl.Context, queue: cl.CommandQueue, array: np.ndarray) -> c
     return buffer
 
 
-def run(arrays: list[np.ndarray], kernel_launch: launch.Launch) -> list[np.ndarray]:
-    """`kernel_launch`'s body on `arrays`, then the params array, as `_gpu._run` runs it."""
+def run(arrays: list[np.ndarray], kernel_launch: launch.Launch,
+        views: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+        ) -> list[np.ndarray]:
+    """`kernel_launch`'s body on `arrays`, then the params array, as `_gpu._run` runs it.
+
+    An input whose shape or strides the body reads gets its array's own
+    (C order), or the (shape, strides in elements) `views` gives for its
+    name: a view of the array's buffer, as MLX hands a slice over."""
     name = kernel_launch.body
     context, queue = _opencl()
     limit = max_group_size(name, kernel_launch.template)
@@ -206,11 +229,20 @@ def run(arrays: list[np.ndarray], kernel_launch: launch.Launch) -> list[np.ndarr
     inputs = [*arrays, np.array(kernel_launch.params, np.int32)]
     unsigned_inputs = tuple(arg for arg, array in zip(launch.INPUTS_OUTPUTS[name][0], inputs)
                             if arg not in _ARG_TYPES and array.dtype == np.uint32)
-    buffers = [_buffer(context, queue, array) for array in [*inputs, *outputs]]
+    body = kernels.body(name, "opencl")
+    views = views or {}
+    arguments = []
+    for arg, array in zip(launch.INPUTS_OUTPUTS[name][0], inputs):
+        arguments.append(array)
+        shape, strides = views.get(
+            arg, (array.shape, tuple(stride // array.itemsize for stride in array.strides)))
+        arguments += [np.array(value, dtype) for (suffix, _, dtype), value
+                      in zip(_VIEW_ARGUMENTS, (shape, strides)) if arg + suffix in body]
+    buffers = [_buffer(context, queue, array) for array in [*arguments, *outputs]]
     size = kernel_launch.group_size
     kernel(name, kernel_launch.template, _unaligned, unsigned_inputs)(
         queue, (kernel_launch.groups * size,), (size,), *buffers)
-    for array, buffer in zip(outputs, buffers[len(inputs):]):
+    for array, buffer in zip(outputs, buffers[len(arguments):]):
         cl.enqueue_copy(queue, array, buffer)
     queue.finish()
     return outputs
@@ -380,3 +412,24 @@ def add_rms_norm(residual: np.ndarray, update: np.ndarray, weight: np.ndarray,
     norm_launch = launch.add_rms_norm_launch(rows, dims, eps, dtype_name(residual))
     sums, normed = run([residual, update, weight], norm_launch)
     return sums, normed
+
+
+def decode_attention(queries: np.ndarray, key_buffer: np.ndarray, value_buffer: np.ndarray,
+                     keys_count: int, sinks: np.ndarray | None, scale: float) -> np.ndarray:
+    """A decoding step's attention as `_gpu.GpuBackend.decode_attention` runs it:
+    `queries` [batch, heads, 1, head_dim] float16 or uint16 (bfloat16 bits),
+    the first `keys_count` keys and values of `key_buffer` and `value_buffer`
+    [batch, kv_heads, length, head_dim] of the same storage, read where they
+    lie (a cache's slice), `sinks` [heads] or None."""
+    batch, heads, _, head_dim = queries.shape
+    kv_heads = key_buffer.shape[1]
+    dtype = dtype_name(queries)
+    split_launch, merge_launch = launch.decode_attention_launches(
+        batch, heads, kv_heads, head_dim, sinks is not None, scale, dtype)
+    views = {name: ((batch, kv_heads, keys_count, head_dim),
+                    tuple(stride // buffer.itemsize for stride in buffer.strides))
+             for name, buffer in (("keys", key_buffer), ("values", value_buffer))}
+    parts = run([queries, key_buffer, value_buffer], split_launch, views)
+    (out,) = run([*parts, queries.reshape(-1)[:heads] if sinks is None else sinks],
+                 merge_launch)
+    return out

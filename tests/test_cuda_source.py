@@ -9,8 +9,10 @@
 # The source is built as MLX 0.32.4's `mx.fast.cuda_kernel` builds it
 # (mlx/backend/cuda/custom_kernel.cpp, `build_kernel`): the header (the
 # prelude), then in namespace mlx::core::cu a `__global__ void` of the
-# inputs (`const T* name`) and outputs (`T* name`), whose body opens with the
-# template arguments (`constexpr int NAME = value;`, `using NAME = type;`).
+# inputs (`const T* name`, each followed by its `name_shape`, `name_strides`
+# and `name_ndim` where the body mentions them) and outputs (`T* name`),
+# whose body opens with the template arguments (`constexpr int NAME =
+# value;`, `using NAME = type;`).
 # MLX's own header, mlx/backend/cuda/device/utils.cuh, is not here: the
 # CUDA headers it brings that the prelude relies on are included instead.
 # MLX compiles with NVRTC at run time; nvcc's front end is the same compiler.
@@ -37,7 +39,14 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
               mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint16: "uint16_t"}
 HEADER = ("#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
-          "#include <cooperative_groups.h>\n")
+          "#include <cooperative_groups.h>\n#include <cuda/std/array>\n")
+# The types of an input's shape and strides, as MLX's device/utils.cuh
+# declares them in its namespace (MAX_NDIM 10).
+VIEW_TYPES = ("using Shape = cuda::std::array<int32_t, 10>;\n"
+              "using Strides = cuda::std::array<int64_t, 10>;\n")
+VIEW_ARGUMENTS = (("_shape", "const __grid_constant__ Shape"),
+                  ("_strides", "const __grid_constant__ Strides"),
+                  ("_ndim", "const __grid_constant__ int"))
 
 
 def _template_line(name: str, value) -> str:
@@ -51,13 +60,17 @@ def _template_line(name: str, value) -> str:
 def cuda_function(launch, function_name: str) -> str:
     """One launch's `__global__` function, as MLX's cuda_kernel writes it."""
     inputs, outputs = INPUTS_OUTPUTS[launch.name]
-    arguments = [f"    const {CUDA_TYPES[dtype]}* {name}"
-                 for name, (dtype, _) in zip(inputs, launch.inputs)]
+    body = kernels.body(launch.name, "cuda")
+    arguments = []
+    for name, (dtype, shape) in zip(inputs, launch.inputs):
+        arguments.append(f"    const {CUDA_TYPES[dtype]}* {name}")
+        arguments += [f"    {kind} {name}{suffix}" for suffix, kind in VIEW_ARGUMENTS
+                      if shape and name + suffix in body]
     arguments += [f"    {CUDA_TYPES[dtype]}* {name}"
                   for name, dtype in zip(outputs, launch.output_dtypes)]
     return "\n".join([f"__global__ void {function_name}(", ",\n".join(arguments) + ") {",
                       *(_template_line(name, value) for name, value in launch.template),
-                      kernels.body(launch.name, "cuda"), "}"])
+                      body, "}"])
 
 
 def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...] = (),
@@ -67,7 +80,7 @@ def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...
     puts them, written to `path` and compiled by nvcc for sm_90a: no error and,
     but the `suppress`ed diagnostics, no warning."""
     path.write_text(HEADER + kernels.prelude("cuda", body_name) + "namespace mlx::core::cu {\n"
-                    "namespace cg = cooperative_groups;\n" + "\n".join(functions)
+                    "namespace cg = cooperative_groups;\n" + VIEW_TYPES + "\n".join(functions)
                     + "\n}  // namespace mlx::core::cu\n")
     flags = [flag for number in suppress for flag in ("-diag-suppress", number)]
     result = subprocess.run(

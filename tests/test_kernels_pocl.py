@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conftest import (INT32_MAX, INT32_MIN, SHARED_WEIGHTS_BLOCK, assert_bitwise,
-                      assert_gemm_close, check_add_rms_norm, check_grouped_qmm,
+                      assert_gemm_close, check_add_rms_norm, check_decode_attention,
+                      check_grouped_qmm,
                       check_head_norm_rope, experts_strategy, grouped_qmm_case,
                       grouped_qmm_cases, make_ids, quantized_experts, reference_combine,
                       reference_gather, token_rows)
@@ -1420,6 +1421,86 @@ def test_head_norm_rope_items_beyond_max_groups():
     expected = ref.head_norm_rope(joined, joined, *args, "bfloat16")
     positions = np.full((batch, 1), 100)
     check_head_norm_rope(actual, expected, positions, "bfloat16", 1.0)
+
+
+# --- decode_attention: a decoding step's attention -----------------------------------
+
+def _attention_inputs(rng, batch, heads, kv_heads, head_dim, length, name, sinks, spread=1.0):
+    """Queries, a cache's key and value buffers of `length` keys, sinks or None."""
+    def stored(shape, scale=spread):
+        return ref.from_float32((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    return (stored((batch, heads, 1, head_dim)), stored((batch, kv_heads, length, head_dim)),
+            stored((batch, kv_heads, length, head_dim), 1.0),
+            stored((heads,), 2.0) if sinks else None)
+
+
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2),
+       group=st.sampled_from([1, 2, 3, 8, 16]), head_dim=st.sampled_from([64, 128]),
+       keys_count=st.sampled_from([1, 2, 15, 16, 17, 63, 64, 65, 129]),
+       spare=st.sampled_from([0, 1, 37]), sinks=st.booleans(),
+       name=st.sampled_from(launch.DECODE_ATTENTION_DTYPES),
+       scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**32 - 1))
+def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, keys_count, spare,
+                                            sinks, name, scale, seed):
+    """The first `keys_count` keys of a longer buffer (a cache's slice, read
+    where it lies), one key to several splits' worth, key-value heads shared
+    by 1 to 16 query heads (rows of the tensor cores' 16 unused or all), with
+    and without sinks, against the float64 reference within
+    `check_decode_attention`; every output written (the harness poisons
+    them, the parts too)."""
+    assume(launch.decode_attention_computes(head_dim, group * kv_heads, kv_heads, name))
+    rng = np.random.default_rng(seed)
+    heads = group * kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    queries, key_buffer, value_buffer, sink_logits = _attention_inputs(
+        rng, batch, heads, kv_heads, head_dim, keys_count + spare, name, sinks, spread=2.0)
+    actual = ocl.decode_attention(queries, key_buffer, value_buffer, keys_count, sink_logits,
+                                  scale)
+    expected = ref.decode_attention(queries, key_buffer[:, :, :keys_count],
+                                    value_buffer[:, :, :keys_count], sink_logits, scale, name)
+    check_decode_attention(actual, expected, value_buffer[:, :, :keys_count], name)
+
+
+def test_decode_attention_scores_rising_and_falling():
+    """Scores that grow along the keys (every step raises the softmax's
+    largest, rescaling what came before) and then fall, far apart (weights
+    that underflow to 0), spread over many splits and warps."""
+    rng = np.random.default_rng(7)
+    batch, heads, kv_heads, head_dim, keys_count = 1, 8, 1, 64, 700
+    queries, key_buffer, value_buffer, _ = _attention_inputs(
+        rng, batch, heads, kv_heads, head_dim, keys_count, "bfloat16", False)
+    ramp = np.concatenate([np.linspace(0.1, 6, 400), np.linspace(6, -3, 300)]).astype(np.float32)
+    keys = ref.to_float32(key_buffer, "bfloat16") * 0.05 + ramp[None, None, :, None]
+    key_buffer = ref.from_float32(keys, "bfloat16")
+    queries = ref.from_float32(np.abs(ref.to_float32(queries, "bfloat16")) + 0.5, "bfloat16")
+    actual = ocl.decode_attention(queries, key_buffer, value_buffer, keys_count, None, 0.125)
+    expected = ref.decode_attention(queries, key_buffer, value_buffer, None, 0.125, "bfloat16")
+    check_decode_attention(actual, expected, value_buffer, "bfloat16")
+
+
+def test_decode_attention_reads_any_strides():
+    """Keys and values whose values are not contiguous (every other element of
+    wider rows), and every pointer taken as not 16-byte aligned
+    (`unaligned_buffers`): the body's value-by-value loads, against the
+    reference."""
+    rng = np.random.default_rng(11)
+    batch, heads, kv_heads, head_dim, keys_count, length = 2, 6, 2, 64, 90, 100
+    queries, wide_keys, wide_values, sink_logits = _attention_inputs(
+        rng, batch, heads, kv_heads, 2 * head_dim, length, "bfloat16", True)
+    queries = np.ascontiguousarray(queries[..., :head_dim])
+    split_launch, merge_launch = launch.decode_attention_launches(
+        batch, heads, kv_heads, head_dim, True, head_dim ** -0.5, "bfloat16")
+    strides = tuple(stride // 2 for stride in wide_keys.strides[:3]) + (2,)
+    views = {"keys": ((batch, kv_heads, keys_count, head_dim), strides),
+             "values": ((batch, kv_heads, keys_count, head_dim), strides)}
+    with ocl.unaligned_buffers():
+        parts = ocl.run([queries, wide_keys, wide_values], split_launch, views)
+    (actual,) = ocl.run([*parts, sink_logits], merge_launch)
+    keys, values = (wide[:, :, :keys_count, ::2] for wide in (wide_keys, wide_values))
+    expected = ref.decode_attention(queries, keys, values, sink_logits, head_dim ** -0.5,
+                                    "bfloat16")
+    check_decode_attention(actual, expected, values, "bfloat16")
 
 
 # --- add_rms_norm: a residual add and the RMS norm after it ------------------------

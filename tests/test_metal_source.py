@@ -182,6 +182,17 @@ def record_launches(backend: str = "metal") -> list[Launch]:
             gpu.head_norm_rope(mx.zeros((2, 3, 2), dtype), mx.zeros((2, 3, 4), dtype), norm,
                                norm, mx.zeros((2,), mx.int32), batch=2, q_heads=1, k_heads=2,
                                q_at=0, k_at=0, eps=1e-5, base=1e4, scale=0.5, stream=None)
+        # decode_attention: Qwen3-30B-A3B's heads over a cache's slice,
+        # gpt-oss-20b's with their sinks, and one head of one key.
+        for dtype in (mx.float16, mx.bfloat16):
+            for batch, heads, kv_heads, head_dim, keys, sinks in [
+                    (8, 32, 4, 128, 513, False), (8, 64, 8, 64, 513, True),
+                    (1, 1, 1, 64, 1, False)]:
+                buffer = mx.zeros((batch, kv_heads, keys + 255, head_dim), dtype)
+                gpu.decode_attention(
+                    mx.zeros((batch, heads, 1, head_dim), dtype), buffer[:, :, :keys],
+                    buffer[:, :, :keys], mx.zeros((heads,), dtype) if sinks else None,
+                    scale=head_dim ** -0.5, stream=None)
         # add_rms_norm: a decoding step's rows of Qwen3-30B-A3B's width, and
         # rows narrower than a warp.
         for dtype in ROW_DTYPES:
@@ -314,7 +325,7 @@ def test_pointer_parameters_have_address_spaces(launch):
 
 
 # Bodies that read and write their buffers by index alone, making no pointer.
-INDEXED_ONLY = ("head_norm_rope", "add_rms_norm")
+INDEXED_ONLY = ("head_norm_rope", "decode_attention_merge", "add_rms_norm")
 
 
 @pytest.mark.parametrize("name", BODIES)

@@ -344,6 +344,8 @@ def test_launches_carry_their_bodys_params():
                                                                4096, False, 1e-6, 1e6, 1.0,
                                                                "bfloat16"),
                 "add_rms_norm": launch.add_rms_norm_launch(8, 2048, 1e-6, "bfloat16")}
+    launches["decode_attention"], launches["decode_attention_merge"] = \
+        launch.decode_attention_launches(8, 32, 4, 128, False, 128 ** -0.5, "bfloat16")
     assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
     for name, kernel_launch in launches.items():
         assert kernel_launch.body == name

@@ -100,6 +100,18 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     tests:    `tests/test_fused_attention.py`, `tests/test_kernels_pocl.py`
               (head_norm_rope, within float tolerance)
 
+`decode_attention.h`, `decode_attention_merge.h` -- a decoding step's
+    attention, the keys split among groups, then the splits merged
+    (`mlx_moe_plan/fused_attention.py`); not a public op
+    launch:   `launch.decode_attention_launches`, `launch.DecodeAttentionParams`
+    GPU glue: `_gpu.GpuBackend.decode_attention`, `_gpu._decode_attention`,
+              `_gpu._decode_attention_function`
+    C++:      none (the CPU runs the attention's own
+              `mx.fast.scaled_dot_product_attention`)
+    gradient: that op's (`_gpu.decode_attention_by_ops`)
+    tests:    `tests/test_fused_attention.py`, `tests/test_kernels_pocl.py`
+              (decode_attention, within float tolerance)
+
 `add_rms_norm.h` -- a decoder layer's residual add and the RMS norm after
     it (`mlx_moe_plan/fused_model.py`); not a public op
     launch:   `launch.add_rms_norm_launch`, `launch.AddRmsNormParams`
@@ -124,14 +136,15 @@ from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
 BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "argsort_slice",
-          "head_norm_rope", "add_rms_norm")
+          "head_norm_rope", "decode_attention", "decode_attention_merge", "add_rms_norm")
 
 # Every prelude defines these; the prologues declare the last four.
 DIALECT_NAMES = (
     "i64", "GLOBAL", "SHARED", "BARRIER", "SHARED_ATOMIC_UINT", "ATOMIC_ADD", "ATOMIC_LOAD",
     "ATOMIC_STORE", "LOAD_IN", "STORE_OUT", "ROUND_OUT", "BITS_TO_FLOAT", "HALF_BITS_TO_FLOAT",
     "MUL_RN", "ADD_RN", "VEC16", "IS_ALIGNED16", "WARP_UNIFORM", "UNROLL", "MMA_16x8x16",
-    "PAIR_SUB", "PAIR_FMA", "AND_OR", "LOW_HALVES", "HIGH_HALVES", "BYTE_PAIR", "SHARED_SPACE",
+    "PAIR_SUB", "PAIR_FMA", "PAIR_ROUND", "WARP_XOR", "AND_OR", "LOW_HALVES", "HIGH_HALVES",
+    "BYTE_PAIR", "SHARED_SPACE",
     "SHARED_WORDS",
     "ASYNC_COPY16", "ASYNC_COMMIT", "ASYNC_WAIT", "WARP_BARRIER", "WARPGROUP_MMA",
     "WARPGROUP_MMA_SS", "WARPGROUP_FENCE", "WARPGROUP_COMMIT", "WARPGROUP_WAIT",

@@ -67,8 +67,18 @@ INPUTS_OUTPUTS = {
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
     "head_norm_rope": (("queries_in", "keys_in", "q_weight", "k_weight", "offsets", "params"),
                        ("queries", "keys")),
+    "decode_attention": (("queries", "keys", "values", "params"),
+                         ("part_out", "part_max", "part_sum")),
+    "decode_attention_merge": (("part_out", "part_max", "part_sum", "sinks", "params"),
+                               ("out",)),
     "add_rms_norm": (("residual", "update", "norm_weight", "params"), ("sums", "normed")),
 }
+
+# Bodies that read their inputs where they lie, through the shapes and
+# strides MLX hands with them (`keys_shape`, `keys_strides`): a decoding
+# step's keys and values are a slice of a cache's longer buffer, which a
+# row-contiguous copy would read and write once more.
+STRIDED_BODIES = frozenset({"decode_attention"})
 
 
 # Each body's run-time sizes, the int32 values of its `params` array, by name.
@@ -362,6 +372,14 @@ class HeadNormRopeParams(NamedTuple):
     scale_bits: int  # RoPE's position scale, float32 bits
 
 
+class DecodeAttentionParams(NamedTuple):
+    batch: int
+    heads: int  # query heads
+    kv_heads: int
+    splits: int  # groups a sequence's key-value head, each a split of its keys
+    scale_bits: int  # the scores' scale, float32 bits
+
+
 class AddRmsNormParams(NamedTuple):
     rows: int
     dims: int  # values a row
@@ -371,7 +389,8 @@ class AddRmsNormParams(NamedTuple):
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
           "grouped_qmm": GroupedQmmParams, "grouped_qmm_tiles": GroupedQmmParams,
           "argsort_slice": ArgsortSliceParams, "head_norm_rope": HeadNormRopeParams,
-          "add_rms_norm": AddRmsNormParams}
+          "decode_attention": DecodeAttentionParams,
+          "decode_attention_merge": DecodeAttentionParams, "add_rms_norm": AddRmsNormParams}
 
 
 @dataclass(frozen=True)
@@ -382,7 +401,7 @@ class Launch:
     groups: int
     group_size: int
     params: (PlanParams | GatherParams | CombineParams | GroupedQmmParams | ArgsortSliceParams
-             | HeadNormRopeParams | AddRmsNormParams)
+             | HeadNormRopeParams | DecodeAttentionParams | AddRmsNormParams)
     template: tuple[tuple[str, object], ...]
     outputs: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name)
     # bytes of the body's SHARED_WORDS, requested at launch where the
@@ -1186,6 +1205,57 @@ def head_norm_rope_launch(batch: int, length: int, q_heads: int, k_heads: int, h
                            scale_bits=_float_bits(scale)),
         (("InT", dtype), ("OutT", dtype), ("HEAD_DIM", head_dim)),
         (((batch, q_heads, length, head_dim), dtype), ((batch, k_heads, length, head_dim), dtype)),
+    )
+
+
+# decode_attention.h's head sizes (a lane loads 16-byte runs of 8 values,
+# the values' tiles come 64 dimensions at a time) and query heads a key-value
+# head (the rows of the tensor cores' 16, and at most 1024 values of the
+# group's merged rows in group memory a warp, 16 KB for its four).
+DECODE_ATTENTION_HEAD_DIMS = (64, 128)
+DECODE_ATTENTION_MAX_ROWS = 1024
+DECODE_ATTENTION_DTYPES = ("float16", "bfloat16")
+DECODE_ATTENTION_WARPS = 4
+# Groups the keys' splits aim at: four an SM of a GPU of 132 (an H100's or
+# H200's), so that a step of few sequences keeps enough loads in flight to
+# meet the memory's latency.
+DECODE_ATTENTION_GROUPS = 528
+
+
+def decode_attention_computes(head_dim: int, heads: int, kv_heads: int, dtype: str) -> bool:
+    """Whether decode_attention.h takes these heads: `kv_heads` of `head_dim`
+    values, each for the same number of query heads, at most 16 and 1024
+    values in all, of a 16-bit `dtype`."""
+    return (kv_heads >= 1 and heads % kv_heads == 0 and 1 <= heads // kv_heads <= 16
+            and head_dim in DECODE_ATTENTION_HEAD_DIMS
+            and heads // kv_heads * head_dim <= DECODE_ATTENTION_MAX_ROWS
+            and dtype in DECODE_ATTENTION_DTYPES)
+
+
+@lru_cache(maxsize=256)
+def decode_attention_launches(batch: int, heads: int, kv_heads: int, head_dim: int,
+                              has_sinks: bool, scale: float, dtype: str) -> tuple[Launch, Launch]:
+    """decode_attention.h's launch, then decode_attention_merge.h's, for `batch
+    >= 1` sequences of heads `decode_attention_computes` takes. The splits
+    depend on the sequences and heads only, not the keys' count, which the
+    body reads from the keys' shape: one pair of launches for every context
+    (where the keys are few, the last splits have none)."""
+    sequences = batch * kv_heads
+    splits = max(1, -(-DECODE_ATTENTION_GROUPS // sequences))
+    params = DecodeAttentionParams(batch=batch, heads=heads, kv_heads=kv_heads, splits=splits,
+                                   scale_bits=_float_bits(scale))
+    parts = batch * heads * splits
+    in_kind = ROW_KINDS.index(dtype)
+    return (
+        Launch("decode_attention", min(sequences * splits, MAX_GROUPS),
+               32 * DECODE_ATTENTION_WARPS, params,
+               (("InT", dtype), ("IN_KIND", in_kind), ("D", head_dim),
+                ("G", heads // kv_heads), ("WARPS", DECODE_ATTENTION_WARPS)),
+               (((parts, head_dim), "float32"), ((parts,), "float32"), ((parts,), "float32"))),
+        Launch("decode_attention_merge", min(batch * heads, MAX_GROUPS), head_dim, params,
+               (("InT", dtype), ("OutT", dtype), ("D", head_dim),
+                ("HAS_SINKS", bool(has_sinks))),
+               (((batch, heads, 1, head_dim), dtype),)),
     )
 
 

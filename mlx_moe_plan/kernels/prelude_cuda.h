@@ -35,7 +35,7 @@ typedef long long i64;
 // UNROLL: unroll the loop that follows (its arrays indexed by constants stay
 // in registers).
 #define UNROLL _Pragma("unroll")
-// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
+// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA PAIR_ROUND AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
 // defines: ASYNC_COPY16 ASYNC_COMMIT ASYNC_WAIT mma_16x8x16
 // MMA_16x8x16: a warp's D += A B, PTX's mma.sync.m16n8k16 (A 16 x 16 row
 // major, B 16 x 8 column major, float D), with 16-bit pairs of the rows'
@@ -76,9 +76,22 @@ __device__ __forceinline__ unsigned pair_fma(unsigned a, unsigned b, unsigned c)
   }
   return d;
 }
+// PAIR_ROUND(low, high): two floats as one 16-bit pair, each rounded to
+// nearest even.
+template <int KIND>
+__device__ __forceinline__ unsigned pair_round(float low, float high) {
+  unsigned d;
+  if (KIND == 2) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(high), "f"(low));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(high), "f"(low));
+  }
+  return d;
+}
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b))
 #define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))
 #define PAIR_FMA(a, b, c) pair_fma<IN_KIND>((a), (b), (c))
+#define PAIR_ROUND(low, high) pair_round<IN_KIND>((low), (high))
 // AND_OR: (a & mask) | bits, one lop3 (for two immediates the compiler makes
 // two instructions: an and, then an or; the fields of a word take one each).
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
@@ -265,3 +278,7 @@ __device__ __forceinline__ void warpgroup_wait(float* d, int count) {
 #define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma<IN_KIND, (row_tiles)>((d), (a), (b), (lbo), (sbo))
 #define WARPGROUP_WAIT(n, d, count) warpgroup_wait<(n)>((d), (count))
 #define WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp) warpgroup_mma_ss<IN_KIND, (row_tiles)>((d), (a), (a_at), (b), (b_at))
+// defines: WARP_XOR
+// WARP_XOR(value, mask, exchange, lane): the float `value` of lane `lane ^
+// mask` of the warp (every lane takes part; `exchange` is the emulations').
+#define WARP_XOR(value, mask, exchange, lane) __shfl_xor_sync(0xFFFFFFFFu, (value), (mask))

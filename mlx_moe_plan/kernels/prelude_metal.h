@@ -40,7 +40,7 @@ typedef long i64;
 // UNROLL: unroll the loop that follows (its arrays indexed by constants stay
 // in registers).
 #define UNROLL _Pragma("unroll")
-// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
+// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA PAIR_ROUND AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
 // defines: ASYNC_COPY16 ASYNC_COMMIT ASYNC_WAIT mma_16x8x16
 // MMA_16x8x16 (PTX's mma.m16n8k16 in prelude_cuda.h), emulated: a lane reads
 // the A and B registers it needs from the lanes that hold them (simd_shuffle,
@@ -99,6 +99,9 @@ inline uint pair_fma(uint a, uint b, uint c) {
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16<IN_KIND>((d), (a), (b), (lane))
 #define PAIR_SUB(a, b) pair_sub<IN_KIND>((a), (b))
 #define PAIR_FMA(a, b, c) pair_fma<IN_KIND>((a), (b), (c))
+// PAIR_ROUND(low, high): two floats as one 16-bit pair, each rounded to
+// nearest even.
+#define PAIR_ROUND(low, high) (pair_round<IN_KIND>(low) | (pair_round<IN_KIND>(high) << 16))
 // AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
 #define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
 // LOW_HALVES, HIGH_HALVES: the pair of two words' low (high) 16-bit halves.
@@ -149,3 +152,7 @@ inline void warpgroup_mma_ss(thread float* d, threadgroup const uint* a, int a_a
 #define WARPGROUP_COMMIT() ((void)0)
 #define WARPGROUP_WAIT(n, d, count) ((void)0)
 #define SHARED_PROXY_FENCE() ((void)0)
+// defines: WARP_XOR
+// WARP_XOR(value, mask, exchange, lane): the float `value` of lane `lane ^
+// mask` of the SIMD group (every lane takes part; `exchange` is OpenCL's).
+#define WARP_XOR(value, mask, exchange, lane) simd_shuffle_xor((value), ushort(mask))

@@ -61,7 +61,7 @@ inline float round_out(float v) { return v; }
 #endif
 #define ROUND_OUT(v) round_out(v)
 
-// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
+// defines: MMA_16x8x16 PAIR_SUB PAIR_FMA PAIR_ROUND AND_OR LOW_HALVES HIGH_HALVES BYTE_PAIR
 // defines: ASYNC_COPY16 ASYNC_COMMIT ASYNC_WAIT mma_16x8x16
 // MMA_16x8x16 (PTX's mma.m16n8k16 in prelude_cuda.h), emulated: the 32 lanes
 // of a warp put their fragments in exchange (6 uints a lane), and each adds
@@ -128,6 +128,9 @@ inline uint pair_fma(uint a, uint b, uint c) {
 #define MMA_16x8x16(d, a, b, exchange, lane) mma_16x8x16((d), (a), (b), (exchange), (lane))
 #define PAIR_SUB(a, b) pair_sub((a), (b))
 #define PAIR_FMA(a, b, c) pair_fma((a), (b), (c))
+// PAIR_ROUND(low, high): two floats as one 16-bit pair, each rounded to
+// nearest even.
+#define PAIR_ROUND(low, high) (pair_round(low) | (pair_round(high) << 16))
 // AND_OR: (a & mask) | bits (one instruction on CUDA, prelude_cuda.h).
 #define AND_OR(a, mask, bits) (((a) & (mask)) | (bits))
 // LOW_HALVES, HIGH_HALVES: the pair of two words' low (high) 16-bit halves.
@@ -180,3 +183,15 @@ inline void warpgroup_mma_ss(float* d, __local const uint* a, int a_at, __local 
 #define WARPGROUP_COMMIT() ((void)0)
 #define WARPGROUP_WAIT(n, d, count) ((void)0)
 #define SHARED_PROXY_FENCE() ((void)0)
+// defines: WARP_XOR warp_xor
+// WARP_XOR(value, mask, exchange, lane): the float `value` of lane `lane ^
+// mask` of the emulated warp, through its `exchange` words in group memory
+// (32 a warp). It meets barriers: every thread of the group calls it.
+inline float warp_xor(float value, int mask, __local uint* exchange, int lane) {
+  exchange[lane] = as_uint(value);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  const float other = as_float(exchange[lane ^ mask]);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  return other;
+}
+#define WARP_XOR(value, mask, exchange, lane) warp_xor((value), (mask), (exchange), (lane))
