@@ -1,5 +1,6 @@
-"""mlx-lm attention whose queries' and keys' norms and rotary embedding
-`patch_model` makes one launch.
+"""mlx-lm attentions whose decoding step `patch_model` makes in the
+package's launches: the queries' and keys' norms and rotary embedding in
+one, the attention in another.
 
 Qwen3-MoE's attention normalizes each query and key head with an RMS norm of
 its own (`q_norm`, `k_norm`) and then rotates it (`rope`): on a GPU, a launch
@@ -9,21 +10,28 @@ copy before each norm where the projections' outputs are parts of one GEMM's
 `rules.fuses_head_norm_rope` says so, the fused attention makes both from
 the projections' outputs in one launch of kernels/head_norm_rope.h
 (`_backend.HeadNormRope`), reading the queries and keys where the one GEMM
-wrote them. Everywhere else it calls the attention's own `__call__`, op for
-op.
+wrote them. Qwen3-MoE's and gpt-oss's attentions (the latter with its
+sinks) then attend each sequence's one query a head to its cache, which
+MLX's CUDA backend does once a query head; where `rules.decodes_attention`
+says so, with no mask and a cache of plain keys and values, the fused
+attention hands that to kernels/decode_attention.h
+(`_backend.DecodeAttention`), which reads each key and value once for the
+query heads that share it. Each launch is taken or not on its own; where
+one is not, the attention's own ops run in its place, and where neither is,
+its own `__call__`.
 
-Its forward mirrors mlx-lm's code, so it is used only while that code reads
-as it did when the forward was written: each entry keeps a digest of the
-class's `__call__` source (mlx-lm 0.32.2), as `fused_blocks.py` does for the
-MoE blocks; `tests/test_fused_attention.py` names any whose digest no longer
-matches the installed mlx-lm.
+Its forwards mirror mlx-lm's code, so each is used only while that code
+reads as it did when the forward was written: each entry keeps a digest of
+the class's `__call__` source (mlx-lm 0.32.2), as `fused_blocks.py` does for
+the MoE blocks; `tests/test_fused_attention.py` names any whose digest no
+longer matches the installed mlx-lm.
 """
 
 from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,25 +41,35 @@ from ._backend import on_cuda
 from ._compiled import module_cache, step_rows
 from .fused_blocks import qualified_name, source_digest, swap_class
 
-# The attention classes whose `__call__` `_forward` mirrors, and that
-# source's digest (mlx-lm 0.32.2).
-FUSED_ATTENTION: dict[str, str] = {
-    "mlx_lm.models.qwen3_moe.Attention": "9107ca69f9dfb65c",
-}
+
+class Launches(NamedTuple):
+    """Which of its launches a fused attention takes for a decoding step."""
+    head_norm_rope: bool  # its queries' and keys' norms and rotations in one
+    attention: bool  # its attention, `_backend.DecodeAttention`
+
+
+class FusedAttentionEntry(NamedTuple):
+    """An attention class whose `__call__` a forward here mirrors."""
+    digest: str  # of the class's `__call__` source (mlx-lm 0.32.2)
+    forward: Callable  # `forward(attention, x, mask, cache, launches, code)`: the mirror
+    sizes: Callable[[nn.Module], tuple[int, int, int]]  # query and key-value heads, head_dim
+    head_norm_rope: bool  # whether the forward can take the norms' and rotations' launch
 
 
 class FusedAttention:
-    """Marks an mlx-lm attention whose class `patch_model` swapped for one
-    that normalizes and rotates its queries and keys in one launch where
-    `rules.fuses_head_norm_rope` says so (a subclass of its own class)."""
+    """Marks an mlx-lm attention whose class `patch_model` swapped for a
+    subclass of its own that takes a decoding step's launches where the
+    rules say so: its queries' and keys' norms and rotations in one
+    (Qwen3-MoE's, `rules.fuses_head_norm_rope`), its attention in another
+    (`rules.decodes_attention`)."""
 
 
 def fusable(module: nn.Module) -> bool:
     """Whether `module` is an attention of `FUSED_ATTENTION`, its code as the
     entry's, not fused yet."""
     attention_class = type(module)
-    digest = FUSED_ATTENTION.get(qualified_name(attention_class))
-    return digest is not None and source_digest(attention_class.__call__) == digest
+    entry = FUSED_ATTENTION.get(qualified_name(attention_class))
+    return entry is not None and source_digest(attention_class.__call__) == entry.digest
 
 
 # The last int offset and its array: a step's layers share one (their caches
@@ -75,24 +93,29 @@ def _offsets(cache) -> mx.array | None:
     return None
 
 
-def _route(attention: nn.Module, x: mx.array) -> bool:
-    """Whether `attention` makes its queries and keys of `x` in one launch: a
-    decoding step's rows where `rules.fuses_head_norm_rope` says so, with a
-    plain `nn.RoPE` over whole heads, norms of one epsilon and of the rows'
-    dtype, and a backend that has the launch. Asked once for each shape and
-    dtype of `x`, the norms' dtype and kind of device, then kept on the
-    attention (its `ModuleCache`, which `_compiled.forget` drops): every
-    layer asks at every step."""
-    key = (x.shape, x.dtype, attention.q_norm.weight.dtype, attention.k_norm.weight.dtype,
-           mx.default_device().type)
+def _route(attention: nn.Module, x: mx.array, entry: FusedAttentionEntry) -> Launches:
+    """The launches `attention` may take for `x`, a decoding step's rows,
+    whatever its mask and cache. Asked once for each shape and dtype of `x`,
+    the norms' dtypes (where it has the norms' launch) and kind of device,
+    then kept on the attention (its `ModuleCache`, which `_compiled.forget`
+    drops): every layer asks at every step."""
+    key = (x.shape, x.dtype, mx.default_device().type)
+    if entry.head_norm_rope:
+        key += (attention.q_norm.weight.dtype, attention.k_norm.weight.dtype)
     routes = module_cache(attention, "_attention_routes")
     route = routes.get(key)
     if route is None:
-        route = routes[key] = _asked_route(attention, x)
+        route = routes[key] = Launches(
+            entry.head_norm_rope and _asked_route(attention, x),
+            _asked_attention_route(attention, x, entry))
     return route
 
 
 def _asked_route(attention: nn.Module, x: mx.array) -> bool:
+    """Whether `attention` makes its queries and keys of `x` in one launch: a
+    decoding step's rows where `rules.fuses_head_norm_rope` says so, with a
+    plain `nn.RoPE` over whole heads, norms of one epsilon and of the rows'
+    dtype, and a backend that has the launch."""
     rows = step_rows(x)
     if rows == 0 or not rules.fuses_head_norm_rope(rows, cuda=on_cuda()):
         return False
@@ -108,15 +131,49 @@ def _asked_route(attention: nn.Module, x: mx.array) -> bool:
             and backend.head_norm_rope_computes(head_dim=head_dim, dtype=x.dtype))
 
 
-def _forward(attention: nn.Module, x: mx.array, mask, cache, offsets: mx.array,
+def _asked_attention_route(attention: nn.Module, x: mx.array,
+                           entry: FusedAttentionEntry) -> bool:
+    """Whether `attention` attends by the backend's launch for `x`: a decoding
+    step's rows where `rules.decodes_attention` says so, and a backend that
+    has the launch for the attention's heads in `x`'s dtype. The keys' count
+    grows every step and is not asked: the launch takes any."""
+    rows = step_rows(x)
+    if rows == 0 or not rules.decodes_attention(rows, cuda=on_cuda()):
+        return False
+    heads, kv_heads, head_dim = entry.sizes(attention)
+    backend = _backend.implementation(_backend.resolve_stream(None))
+    return (backend.decode_attention is not None
+            and backend.decode_attention_computes(head_dim=head_dim, heads=heads,
+                                                  kv_heads=kv_heads, dtype=x.dtype))
+
+
+def _forward(attention: nn.Module, x: mx.array, mask, cache, entry: FusedAttentionEntry,
              code: ModuleType) -> mx.array | None:
-    """mlx-lm's Qwen3-MoE `Attention.__call__` with a cache, line for line,
-    but that the queries' and keys' norms and rotations are one launch, which
-    reads the projections' outputs where their one GEMM wrote them
-    (`projections.joined`); None where the projections give another dtype
-    than the norms' (float32 scales, say: the attention's own call then runs,
-    and the lazy outputs made here are never computed). `code`: the module
-    of the attention's class, whose `scaled_dot_product_attention` it calls."""
+    """The entry's forward of `attention` with the launches `_route` gives for
+    `x`, the attention's only where mlx-lm would call MLX's attention with
+    no mask (a quantized cache's goes to mlx-lm's own); None where it takes
+    neither, or where the forward gives up (the attention's own call then
+    runs). `code`: the module of the attention's class."""
+    route = _route(attention, x, entry)
+    launches = Launches(route.head_norm_rope,
+                        route.attention and mask is None and not hasattr(cache, "bits"))
+    if not any(launches):
+        return None
+    return entry.forward(attention, x, mask, cache, launches, code)
+
+
+def _head_norm_rope(attention: nn.Module, x: mx.array,
+                    cache) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Qwen3-MoE's queries, keys and values of `x` as mlx-lm's lines make them
+    before the cache's update, but that the queries' and keys' norms and
+    rotations are one launch, which reads the projections' outputs where
+    their one GEMM wrote them (`projections.joined`); None where the cache's
+    offsets are not ones the launch reads, or where the projections give
+    another dtype than the norms' (float32 scales, say: the lazy outputs
+    made here are then never computed)."""
+    offsets = _offsets(cache)
+    if offsets is None:
+        return None
     B, L, D = x.shape
     head_dim = attention.q_norm.weight.shape[-1]
     q_columns = attention.n_heads * head_dim
@@ -139,25 +196,104 @@ def _forward(attention: nn.Module, x: mx.array, mask, cache, offsets: mx.array,
         k_at=k_at, eps=attention.q_norm.eps, base=attention.rope.base,
         scale=attention.rope.scale, stream=stream)
     values = values.reshape(B, L, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return queries, keys, values
+
+
+def _attention(launch: bool, dtype: mx.Dtype, queries: mx.array, keys: mx.array,
+               values: mx.array, sinks: mx.array | None, *, cache, scale: float, mask,
+               code: ModuleType) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` of `code` as the attentions
+    call it, or, where `launch` and the queries, keys, values and sinks are
+    all of `dtype` (the rows' dtype, which the route asked the backend
+    about), the backend's `decode_attention`: the same attention with no
+    mask."""
+    if (launch and queries.dtype == keys.dtype == values.dtype == dtype
+            and (sinks is None or sinks.dtype == dtype) and keys.shape[-2] >= 1):
+        stream = _backend.resolve_stream(None)
+        return _backend.implementation(stream).decode_attention(
+            queries, keys, values, sinks, scale=scale, stream=stream)
+    return code.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
+                                             mask=mask, sinks=sinks)
+
+
+def _qwen3_moe(attention: nn.Module, x: mx.array, mask, cache, launches: Launches,
+               code: ModuleType) -> mx.array | None:
+    """mlx-lm's Qwen3-MoE `Attention.__call__` with a cache, line for line,
+    but that its queries' and keys' norms and rotations are one launch
+    (`_head_norm_rope`) and its attention another (`_attention`) where
+    `launches` says so; None where the norms' launch is the only one asked
+    and cannot be taken."""
+    B, L, D = x.shape
+    made = _head_norm_rope(attention, x, cache) if launches.head_norm_rope else None
+    if made is not None:
+        queries, keys, values = made
+    elif not launches.attention:
+        return None
+    else:
+        queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        queries = attention.q_norm(queries.reshape(B, L, attention.n_heads, -1)).transpose(
+            0, 2, 1, 3)
+        keys = attention.k_norm(keys.reshape(B, L, attention.n_kv_heads, -1)).transpose(
+            0, 2, 1, 3)
+        values = values.reshape(B, L, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = attention.rope(queries, offset=cache.offset)
+        keys = attention.rope(keys, offset=cache.offset)
     keys, values = cache.update_and_fetch(keys, values)
-    output = code.scaled_dot_product_attention(
-        queries, keys, values, cache=cache, scale=attention.scale, mask=mask)
+    output = _attention(launches.attention, x.dtype, queries, keys, values, None, cache=cache,
+                        scale=attention.scale, mask=mask, code=code)
     output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
     return attention.o_proj(output)
 
 
+def _gpt_oss(attention: nn.Module, x: mx.array, mask, cache, launches: Launches,
+             code: ModuleType) -> mx.array:
+    """mlx-lm's gpt-oss `AttentionBlock.__call__` with a cache, line for line,
+    but that its attention (with the sinks) is one launch (`_attention`)
+    where `launches` says so."""
+    B, L, _ = x.shape
+    D = attention.head_dim
+    q = attention.q_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
+    k = attention.k_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
+    v = attention.v_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
+    q = attention.rope(q, offset=cache.offset)
+    k = attention.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    v_hat = _attention(launches.attention, x.dtype, q, k, v, attention.sinks, cache=cache,
+                       scale=attention.sm_scale, mask=mask, code=code)
+    return attention.o_proj(v_hat.swapaxes(1, 2).reshape(B, L, -1))
+
+
+# The attention classes whose `__call__` a forward here mirrors, with that
+# source's digest (mlx-lm 0.32.2).
+FUSED_ATTENTION: dict[str, FusedAttentionEntry] = {
+    "mlx_lm.models.qwen3_moe.Attention": FusedAttentionEntry(
+        "9107ca69f9dfb65c", _qwen3_moe,
+        lambda attention: (attention.n_heads, attention.n_kv_heads,
+                           attention.q_norm.weight.shape[-1]),
+        head_norm_rope=True),
+    "mlx_lm.models.gpt_oss.AttentionBlock": FusedAttentionEntry(
+        "907d3050ceb13722", _gpt_oss,
+        lambda attention: (attention.num_attention_heads, attention.num_key_value_heads,
+                           attention.head_dim),
+        head_norm_rope=False),
+}
+
+
 def _fused_call(attention_class: type) -> Callable:
     code = sys.modules[attention_class.__module__]
+    entry = FUSED_ATTENTION[qualified_name(attention_class)]
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        # The rule's rows first, as on CUDA: where it says no even there (its
-        # default), the attention's own call costs no more than unpatched.
-        if (cache is not None and rules.fuses_head_norm_rope(step_rows(x), cuda=True)
-                and _route(self, x)):
-            offsets = _offsets(cache)
-            y = None if offsets is None else _forward(self, x, mask, cache, offsets, code)
-            if y is not None:
-                return y
+        # The rules' rows first, as on CUDA: where they say no even there
+        # (below their rows), the attention's own call costs no more than
+        # unpatched.
+        if cache is not None:
+            rows = step_rows(x)
+            if ((entry.head_norm_rope and rules.fuses_head_norm_rope(rows, cuda=True))
+                    or rules.decodes_attention(rows, cuda=True)):
+                y = _forward(self, x, mask, cache, entry, code)
+                if y is not None:
+                    return y
         return attention_class.__call__(self, x, mask, cache)
 
     return __call__
@@ -165,5 +301,5 @@ def _fused_call(attention_class: type) -> Callable:
 
 def fuse(module: nn.Module) -> None:
     """Give `module`, a `fusable` attention, the fused call (in place)."""
-    swap_class(module, FusedAttention, _fused_call, "with its queries' and keys' norms and "
-               "rotary embedding in one launch where the measured rule says so.")
+    swap_class(module, FusedAttention, _fused_call, "with a decoding step's launches where "
+               "the measured rules say so (see FusedAttention).")

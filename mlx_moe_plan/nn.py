@@ -356,7 +356,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     attention classes of `fused_attention.FUSED_ATTENTION` of a model with
     MoE layers likewise become `FusedAttention`s, which normalize and rotate
     a decoding step's queries and keys in one launch where
-    `rules.fuses_head_norm_rope` says so, and the models of
+    `rules.fuses_head_norm_rope` says so (Qwen3-MoE's) and attend in the
+    backend's `decode_attention` where `rules.decodes_attention` says so
+    (with no mask, the cache not quantized), and the models of
     `fused_model.FUSED_MODELS` `FusedModel`s, which make a decoding step's
     residual adds and the RMS norms after them one launch each where
     `rules.fuses_add_rms_norm` says so. With
@@ -392,8 +394,9 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
         tile_m (int, optional): The GEMM formulation of every new layer (see
           `SwitchGLU`). Default: `default_tile_m`, per call.
         fuse (bool): Fuse the weighted sums, the attentions' norms and
-          rotations, and the residual adds with the norms after them, where
-          that is known to be safe. Default: ``True``.
+          rotations and their decoding steps' attention, and the residual
+          adds with the norms after them, where that is known to be safe.
+          Default: ``True``.
         dense_rows (bool): Give the dense quantized projections a decoding
           batch's rows as one matrix, and those on one input one GEMM, where
           measured faster. Default: ``True``.

@@ -10,9 +10,10 @@ decoding batch (`dense_decoding_expert`, else `dense_as_rows`, and
 prefill (`dense_as_expert`), which fused blocks submit early
 (`submits_block`), where a router's top k renormalizes its scores
 (`top_k_normalizes`), where an attention's queries and keys are
-normalized and rotated in one launch (`fuses_head_norm_rope`), and where a
-decoder layer's residual adds and the norms after them are one launch each
-(`fuses_add_rms_norm`).
+normalized and rotated in one launch (`fuses_head_norm_rope`), where a
+decoding step's attention runs in the package's launches
+(`decodes_attention`), and where a decoder layer's residual adds and the
+norms after them are one launch each (`fuses_add_rms_norm`).
 
 A formulation is a `Formulation`. The layer's public `tile_m` names one as an
 int (`MLX_LM`, `GROUPED`, 1 or a tile height), converted once, where it is
@@ -382,6 +383,44 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
         bool: True for the one launch.
     """
     return cuda and rows >= HEAD_NORM_ROPE_FROM_ROWS
+
+
+# A decoding step's attention in the package's own launches
+# (kernels/decode_attention.h, `fused_attention`): one group a sequence,
+# key-value head and split of the keys, the query heads that share the
+# key-value head as the rows of the tensor cores' multiply-adds, so each key
+# and value is read once; then the splits merged. MLX's CUDA backend hands a
+# decoding query to cuDNN (or, where the cache's length is not a multiple of
+# 256, to a vector kernel that reads the keys once a query head). The same
+# scheme as CUDA text of the benchmark's own (benchmarks.decode_attention's
+# sketch), timed in whole steps on an H200, took Qwen3-30B-A3B (48 layers,
+# context 512) from the patch's 1.41x mlx-lm to 1.75x at batch 8, 1.07x to
+# 1.32x at 4, 2.92x to 3.25x at 32; slower at 2 (1.01x against 1.07x), where
+# its launches' host work outweighs their GPU time (benchmarks/HISTORY.md, "A
+# decoding attention of the package's own in whole steps"). The package's
+# launches, with their glue, have run once in whole steps, on an H100, at
+# batch 8, within that run's spread of the patch without them: off
+# (`DECODE_ATTENTION_FROM_ROWS` out of reach) until measured;
+# `benchmarks.step_kernels --variants "on:DECODE_ATTENTION_FROM_ROWS=4"`
+# times it (`tests/gpu_suite.sh R decode-attention`). Elsewhere than CUDA not
+# measured: never.
+DECODE_ATTENTION_FROM_ROWS = 1 << 30
+
+
+def decodes_attention(rows: int, *, cuda: bool) -> bool:
+    """Whether a decoding step's attention runs in the package's launches.
+
+    On CUDA, from `DECODE_ATTENTION_FROM_ROWS` sequences (not yet measured in
+    whole steps: never). Elsewhere never until measured.
+
+    Args:
+        rows (int): Rows of the step (sequences decoding together).
+        cuda (bool): Whether the attention runs on MLX's CUDA backend.
+
+    Returns:
+        bool: True for the package's launches.
+    """
+    return cuda and rows >= DECODE_ATTENTION_FROM_ROWS
 
 
 # A decoder layer's residual adds and the RMS norms after them, each pair in

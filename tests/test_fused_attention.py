@@ -1,30 +1,36 @@
 """The fused attention (`mlx_moe_plan.fused_attention`): Qwen3-MoE's queries
-and keys normalized and rotated in one launch of kernels/head_norm_rope.h.
+and keys normalized and rotated in one launch of kernels/head_norm_rope.h,
+and Qwen3-MoE's and gpt-oss's decoding attention in the backend's
+`decode_attention` (kernels/decode_attention.h).
 
-On the CPU the launch is stood in for by its gradient's formula, MLX's own
-ops (`_gpu.head_norm_rope_by_ops`, what the kernel computes within its
-rounding), so the fused forward, its reading of one GEMM's output and the
-GPU glue's custom function run anywhere, bit for bit against the
-attention's own call; the kernel body itself is tested on PoCL
-(tests/test_kernels_pocl.py) and, on a GPU (`tests/gpu_suite.sh`, step
-`head-norm`), against MLX's ops and in whole-model decoding.
+On the CPU each launch is stood in for by its gradient's formula, MLX's own
+ops (`_gpu.head_norm_rope_by_ops`, `_gpu.decode_attention_by_ops`: what the
+kernels compute within their rounding), so the fused forwards, their
+reading of one GEMM's output and the GPU glue's custom function run
+anywhere, bit for bit against the attention's own call; the head norm's
+kernel body itself is tested on PoCL (tests/test_kernels_pocl.py) and, on a
+GPU (`tests/gpu_suite.sh`, step `head-norm`), against MLX's ops and in
+whole-model decoding, as the attention's launch is in whole-model decoding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import check_head_norm_rope
+from conftest import check_decode_attention, check_head_norm_rope
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
 
 import lm_fixtures  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from mlx_moe_plan import _backend, _compiled, _gpu, fused_attention  # noqa: E402
 from mlx_moe_plan import fused_blocks, projections, rules  # noqa: E402
@@ -34,14 +40,26 @@ from mlx_moe_plan.nn import patch_model  # noqa: E402
 from test_nn import CONFIGS  # noqa: E402
 from test_nn import make_model as make_mlx_lm_model  # noqa: E402
 
-# The launch runs where the rule takes it, CUDA: Metal is not measured.
+# The launches run where the rules take them, CUDA: Metal is not measured.
 on_cuda = pytest.mark.skipif(_backend.gpu_backend() != "cuda", reason="needs CUDA MLX")
 
+# The attentions of `FUSED_ATTENTION`, by their models' names.
+FUSED_MODELS = ["qwen3_moe", "gpt_oss"]
 
-def make_model(name: str = "qwen3_moe"):
+# Those models with heads the attention's kernel takes, Qwen3-30B-A3B's and
+# gpt-oss-20b's (the layer tests' heads of 16 values it does not).
+KERNEL_HEADS = [
+    ("qwen3_moe", dict(num_attention_heads=32, num_key_value_heads=4, head_dim=128)),
+    ("gpt_oss", dict(num_attention_heads=64, num_key_value_heads=8, head_dim=64)),
+]
+
+
+def make_model(name: str = "qwen3_moe", **sizes):
     """The layer tests' mlx-lm `name` (random weights, 4 bits in groups of
-    32), in bfloat16."""
-    model = make_mlx_lm_model(name, quantized=True)
+    32), in bfloat16; `sizes` change its config's."""
+    with pytest.MonkeyPatch.context() as config:
+        config.setitem(CONFIGS, name, dict(CONFIGS[name], **sizes))
+        model = make_mlx_lm_model(name, quantized=True)
     model.set_dtype(mx.bfloat16)
     return model
 
@@ -62,6 +80,19 @@ def test_rule_from_its_rows_on_cuda(monkeypatch, rows, cuda, want):
     assert rules.fuses_head_norm_rope(rows, cuda=cuda) is want
 
 
+def test_attention_rule_is_off_until_measured():
+    for rows in (1, 4, 8, 64, 4096):
+        assert rules.decodes_attention(rows, cuda=True) is False
+        assert rules.decodes_attention(rows, cuda=False) is False
+
+
+@pytest.mark.parametrize("rows, cuda, want", [(2, True, True), (1, True, False),
+                                              (64, False, False)])
+def test_attention_rule_from_its_rows(monkeypatch, rows, cuda, want):
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 2)
+    assert rules.decodes_attention(rows, cuda=cuda) is want
+
+
 # ------------------------------------------------------------- the registry
 
 
@@ -71,14 +102,21 @@ def test_fused_attention_matches_mlx_lm(name):
     # changes, the attention silently keeps its own call. Say which, and its
     # new digest, so the forward can be checked against the new code.
     digest = fused_blocks.source_digest(fused_blocks.load_class(name).__call__)
-    assert digest == fused_attention.FUSED_ATTENTION[name], (
-        f"{name}.__call__ is not the code fused_attention._forward mirrors: its source digest "
-        f"is now {digest!r}; compare the forward with the new code, then update "
-        "FUSED_ATTENTION in mlx_moe_plan/fused_attention.py")
+    entry = fused_attention.FUSED_ATTENTION[name]
+    assert digest == entry.digest, (
+        f"{name}.__call__ is not the code fused_attention.{entry.forward.__name__} mirrors: "
+        f"its source digest is now {digest!r}; compare the forward with the new code, then "
+        "update FUSED_ATTENTION in mlx_moe_plan/fused_attention.py")
+
+
+def test_each_registered_attention_is_tested():
+    tested = {fused_blocks.qualified_name(type(make_model(name).model.layers[0].self_attn))
+              for name in FUSED_MODELS}
+    assert tested == set(fused_attention.FUSED_ATTENTION)
 
 
 @pytest.mark.parametrize("name, fused", [("qwen3_moe", True), ("mixtral", False),
-                                         ("gpt_oss", False)])
+                                         ("gpt_oss", True)])
 def test_patch_model_fuses_the_registered_attention(name, fused):
     model = make_model(name)
     patch_model(model)
@@ -216,6 +254,197 @@ def test_projections_of_another_dtype_keep_the_attentions_call(launch_stood_in):
         assert mx.array_equal(g, w).item()
 
 
+@pytest.fixture
+def attention_stood_in(monkeypatch):
+    """The attention's rule saying yes as on CUDA (stood in) from 4
+    sequences, and the CPU backend given a decoding step's attention computed
+    by MLX's own
+    (`_gpu.decode_attention_by_ops`). Yields each call's queries' shape,
+    keys' count and whether it had sinks (`calls`), and the sizes the backend
+    was asked about (`asked`)."""
+    stood_in = SimpleNamespace(calls=[], asked=[])
+
+    def by_ops(queries, keys, values, sinks, *, scale, stream):
+        stood_in.calls.append((queries.shape, keys.shape[2], sinks is not None))
+        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, scale, stream=stream)
+
+    def computes(**sizes):
+        stood_in.asked.append(sizes)
+        return True
+
+    # imported here, not above: the GPU suite runs from a tree without the C++ extension
+    from mlx_moe_plan import _cpu
+
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 4)
+    monkeypatch.setattr(fused_attention, "on_cuda", lambda stream=None: True)
+    monkeypatch.setattr(_cpu.CPU, "decode_attention", by_ops, raising=False)
+    monkeypatch.setattr(_cpu.CPU, "decode_attention_computes", computes, raising=False)
+    yield stood_in
+
+
+@pytest.fixture
+def mirrored(monkeypatch):
+    """Whether each call of a fused attention's `_forward` gave its output (a
+    False: the attention's own call ran after it)."""
+    gave = []
+    forward = fused_attention._forward
+
+    def recorded(*args):
+        y = forward(*args)
+        gave.append(y is not None)
+        return y
+
+    monkeypatch.setattr(fused_attention, "_forward", recorded)
+    return gave
+
+
+@contextlib.contextmanager
+def launches_off():
+    """Neither launch's rule saying yes, inside."""
+    with pytest.MonkeyPatch.context() as off:
+        off.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)
+        off.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1 << 30)
+        yield
+
+
+def keys_counts(name: str, prompt_length: int, steps: int) -> list[int]:
+    """The keys each layer attends to at each decoding step, in call order:
+    a sliding layer of gpt-oss (its cache as long as the window) no more
+    than the window."""
+    config = CONFIGS[name]
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types", ["full_attention"] * config["num_hidden_layers"])
+    return [min(prompt_length + step, window) if kind == "sliding_attention"
+            else prompt_length + step
+            for step in range(1, steps + 1) for kind in layer_types]
+
+
+def assert_decodes_as_without_launches(model, batch: int, steps: int, seed: int) -> None:
+    """`model`, patched, decoding `steps` steps of `batch` sequences after a
+    random prompt of 6 tokens: its logits bit for bit those of a copy whose
+    launches' rules say no (a copy computes alone)."""
+    patch_model(model)
+    plain = copy.deepcopy(model)
+    prompt = mx.array(np.random.default_rng(seed).integers(0, 40, (batch, 6)))
+    got = decode(model, prompt, steps)
+    with launches_off():
+        want = decode(plain, prompt, steps)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+@pytest.mark.parametrize("name", FUSED_MODELS)
+def test_decoding_attends_by_the_launch_bit_for_bit(attention_stood_in, name, batch):
+    """Decoding steps of 4 sequences or more attend by the backend's launch,
+    once a layer a step, its stand-in computing with MLX's attention: the
+    logits of the same patched model without it, bit for bit. The prompt
+    (rows of more than one position) keeps mlx-lm's attention; the launch
+    reads the cache's keys as its update gives them, gpt-oss's sliding
+    layer's past the window's end too (its buffer rotated, no mask), and
+    gets gpt-oss's sinks."""
+    assert_decodes_as_without_launches(make_model(name), batch, 4, seed=batch)
+    config = CONFIGS[name]
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    assert attention_stood_in.calls == [((batch, heads, 1, head_dim), keys, name == "gpt_oss")
+                                        for keys in keys_counts(name, 6, 4)]
+    assert attention_stood_in.asked == [dict(head_dim=head_dim, heads=heads,
+                                             kv_heads=config["num_key_value_heads"],
+                                             dtype=mx.bfloat16)] * config["num_hidden_layers"]
+
+
+def test_both_launches_bit_for_bit(launch_stood_in, attention_stood_in, joined):
+    """Qwen3-MoE's decoding steps with both launches, its queries' and keys'
+    norms and rotations and its attention: the logits of the same patched
+    model without them, bit for bit."""
+    assert_decodes_as_without_launches(make_model(), 4, 3, seed=10)
+    config = CONFIGS["qwen3_moe"]
+    q_columns = config["num_attention_heads"] * config["head_dim"]
+    layers = config["num_hidden_layers"]
+    assert launch_stood_in == [(0, q_columns if joined else 0, (1,))] * 3 * layers
+    assert len(attention_stood_in.calls) == 3 * layers
+
+
+@pytest.mark.parametrize("name, sizes", KERNEL_HEADS)
+def test_decoding_through_the_glue_bit_for_bit(monkeypatch, name, sizes):
+    """The GPU glue's `decode_attention` (its checks and custom function), its
+    launches computed by MLX's attention, in decoding steps of heads the
+    kernel takes: the fused forwards hand it arrays it accepts (a cache's
+    slice; gpt-oss's rotated buffer and sinks), and the logits are the same
+    patched model's without it, bit for bit."""
+    launches = []
+
+    def by_ops(backend, queries, keys, values, sinks, scale, stream):
+        launches.append(keys.shape[2])
+        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, scale, stream=stream)
+
+    # imported here, not above: the GPU suite runs from a tree without the C++ extension
+    from mlx_moe_plan import _cpu
+
+    gpu = _gpu.GpuBackend("cuda")
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 4)
+    monkeypatch.setattr(fused_attention, "on_cuda", lambda stream=None: True)
+    monkeypatch.setattr(_gpu, "_decode_attention", by_ops)
+    monkeypatch.setattr(_cpu.CPU, "decode_attention", gpu.decode_attention, raising=False)
+    monkeypatch.setattr(_cpu.CPU, "decode_attention_computes", gpu.decode_attention_computes,
+                        raising=False)
+    assert_decodes_as_without_launches(make_model(name, **sizes), 4, 4, seed=13)
+    assert launches == keys_counts(name, 6, 4)
+
+
+@pytest.mark.parametrize("case", ["mask", "quantized cache", "few rows", "prompt"])
+def test_attention_launch_refused(attention_stood_in, mirrored, case):
+    """No launch where mlx-lm's attention takes a mask (a batch cache's, the
+    prompts left-padded), or attends over a quantized cache (its own
+    attention of quantized keys), for fewer sequences than the rule's, or for
+    a prompt: the attention's own call runs (the mirrored forward gives
+    nothing), and the logits are the same patched model's without it."""
+    batch, steps = (3, 2) if case == "few rows" else (4, 0 if case == "prompt" else 2)
+    # Heads of 32: mlx-lm's quantized cache quantizes them in groups of 32.
+    model = make_model(**(dict(head_dim=32) if case == "quantized cache" else {}))
+    patch_model(model)
+    plain = copy.deepcopy(model)
+
+    def cache_of(model):
+        if case == "mask":
+            return caches(model, batch, per_sequence=True)
+        if case == "quantized cache":
+            return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+        return make_prompt_cache(model)
+
+    prompt = mx.array(np.random.default_rng(11).integers(0, 40, (batch, 6)))
+    got = decode(model, prompt, steps, cache_of(model))
+    with launches_off():
+        want = decode(plain, prompt, steps, cache_of(plain))
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()
+    assert attention_stood_in.calls == []
+    # The rules' rows say no before the forward is asked; the mask and the
+    # quantized cache once it is.
+    asked = 2 * CONFIGS["qwen3_moe"]["num_hidden_layers"] if case in ("mask",
+                                                                       "quantized cache") else 0
+    assert mirrored == [False] * asked
+
+
+def test_batch_generate_with_the_attention_launch(attention_stood_in, mirrored, tmp_path):
+    """mlx-lm's batch generation, four sequences: its batch cache masks the
+    left-padded prompts, so the attention's route refuses every step and the
+    texts are those without it."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(lm_fixtures.write_model(tmp_path / "qwen3_moe", "qwen3_moe",
+                                                        bits=4)))
+    patch_model(model)
+    prompts = [tokenizer.encode(text) for text in
+               ("the router of the experts", "a token", "sum the rows of a tile", "one")]
+    got = batch_generate(model, tokenizer, prompts, max_tokens=6).texts
+    assert mirrored and not any(mirrored) and attention_stood_in.calls == []
+    with launches_off():
+        _compiled.forget(model)  # the attentions' routes, asked anew
+        want = batch_generate(model, tokenizer, prompts, max_tokens=6).texts
+    assert got == want and all(want)
+
+
 # ------------------------------------------------------------- the reference
 
 
@@ -323,7 +552,99 @@ def test_glue_names_the_bad_argument(change, argument):
         _gpu.GpuBackend("cuda").head_norm_rope(**arguments, stream=mx.default_stream(mx.cpu))
 
 
+def decode_attention_case(rng, batch, heads, kv_heads, head_dim, keys, sinks, dtype):
+    """Queries, the first `keys` keys and values of a cache's longer buffer
+    (as mlx-lm hands them over), sinks or None."""
+    def normal(shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32), dtype)
+
+    length = -(-(keys + 1) // 256) * 256
+    key_buffer, value_buffer = (normal((batch, kv_heads, length, head_dim)) for _ in range(2))
+    return (normal((batch, heads, 1, head_dim)), key_buffer[:, :, :keys],
+            value_buffer[:, :, :keys], normal((heads,)) if sinks else None)
+
+
+@pytest.mark.parametrize("change, argument", [
+    (dict(queries=mx.zeros((2, 8, 2, 64), mx.bfloat16)), "queries"),
+    (dict(queries=mx.zeros((2, 8, 1, 32), mx.bfloat16)), "keys"),
+    (dict(queries=mx.zeros((2, 8, 1, 64), mx.float32)), "queries"),
+    (dict(queries=mx.zeros((2, 5, 1, 64), mx.bfloat16)), "queries"),
+    (dict(keys=mx.zeros((2, 2, 0, 64), mx.bfloat16)), "keys"),
+    (dict(keys=mx.zeros((2, 2, 5, 64), mx.float16)), "keys"),
+    (dict(values=mx.zeros((2, 2, 4, 64), mx.bfloat16)), "values"),
+    (dict(sinks=mx.zeros((4,), mx.bfloat16)), "sinks"),
+    (dict(sinks=mx.zeros((8,), mx.float32)), "sinks"),
+])
+def test_decode_attention_glue_names_the_bad_argument(change, argument):
+    queries, keys, values, sinks = decode_attention_case(
+        np.random.default_rng(3), 2, 8, 2, 64, 5, True, mx.bfloat16)
+    arguments = dict(queries=queries, keys=keys, values=values, sinks=sinks)
+    arguments.update(change)
+    with pytest.raises(ValueError, match=f"^{argument}"):
+        _gpu.GpuBackend("cuda").decode_attention(**arguments, scale=0.125,
+                                                 stream=mx.default_stream(mx.cpu))
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_attention_glue_gradient(monkeypatch, sinks):
+    """The glue's gradient with respect to the queries, keys, values and sinks
+    is MLX's attention's (its launches stood in on the CPU by that op)."""
+    monkeypatch.setattr(_gpu, "_decode_attention",
+                        lambda backend, q, k, v, s, scale, stream:
+                        _gpu.decode_attention_by_ops(q, k, v, s, scale, stream=stream))
+    arrays = [a for a in decode_attention_case(np.random.default_rng(5), 2, 8, 2, 64, 9, sinks,
+                                               mx.float16) if a is not None]
+    stream = mx.default_stream(mx.cpu)
+
+    def through_glue(*arrays):
+        sink_logits = arrays[3] if sinks else None
+        return _gpu.GpuBackend("cuda").decode_attention(
+            *arrays[:3], sink_logits, scale=0.125, stream=stream).astype(mx.float32).sum()
+
+    def by_ops(*arrays):
+        sink_logits = arrays[3] if sinks else None
+        return _gpu.decode_attention_by_ops(*arrays[:3], sink_logits, 0.125,
+                                            stream=stream).astype(mx.float32).sum()
+
+    arguments = list(range(len(arrays)))
+    got = mx.grad(through_glue, argnums=arguments)(*arrays)
+    want = mx.grad(by_ops, argnums=arguments)(*arrays)
+    assert len(got) == len(want) == len(arrays)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item() and mx.abs(w).max().item() > 0
+
+
 # ------------------------------------------------------------------ on a GPU
+
+
+@on_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("batch, heads, kv_heads, head_dim, keys, sinks", [
+    (8, 32, 4, 128, 513, False), (64, 32, 4, 128, 2049, False), (8, 64, 8, 64, 513, True),
+    (3, 64, 8, 64, 1, True), (1, 4, 4, 128, 70, False)])
+def test_decode_attention_kernel_against_reference_and_mlx(
+        monkeypatch, dtype, batch, heads, kv_heads, head_dim, keys, sinks):
+    """The two launches on the GPU (outputs poisoned first), and MLX's own
+    attention there, each within `check_decode_attention` of the reference:
+    Qwen3-30B-A3B's heads and gpt-oss-20b's with their sinks, over a cache's
+    slice, from one key to a long context."""
+    monkeypatch.setattr(_gpu, "POISON", -7777.0)
+    queries, key_slice, value_slice, sink_logits = decode_attention_case(
+        np.random.default_rng(keys), batch, heads, kv_heads, head_dim, keys, sinks, dtype)
+    stream = mx.default_stream(mx.gpu)
+    scale = head_dim ** -0.5
+    got = _gpu.GpuBackend("cuda").decode_attention(queries, key_slice, value_slice,
+                                                   sink_logits, scale=scale, stream=stream)
+    by_mlx = _gpu.decode_attention_by_ops(queries, key_slice, value_slice, sink_logits, scale,
+                                          stream=stream)
+    name = str(dtype).rsplit(".", 1)[-1]
+    values = ref.to_numpy(value_slice)
+    expected = ref.decode_attention(ref.to_numpy(queries), ref.to_numpy(key_slice), values,
+                                    None if sink_logits is None else ref.to_numpy(sink_logits),
+                                    scale, name)
+    check_decode_attention(got, expected, values, name)
+    check_decode_attention(by_mlx, expected, values, name)
 
 
 @on_cuda
@@ -370,6 +691,7 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     plain = copy.deepcopy(model)
     monkeypatch.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1)
     monkeypatch.setattr(rules, "SIBLINGS_FROM_ROWS", 1)
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1 << 30)  # the norms' launch alone
     launches = []
     launched = _gpu._head_norm_rope
 
@@ -386,6 +708,42 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     assert launches == [joined_width] * 4 * config["num_hidden_layers"]
     with pytest.MonkeyPatch.context() as off:
         off.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)
+        want = decode(plain, prompt, 4)
+    for g, w in zip(got, want):
+        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+        np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * np.abs(w).max())
+
+
+@on_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, sizes", KERNEL_HEADS)
+def test_decoding_through_the_attention_launch_on_the_gpu(monkeypatch, name, sizes):
+    """Whole-model decoding of 8 sequences attending by the backend's launch
+    on the GPU (Qwen3-30B-A3B's and gpt-oss-20b's heads; gpt-oss's sinks, its
+    sliding layer's cache past the window's end) against the same patched
+    model attending by MLX's: logits within bfloat16's rounding (the launch
+    rounds the softmax's weights to bfloat16 before they weigh the values)."""
+    model = make_model(name, **sizes)
+    patch_model(model)
+    plain = copy.deepcopy(model)
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1)
+    monkeypatch.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)  # the attention's alone
+    backend = _backend.implementation(mx.default_stream(mx.gpu))
+    launches = []
+    launched = backend.decode_attention
+
+    def counted(queries, keys, values, sinks, *, scale, stream):
+        launches.append((queries.shape, keys.shape[2], sinks is not None))
+        return launched(queries, keys, values, sinks, scale=scale, stream=stream)
+
+    monkeypatch.setattr(backend, "decode_attention", counted)
+    prompt = mx.array(np.random.default_rng(12).integers(0, 40, (8, 6)))
+    got = decode(model, prompt, 4)
+    heads, head_dim = sizes["num_attention_heads"], sizes["head_dim"]
+    assert launches == [((8, heads, 1, head_dim), keys, name == "gpt_oss")
+                        for keys in keys_counts(name, 6, 4)]
+    with pytest.MonkeyPatch.context() as off:
+        off.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1 << 30)
         want = decode(plain, prompt, 4)
     for g, w in zip(got, want):
         g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
