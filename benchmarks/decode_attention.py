@@ -1,4 +1,4 @@
-"""A decoding step's attention on MLX's two fused paths: cuDNN's, and its vector kernel.
+"""A decoding step's attention: MLX's cuDNN path and vector kernel, and a sketch of our own.
 
     python -m benchmarks.decode_attention
     python -m benchmarks.decode_attention --models qwen3-30b-a3b --contexts 512 --batches 8

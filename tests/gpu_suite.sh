@@ -82,16 +82,18 @@
 #               192 rows and the default a step ahead (block_weights_ahead=1);
 #               DeepSeek-V3 at T = 2048 (64) in 64, 80 and 96; Qwen3-Next at T
 #               = 4096 and 8192 (80 and 160) in 80, 96 and 160.
-#   decode-attention (not in `bench`) a decoding step's attention on MLX's
-#               cuDNN path, its vector kernel and the sketch of the package's
-#               own (benchmarks.decode_attention; its tests first, a model's
-#               step through it against mlx-lm's logits among them),
-#               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and
-#               2048, batch 1 to 64, and its kernels under compute-sanitizer's
-#               three tools (CUDA); then both whole models decoding at batch 1
-#               to 64 with either form of the sketch as their attention beside
-#               the patch (step_kernels' variants attention=sketch and
-#               sketch-mma), alternated.
+#   decode-attention (not in `bench`) a decoding step's attention in the
+#               package's launches (kernels/decode_attention.h,
+#               rules.decodes_attention, off until measured): its GPU tests
+#               (against the reference and MLX's attention, outputs poisoned;
+#               whole models against mlx-lm's logits) and the benchmark's
+#               sketch's; MLX's cuDNN path, its vector kernel and the sketch
+#               (benchmarks.decode_attention), Qwen3-30B-A3B's and
+#               gpt-oss-20b's shapes, contexts 512 and 2048, batch 1 to 64; the
+#               package's kernels under compute-sanitizer's three tools (CUDA);
+#               then both whole models decoding at batch 1 to 64, the patch
+#               beside its launches from 4 sequences (on) and the sketch's
+#               tensor-core form (sketch), alternated.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -621,21 +623,21 @@ if wanted made-weights-rows; then
     "qwen3-next 4096,8192 default;$(made_weights_rows 10);$(made_weights_rows 12);$(made_weights_rows 20)"
 fi
 if wanted decode-attention; then
-  logged "$results/decode-attention-test.log" python3 -m pytest -q tests/test_benchmarks.py \
-    -k "decode_attention" -p no:cacheprovider
+  logged "$results/decode-attention-test.log" python3 -m pytest -q tests/test_fused_attention.py \
+    tests/test_benchmarks.py -k "decode_attention or attention_launch" -p no:cacheprovider
   logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck synccheck; do
       logged "$results/decode-attention-$tool.log" compute-sanitizer --tool "$tool" \
-        --error-exitcode 9 --kernel-name kns=decode_attention python3 -m benchmarks.decode_attention \
-        --contexts 300 --batches 2 --layers 2
+        --error-exitcode 9 --kernel-name kns=decode_attention python3 -m pytest -q \
+        tests/test_fused_attention.py -k "decode_attention_kernel and dtype0" -p no:cacheprovider
     done
   fi
-  sketches="cores:attention=sketch;mma:attention=sketch-mma"
+  attention="on:DECODE_ATTENTION_FROM_ROWS=4;sketch:attention=sketch-mma"
   logged "$results/decode-attention-qwen.log" python3 -m benchmarks.step_kernels --layers 48 \
-    --batches 8,4,1,32,64 --rounds 5 --variants "$sketches"
+    --batches 8,4,2,1,32,64 --rounds 5 --variants "$attention"
   logged "$results/decode-attention-gpt-oss.log" python3 -m benchmarks.step_kernels \
-    --models gpt-oss-20b --layers 24 --batches 8,32,64,1 --rounds 5 --variants "$sketches"
+    --models gpt-oss-20b --layers 24 --batches 8,32,64,4,1 --rounds 5 --variants "$attention"
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \
