@@ -252,7 +252,11 @@ class GpuBackend:
 
     def decode_attention_computes(self, *, head_dim: int, heads: int, kv_heads: int,
                                   dtype: mx.Dtype) -> bool:
-        return launch.decode_attention_computes(head_dim, heads, kv_heads, _name(dtype))
+        # Not on Metal: MSL cannot test a pointer's alignment (IS_ALIGNED16 says
+        # true there), so a view starting at an odd element would take the
+        # body's 16-byte loads; CUDA tests it and takes the plain path.
+        return self.backend == "cuda" and launch.decode_attention_computes(
+            head_dim, heads, kv_heads, _name(dtype))
 
     def decode_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                          sinks: mx.array | None, *, scale: float,
@@ -512,17 +516,13 @@ def _decode_attention(backend, queries, keys, values, sinks, scale, stream):
 
 @cache_by_stream
 def _decode_attention_function(backend, has_sinks, scale, stream):
-    if has_sinks:
-        return _gradient_by_ops(
-            lambda queries, keys, values, sinks: _decode_attention(
-                backend, queries, keys, values, sinks, scale, stream),
-            lambda *arrays: decode_attention_by_ops(*arrays, scale, stream=stream),
-            differentiable=4)
+    def sinks_apart(arrays):
+        return (*arrays[:3], arrays[3] if has_sinks else None)
+
     return _gradient_by_ops(
-        lambda queries, keys, values: _decode_attention(
-            backend, queries, keys, values, None, scale, stream),
-        lambda *arrays: decode_attention_by_ops(*arrays, None, scale, stream=stream),
-        differentiable=3)
+        lambda *arrays: _decode_attention(backend, *sinks_apart(arrays), scale, stream),
+        lambda *arrays: decode_attention_by_ops(*sinks_apart(arrays), scale, stream=stream),
+        differentiable=4 if has_sinks else 3)
 
 
 def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) -> Callable:

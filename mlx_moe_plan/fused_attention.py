@@ -11,12 +11,12 @@ copy before each norm where the projections' outputs are parts of one GEMM's
 the projections' outputs in one launch of kernels/head_norm_rope.h
 (`_backend.HeadNormRope`), reading the queries and keys where the one GEMM
 wrote them. Qwen3-MoE's and gpt-oss's attentions (the latter with its
-sinks) then attend each sequence's one query a head to its cache, which
-MLX's CUDA backend does once a query head; where `rules.decodes_attention`
-says so, with no mask and a cache of plain keys and values, the fused
-attention hands that to kernels/decode_attention.h
-(`_backend.DecodeAttention`), which reads each key and value once for the
-query heads that share it. Each launch is taken or not on its own; where
+sinks) then attend each sequence's one query a head to its cache (on CUDA
+MLX hands that to cuDNN, or to a vector kernel that reads the keys once a
+query head); where `rules.decodes_attention` says so, with no mask and a
+cache of plain keys and values, the fused attention hands that to
+kernels/decode_attention.h (`_backend.DecodeAttention`), which reads each
+key and value once for the query heads that share it. Each launch is taken or not on its own; where
 one is not, the attention's own ops run in its place, and where neither is,
 its own `__call__`.
 

@@ -410,8 +410,8 @@ DECODE_ATTENTION_FROM_ROWS = 1 << 30
 def decodes_attention(rows: int, *, cuda: bool) -> bool:
     """Whether a decoding step's attention runs in the package's launches.
 
-    On CUDA, from `DECODE_ATTENTION_FROM_ROWS` sequences (not yet measured in
-    whole steps: never). Elsewhere never until measured.
+    On CUDA, from `DECODE_ATTENTION_FROM_ROWS` sequences (not yet measured
+    enough in whole steps: never). Elsewhere never until measured.
 
     Args:
         rows (int): Rows of the step (sequences decoding together).

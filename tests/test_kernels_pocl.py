@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -1462,10 +1463,14 @@ def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, ke
     check_decode_attention(actual, expected, value_buffer[:, :, :keys_count], name)
 
 
-def test_decode_attention_scores_rising_and_falling():
-    """Scores that grow along the keys (every step raises the softmax's
-    largest, rescaling what came before) and then fall, far apart (weights
-    that underflow to 0), spread over many splits and warps."""
+@pytest.mark.parametrize("groups", [launch.DECODE_ATTENTION_GROUPS, 1])
+def test_decode_attention_scores_rising_and_falling(monkeypatch, groups):
+    """Scores that grow along the keys and then fall, far apart (weights that
+    underflow to 0): spread over many splits of one step each, and, with the
+    groups aimed at cut to 1, all in one split of 11 steps, each raising the
+    softmax's largest and rescaling what came before."""
+    monkeypatch.setattr(launch, "DECODE_ATTENTION_GROUPS", groups)
+    launch.decode_attention_launches.cache_clear()
     rng = np.random.default_rng(7)
     batch, heads, kv_heads, head_dim, keys_count = 1, 8, 1, 64, 700
     queries, key_buffer, value_buffer, _ = _attention_inputs(
@@ -1475,8 +1480,27 @@ def test_decode_attention_scores_rising_and_falling():
     key_buffer = ref.from_float32(keys, "bfloat16")
     queries = ref.from_float32(np.abs(ref.to_float32(queries, "bfloat16")) + 0.5, "bfloat16")
     actual = ocl.decode_attention(queries, key_buffer, value_buffer, keys_count, None, 0.125)
+    launch.decode_attention_launches.cache_clear()
     expected = ref.decode_attention(queries, key_buffer, value_buffer, None, 0.125, "bfloat16")
     check_decode_attention(actual, expected, value_buffer, "bfloat16")
+
+
+def test_decode_attention_items_beyond_groups():
+    """Fewer groups than work items in both launches (past MAX_GROUPS a
+    launch's groups are capped): each group takes several in turn, its group
+    memory reused after a barrier."""
+    rng = np.random.default_rng(9)
+    batch, heads, kv_heads, head_dim, keys_count = 3, 12, 4, 64, 150
+    queries, key_buffer, value_buffer, sink_logits = _attention_inputs(
+        rng, batch, heads, kv_heads, head_dim, keys_count, "float16", True)
+    split_launch, merge_launch = launch.decode_attention_launches(
+        batch, heads, kv_heads, head_dim, True, 0.125, "float16")
+    parts = ocl.run([queries, key_buffer, value_buffer],
+                    dataclasses.replace(split_launch, groups=7))
+    (actual,) = ocl.run([*parts, sink_logits], dataclasses.replace(merge_launch, groups=5))
+    expected = ref.decode_attention(queries, key_buffer, value_buffer, sink_logits, 0.125,
+                                    "float16")
+    check_decode_attention(actual, expected, value_buffer, "float16")
 
 
 def test_decode_attention_reads_any_strides():

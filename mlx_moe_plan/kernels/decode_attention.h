@@ -37,8 +37,10 @@
 // are contiguous and 16-byte aligned, as a cache's are, are loaded 16 bytes
 // at a time. Any other view (an inner stride other than 1, an unaligned
 // start) takes a plain path instead, a thread a head's dimension reading
-// value by value: slow, but it never reads past a row. A path of its own,
-// not a second kind of load in the fast one, whose registers (178 a thread
+// value by value, its weights unrounded: slow, but it never reads past a row
+// (on CUDA; Metal cannot test a pointer's alignment, so the glue offers no
+// launch there). A path of its own,
+// not a second kind of load in the fast one, whose registers (168 a thread
 // at D = 128 on sm_90a) it would raise to 237.
 // Inputs: queries InT [batch, heads, 1, D], keys InT [batch, kv_heads, keys,
 //   D], values InT (the keys' shape), each with its strides; params int32,

@@ -1217,8 +1217,10 @@ DECODE_ATTENTION_MAX_ROWS = 1024
 DECODE_ATTENTION_DTYPES = ("float16", "bfloat16")
 DECODE_ATTENTION_WARPS = 4
 # Groups the keys' splits aim at: four an SM of a GPU of 132 (an H100's or
-# H200's), so that a step of few sequences keeps enough loads in flight to
-# meet the memory's latency.
+# H200's) at heads of 64, so that a step of few sequences keeps enough loads
+# in flight to meet the memory's latency (at heads of 128 three fit an SM, 168
+# registers a thread: 528 groups are then a wave and a third, as the
+# benchmark's sketch ran them).
 DECODE_ATTENTION_GROUPS = 528
 
 
