@@ -151,10 +151,11 @@ class DecodeAttention(Protocol):
     """A backend's attention of a decoding step, where it has one."""
 
     def __call__(self, queries: mx.array, keys: mx.array, values: mx.array,
-                 sinks: mx.array | None, *, scale: float, stream: mx.Stream) -> mx.array:
-        """Each sequence's one query a head attending to all its keys, as
+                 sinks: mx.array | None, *, scale: float, stream: mx.Stream,
+                 mask: mx.array | None = None) -> mx.array:
+        """Each sequence's one query a head attending to its keys, as
         `mx.fast.scaled_dot_product_attention(queries, keys, values,
-        scale=scale, sinks=sinks)` computes it with no mask, within the
+        scale=scale, mask=mask, sinks=sinks)` computes it, within the
         rounding kernels/decode_attention.h states (the softmax's weights
         rounded to the inputs' 16-bit format before they multiply the
         values). The keys and values are read where they lie: a slice of a
@@ -172,6 +173,9 @@ class DecodeAttention(Protocol):
                 a head with no value (gpt-oss's), or None.
             scale (float): The scores' scale.
             stream (Stream): Where to run.
+            mask (array, optional): bool `[batch or 1, heads or 1, 1, keys]`,
+                false where a key is not attended (mlx-lm's batch cache's
+                left padding), or None.
 
         Returns:
             array: `[batch, heads, 1, head_dim]` in the queries' dtype.

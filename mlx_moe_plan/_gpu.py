@@ -259,16 +259,18 @@ class GpuBackend:
             head_dim, heads, kv_heads, _name(dtype))
 
     def decode_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
-                         sinks: mx.array | None, *, scale: float,
-                         stream: mx.Stream) -> mx.array:
+                         sinks: mx.array | None, *, scale: float, stream: mx.Stream,
+                         mask: mx.array | None = None) -> mx.array:
         """`_backend.DecodeAttention` in two launches: kernels/decode_attention.h
         and kernels/decode_attention_merge.h."""
         _check_decode_attention(queries.shape, keys.shape, values.shape,
                                 None if sinks is None else sinks.shape, queries.dtype,
-                                keys.dtype, values.dtype, None if sinks is None else sinks.dtype)
-        arrays = (queries, keys, values) if sinks is None else (queries, keys, values, sinks)
-        return _decode_attention_function(self.backend, sinks is not None, float(scale),
-                                          stream)(*arrays)
+                                keys.dtype, values.dtype, None if sinks is None else sinks.dtype,
+                                None if mask is None else mask.shape,
+                                None if mask is None else mask.dtype)
+        arrays = (queries, keys, values, *(a for a in (sinks, mask) if a is not None))
+        return _decode_attention_function(self.backend, sinks is not None, mask is not None,
+                                          float(scale), stream)(*arrays)
 
     def add_rms_norm_computes(self, *, dtype: mx.Dtype) -> bool:
         return _name(dtype) in launch.ROW_KINDS
@@ -470,16 +472,16 @@ def head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets, q_he
     return heads(queries_in, q_at, q_heads, q_weight), heads(keys_in, k_at, k_heads, k_weight)
 
 
-def decode_attention_by_ops(queries, keys, values, sinks, scale, stream=None):
+def decode_attention_by_ops(queries, keys, values, sinks, mask, scale, stream=None):
     """What kernels/decode_attention.h computes, by MLX's own attention, as
-    mlx-lm calls it for a decoding step (no mask): its gradient's formula."""
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+    mlx-lm calls it for a decoding step: its gradient's formula."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                 sinks=sinks, stream=stream)
 
 
 @lru_cache(maxsize=256)
 def _check_decode_attention(q_shape, k_shape, v_shape, sinks_shape, dtype, k_dtype, v_dtype,
-                            sinks_dtype) -> None:
+                            sinks_dtype, mask_shape=None, mask_dtype=None) -> None:
     """Raises ValueError, naming the argument, where decode_attention.h cannot
     take arrays of these shapes and dtypes. Cached, as `_check_head_norm_rope`."""
     if len(q_shape) != 4 or q_shape[2] != 1:
@@ -499,29 +501,47 @@ def _check_decode_attention(q_shape, k_shape, v_shape, sinks_shape, dtype, k_dty
         raise ValueError(f"values: expected {dtype} {k_shape}, got {v_dtype} {v_shape}")
     if sinks_shape is not None and (sinks_shape != (heads,) or sinks_dtype != dtype):
         raise ValueError(f"sinks: expected {dtype} [{heads}], got {sinks_dtype} {sinks_shape}")
+    if mask_shape is not None and (
+            mask_dtype != mx.bool_ or len(mask_shape) != 4 or mask_shape[0] not in (1, batch)
+            or mask_shape[1] not in (1, heads) or mask_shape[2:] != (1, k_shape[2])):
+        raise ValueError(f"mask: expected bool [1 or {batch}, 1 or {heads}, 1, {k_shape[2]}], "
+                         f"got {mask_dtype} {mask_shape}")
 
 
-def _decode_attention(backend, queries, keys, values, sinks, scale, stream):
+def _decode_attention(backend, queries, keys, values, sinks, mask, scale, stream):
     batch, heads, _, head_dim = queries.shape
     if batch == 0:
         return mx.zeros(queries.shape, queries.dtype)
     split_launch, merge_launch = launch.decode_attention_launches(
-        batch, heads, keys.shape[1], head_dim, sinks is not None, scale, _name(queries.dtype))
-    parts = _run(backend, [queries, keys, values], split_launch, stream)
-    # Without sinks the merge is handed an array it never reads.
+        batch, heads, keys.shape[1], head_dim, sinks is not None, scale, _name(queries.dtype),
+        mask is not None)
+    # Without sinks or a mask the launches are handed arrays they never read.
+    parts = _run(backend, [queries, keys, values, _unused_mask() if mask is None else mask],
+                 split_launch, stream)
     (out,) = _run(backend, [*parts, parts[1] if sinks is None else sinks], merge_launch,
                   stream)
     return out
 
 
+@cache
+def _unused_mask() -> mx.array:
+    """Stands in for an absent mask: bool, as a mask is (the kernel's test of
+    one must compile), and of 4 dimensions (its shape is handed over only
+    for an array of some). Evaluated here, as `_unused_weights`."""
+    unused = mx.ones((1, 1, 1, 1), mx.bool_)
+    mx.eval(unused)
+    return unused
+
+
 @cache_by_stream
-def _decode_attention_function(backend, has_sinks, scale, stream):
-    def sinks_apart(arrays):
-        return (*arrays[:3], arrays[3] if has_sinks else None)
+def _decode_attention_function(backend, has_sinks, has_mask, scale, stream):
+    def apart(arrays):  # queries, keys, values, sinks, mask
+        rest = iter(arrays[3:])
+        return (*arrays[:3], next(rest) if has_sinks else None, next(rest) if has_mask else None)
 
     return _gradient_by_ops(
-        lambda *arrays: _decode_attention(backend, *sinks_apart(arrays), scale, stream),
-        lambda *arrays: decode_attention_by_ops(*sinks_apart(arrays), scale, stream=stream),
+        lambda *arrays: _decode_attention(backend, *apart(arrays), scale, stream),
+        lambda *arrays: decode_attention_by_ops(*apart(arrays), scale, stream=stream),
         differentiable=4 if has_sinks else 3)
 
 

@@ -13,8 +13,9 @@ the projections' outputs in one launch of kernels/head_norm_rope.h
 wrote them. Qwen3-MoE's and gpt-oss's attentions (the latter with its
 sinks) then attend each sequence's one query a head to its cache (on CUDA
 MLX hands that to cuDNN, or to a vector kernel that reads the keys once a
-query head); where `rules.decodes_attention` says so, with no mask and a
-cache of plain keys and values, the fused attention hands that to
+query head); where `rules.decodes_attention` says so, with no mask or a
+boolean one (mlx-lm's batch cache's) and a cache of plain keys and values,
+the fused attention hands that to
 kernels/decode_attention.h (`_backend.DecodeAttention`), which reads each
 key and value once for the query heads that share it. Each launch is taken or not on its own; where
 one is not, the attention's own ops run in its place, and where neither is,
@@ -151,12 +152,14 @@ def _forward(attention: nn.Module, x: mx.array, mask, cache, entry: FusedAttenti
              code: ModuleType) -> mx.array | None:
     """The entry's forward of `attention` with the launches `_route` gives for
     `x`, the attention's only where mlx-lm would call MLX's attention with
-    no mask (a quantized cache's goes to mlx-lm's own); None where it takes
-    neither, or where the forward gives up (the attention's own call then
-    runs). `code`: the module of the attention's class."""
+    no mask or a boolean one (a quantized cache's goes to mlx-lm's own);
+    None where it takes neither, or where the forward gives up (the
+    attention's own call then runs). `code`: the module of the attention's
+    class."""
     route = _route(attention, x, entry)
+    boolean_mask = mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_)
     launches = Launches(route.head_norm_rope,
-                        route.attention and mask is None and not hasattr(cache, "bits"))
+                        route.attention and boolean_mask and not hasattr(cache, "bits"))
     if not any(launches):
         return None
     return entry.forward(attention, x, mask, cache, launches, code)
@@ -205,13 +208,18 @@ def _attention(launch: bool, dtype: mx.Dtype, queries: mx.array, keys: mx.array,
     """mlx-lm's `scaled_dot_product_attention` of `code` as the attentions
     call it, or, where `launch` and the queries, keys, values and sinks are
     all of `dtype` (the rows' dtype, which the route asked the backend
-    about), the backend's `decode_attention`: the same attention with no
-    mask."""
+    about) and the mask, if any, one a sequence or all and one a head or
+    all over the keys, the backend's `decode_attention`: the same
+    attention."""
+    batch, heads = queries.shape[:2]
     if (launch and queries.dtype == keys.dtype == values.dtype == dtype
-            and (sinks is None or sinks.dtype == dtype) and keys.shape[-2] >= 1):
+            and (sinks is None or sinks.dtype == dtype) and keys.shape[-2] >= 1
+            and (mask is None or (mask.ndim == 4 and mask.shape[0] in (1, batch)
+                                  and mask.shape[1] in (1, heads)
+                                  and mask.shape[2:] == (1, keys.shape[-2])))):
         stream = _backend.resolve_stream(None)
         return _backend.implementation(stream).decode_attention(
-            queries, keys, values, sinks, scale=scale, stream=stream)
+            queries, keys, values, sinks, scale=scale, stream=stream, mask=mask)
     return code.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
                                              mask=mask, sinks=sinks)
 

@@ -358,7 +358,7 @@ def patch_model(model: nn.Module, *, tile_m: int | None = None, fuse: bool = Tru
     a decoding step's queries and keys in one launch where
     `rules.fuses_head_norm_rope` says so (Qwen3-MoE's) and attend in the
     backend's `decode_attention` where `rules.decodes_attention` says so
-    (with no mask, the cache not quantized), and the models of
+    (with no mask or a boolean one, the cache not quantized), and the models of
     `fused_model.FUSED_MODELS` `FusedModel`s, which make a decoding step's
     residual adds and the RMS norms after them one launch each where
     `rules.fuses_add_rms_norm` says so. With

@@ -276,11 +276,13 @@ def head_norm_rope(queries_in, keys_in, q_weight, k_weight, offsets, q_heads: in
 
 
 def decode_attention(queries, keys, values, sinks, scale: float,
-                     dtype: str = "bfloat16") -> np.ndarray:
+                     dtype: str = "bfloat16", mask=None) -> np.ndarray:
     """A decoding step's attention in float64: `queries` `[batch, heads, 1,
     head_dim]`, `keys` and `values` `[batch, kv_heads, keys, head_dim]` (query
     head h attends to key-value head h // (heads // kv_heads)), `sinks`
-    `[heads]` or None (a logit a head with no value), all stored as `dtype`.
+    `[heads]` or None (a logit a head with no value), all stored as `dtype`;
+    `mask` bool, broadcast to `[batch, heads, 1, keys]`, false where a key is
+    not attended, or None.
     Returns `[batch, heads, 1, head_dim]` float64, unrounded: the kernel rounds
     the softmax's weights to `dtype` before they multiply the values, and
     its float32 sums in its own order (kernels/decode_attention.h)."""
@@ -290,6 +292,8 @@ def decode_attention(queries, keys, values, sinks, scale: float,
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scores = scale * q @ k.swapaxes(-1, -2)  # [batch, heads, 1, keys]
+    if mask is not None:
+        scores = np.where(np.asarray(mask, bool), scores, -np.inf)
     if sinks is not None:
         sink = to_float32(np.asarray(sinks), dtype).astype(np.float64)
         scores = np.concatenate(

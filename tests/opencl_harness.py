@@ -67,8 +67,8 @@ _ARG_TYPES = {"src": "InT", "out": "OutT", "weights": "float", "row_weights": "f
 
 # Where a body's argument of a name above has another type.
 _BODY_ARG_TYPES = {
-    "decode_attention": {"queries": "InT", "keys": "InT", "values": "InT", "part_out": "float",
-                         "part_max": "float", "part_sum": "float"},
+    "decode_attention": {"queries": "InT", "keys": "InT", "values": "InT", "mask": "uchar",
+                         "part_out": "float", "part_max": "float", "part_sum": "float"},
     "decode_attention_merge": {"part_out": "float", "part_max": "float", "part_sum": "float",
                                "sinks": "InT"},
 }
@@ -415,21 +415,24 @@ def add_rms_norm(residual: np.ndarray, update: np.ndarray, weight: np.ndarray,
 
 
 def decode_attention(queries: np.ndarray, key_buffer: np.ndarray, value_buffer: np.ndarray,
-                     keys_count: int, sinks: np.ndarray | None, scale: float) -> np.ndarray:
+                     keys_count: int, sinks: np.ndarray | None, scale: float,
+                     mask: np.ndarray | None = None) -> np.ndarray:
     """A decoding step's attention as `_gpu.GpuBackend.decode_attention` runs it:
     `queries` [batch, heads, 1, head_dim] float16 or uint16 (bfloat16 bits),
     the first `keys_count` keys and values of `key_buffer` and `value_buffer`
     [batch, kv_heads, length, head_dim] of the same storage, read where they
-    lie (a cache's slice), `sinks` [heads] or None."""
+    lie (a cache's slice), `sinks` [heads] or None, `mask` bool [batch or 1,
+    heads or 1, 1, keys_count] or None."""
     batch, heads, _, head_dim = queries.shape
     kv_heads = key_buffer.shape[1]
     dtype = dtype_name(queries)
     split_launch, merge_launch = launch.decode_attention_launches(
-        batch, heads, kv_heads, head_dim, sinks is not None, scale, dtype)
+        batch, heads, kv_heads, head_dim, sinks is not None, scale, dtype, mask is not None)
     views = {name: ((batch, kv_heads, keys_count, head_dim),
                     tuple(stride // buffer.itemsize for stride in buffer.strides))
              for name, buffer in (("keys", key_buffer), ("values", value_buffer))}
-    parts = run([queries, key_buffer, value_buffer], split_launch, views)
+    mask = np.ones((1, 1, 1, 1), bool) if mask is None else mask  # an unread stand-in
+    parts = run([queries, key_buffer, value_buffer, mask], split_launch, views)
     (out,) = run([*parts, queries.reshape(-1)[:heads] if sinks is None else sinks],
                  merge_launch)
     return out

@@ -37,7 +37,8 @@ NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-              mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint16: "uint16_t"}
+              mx.bool_: "bool", mx.int32: "int32_t", mx.uint32: "uint32_t",
+              mx.uint16: "uint16_t"}
 HEADER = ("#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
           "#include <cooperative_groups.h>\n#include <cuda/std/array>\n")
 # The types of an input's shape and strides, as MLX's device/utils.cuh

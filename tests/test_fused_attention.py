@@ -262,11 +262,13 @@ def attention_stood_in(monkeypatch):
     (`_gpu.decode_attention_by_ops`). Yields each call's queries' shape,
     keys' count and whether it had sinks (`calls`), and the sizes the backend
     was asked about (`asked`)."""
-    stood_in = SimpleNamespace(calls=[], asked=[])
+    stood_in = SimpleNamespace(calls=[], asked=[], masks=[])
 
-    def by_ops(queries, keys, values, sinks, *, scale, stream):
+    def by_ops(queries, keys, values, sinks, *, scale, stream, mask=None):
         stood_in.calls.append((queries.shape, keys.shape[2], sinks is not None))
-        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, scale, stream=stream)
+        stood_in.masks.append(None if mask is None else mask.shape)
+        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, mask, scale,
+                                            stream=stream)
 
     def computes(**sizes):
         stood_in.asked.append(sizes)
@@ -374,9 +376,10 @@ def test_decoding_through_the_glue_bit_for_bit(monkeypatch, name, sizes):
     patched model's without it, bit for bit."""
     launches = []
 
-    def by_ops(backend, queries, keys, values, sinks, scale, stream):
+    def by_ops(backend, queries, keys, values, sinks, mask, scale, stream):
         launches.append(keys.shape[2])
-        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, scale, stream=stream)
+        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, mask, scale,
+                                            stream=stream)
 
     # imported here, not above: the GPU suite runs from a tree without the C++ extension
     from mlx_moe_plan import _cpu
@@ -392,13 +395,12 @@ def test_decoding_through_the_glue_bit_for_bit(monkeypatch, name, sizes):
     assert launches == keys_counts(name, 6, 4)
 
 
-@pytest.mark.parametrize("case", ["mask", "quantized cache", "few rows", "prompt"])
+@pytest.mark.parametrize("case", ["quantized cache", "few rows", "prompt"])
 def test_attention_launch_refused(attention_stood_in, mirrored, case):
-    """No launch where mlx-lm's attention takes a mask (a batch cache's, the
-    prompts left-padded), or attends over a quantized cache (its own
-    attention of quantized keys), for fewer sequences than the rule's, or for
-    a prompt: the attention's own call runs (the mirrored forward gives
-    nothing), and the logits are the same patched model's without it."""
+    """No launch where mlx-lm's attention attends over a quantized cache (its
+    own attention of quantized keys), for fewer sequences than the rule's,
+    or for a prompt: the attention's own call runs (the mirrored forward
+    gives nothing), and the logits are the same patched model's without it."""
     batch, steps = (3, 2) if case == "few rows" else (4, 0 if case == "prompt" else 2)
     # Heads of 32: mlx-lm's quantized cache quantizes them in groups of 32.
     model = make_model(**(dict(head_dim=32) if case == "quantized cache" else {}))
@@ -406,8 +408,6 @@ def test_attention_launch_refused(attention_stood_in, mirrored, case):
     plain = copy.deepcopy(model)
 
     def cache_of(model):
-        if case == "mask":
-            return caches(model, batch, per_sequence=True)
         if case == "quantized cache":
             return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
         return make_prompt_cache(model)
@@ -419,17 +419,37 @@ def test_attention_launch_refused(attention_stood_in, mirrored, case):
     for g, w in zip(got, want):
         assert mx.array_equal(g, w).item()
     assert attention_stood_in.calls == []
-    # The rules' rows say no before the forward is asked; the mask and the
-    # quantized cache once it is.
-    asked = 2 * CONFIGS["qwen3_moe"]["num_hidden_layers"] if case in ("mask",
-                                                                       "quantized cache") else 0
+    # The rules' rows say no before the forward is asked; the quantized cache
+    # once it is.
+    asked = 2 * CONFIGS["qwen3_moe"]["num_hidden_layers"] if case == "quantized cache" else 0
     assert mirrored == [False] * asked
+
+
+def test_attention_launch_refuses_an_additive_mask(attention_stood_in):
+    """A mask the launch does not take (additive) keeps mlx-lm's attention:
+    the same bits as the attention's own call, no launch."""
+    model = make_model()
+    patch_model(model)
+    attention = model.layers[0].self_attn
+    rng = np.random.default_rng(17)
+    x = mx.array(rng.standard_normal((4, 1, CONFIGS["qwen3_moe"]["hidden_size"])), mx.bfloat16)
+    keys = mx.array(rng.standard_normal((4, attention.n_kv_heads, 5, 16)), mx.bfloat16)
+    caches_made = make_prompt_cache(model)[:2]
+    for cache in caches_made:
+        cache.update_and_fetch(keys, keys)
+    additive = mx.array(rng.standard_normal((4, 1, 1, 6)), mx.bfloat16)
+    got = attention(x, mask=additive, cache=caches_made[0])
+    own_call = type(attention).__mro__[1].__call__
+    want = own_call(attention, x, mask=additive, cache=caches_made[1])
+    assert attention_stood_in.calls == []
+    assert mx.array_equal(got, want).item()
 
 
 def test_batch_generate_with_the_attention_launch(attention_stood_in, mirrored, tmp_path):
     """mlx-lm's batch generation, four sequences: its batch cache masks the
-    left-padded prompts, so the attention's route refuses every step and the
-    texts are those without it."""
+    left-padded prompts with a boolean mask a sequence, which the launch
+    takes (once a layer a decoding step), and the texts are those without
+    it."""
     from mlx_lm import load
 
     model, tokenizer = load(str(lm_fixtures.write_model(tmp_path / "qwen3_moe", "qwen3_moe",
@@ -438,7 +458,9 @@ def test_batch_generate_with_the_attention_launch(attention_stood_in, mirrored, 
     prompts = [tokenizer.encode(text) for text in
                ("the router of the experts", "a token", "sum the rows of a tile", "one")]
     got = batch_generate(model, tokenizer, prompts, max_tokens=6).texts
-    assert mirrored and not any(mirrored) and attention_stood_in.calls == []
+    assert mirrored and all(mirrored) and attention_stood_in.calls
+    assert all(shape is not None and shape[0] == 4 and shape[1:3] == (1, 1)
+               for shape in attention_stood_in.masks)
     with launches_off():
         _compiled.forget(model)  # the attentions' routes, asked anew
         want = batch_generate(model, tokenizer, prompts, max_tokens=6).texts
@@ -574,6 +596,9 @@ def decode_attention_case(rng, batch, heads, kv_heads, head_dim, keys, sinks, dt
     (dict(values=mx.zeros((2, 2, 4, 64), mx.bfloat16)), "values"),
     (dict(sinks=mx.zeros((4,), mx.bfloat16)), "sinks"),
     (dict(sinks=mx.zeros((8,), mx.float32)), "sinks"),
+    (dict(mask=mx.ones((2, 1, 1, 4), mx.bool_)), "mask"),
+    (dict(mask=mx.ones((2, 3, 1, 5), mx.bool_)), "mask"),
+    (dict(mask=mx.zeros((2, 1, 1, 5), mx.float16)), "mask"),
 ])
 def test_decode_attention_glue_names_the_bad_argument(change, argument):
     queries, keys, values, sinks = decode_attention_case(
@@ -590,8 +615,8 @@ def test_decode_attention_glue_gradient(monkeypatch, sinks):
     """The glue's gradient with respect to the queries, keys, values and sinks
     is MLX's attention's (its launches stood in on the CPU by that op)."""
     monkeypatch.setattr(_gpu, "_decode_attention",
-                        lambda backend, q, k, v, s, scale, stream:
-                        _gpu.decode_attention_by_ops(q, k, v, s, scale, stream=stream))
+                        lambda backend, q, k, v, s, m, scale, stream:
+                        _gpu.decode_attention_by_ops(q, k, v, s, m, scale, stream=stream))
     arrays = [a for a in decode_attention_case(np.random.default_rng(5), 2, 8, 2, 64, 9, sinks,
                                                mx.float16) if a is not None]
     stream = mx.default_stream(mx.cpu)
@@ -603,7 +628,7 @@ def test_decode_attention_glue_gradient(monkeypatch, sinks):
 
     def by_ops(*arrays):
         sink_logits = arrays[3] if sinks else None
-        return _gpu.decode_attention_by_ops(*arrays[:3], sink_logits, 0.125,
+        return _gpu.decode_attention_by_ops(*arrays[:3], sink_logits, None, 0.125,
                                             stream=stream).astype(mx.float32).sum()
 
     arguments = list(range(len(arrays)))
@@ -636,8 +661,8 @@ def test_decode_attention_kernel_against_reference_and_mlx(
     scale = head_dim ** -0.5
     got = _gpu.GpuBackend("cuda").decode_attention(queries, key_slice, value_slice,
                                                    sink_logits, scale=scale, stream=stream)
-    by_mlx = _gpu.decode_attention_by_ops(queries, key_slice, value_slice, sink_logits, scale,
-                                          stream=stream)
+    by_mlx = _gpu.decode_attention_by_ops(queries, key_slice, value_slice, sink_logits, None,
+                                          scale, stream=stream)
     name = str(dtype).rsplit(".", 1)[-1]
     values = ref.to_numpy(value_slice)
     expected = ref.decode_attention(ref.to_numpy(queries), ref.to_numpy(key_slice), values,
@@ -645,6 +670,15 @@ def test_decode_attention_kernel_against_reference_and_mlx(
                                     scale, name)
     check_decode_attention(got, expected, values, name)
     check_decode_attention(by_mlx, expected, values, name)
+    # mlx-lm's batch cache's mask: each sequence's left padding taken out.
+    padding = np.random.default_rng(1).integers(0, keys, batch)
+    mask = mx.array(np.arange(keys)[None, None, None, :] >= padding[:, None, None, None])
+    got = _gpu.GpuBackend("cuda").decode_attention(queries, key_slice, value_slice, sink_logits,
+                                                   scale=scale, stream=stream, mask=mask)
+    expected = ref.decode_attention(ref.to_numpy(queries), ref.to_numpy(key_slice), values,
+                                    None if sink_logits is None else ref.to_numpy(sink_logits),
+                                    scale, name, np.array(mask))
+    check_decode_attention(got, expected, values, name)
 
 
 @on_cuda

@@ -1440,14 +1440,17 @@ def _attention_inputs(rng, batch, heads, kv_heads, head_dim, length, name, sinks
        group=st.sampled_from([1, 2, 3, 8, 16]), head_dim=st.sampled_from([64, 128]),
        keys_count=st.sampled_from([1, 2, 15, 16, 17, 63, 64, 65, 129]),
        spare=st.sampled_from([0, 1, 37]), sinks=st.booleans(),
+       mask_shape=st.sampled_from([None, "sequences", "heads", "both"]),
        name=st.sampled_from(launch.DECODE_ATTENTION_DTYPES),
        scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**32 - 1))
 def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, keys_count, spare,
-                                            sinks, name, scale, seed):
+                                            sinks, mask_shape, name, scale, seed):
     """The first `keys_count` keys of a longer buffer (a cache's slice, read
     where it lies), one key to several splits' worth, key-value heads shared
     by 1 to 16 query heads (rows of the tensor cores' 16 unused or all), with
-    and without sinks, against the float64 reference within
+    and without sinks, with and without a boolean mask (a sequence's,
+    a head's or both's, broadcast over the other, the step's own last key
+    always attended as in mlx-lm's), against the float64 reference within
     `check_decode_attention`; every output written (the harness poisons
     them, the parts too)."""
     assume(launch.decode_attention_computes(head_dim, group * kv_heads, kv_heads, name))
@@ -1456,10 +1459,17 @@ def test_decode_attention_matches_reference(batch, kv_heads, group, head_dim, ke
     scale = head_dim ** -0.5 if scale is None else scale
     queries, key_buffer, value_buffer, sink_logits = _attention_inputs(
         rng, batch, heads, kv_heads, head_dim, keys_count + spare, name, sinks, spread=2.0)
+    mask = None
+    if mask_shape is not None:
+        shape = (batch if mask_shape in ("sequences", "both") else 1,
+                 heads if mask_shape in ("heads", "both") else 1, 1, keys_count)
+        mask = rng.random(shape) < 0.7
+        mask[..., -1] = True
     actual = ocl.decode_attention(queries, key_buffer, value_buffer, keys_count, sink_logits,
-                                  scale)
+                                  scale, mask)
     expected = ref.decode_attention(queries, key_buffer[:, :, :keys_count],
-                                    value_buffer[:, :, :keys_count], sink_logits, scale, name)
+                                    value_buffer[:, :, :keys_count], sink_logits, scale, name,
+                                    mask)
     check_decode_attention(actual, expected, value_buffer[:, :, :keys_count], name)
 
 
@@ -1495,7 +1505,7 @@ def test_decode_attention_items_beyond_groups():
         rng, batch, heads, kv_heads, head_dim, keys_count, "float16", True)
     split_launch, merge_launch = launch.decode_attention_launches(
         batch, heads, kv_heads, head_dim, True, 0.125, "float16")
-    parts = ocl.run([queries, key_buffer, value_buffer],
+    parts = ocl.run([queries, key_buffer, value_buffer, np.ones((1, 1, 1, 1), bool)],
                     dataclasses.replace(split_launch, groups=7))
     (actual,) = ocl.run([*parts, sink_logits], dataclasses.replace(merge_launch, groups=5))
     expected = ref.decode_attention(queries, key_buffer, value_buffer, sink_logits, 0.125,
@@ -1519,7 +1529,8 @@ def test_decode_attention_reads_any_strides():
     views = {"keys": ((batch, kv_heads, keys_count, head_dim), strides),
              "values": ((batch, kv_heads, keys_count, head_dim), strides)}
     with ocl.unaligned_buffers():
-        parts = ocl.run([queries, wide_keys, wide_values], split_launch, views)
+        parts = ocl.run([queries, wide_keys, wide_values, np.ones((1, 1, 1, 1), bool)],
+                        split_launch, views)
     (actual,) = ocl.run([*parts, sink_logits], merge_launch)
     keys, values = (wide[:, :, :keys_count, ::2] for wide in (wide_keys, wide_values))
     expected = ref.decode_attention(queries, keys, values, sink_logits, head_dim ** -0.5,

@@ -183,16 +183,18 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                                norm, mx.zeros((2,), mx.int32), batch=2, q_heads=1, k_heads=2,
                                q_at=0, k_at=0, eps=1e-5, base=1e4, scale=0.5, stream=None)
         # decode_attention: Qwen3-30B-A3B's heads over a cache's slice,
-        # gpt-oss-20b's with their sinks, and one head of one key.
+        # gpt-oss-20b's with their sinks, and one head of one key; without a
+        # mask and with a batch cache's.
         for dtype in (mx.float16, mx.bfloat16):
             for batch, heads, kv_heads, head_dim, keys, sinks in [
                     (8, 32, 4, 128, 513, False), (8, 64, 8, 64, 513, True),
                     (1, 1, 1, 64, 1, False)]:
                 buffer = mx.zeros((batch, kv_heads, keys + 255, head_dim), dtype)
-                gpu.decode_attention(
-                    mx.zeros((batch, heads, 1, head_dim), dtype), buffer[:, :, :keys],
-                    buffer[:, :, :keys], mx.zeros((heads,), dtype) if sinks else None,
-                    scale=head_dim ** -0.5, stream=None)
+                for mask in (None, mx.ones((batch, 1, 1, keys), mx.bool_)):
+                    gpu.decode_attention(
+                        mx.zeros((batch, heads, 1, head_dim), dtype), buffer[:, :, :keys],
+                        buffer[:, :, :keys], mx.zeros((heads,), dtype) if sinks else None,
+                        scale=head_dim ** -0.5, stream=None, mask=mask)
         # add_rms_norm: a decoding step's rows of Qwen3-30B-A3B's width, and
         # rows narrower than a warp.
         for dtype in ROW_DTYPES:

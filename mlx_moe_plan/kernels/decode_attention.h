@@ -42,14 +42,20 @@
 // launch there). A path of its own,
 // not a second kind of load in the fast one, whose registers (168 a thread
 // at D = 128 on sm_90a) it would raise to 237.
+// With HAS_MASK a boolean mask takes keys out, as mlx-lm's batch cache's
+// does (its sequences' left padding): mask[b, head, 0, key], its sequence and
+// head dimensions of 1 or full (broadcast), false where the key is not
+// attended. A head none of whose keys is attended (and no sink) gets 0 / 0.
 // Inputs: queries InT [batch, heads, 1, D], keys InT [batch, kv_heads, keys,
-//   D], values InT (the keys' shape), each with its strides; params int32,
-//   the fields of launch.py's DecodeAttentionParams in order (read below).
+//   D], values InT (the keys' shape), each with its strides; mask bool
+//   [batch or 1, heads or 1, 1, keys] with its shape and strides (not read
+//   without HAS_MASK); params int32, the fields of launch.py's
+//   DecodeAttentionParams in order (read below).
 // Outputs: part_out float [batch * heads * splits, D], part_max float
 //   [batch * heads * splits], part_sum float (row (b * heads + head) * splits
 //   + split).
 // Template constants: InT, IN_KIND (1 float16, 2 bfloat16), D (64 or 128),
-//   G (query heads a key-value head; G * D <= 1024, G <= 16), WARPS.
+//   G (query heads a key-value head; G * D <= 1024, G <= 16), WARPS, HAS_MASK.
 const int batch = params[0];
 const int heads = params[1];
 const int kv_heads = params[2];
@@ -72,6 +78,10 @@ const bool rows16 = q_inner == 1 && k_inner == 1 && v_inner == 1
     && queries_strides[0] % 8 == 0 && queries_strides[1] % 8 == 0
     && keys_strides[0] % 8 == 0 && keys_strides[1] % 8 == 0 && keys_strides[2] % 8 == 0
     && values_strides[0] % 8 == 0 && values_strides[1] % 8 == 0 && values_strides[2] % 8 == 0;
+// The mask's strides, 0 along a dimension it broadcasts.
+const i64 mask_batch_stride = HAS_MASK ? (mask_shape[0] > 1 ? mask_strides[0] : 0) : 0;
+const i64 mask_head_stride = HAS_MASK ? (mask_shape[1] > 1 ? mask_strides[1] : 0) : 0;
+const i64 mask_key_stride = HAS_MASK ? mask_strides[3] : 0;
 const int steps = (keys_count + STEP - 1) / STEP;
 const int split_keys = (steps + splits - 1) / splits * STEP;
 const int items = batch * kv_heads * splits;
@@ -81,6 +91,7 @@ for (int item = GROUP_ID; item < items; item += NUM_GROUPS) {
   const int b = item / (splits * kv_heads);
   const int start = min(split * split_keys, keys_count);
   const int stop = min(start + split_keys, keys_count);
+  const i64 mask_at = b * mask_batch_stride + kv_head * G * mask_head_stride;
   if (!rows16) {
     for (int i = LOCAL_ID; i < G * D; i += WARPS * 32) {
       const int head = i / D, d = i % D;
@@ -89,6 +100,9 @@ for (int item = GROUP_ID; item < items; item += NUM_GROUPS) {
       const i64 values_at = b * values_strides[0] + kv_head * values_strides[1];
       float top = -1e30f, sum = 0.0f, total = 0.0f;
       for (int key = start; key < stop; ++key) {
+        if (HAS_MASK) {
+          if (!mask[mask_at + head * mask_head_stride + key * mask_key_stride]) continue;
+        }
         float dot = 0.0f;
         for (int e = 0; e < D; ++e)
           dot += LOAD_IN(queries, query_at + e * q_inner)
@@ -190,7 +204,11 @@ for (int item = GROUP_ID; item < items; item += NUM_GROUPS) {
       }
       UNROLL
       for (int c = 0; c < 4; ++c) {
-        const bool valid = warp_first + 8 * u + 2 * t + (c & 1) < stop;
+        const int key = warp_first + 8 * u + 2 * t + (c & 1);
+        const int row = min(g + 8 * (c / 2), G - 1);
+        bool valid = key < stop;
+        if (HAS_MASK)
+          valid = valid && mask[mask_at + row * mask_head_stride + key * mask_key_stride];
         score[u][c] = valid ? score[u][c] * scale_log2 : -INFINITY;
       }
     }

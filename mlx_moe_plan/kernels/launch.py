@@ -67,7 +67,7 @@ INPUTS_OUTPUTS = {
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
     "head_norm_rope": (("queries_in", "keys_in", "q_weight", "k_weight", "offsets", "params"),
                        ("queries", "keys")),
-    "decode_attention": (("queries", "keys", "values", "params"),
+    "decode_attention": (("queries", "keys", "values", "mask", "params"),
                          ("part_out", "part_max", "part_sum")),
     "decode_attention_merge": (("part_out", "part_max", "part_sum", "sinks", "params"),
                                ("out",)),
@@ -1236,9 +1236,11 @@ def decode_attention_computes(head_dim: int, heads: int, kv_heads: int, dtype: s
 
 @lru_cache(maxsize=256)
 def decode_attention_launches(batch: int, heads: int, kv_heads: int, head_dim: int,
-                              has_sinks: bool, scale: float, dtype: str) -> tuple[Launch, Launch]:
+                              has_sinks: bool, scale: float, dtype: str,
+                              has_mask: bool = False) -> tuple[Launch, Launch]:
     """decode_attention.h's launch, then decode_attention_merge.h's, for `batch
-    >= 1` sequences of heads `decode_attention_computes` takes. The splits
+    >= 1` sequences of heads `decode_attention_computes` takes, with a mask
+    or not (`has_mask`). The splits
     depend on the sequences and heads only, not the keys' count, which the
     body reads from the keys' shape: one pair of launches for every context
     (where the keys are few, the last splits have none)."""
@@ -1252,7 +1254,8 @@ def decode_attention_launches(batch: int, heads: int, kv_heads: int, head_dim: i
         Launch("decode_attention", min(sequences * splits, MAX_GROUPS),
                32 * DECODE_ATTENTION_WARPS, params,
                (("InT", dtype), ("IN_KIND", in_kind), ("D", head_dim),
-                ("G", heads // kv_heads), ("WARPS", DECODE_ATTENTION_WARPS)),
+                ("G", heads // kv_heads), ("WARPS", DECODE_ATTENTION_WARPS),
+                ("HAS_MASK", bool(has_mask))),
                (((parts, head_dim), "float32"), ((parts,), "float32"), ((parts,), "float32"))),
         Launch("decode_attention_merge", min(batch * heads, MAX_GROUPS), head_dim, params,
                (("InT", dtype), ("OutT", dtype), ("D", head_dim),
