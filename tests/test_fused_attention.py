@@ -610,25 +610,29 @@ def test_decode_attention_glue_names_the_bad_argument(change, argument):
                                                  stream=mx.default_stream(mx.cpu))
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-def test_decode_attention_glue_gradient(monkeypatch, sinks):
+@pytest.mark.parametrize("sinks, masked", [(False, False), (True, False), (False, True)])
+def test_decode_attention_glue_gradient(monkeypatch, sinks, masked):
     """The glue's gradient with respect to the queries, keys, values and sinks
-    is MLX's attention's (its launches stood in on the CPU by that op)."""
+    is MLX's attention's (its launches stood in on the CPU by that op), a
+    mask's keys taken out."""
     monkeypatch.setattr(_gpu, "_decode_attention",
                         lambda backend, q, k, v, s, m, scale, stream:
                         _gpu.decode_attention_by_ops(q, k, v, s, m, scale, stream=stream))
     arrays = [a for a in decode_attention_case(np.random.default_rng(5), 2, 8, 2, 64, 9, sinks,
                                                mx.float16) if a is not None]
+    mask = mx.array(np.arange(9)[None, None, None, :] >= np.array([0, 3])[:, None, None, None]) \
+        if masked else None
     stream = mx.default_stream(mx.cpu)
 
     def through_glue(*arrays):
         sink_logits = arrays[3] if sinks else None
         return _gpu.GpuBackend("cuda").decode_attention(
-            *arrays[:3], sink_logits, scale=0.125, stream=stream).astype(mx.float32).sum()
+            *arrays[:3], sink_logits, scale=0.125, stream=stream,
+            mask=mask).astype(mx.float32).sum()
 
     def by_ops(*arrays):
         sink_logits = arrays[3] if sinks else None
-        return _gpu.decode_attention_by_ops(*arrays[:3], sink_logits, None, 0.125,
+        return _gpu.decode_attention_by_ops(*arrays[:3], sink_logits, mask, 0.125,
                                             stream=stream).astype(mx.float32).sum()
 
     arguments = list(range(len(arrays)))
