@@ -39,9 +39,9 @@
 // start) takes a plain path instead, a thread a head's dimension reading
 // value by value, its weights unrounded: slow, but it never reads past a row
 // (on CUDA; Metal cannot test a pointer's alignment, so the glue offers no
-// launch there). A path of its own,
-// not a second kind of load in the fast one, whose registers (168 a thread
-// at D = 128 on sm_90a) it would raise to 237.
+// launch there). A path of its own, not a second kind of load in the fast
+// one, whose registers (168 a thread at D = 128 on sm_90a) it would raise to
+// 237.
 // With HAS_MASK a boolean mask takes keys out, as mlx-lm's batch cache's
 // does (its sequences' left padding): mask[b, head, 0, key], its sequence and
 // head dimensions of 1 or full (broadcast), false where the key is not
