@@ -458,11 +458,30 @@ def decode_pipelined(model, cache, first: mx.array, steps: int) -> float:
     return (time.perf_counter() - start) / (steps + 1)
 
 
-def fill_context(patched, batch: int, context: int, vocab: int):
+# With `fill_context`'s batch caches, sequence b's prompt is shorter than the
+# context by (b % BATCH_CACHE_SPREAD) * BATCH_CACHE_PADDING tokens.
+BATCH_CACHE_SPREAD = 4
+BATCH_CACHE_PADDING = 16
+
+
+def fill_context(patched, batch: int, context: int, vocab: int, batch_cache: bool = False):
     """A cache holding `context` tokens of `batch` sequences (filled by the
-    patched model, the faster; both sides then decode from the same state)."""
+    patched model, the faster; both sides then decode from the same state).
+    With `batch_cache`, as mlx-lm's batch generation holds them: each
+    sequence's prompt filled alone, of up to (BATCH_CACHE_SPREAD - 1) *
+    BATCH_CACHE_PADDING tokens fewer, then merged into batch caches (their
+    prompts left-padded to the longest, a boolean mask every step)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    if batch_cache:
+        prompts = []
+        for b in range(batch):
+            length = context - (b % BATCH_CACHE_SPREAD) * BATCH_CACHE_PADDING
+            one, _ = fill_context(patched, 1, max(length, 1), vocab)
+            prompts.append(one)
+        cache = [layer[0].merge(list(layer)) for layer in zip(*prompts)]
+        mx.eval([c.state for c in cache])
+        return cache, mx.random.randint(0, vocab, (batch, 1))
     cache = make_prompt_cache(patched)
     tokens = mx.random.randint(0, vocab, (batch, context))
     step = max(PREFILL_STEP // batch, 1)

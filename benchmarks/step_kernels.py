@@ -296,7 +296,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
                     return [0.0], [seconds]
             else:
                 cache, y = fill_context(patched, int(case.split()[1]), args.context,
-                                        config["vocab_size"])
+                                        config["vocab_size"], args.batch_cache)
 
                 def run(side, cache=cache, y=y):
                     return decode_steps(side, cache, y, TIMED_STEPS, UNTIMED_STEPS)[:2]
@@ -338,6 +338,10 @@ def main(argv=None) -> int:
                         help="comma list of batch sizes (default: %(default)s)")
     parser.add_argument("--context", type=int, default=512,
                         help="tokens in the cache (default: %(default)s)")
+    parser.add_argument("--batch-cache", action="store_true",
+                        help="decode from mlx-lm's batch caches, as its batch generation "
+                             "and server do: prompts of up to 48 tokens fewer, left-padded, "
+                             "a mask every step (default: one cache of equal prompts)")
     parser.add_argument("--dtype", default="bfloat16",
                         help="activations and unquantized weights (default: %(default)s)")
     parser.add_argument("--build-profile", type=int, default=0, metavar="N",
@@ -374,7 +378,8 @@ def main(argv=None) -> int:
         print(time_prefills(side, config, args, cuda), flush=True)
         return 0
     for batch in (int(b) for b in args.batches.split(",")):
-        cache, y = fill_context(patched, batch, args.context, config["vocab_size"])
+        cache, y = fill_context(patched, batch, args.context, config["vocab_size"],
+                                args.batch_cache)
         builds, walls, _ = decode_steps(side, cache, y, TIMED_STEPS, UNTIMED_STEPS)
         print(f"{args.models} {args.layers} layers, {args.side}, batch {batch}: "
               f"wall {statistics.median(walls) * 1e3:.3f} ms, "

@@ -93,7 +93,9 @@
 #               package's kernels under compute-sanitizer's three tools (CUDA);
 #               then both whole models decoding at batch 1 to 64, the patch
 #               beside its launches from 4 sequences (on) and the sketch's
-#               tensor-core form (sketch), alternated.
+#               tensor-core form (sketch), alternated; and Qwen3-30B-A3B from
+#               mlx-lm's batch caches (--batch-cache: left-padded prompts, a
+#               mask every step, as batch generation and the server decode).
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -638,6 +640,8 @@ if wanted decode-attention; then
     --batches 8,4,2,1,32,64 --rounds 5 --variants "$attention"
   logged "$results/decode-attention-gpt-oss.log" python3 -m benchmarks.step_kernels \
     --models gpt-oss-20b --layers 24 --batches 8,32,64,4,1 --rounds 5 --variants "$attention"
+  logged "$results/decode-attention-batch-cache.log" python3 -m benchmarks.step_kernels \
+    --layers 48 --batches 8,32,64 --rounds 5 --batch-cache --variants "on:DECODE_ATTENTION_FROM_ROWS=4"
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \

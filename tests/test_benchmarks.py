@@ -780,3 +780,21 @@ def test_decode_attention_sketch_in_a_model(monkeypatch, form):
     assert (mx.linalg.norm(got - expected) / mx.linalg.norm(expected)).item() < 2e-2
     if stood_in:  # both layers, the cache's 301 keys
         assert calls == [((3, 2, 301, 64), form)] * 2
+
+
+def test_fill_context_batch_caches_as_batch_generation():
+    """`fill_context(..., batch_cache=True)` holds the sequences as mlx-lm's
+    batch generation does: each prompt filled alone and merged, left-padded
+    to the longest, so that a decoding step is masked; its keys are each
+    prompt's own."""
+    config = with_layers(MODELS["small-qwen3-moe"], 1)
+    model, _ = bench.random_model(config, dtype=mx.float32, bits=None, group_size=64)
+    mx.random.seed(3)
+    cache, y = bench.fill_context(model, 5, 60, config["vocab_size"], batch_cache=True)
+    padding = [(b % bench.BATCH_CACHE_SPREAD) * bench.BATCH_CACHE_PADDING for b in range(5)]
+    assert type(cache[0]).__name__ == "BatchKVCache"
+    assert cache[0].left_padding.tolist() == padding
+    mask = cache[0].make_mask(1, return_array=True)
+    assert mask.dtype == mx.bool_ and mask.shape == (5, 1, 1, 61)
+    assert mask.sum(axis=-1).reshape(-1).tolist() == [61 - p for p in padding]
+    assert model(y, cache=cache).shape[:2] == (5, 1)
