@@ -82,6 +82,26 @@ def device(request) -> mx.Device:
     return mx.Device(request.param)
 
 
+def gpu_glue_on_the_cpu(monkeypatch, kernel: str, launched, *, module, rule: str,
+                        from_rows: int) -> None:
+    """The CPU backend given the GPU glue's optional `kernel` (its checks and
+    custom function) and its `_computes`, the glue's launch (`_gpu._KERNEL`)
+    replaced by `launched`; `module`'s `on_cuda` saying yes and the rule's
+    constant `rules.<rule>` at `from_rows`, as on CUDA: the fused forwards
+    and the glue, run on a machine without a GPU."""
+    from mlx_moe_plan import _gpu, rules
+    # imported here, not above: the GPU suite runs from a tree without the C++ extension
+    from mlx_moe_plan import _cpu
+
+    gpu = _gpu.GpuBackend("cuda")
+    monkeypatch.setattr(rules, rule, from_rows)
+    monkeypatch.setattr(module, "on_cuda", lambda stream=None: True)
+    monkeypatch.setattr(_gpu, f"_{kernel}", launched)
+    monkeypatch.setattr(_cpu.CPU, kernel, getattr(gpu, kernel), raising=False)
+    monkeypatch.setattr(_cpu.CPU, f"{kernel}_computes", getattr(gpu, f"{kernel}_computes"),
+                        raising=False)
+
+
 # --- dtypes and conversions ----------------------------------------------------
 
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import check_decode_attention, check_head_norm_rope
+from conftest import check_decode_attention, check_head_norm_rope, gpu_glue_on_the_cpu
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -147,16 +147,8 @@ def launch_stood_in(monkeypatch):
         return _gpu.head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets,
                                           *sizes, stream=stream)
 
-    # imported here, not above: the GPU suite runs from a tree without the C++ extension
-    from mlx_moe_plan import _cpu
-
-    gpu = _gpu.GpuBackend("cuda")
-    monkeypatch.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1)
-    monkeypatch.setattr(fused_attention, "on_cuda", lambda stream=None: True)
-    monkeypatch.setattr(_gpu, "_head_norm_rope", by_ops)
-    monkeypatch.setattr(_cpu.CPU, "head_norm_rope", gpu.head_norm_rope, raising=False)
-    monkeypatch.setattr(_cpu.CPU, "head_norm_rope_computes", gpu.head_norm_rope_computes,
-                        raising=False)
+    gpu_glue_on_the_cpu(monkeypatch, "head_norm_rope", by_ops, module=fused_attention,
+                        rule="HEAD_NORM_ROPE_FROM_ROWS", from_rows=1)
     yield launches
 
 
@@ -381,16 +373,8 @@ def test_decoding_through_the_glue_bit_for_bit(monkeypatch, name, sizes):
         return _gpu.decode_attention_by_ops(queries, keys, values, sinks, mask, scale,
                                             stream=stream)
 
-    # imported here, not above: the GPU suite runs from a tree without the C++ extension
-    from mlx_moe_plan import _cpu
-
-    gpu = _gpu.GpuBackend("cuda")
-    monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 4)
-    monkeypatch.setattr(fused_attention, "on_cuda", lambda stream=None: True)
-    monkeypatch.setattr(_gpu, "_decode_attention", by_ops)
-    monkeypatch.setattr(_cpu.CPU, "decode_attention", gpu.decode_attention, raising=False)
-    monkeypatch.setattr(_cpu.CPU, "decode_attention_computes", gpu.decode_attention_computes,
-                        raising=False)
+    gpu_glue_on_the_cpu(monkeypatch, "decode_attention", by_ops, module=fused_attention,
+                        rule="DECODE_ATTENTION_FROM_ROWS", from_rows=4)
     assert_decodes_as_without_launches(make_model(name, **sizes), 4, 4, seed=13)
     assert launches == keys_counts(name, 6, 4)
 

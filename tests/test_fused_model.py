@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import check_add_rms_norm
+from conftest import check_add_rms_norm, gpu_glue_on_the_cpu
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -106,16 +106,8 @@ def launch_stood_in(monkeypatch):
         launches.append(residual.shape)
         return _gpu.add_rms_norm_by_ops(residual, update, weight, eps, stream=stream)
 
-    # imported here, not above: the GPU suite runs from a tree without the C++ extension
-    from mlx_moe_plan import _cpu
-
-    gpu = _gpu.GpuBackend("cuda")
-    monkeypatch.setattr(rules, "ADD_RMS_NORM_FROM_ROWS", 1)
-    monkeypatch.setattr(fused_model, "on_cuda", lambda stream=None: True)
-    monkeypatch.setattr(_gpu, "_add_rms_norm", by_ops)
-    monkeypatch.setattr(_cpu.CPU, "add_rms_norm", gpu.add_rms_norm, raising=False)
-    monkeypatch.setattr(_cpu.CPU, "add_rms_norm_computes", gpu.add_rms_norm_computes,
-                        raising=False)
+    gpu_glue_on_the_cpu(monkeypatch, "add_rms_norm", by_ops, module=fused_model,
+                        rule="ADD_RMS_NORM_FROM_ROWS", from_rows=1)
     yield launches
 
 
