@@ -77,6 +77,14 @@ _BODY_ARG_TYPES = {
 # `NAME_shape` or `NAME_strides` a body names, as buffers after it.
 _VIEW_ARGUMENTS = (("_shape", "int", np.int32), ("_strides", "long", np.int64))
 
+
+@cache
+def _views(name: str) -> dict[str, tuple[tuple[str, str, type], ...]]:
+    """Each input of body `name` and the view arguments that follow it, in order."""
+    body = kernels.body(name, "opencl")
+    return {arg: tuple(view for view in _VIEW_ARGUMENTS if arg + view[0] in body)
+            for arg in launch.INPUTS_OUTPUTS[name][0]}
+
 _BUILD_OPTIONS = ["-cl-std=CL1.2"]
 
 # OpenCL buffers always start 16-byte aligned, so IS_ALIGNED16 holds for every
@@ -164,20 +172,19 @@ def source(name: str, template: tuple, unaligned: bool = False,
         defines.append(f"#define {key} {value}")
     inputs, outputs = launch.INPUTS_OUTPUTS[name]
     types = _ARG_TYPES | _BODY_ARG_TYPES.get(name, {})
-    body = kernels.body(name, "opencl")
     arguments = []
     for arg in inputs:
         kind = "uint" if arg in unsigned_inputs else types.get(arg, "int")
         arguments.append(f"__global const {kind}* {arg}")
         arguments += [f"__global const {view_kind}* {arg}{suffix}"
-                      for suffix, view_kind, _ in _VIEW_ARGUMENTS if arg + suffix in body]
+                      for suffix, view_kind, _ in _views(name)[arg]]
     arguments += [f"__global {types.get(arg, 'int')}* {arg}" for arg in outputs]
     return "\n".join([
         *defines,
         kernels.prelude("opencl", name),
         *([_UNALIGNED] if unaligned else []),
         f"__kernel void moe_{name}({', '.join(arguments)}) {{",
-        body,
+        kernels.body(name, "opencl"),
         "}",
     ])
 
@@ -229,15 +236,13 @@ def run(arrays: list[np.ndarray], kernel_launch: launch.Launch,
     inputs = [*arrays, np.array(kernel_launch.params, np.int32)]
     unsigned_inputs = tuple(arg for arg, array in zip(launch.INPUTS_OUTPUTS[name][0], inputs)
                             if arg not in _ARG_TYPES and array.dtype == np.uint32)
-    body = kernels.body(name, "opencl")
     views = views or {}
     arguments = []
     for arg, array in zip(launch.INPUTS_OUTPUTS[name][0], inputs):
         arguments.append(array)
-        shape, strides = views.get(
-            arg, (array.shape, tuple(stride // array.itemsize for stride in array.strides)))
-        arguments += [np.array(value, dtype) for (suffix, _, dtype), value
-                      in zip(_VIEW_ARGUMENTS, (shape, strides)) if arg + suffix in body]
+        view = dict(zip(("_shape", "_strides"), views.get(
+            arg, (array.shape, tuple(stride // array.itemsize for stride in array.strides)))))
+        arguments += [np.array(view[suffix], dtype) for suffix, _, dtype in _views(name)[arg]]
     buffers = [_buffer(context, queue, array) for array in [*arguments, *outputs]]
     size = kernel_launch.group_size
     kernel(name, kernel_launch.template, _unaligned, unsigned_inputs)(

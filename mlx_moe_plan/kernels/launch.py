@@ -1240,10 +1240,10 @@ def decode_attention_launches(batch: int, heads: int, kv_heads: int, head_dim: i
                               has_mask: bool = False) -> tuple[Launch, Launch]:
     """decode_attention.h's launch, then decode_attention_merge.h's, for `batch
     >= 1` sequences of heads `decode_attention_computes` takes, with a mask
-    or not (`has_mask`). The splits
-    depend on the sequences and heads only, not the keys' count, which the
-    body reads from the keys' shape: one pair of launches for every context
-    (where the keys are few, the last splits have none)."""
+    or not (`has_mask`). The splits depend on the sequences and heads only,
+    not the keys' count, which the body reads from the keys' shape: one pair
+    of launches for every context (where the keys are few, the last splits
+    have none)."""
     sequences = batch * kv_heads
     splits = max(1, -(-DECODE_ATTENTION_GROUPS // sequences))
     params = DecodeAttentionParams(batch=batch, heads=heads, kv_heads=kv_heads, splits=splits,
