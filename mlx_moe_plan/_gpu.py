@@ -47,48 +47,58 @@ def _mlx_value(value):
     return getattr(mx, value) if isinstance(value, str) else value
 
 
-@lru_cache(maxsize=1024)
-def _kernel_call(backend: str, kernel_launch: launch.Launch) -> tuple[Callable, dict]:
-    """`kernel_launch`'s kernel object and the arguments of its call but the
-    inputs and stream, made once a launch: a decoding step calls the same
-    launches in every layer, and making the template's MLX values anew each
-    call was most of the host's time for a call."""
-    shared_bytes = kernel_launch.shared_bytes if backend == "cuda" else 0
-    return _kernel(backend, kernel_launch.body, shared_bytes), dict(
-        template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
-        grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),
-        threadgroup=(kernel_launch.group_size, 1, 1),
-        output_shapes=[shape for shape, _ in kernel_launch.outputs],
-        output_dtypes=[_mlx_value(dtype) for _, dtype in kernel_launch.outputs],
-    )
-
-
-def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
-    """Run `kernel_launch`'s body on `arrays`, then its `params` array, as it says."""
-    kernel, arguments = _kernel_call(backend, kernel_launch)
-    if POISON is not None:
-        arguments = {**arguments, "init_value": POISON}
-    return kernel(inputs=[*arrays, _params(kernel_launch.params, stream)], stream=stream,
-                  **arguments)
-
-
-def cache_by_stream(make):
-    """Caches `make(*args, stream)` by `args` and the stream's text.
+def cache_by_stream(make=None, *, maxsize: int | None = None):
+    """Caches `make(*args, stream)` by `args` and the stream's text; with
+    `maxsize`, dropping the oldest entry past it.
 
     `functools.cache` would key on the Stream object, and Stream objects hash
     by identity (`resolve_stream` makes a new one each call): every call
     would miss and the cache grow without bound.
     """
+    if make is None:
+        return partial(cache_by_stream, maxsize=maxsize)
     made = {}
 
     def get(*args):
         *rest, stream = args
         key = (*rest, str(stream))
-        if key not in made:
-            made[key] = make(*args)
-        return made[key]
+        found = made.get(key)
+        if found is None:
+            if maxsize is not None and len(made) >= maxsize:
+                del made[next(iter(made))]
+            found = made[key] = make(*args)
+        return found
 
+    get.cache_clear = made.clear
     return get
+
+
+def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
+    """Run `kernel_launch`'s body on `arrays`, then its `params` array, as it says."""
+    call, params = _launch_call(backend, kernel_launch, POISON, stream)
+    return call(inputs=[*arrays, params])
+
+
+@cache_by_stream(maxsize=1024)
+def _launch_call(backend: str, kernel_launch: launch.Launch, poison: float | None,
+                 stream) -> tuple[Callable, mx.array]:
+    """`kernel_launch`'s kernel object with every argument of its call but the
+    inputs bound, and its `params` array: made once a launch and stream, and
+    found in one lookup. A decoding step calls the same launches in every
+    layer; making the template's MLX values anew each call was most of the
+    host's time for a call, and looking up the kernel and the params apart
+    (the stream's text made for each) a third of what was left."""
+    shared_bytes = kernel_launch.shared_bytes if backend == "cuda" else 0
+    arguments = dict(
+        template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
+        grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),
+        threadgroup=(kernel_launch.group_size, 1, 1),
+        output_shapes=[shape for shape, _ in kernel_launch.outputs],
+        output_dtypes=[_mlx_value(dtype) for _, dtype in kernel_launch.outputs],
+        **({} if poison is None else {"init_value": poison}))
+    return (partial(_kernel(backend, kernel_launch.body, shared_bytes), stream=stream,
+                    **arguments),
+            _params(kernel_launch.params, stream))
 
 
 _DEVICE_MIN_INTS = 8  # 32 bytes: past the 8 that MLX's CUDA allocator keeps in managed memory

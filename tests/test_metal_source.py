@@ -203,7 +203,7 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                 gpu.add_rms_norm(rows, rows, mx.zeros(shape[-1:], dtype), eps=1e-6, stream=None)
     # The backend caches a launch's kernel object: drop the recorder's, so a
     # test on the GPU that makes the same launch makes the real kernel.
-    _gpu._kernel_call.cache_clear()
+    _gpu._launch_call.cache_clear()
     return launches
 
 

@@ -354,6 +354,26 @@ def test_launches_carry_their_bodys_params():
     assert (plan_params.num_entries, plan_params.tile_m, plan_params.top_k) == (1000, 4, 2)
 
 
+def test_launch_calls_are_cached_by_the_streams_text_and_bounded():
+    # Every call of a launch asks for its bound kernel and params
+    # (_gpu._launch_call): one entry a launch and stream, however many Stream
+    # objects name it, and the oldest dropped past the bound.
+    from mlx_moe_plan import _gpu
+
+    made = []
+    cached = _gpu.cache_by_stream(lambda value, stream: made.append(value) or value, maxsize=2)
+    for _ in range(3):
+        assert cached(1, mx.default_stream(mx.cpu)) == 1
+    assert made == [1]
+    cached(2, mx.cpu)
+    cached(3, mx.cpu)
+    cached(1, mx.default_stream(mx.cpu))
+    assert made == [1, 2, 3, 1]
+    cached.cache_clear()
+    cached(3, mx.cpu)
+    assert made == [1, 2, 3, 1, 3]
+
+
 def test_grouped_qmm_tilings_are_checked():
     from mlx_moe_plan.kernels import launch
 
