@@ -105,6 +105,12 @@
 #               (block_shared_sized_up_to_rows=0) and 128-row blocks;
 #               gpt-oss-20b at T = 2048 and DeepSeek-V3 at 8192 (256) in blocks
 #               of 96 and 160 rows against the default's 128.
+#   made-stages (not in `bench`) the made weights' stages in flight
+#               (block_shared_stages 4 to 6 beside the default 3), where their
+#               blocks fall to 64 values a stage with memory to spare:
+#               Qwen3-30B-A3B at T = 2048 and 8192 (and its 160-row blocks of
+#               128 values at 2048 in 64-value stages, 5 of them), gpt-oss-20b,
+#               Mixtral and Qwen3-Next at 8192.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -655,6 +661,12 @@ if wanted made-weights-open; then
     "mixtral 512 default;block_shared_sized_up_to_rows=0;block_shared_row_tiles=16" \
     "gpt-oss-20b 2048 default;$(made_weights_rows 12);$(made_weights_rows 20)" \
     "deepseek-v3 8192 default;$(made_weights_rows 12);$(made_weights_rows 20)"
+fi
+if wanted made-stages; then
+  stages="default;block_shared_stages=4;block_shared_stages=5;block_shared_stages=6"
+  grouped_qmm_each made-stages \
+    "qwen3-30b-a3b 2048,8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=5" \
+    "gpt-oss-20b 8192 $stages" "mixtral 8192 $stages" "qwen3-next 8192 $stages"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"

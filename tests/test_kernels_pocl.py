@@ -872,12 +872,13 @@ def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
 
 @pytest.mark.parametrize("row_tiles, stages, max_groups, ahead", [
     (24, 3, 4096, 0), (20, 3, 4096, 0), (10, 3, 4096, 0), (12, 4, 2, 0), (8, 3, 4096, 1),
-    (16, 4, 2, 1), (20, 3, 4096, 1), (24, 3, 4096, 1)])
+    (16, 4, 2, 1), (20, 3, 4096, 1), (24, 3, 4096, 1), (10, 6, 4096, 0), (16, 5, 2, 1)])
 def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahead):
     """The made weights' forms no rule takes yet: blocks of 80, 96, 160 and
-    192 rows (10 to 24 row tiles, wgmma's N of as many), and WEIGHTS_AHEAD, each
-    stage's weights made a step before its multiply-adds. Over more stages
-    than the buffers (10 of 64 values, 3 or 4 buffers), a group taking one
+    192 rows (10 to 24 row tiles, wgmma's N of as many), WEIGHTS_AHEAD, each
+    stage's weights made a step before its multiply-adds, and 5 or 6 stages
+    (`block_shared_stages`' rings). Over more stages than the buffers (10 of
+    64 values, 3 to 6 buffers), a group taking one
     block or several: experts whose last block is part empty (at 8 row
     tiles, half-empty ones multiply half their row tiles), full ones and an
     empty one, one projection and the fused gate and up; a block without
@@ -1011,6 +1012,36 @@ def test_shared_weights_row_tiles_rule():
         assert block_rows(4 * 64) == block_rows(4 * 2048) == 128
     with pytest.raises(ValueError, match="block_shared_row_tiles"):
         launch.GroupedQmmTiling(block_shared_row_tiles=14).check()
+
+
+def test_shared_weights_stages_rule():
+    """The made weights' block keeps `block_shared_stages` stages in flight at
+    most (3 by default): where memory is short they fall to 3 at the values
+    wanted a stage, then the values halve and the stages start again from
+    the count, as many as fit; other blocks keep `block_stages`. Qwen3-30B-A3B
+    at T = 8192: its down projection (768 values a row) and fused gate and up
+    in blocks of 192 rows, 64 values a stage; DeepSeek-V3's down (128 values,
+    memory full at 3)."""
+    def block(experts, in_dims, out_dims, capacity, gated, **tiling):
+        with launch.grouped_qmm_tiling(**tiling):
+            made = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, 4, 64,
+                                             "bfloat16", backend="cuda", gated=gated,
+                                             warpgroup=True)
+        template = dict(made.template)
+        assert template["SHARED_WEIGHTS"] and made.shared_bytes <= launch.SHARED_WEIGHTS_BYTES["cuda"]
+        return template["STAGES"], template["STAGE_GROUPS"] * 64
+
+    down, fused, deepseek = (128, 768, 2048, 65536, False), (128, 2048, 768, 65536, True), \
+        (256, 2048, 7168, 65536, False)
+    assert block(*down) == (3, 64) == block(*fused) and block(*deepseek) == (3, 128)
+    assert block(*down, block_stages=6) == (3, 64)  # the other blocks' count
+    assert [block(*down, block_shared_stages=n) for n in (4, 5, 6, 8)] == \
+        [(4, 64), (5, 64), (6, 64), (6, 64)]
+    assert block(*fused, block_shared_stages=6) == (4, 64)
+    assert block(*deepseek, block_shared_stages=6) == (3, 128)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_shared_stages=6):
+        assert dict(launch.grouped_qmm_launch(
+            8, 768, 2048, 8192, 4, 64, "bfloat16", backend="cuda").template)["STAGES"] == 3
 
 
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)

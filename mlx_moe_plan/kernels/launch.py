@@ -212,6 +212,11 @@ class GroupedQmmTiling:
     # block, one of SHARED_WEIGHTS_ROW_TILES; None: by the rows an expert holds
     # on average (_shared_weights_row_tiles)
     block_shared_row_tiles: int | None = None
+    # the stages that block keeps in flight at most where the rule takes it
+    # (its block_stages; at least 3): where memory is short its stages fall
+    # to 3, then its values a stage halve and its stages start again from
+    # these (_grouped_qmm_tiles_launch)
+    block_shared_stages: int = 3
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -223,8 +228,8 @@ class GroupedQmmTiling:
                self.block_stage_values) < 1:
             raise ValueError(f"grouped_qmm tiling: every field but wide_loads, loads_ahead, "
                              f"tiles_from_rows, block_gated_tall_rows, the block_halved and "
-                             f"block_split fields, block_input_splits and block_stages must be "
-                             f"at least 1: {self}")
+                             f"block_split fields, block_input_splits, block_stages and "
+                             f"block_shared_stages must be at least 1: {self}")
         if self.k_splits is not None and (self.threads // 32) % self.k_splits:
             raise ValueError(f"grouped_qmm tiling: k_splits must divide the group's warps, "
                              f"threads / 32: {self}")
@@ -233,12 +238,13 @@ class GroupedQmmTiling:
                self.block_shared_gated_rows, self.block_shared_rows,
                self.block_shared_whole_rows, self.block_shared_sized_up_to_rows,
                self.block_shared_dense_rows) < 0 \
-                or self.block_stages < 2 or (self.block_input_splits is not None
-                                             and self.block_input_splits < 1):
+                or self.block_stages < 2 or self.block_shared_stages < 3 or (
+                    self.block_input_splits is not None and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
                              f"block_split_below_groups and the block_halved and block_shared "
-                             f"fields are at least 0, block_input_splits at least 1 and "
-                             f"block_stages at least 2: {self}")
+                             f"row fields are at least 0, block_input_splits at least 1, "
+                             f"block_stages at least 2 and block_shared_stages at least 3: "
+                             f"{self}")
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
@@ -747,8 +753,9 @@ def _decided_tiling(tiling: GroupedQmmTiling, shared_weights: bool,
     every uncompiled call, where a new dataclass a call would cost several
     times the rest of the launch."""
     return replace(tiling, **dict(SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
-                                  block_gated_row_tiles=row_tiles)) if shared_weights else \
-        replace(tiling, block_warpgroup=0)
+                                  block_gated_row_tiles=row_tiles,
+                                  block_stages=tiling.block_shared_stages)) \
+        if shared_weights else replace(tiling, block_warpgroup=0)
 
 
 def _store_template(store: tuple[bool, tuple[float, float] | None]) -> tuple:
@@ -993,6 +1000,12 @@ def _grouped_qmm_tiles_launch(
         elif stage_groups > 1:  # the next smaller count that divides the row
             stage_groups = stage_groups // 2 if stage_groups % 2 == 0 else \
                 _most_groups_dividing(row_groups, stage_groups - 1)
+            # The made weights' smaller stages start again from the stages
+            # wanted: with one fewer in flight than the others (AHEAD), the
+            # 3 they fell to keep one stage of copies in flight, which at 64
+            # values a row leaves much of the memory unused.
+            if shared_weights:
+                stages = tiling.block_stages
         elif column_tiles > 1:
             column_tiles //= 2
         elif row_tiles > 1:
