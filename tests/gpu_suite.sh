@@ -111,6 +111,12 @@
 #               Qwen3-30B-A3B at T = 2048 and 8192 (and its 160-row blocks of
 #               128 values at 2048 in 64-value stages, 5 of them), gpt-oss-20b,
 #               Mixtral and Qwen3-Next at 8192.
+#   prefill-ncu (not in `bench`; ncu on the PATH) the expert GEMMs short of
+#               #31's targets under Nsight Compute, each distinct launch once (its
+#               second call): Qwen3-Next at T = 2048 (40 rows an expert, the
+#               warps' own) and Qwen3-30B-A3B at T = 8192 (192-row made weights,
+#               3 stages of 64 values, and 5 with block_shared_stages=5):
+#               throughput, occupancy, the warps' stall reasons, the schedulers.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -667,6 +673,16 @@ if wanted made-stages; then
   grouped_qmm_each made-stages \
     "qwen3-30b-a3b 2048,8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=5" \
     "gpt-oss-20b 8192 $stages" "mixtral 8192 $stages" "qwen3-next 8192 $stages"
+fi
+if wanted prefill-ncu && command -v ncu >/dev/null; then
+  for shape in "qwen3-next 2048 default" "qwen3-30b-a3b 8192 default;block_shared_stages=5"; do
+    read -r name tokens tilings <<<"$shape"
+    logged "$results/prefill-ncu-$name.log" ncu --kernel-id "::regex:moe_grouped_qmm:2" \
+      --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      python3 -m benchmarks.grouped_qmm --shapes "$name" --tokens "$tokens" --calls 1 \
+      --no-sorted --sides kernel --tilings "$tilings"
+  done
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"
