@@ -108,9 +108,10 @@
 #   made-stages (not in `bench`) the made weights' stages in flight
 #               (block_shared_stages 4 to 6 beside the default 3), where their
 #               blocks fall to 64 values a stage with memory to spare:
-#               Qwen3-30B-A3B at T = 2048 and 8192 (and its 160-row blocks of
-#               128 values at 2048 in 64-value stages, 5 of them), gpt-oss-20b,
-#               Mixtral and Qwen3-Next at 8192.
+#               Qwen3-30B-A3B at T = 2048 and 8192 and Qwen3-Next at 8192, and
+#               every launch of theirs in 160-row made weights of 64-value
+#               stages, 5 and 6 of them (Qwen3-Next's down, 512 values a row,
+#               runs the warps' own by default); gpt-oss-20b and Mixtral at 8192.
 #   prefill-ncu (not in `bench`; ncu on the PATH) the expert GEMMs short of
 #               #31's targets under Nsight Compute, each distinct launch once (its
 #               second call): Qwen3-Next at T = 2048 (40 rows an expert, the
@@ -672,7 +673,8 @@ if wanted made-stages; then
   stages="default;block_shared_stages=4;block_shared_stages=5;block_shared_stages=6"
   grouped_qmm_each made-stages \
     "qwen3-30b-a3b 2048,8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=5" \
-    "gpt-oss-20b 8192 $stages" "mixtral 8192 $stages" "qwen3-next 8192 $stages"
+    "qwen3-next 8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=6" \
+    "gpt-oss-20b 8192 $stages" "mixtral 8192 $stages"
 fi
 if wanted prefill-ncu && command -v ncu >/dev/null; then
   for shape in "qwen3-next 2048 default" "qwen3-30b-a3b 8192 default;block_shared_stages=5"; do
