@@ -28,6 +28,14 @@ their largest differences from cuDNN's output on the same keys.
 attention, which `benchmarks.step_kernels --variants
 "cores:attention=sketch;mma:attention=sketch-mma"` times in whole steps, its
 launches' host work included.
+
+And, where the backend has it, the package's own launch of that scheme
+(kernels/decode_attention.h, `_backend.DecodeAttention`) through its glue:
+`package` with its splits as the package makes them (enough for
+`launch.DECODE_ATTENTION_GROUPS` groups), and `package@N` for each N of
+`--package-groups`, the splits made for N groups instead: where a model's
+heads let 3 groups run on each of 132 SMs, 528 groups are a wave and a third,
+and fewer groups of more keys each may finish sooner.
 """
 
 from __future__ import annotations
@@ -493,9 +501,41 @@ def _buffers(batch: int, kv_heads: int, head_dim: int, length: int, count: int) 
              mx.random.normal(shape).astype(mx.bfloat16)) for _ in range(count)]
 
 
-def measure(model: str, context: int, batch: int, layers: int) -> dict:
-    """Microseconds a call on each side, and each other side's largest
-    difference from the `cudnn` side's output on the same keys."""
+def package_sides(model: str, groups: tuple[int, ...]) -> dict[str, int | None]:
+    """The package's launch's sides for `model`'s heads where the backend has
+    it: `package` (its own groups, None) and `package@N` for each of
+    `groups`."""
+    heads, kv_heads, head_dim, _ = attention_shape(model)
+    stream = mx.default_stream(mx.default_device())
+    backend = _backend.implementation(stream)
+    if backend.decode_attention is None or not backend.decode_attention_computes(
+            head_dim=head_dim, heads=heads, kv_heads=kv_heads, dtype=mx.bfloat16):
+        return {}
+    return {"package": None} | {f"package@{n}": n for n in groups}
+
+
+@contextmanager
+def launch_groups(groups: int | None):
+    """The package's decoding attention splitting its keys for `groups`
+    groups (None: as it does), its launches made anew either way."""
+    from mlx_moe_plan.kernels import launch
+
+    made = launch.DECODE_ATTENTION_GROUPS
+    launch.DECODE_ATTENTION_GROUPS = made if groups is None else groups
+    launch.decode_attention_launches.cache_clear()
+    try:
+        yield
+    finally:
+        launch.DECODE_ATTENTION_GROUPS = made
+        launch.decode_attention_launches.cache_clear()
+
+
+def measure(model: str, context: int, batch: int, layers: int,
+            package_groups: tuple[int, ...] = ()) -> dict:
+    """Microseconds a call on each side (the package's launch's among them
+    where the backend has it, for its own groups and each of
+    `package_groups`), and each other side's largest difference from the
+    `cudnn` side's output on the same keys."""
     heads, kv_heads, head_dim, has_sinks = attention_shape(model)
     keys_count = context + 1
     cache_length = -(-keys_count // CACHE_STEP) * CACHE_STEP
@@ -503,15 +543,22 @@ def measure(model: str, context: int, batch: int, layers: int) -> dict:
     if _backend.gpu_backend() == "cuda":
         lengths |= {form: cache_length for form in SKETCH_FORMS
                     if heads // kv_heads <= SKETCH_FORMS[form]}
+    packages = package_sides(model, package_groups)
+    lengths |= {side: cache_length for side in packages}
     queries = [mx.random.normal((batch, heads, 1, head_dim)).astype(mx.bfloat16)
                for _ in range(layers)]
     sinks = mx.random.normal((heads,)).astype(mx.bfloat16) if has_sinks else None
     mx.eval(queries, sinks)
+    stream = mx.default_stream(mx.default_device())
 
     def attend(side, query, keys, values):
         keys, values = keys[:, :, :keys_count], values[:, :, :keys_count]
         if side in SKETCH_FORMS:
             return sketch_attention(query, keys, values, sinks, side)
+        if side in packages:
+            with launch_groups(packages[side]):
+                return _backend.implementation(stream).decode_attention(
+                    query, keys, values, sinks, scale=head_dim ** -0.5, stream=stream)
         return mx.fast.scaled_dot_product_attention(query, keys, values,
                                                     scale=head_dim ** -0.5, sinks=sinks)
 
@@ -531,8 +578,8 @@ def measure(model: str, context: int, batch: int, layers: int) -> dict:
     mx.eval(cached_keys, cached_values)
     reference = attend("cudnn", queries[0], cached_keys, cached_values).astype(mx.float32)
     diffs = {"vector": attend("vector", queries[0], keys, values)}
-    for form in SKETCH_FORMS.keys() & lengths.keys():
-        diffs[form] = attend(form, queries[0], cached_keys, cached_values)
+    for side in (SKETCH_FORMS.keys() & lengths.keys()) | packages.keys():
+        diffs[side] = attend(side, queries[0], cached_keys, cached_values)
     return {side: statistics.median(times) for side, times in micros.items()} | {
         f"{side} diff": mx.abs(out.astype(mx.float32) - reference).max().item()
         for side, out in diffs.items()}
@@ -548,22 +595,28 @@ def main(argv=None) -> int:
                         help="sequences a step (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=48,
                         help="calls a graph, each on its own buffers (default: %(default)s)")
+    parser.add_argument("--package-groups", default="384,512",
+                        help="groups the package's launch also splits the keys for, a side "
+                             "each (default: %(default)s)")
     args = parser.parse_args(argv)
+    groups = tuple(int(n) for n in args.package_groups.split(",") if n)
+    # every side a model may have, in order: a dash where it has none
+    optional = [*SKETCH_FORMS, "package", *(f"package@{n}" for n in groups)]
     print(f"{'model':15s} {'context':>7s} {'batch':>5s} {'cudnn us':>9s} {'vector us':>9s} "
           f"{'cudnn/vector':>12s} {'diff':>9s}" + "".join(
-              f" {form + ' us':>9s} {'cudnn/' + form:>12s} {form + ' diff':>11s}"
-              for form in SKETCH_FORMS), flush=True)
+              f" {side + ' us':>9s} {'cudnn/' + side:>12s} {side + ' diff':>11s}"
+              for side in optional), flush=True)
     for model in args.models.split(","):
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                got = measure(model, context, batch, args.layers)
-                sketches = "".join(
-                    f" {got[form]:9.1f} {got['cudnn'] / got[form]:11.2f}x "
-                    f"{got[form + ' diff']:11.3g}" if form in got else
-                    f" {'-':>9s} {'-':>12s} {'-':>11s}" for form in SKETCH_FORMS)
+                got = measure(model, context, batch, args.layers, groups)
+                others = "".join(
+                    f" {got[side]:9.1f} {got['cudnn'] / got[side]:11.2f}x "
+                    f"{got[side + ' diff']:11.3g}" if side in got else
+                    f" {'-':>9s} {'-':>12s} {'-':>11s}" for side in optional)
                 print(f"{model:15s} {context:7d} {batch:5d} {got['cudnn']:9.1f} "
                       f"{got['vector']:9.1f} {got['cudnn'] / got['vector']:11.2f}x "
-                      f"{got['vector diff']:9.3g}{sketches}", flush=True)
+                      f"{got['vector diff']:9.3g}{others}", flush=True)
     return 0
 
 

@@ -722,6 +722,46 @@ def test_decode_attention_sides_attend_to_the_same_keys(capsys):
     assert lines[1].split()[:3] == ["small-qwen3-moe", "8", "1"] and len(lines) == 2
 
 
+def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, capsys):
+    """The package's sides: the backend's launch through its glue (here on the
+    CPU, its launches computed by MLX's attention), `package` splitting the
+    keys as the package does and `package@N` for N groups, each as close to
+    the `cudnn` side's output as MLX's own vector path; the groups restored
+    after. small-qwen3-moe's heads: 2 sequences of 2 key-value heads."""
+    from conftest import gpu_glue_on_the_cpu
+
+    from benchmarks import decode_attention
+    from mlx_moe_plan import _gpu, fused_attention
+    from mlx_moe_plan.kernels import launch
+
+    splits = []
+
+    def by_ops(backend, queries, keys, values, sinks, mask, scale, stream):
+        batch, heads, _, head_dim = queries.shape
+        split_launch, _ = launch.decode_attention_launches(
+            batch, heads, keys.shape[1], head_dim, sinks is not None, scale, "bfloat16",
+            mask is not None)
+        splits.append(split_launch.params.splits)
+        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, mask, scale,
+                                            stream=stream)
+
+    gpu_glue_on_the_cpu(monkeypatch, "decode_attention", by_ops, module=fused_attention,
+                        rule="DECODE_ATTENTION_FROM_ROWS", from_rows=4)
+    made = launch.DECODE_ATTENTION_GROUPS
+    got = decode_attention.measure("small-qwen3-moe", 300, 2, 2, (384, 512))
+    sequences = 2 * 2
+    assert set(splits) == {-(-groups // sequences) for groups in (made, 384, 512)}
+    assert launch.DECODE_ATTENTION_GROUPS == made
+    for side in ("package", "package@384", "package@512"):
+        assert got[side] > 0 and got[side + " diff"] <= max(got["vector diff"], 1e-2)
+    assert decode_attention.main(["--models", "small-qwen3-moe", "--contexts", "8",
+                                  "--batches", "1", "--layers", "2",
+                                  "--package-groups", "64"]) == 0
+    header, line = capsys.readouterr().out.splitlines()
+    # the last six fields: package's and package@64's times, ratios and diffs
+    assert header.endswith("package@64 diff") and "-" not in line.split()[-6:]
+
+
 def test_decode_attention_sketch_takes_decoding_steps_only():
     """The sketch stands in for mlx-lm's attention only where its text
     computes it: one bfloat16 query a sequence, no mask, heads of 64 or 128
