@@ -46,3 +46,12 @@ def check_tokens(x: mx.array, token_shape: tuple[int, ...]) -> mx.array:
             f"x: expected shape {token_shape + ('H',)} to match the plan's tokens, got {x.shape}"
         )
     return x
+
+
+def decoding_mask_fits(mask_shape: tuple[int, ...], batch: int, heads: int, keys: int) -> bool:
+    """Whether a decoding step's attention mask of `mask_shape` is one
+    `_backend.DecodeAttention` takes: `[batch or 1, heads or 1, 1, keys]`
+    (its dtype, bool, is the caller's to check). The fused attention asks
+    it to keep mlx-lm's call for another mask, the GPU glue to refuse one."""
+    return (len(mask_shape) == 4 and mask_shape[0] in (1, batch)
+            and mask_shape[1] in (1, heads) and tuple(mask_shape[2:]) == (1, keys))

@@ -18,6 +18,7 @@ from typing import Callable
 import mlx.core as mx
 
 from . import _gradients, kernels
+from ._checks import decoding_mask_fits
 from .kernels import launch
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
@@ -512,8 +513,8 @@ def _check_decode_attention(q_shape, k_shape, v_shape, sinks_shape, dtype, k_dty
     if sinks_shape is not None and (sinks_shape != (heads,) or sinks_dtype != dtype):
         raise ValueError(f"sinks: expected {dtype} [{heads}], got {sinks_dtype} {sinks_shape}")
     if mask_shape is not None and (
-            mask_dtype != mx.bool_ or len(mask_shape) != 4 or mask_shape[0] not in (1, batch)
-            or mask_shape[1] not in (1, heads) or mask_shape[2:] != (1, k_shape[2])):
+            mask_dtype != mx.bool_
+            or not decoding_mask_fits(mask_shape, batch, heads, k_shape[2])):
         raise ValueError(f"mask: expected bool [1 or {batch}, 1 or {heads}, 1, {k_shape[2]}], "
                          f"got {mask_dtype} {mask_shape}")
 

@@ -39,6 +39,7 @@ import mlx.nn as nn
 
 from . import _backend, projections, rules
 from ._backend import on_cuda
+from ._checks import decoding_mask_fits
 from ._compiled import module_cache, step_rows
 from .fused_blocks import qualified_name, source_digest, swap_class
 
@@ -214,9 +215,8 @@ def _attention(launch: bool, dtype: mx.Dtype, queries: mx.array, keys: mx.array,
     batch, heads = queries.shape[:2]
     if (launch and queries.dtype == keys.dtype == values.dtype == dtype
             and (sinks is None or sinks.dtype == dtype) and keys.shape[-2] >= 1
-            and (mask is None or (mask.ndim == 4 and mask.shape[0] in (1, batch)
-                                  and mask.shape[1] in (1, heads)
-                                  and mask.shape[2:] == (1, keys.shape[-2])))):
+            and (mask is None
+                 or decoding_mask_fits(mask.shape, batch, heads, keys.shape[-2]))):
         stream = _backend.resolve_stream(None)
         return _backend.implementation(stream).decode_attention(
             queries, keys, values, sinks, scale=scale, stream=stream, mask=mask)
