@@ -27,6 +27,13 @@ from functools import cache
 # (Debian's pocl-opencl-icd, which .ci/run installs), before it first looks.
 if "OCL_ICD_VENDORS" not in os.environ and os.path.isdir("/etc/OpenCL/vendors"):
     os.environ["OCL_ICD_VENDORS"] = "/etc/OpenCL/vendors"
+# PoCL runs a group's work-items as loops between its barriers; by default it
+# then vectorizes those loops (loopvec), and PoCL 3.1's vectorized form of
+# grouped_qmm_tiles.h, since its items ran in runs (ACROSS_ITEMS), corrupted
+# the heap in groups of 256 and 512 work-items, default runs of one item
+# too, where the plain loops and the continuation-based form (cbs) ran it
+# right. The plain loops, which also build faster.
+os.environ.setdefault("POCL_WORK_GROUP_METHOD", "loops")
 
 import numpy as np  # noqa: E402
 import pyopencl as cl  # noqa: E402

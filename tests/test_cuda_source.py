@@ -159,8 +159,10 @@ def test_cuda_launches_include_their_own_blocks():
     for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES:
         assert {t["GATED"] for t in templates
                 if t["SHARED_WEIGHTS"] and t["ROW_TILES"] == row_tiles} == {False, True}
-    # and the weights made a step ahead of their multiply-adds (WEIGHTS_AHEAD)
+    # and the weights made a step ahead of their multiply-adds (WEIGHTS_AHEAD),
+    # and a group's items one run of stages (ACROSS_ITEMS)
     assert {t["GATED"] for t in templates if t["WEIGHTS_AHEAD"]} == {False, True}
+    assert {t["GATED"] for t in templates if t["ACROSS_ITEMS"]} == {False, True}
 
 
 def test_nvcc_compiles_the_load_patterns(tmp_path):

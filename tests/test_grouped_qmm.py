@@ -101,10 +101,14 @@ def test_split_rows_match_reference(case, k_splits):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
+@pytest.mark.parametrize("runs", [0, 1], ids=["items", "runs"])
 @given(case=grouped_qmm_cases())
-def test_tiles_match_reference(case):
+def test_tiles_match_reference(runs, case):
+    """The block tiles, each item alone and (`runs`) each of 3 groups' items
+    one run of stages (`block_across_items`)."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(tiles_from_rows=0):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_across_items=runs,
+                                   block_max_groups=3 if runs else 4096):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
@@ -127,7 +131,12 @@ WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                                                block_row_tiles=rows // 8,
                                                block_gated_row_tiles=rows // 8)
                         for rows in MADE_WEIGHTS_ROWS},
-                     "shared-ahead": dict(launch.SHARED_WEIGHTS_TILING, block_weights_ahead=1)}
+                     "shared-ahead": dict(launch.SHARED_WEIGHTS_TILING, block_weights_ahead=1),
+                     # each of 3 groups' items one run of stages (ACROSS_ITEMS)
+                     "registers-runs": dict(block_warpgroup=1, block_across_items=1,
+                                            block_max_groups=3),
+                     "shared-runs": dict(launch.SHARED_WEIGHTS_TILING, block_across_items=1,
+                                         block_max_groups=3)}
 
 
 @needs_warpgroup

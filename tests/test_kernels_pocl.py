@@ -824,6 +824,69 @@ def test_grouped_qmm_tiles_warpgroup(counts, out_dims, in_groups, bits, group_si
                          tail, num_tokens, fusion != "gated", fusion != "tokens")
 
 
+# The blocks a run of items crosses: the warps' own multiply-adds (the
+# default block), the warpgroup's, and the made weights' (64 rows) with their
+# weights made in the step or a step ahead.
+ACROSS_BLOCKS = {"own": {}, "warpgroup": dict(block_warpgroup=1),
+                 "made": dict(SHARED_WEIGHTS_BLOCK, block_row_tiles=8, block_gated_row_tiles=8),
+                 "made-ahead": dict(SHARED_WEIGHTS_BLOCK, block_row_tiles=8,
+                                    block_gated_row_tiles=8, block_weights_ahead=1)}
+
+
+@given(**tiles_cases(st.integers(1, 3)), num_tokens=st.integers(1, 6),
+       fusion=st.sampled_from(["none", "tokens", "gated", "both"]),
+       block=st.sampled_from(list(ACROSS_BLOCKS)), groups=st.integers(1, 3))
+def test_grouped_qmm_tiles_across_items(counts, out_dims, in_groups, bits, group_size, name,
+                                        tail, num_tokens, fusion, block, groups, seed):
+    """`block_across_items=1` (ACROSS_ITEMS): each group's items one run of
+    stages, an item's first copies issued while the item before is
+    multiplied and stored, over 1 to 3 groups (each then several items, up to
+    every one): experts without rows, of a few and past a block, tail rows'
+    zeros, runs of items of one stage each (the ring of their places past its
+    length) and of several, each fusion, in each block."""
+    rng = np.random.default_rng(seed)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_across_items=1,
+                                   block_max_groups=groups, **ACROSS_BLOCKS[block]):
+        qmm = launch.grouped_qmm_launch(len(counts), in_groups * group_size, out_dims,
+                                        sum(counts) + tail, bits, group_size, name,
+                                        backend="opencl", gated=fusion in ("gated", "both"))
+        assert dict(qmm.template)["ACROSS_ITEMS"] and qmm.groups <= groups
+        if fusion == "none":
+            check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_groups * group_size, bits,
+                              group_size, name, tail)
+        else:
+            _check_fused(rng, counts, out_dims, in_groups * group_size, bits, group_size, name,
+                         tail, num_tokens, fusion != "gated", fusion != "tokens")
+
+
+def test_grouped_qmm_tiles_across_items_many_stages():
+    """A run of items of 10 stages each (640 values in 64), past the stages'
+    buffers, one group of every item and two, in the made weights' blocks of
+    128 rows (two warpgroups) and the warps' own; and of one stage each, the
+    copies two items ahead of the products; a launch whose input is split
+    keeps its items apart (INPUT_SPLITS, ACROSS_ITEMS off)."""
+    rng = np.random.default_rng(61)
+    for block in (dict(launch.SHARED_WEIGHTS_TILING, block_stage_values=64),
+                  dict(block_stage_values=64)):
+        for groups in (1, 2):
+            with launch.grouped_qmm_tiling(tiles_from_rows=0, block_across_items=1,
+                                           block_max_groups=groups, **block):
+                check_grouped_qmm(_grouped_qmm, rng, [130, 0, 20, 257, 1], 40, 640, 4, 64,
+                                  "bfloat16", 5)
+                _check_fused(rng, [129, 70, 0, 128, 1], 24, 640, 4, 64, "float16", 2, 5, True,
+                             True)
+    # items of one stage each: the copies run two items ahead of the products
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_across_items=1,
+                                   block_max_groups=1):
+        assert dict(launch.grouped_qmm_launch(5, 64, 40, 420, 4, 64, "bfloat16",
+                                              backend="opencl").template)["STAGES"] == 3
+        check_grouped_qmm(_grouped_qmm, rng, [130, 0, 20, 257, 1], 40, 64, 4, 64, "bfloat16", 5)
+    with launch.grouped_qmm_tiling(block_across_items=1, block_input_splits=2):
+        split = dict(launch.grouped_qmm_launch(1, 1024, 256, 32, 4, 64, "bfloat16",
+                                               backend="cuda", dense=True).template)
+    assert split["INPUT_SPLITS"] == 2 and not split["ACROSS_ITEMS"]
+
+
 def test_grouped_qmm_tiles_warpgroup_needs_the_instruction():
     """`block_warpgroup=1` and `2` on a CUDA GPU without the instruction are
     refused by name (their kernels would trap); blocks they cannot take (not
@@ -1028,7 +1091,8 @@ def test_shared_weights_stages_rule():
                                              "bfloat16", backend="cuda", gated=gated,
                                              warpgroup=True)
         template = dict(made.template)
-        assert template["SHARED_WEIGHTS"] and made.shared_bytes <= launch.SHARED_WEIGHTS_BYTES["cuda"]
+        assert template["SHARED_WEIGHTS"]
+        assert made.shared_bytes <= launch.SHARED_WEIGHTS_BYTES["cuda"]
         return template["STAGES"], template["STAGE_GROUPS"] * 64
 
     down, fused, deepseek = (128, 768, 2048, 65536, False), (128, 2048, 768, 65536, True), \

@@ -147,13 +147,14 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                                         group_size=group_size, stream=None,
                                         row_tokens=row_tokens, up=up)
                 # The made weights' blocks of the other rows they take
-                # (wgmma's N of as many), and the weights made a step ahead
-                # of their multiply-adds, one projection and the layer's
-                # fused form.
+                # (wgmma's N of as many), the weights made a step ahead of
+                # their multiply-adds, and a group's items one run of stages
+                # (ACROSS_ITEMS), one projection and the layer's fused form.
                 blocks = (*({**SHARED_WEIGHTS_BLOCK, "block_row_tiles": row_tiles,
                              "block_gated_row_tiles": row_tiles}
                             for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES),
-                          {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1})
+                          {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1},
+                          {**SHARED_WEIGHTS_BLOCK, "block_across_items": 1})
                 for block in blocks if warpgroup == 2 else ():
                     with (grouped_qmm_tiling(**block),
                           mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):
@@ -629,8 +630,9 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
 @pytest.mark.parametrize("name, included, times", [
     ("grouped_qmm", "qmm_fields", 1), ("tiles_products", "qmm_fields", 2),
     ("grouped_qmm", "qmm_params", 1), ("grouped_qmm_tiles", "qmm_params", 1),
-    ("grouped_qmm", "qmm_store", 1), ("grouped_qmm_tiles", "qmm_store", 1),
+    ("grouped_qmm", "qmm_store", 1), ("tiles_end", "qmm_store", 1),
     ("grouped_qmm_tiles", "tiles_products", 2), ("grouped_qmm_tiles", "tiles_weights", 2),
+    ("grouped_qmm_tiles", "tiles_begin", 2), ("grouped_qmm_tiles", "tiles_end", 1),
     ("tiles_weights", "qmm_fields", 1),
     ("plan", "group_scan", 1), ("grouped_qmm", "group_scan", 1),
     ("grouped_qmm_tiles", "group_scan", 1)])

@@ -166,7 +166,7 @@ def text(name: str) -> str:
 # text reads and declares variables of the body around it, as its own comment
 # says).
 INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products",
-            "tiles_weights")
+            "tiles_weights", "tiles_begin", "tiles_end")
 
 
 def source(name: str, _including: tuple[str, ...] = ()) -> str:

@@ -55,7 +55,8 @@
 // BLOCK_ROWS (ROW_WARPS * 8 * ROW_TILES), BLOCK_COLUMNS (COLUMN_WARPS * 16 *
 // TILES / (1 + GATED)), STAGE_GROUPS (dividing in_dims / QUANT_GROUP), STAGES
 // (at least 2), ROW_STRIDE, WORD_STRIDE (above), INPUT_SPLITS (at most the
-// stages; 1 when GATED), WARPGROUP (below).
+// stages; 1 when GATED), WARPGROUP (below), ACROSS_ITEMS (with INPUT_SPLITS
+// 1 only: the runs of items, below).
 // WARPGROUP: the block's four warps multiply as one warpgroup
 // (WARPGROUP_MMA, Hopper's wgmma where the prelude has it), each step of 16
 // input values one multiply-add of all BLOCK_ROWS rows by a tile of each
@@ -137,6 +138,13 @@ SHARED_SPACE unsigned* stage_words = stage_weights + 2 * WEIGHT_WORDS;
 SHARED_SPACE unsigned* stage_scales = stage_words
                                       + STAGES * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
 SHARED int expert_blocks[MAX_EXPERTS];
+// The items a run has begun to copy and not yet stored (at most one more
+// than the stages in flight, AHEAD + LAG, and the one multiplied): each
+// one's expert, block's first row and expert's end, in slot (its place in
+// the run) % ITEM_RING, written by thread 0 when its copies begin and read,
+// behind the barriers of the steps between, by its products and store.
+const int ITEM_RING = STAGES + 1;
+SHARED int item_places[3 * (STAGES + 1)];  // 3 * ITEM_RING
 SHARED int group_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 const int warp_exchange = warp * 32 * 6;
@@ -185,11 +193,68 @@ BARRIER();
 // emulated MMA_16x8x16 meets a barrier): copies past a bound read the last
 // row, column or group inside it, and nothing past one is stored.
 const int block_items = (expert_row_blocks + tail_blocks) * column_blocks;
-for (int item = GROUP_ID; item < block_items * INPUT_SPLITS; item += NUM_GROUPS) {
-  const int input_split = item / block_items;
-  const int row_block = item % block_items / column_blocks;
-  const int column0 = (item % column_blocks) * BLOCK_COLUMNS;
-  if (row_block >= expert_row_blocks) {  // the tail rows: zeros
+const int expert_items = expert_row_blocks * column_blocks;  // of each split
+const int all_stages = row_groups / STAGE_GROUPS;
+// What this thread copies each stage: its chunks of the block's rows, of
+// the packed columns and of their scales and biases (an item's first stage
+// says from where, below); where they land in group memory is the same for
+// every item.
+// With WARPGROUP, core matrices (CORE_WORDS apart): the 8 lanes of one
+// 16-byte copy's pass take 8 chunks of a row, each in its own core matrix,
+// which the pad after each puts in other banks. With SHARED_WEIGHTS,
+// swizzled slabs. Where THREADS is a multiple of 8 rows' chunks, copy i is
+// ROW_STEP rows past copy 0, at the same chunk, and every layout repeats
+// each 8 rows: its place is copy 0's plus a constant, so the compiler keeps
+// one register for all the copies, not one a copy or each place computed
+// again every stage. (A copy past the block is never made.)
+GLOBAL const unsigned short* row_sources[ROW_COPIES];
+int row_targets[ROW_COPIES];
+UNROLL
+for (int i = 0; i < ROW_COPIES; ++i) {
+  const int chunk = min((int)LOCAL_ID + i * THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
+  const int block_row = chunk / ROW_CHUNKS;
+  const int row_chunk = chunk % ROW_CHUNKS;
+  row_targets[i] = i > 0 && ROW_STEP % 8 == 0 ? row_targets[0] + i * ROW_TARGET_STEP
+                 : SHARED_WEIGHTS ? (row_chunk / 8) * ROW_SLAB_WORDS
+                                    + SWIZZLE128(block_row * 32 + (row_chunk % 8) * 4)
+                 : WARPGROUP ? ((block_row / 8) * ROW_CHUNKS + row_chunk) * CORE_WORDS
+                               + (block_row % 8) * 4
+                             : block_row * ROW_STRIDE + row_chunk * 4;
+}
+GLOBAL const unsigned* word_sources[WORD_COPIES];
+int word_targets[WORD_COPIES];
+UNROLL
+for (int i = 0; i < WORD_COPIES; ++i) {
+  const int chunk = min((int)LOCAL_ID + i * THREADS,
+                        MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS - 1);
+  // As the rows', where THREADS is a multiple of a column's chunks.
+  word_targets[i] = i > 0 && THREADS % COLUMN_CHUNKS == 0
+                        ? word_targets[0] + i * (THREADS / COLUMN_CHUNKS) * WORD_STRIDE
+                        : chunk / COLUMN_CHUNKS * WORD_STRIDE + (chunk % COLUMN_CHUNKS) * 4;
+}
+GLOBAL const unsigned short* scale_sources[SCALE_COPIES];
+GLOBAL const unsigned short* bias_sources[SCALE_COPIES];
+// sums[(t * ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2),
+// row n * 8 + 2 * fragment_slot + e % 2 of the warp's (the accumulator layout).
+float sums[TILES * ROW_TILES * 4];
+// A stage's scales and biases (2 bytes each, too small to copy
+// asynchronously) go through registers: loaded when the stage's copies are
+// issued, stored one step later, after a stage's multiply-adds (a plain
+// load's first use holds the thread until it arrives).
+unsigned pending_scales[SCALE_COPIES];
+unsigned pending_biases[SCALE_COPIES];
+
+// The group's items GROUP_ID, GROUP_ID + NUM_GROUPS, ... in runs of stages:
+// each item a run of its own, or with ACROSS_ITEMS (INPUT_SPLITS 1) all
+// the group's items of the experts' rows one run, begun at its first item,
+// so that an item's first stages are copied while the item before is
+// multiplied and stored (the launch then takes a group or so an SM, each
+// of many items). The tail rows' items store zeros.
+for (int run_item = GROUP_ID; run_item < block_items * INPUT_SPLITS; run_item += NUM_GROUPS) {
+  if (run_item % block_items >= expert_items) {  // the tail rows: zeros
+    const int input_split = run_item / block_items;
+    const int row_block = run_item % block_items / column_blocks;
+    const int column0 = (run_item % column_blocks) * BLOCK_COLUMNS;
     const int row0 = tail_first + (row_block - expert_row_blocks) * BLOCK_ROWS;
     for (int i = LOCAL_ID; i < BLOCK_ROWS * BLOCK_COLUMNS; i += THREADS) {
       const int row = row0 + i / BLOCK_COLUMNS;
@@ -200,263 +265,212 @@ for (int item = GROUP_ID; item < block_items * INPUT_SPLITS; item += NUM_GROUPS)
     }
     continue;
   }
-  // The block's expert: the first whose blocks reach past row_block.
-  int expert = 0;
-  for (int span = num_experts; span > 1;) {
-    const int lower = span / 2;
-    if (expert_blocks[expert + lower - 1] <= row_block) {
-      expert += lower;
-      span -= lower;
-    } else {
-      span = lower;
-    }
+  if (ACROSS_ITEMS && run_item != GROUP_ID) {
+    continue;  // multiplied in the group's run
   }
-  const int first = min(max(expert_offsets[expert], 0), capacity);
-  const int last = min(max(expert_offsets[expert + 1], first), capacity);
-  const int own_block = row_block - (expert_blocks[expert]
-                                     - (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS);
-  const int row0 = first + own_block * BLOCK_ROWS;
-  // The block's 8-row tiles that hold rows of the expert.
-  const int live_row_tiles = (min(last - row0, BLOCK_ROWS) + 7) / 8;
-
-  // The split's stages: [first_stage, first_stage + num_stages) of the
-  // row's (STAGE_GROUPS divides it; the launch gives each split one or more).
-  const int all_stages = row_groups / STAGE_GROUPS;
+  // The run's items and their stages, one after another: an item's are
+  // [first_stage, first_stage + num_stages) of the row's, its split's
+  // (STAGE_GROUPS divides the row; the launch gives each split one or more).
+  const int run_items = ACROSS_ITEMS ? (expert_items - GROUP_ID + NUM_GROUPS - 1) / NUM_GROUPS
+                                     : 1;
+  const int input_split = run_item / block_items;
   const int first_stage = input_split * all_stages / INPUT_SPLITS;
   const int num_stages = (input_split + 1) * all_stages / INPUT_SPLITS - first_stage;
-  // What this thread copies each stage: its chunks of the block's rows (a
-  // row past the expert's copies its last row; with TOKEN_ROWS, the row's
-  // token, clamped into rows), of the packed columns and of their scales and
-  // biases (a column past out_dims copies the last). The sources start at the
-  // split's first stage and move a stage on after each: a pointer's add,
-  // where their place from the item's start took a product and a 64-bit add
-  // a copy at every stage; the places in group memory are fixed.
-  GLOBAL const unsigned short* row_sources[ROW_COPIES];
-  int row_targets[ROW_COPIES];
-UNROLL
-  for (int i = 0; i < ROW_COPIES; ++i) {
-    const int chunk = min((int)LOCAL_ID + i * THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
-    const int block_row = chunk / ROW_CHUNKS;
-    const int row = min(row0 + block_row, last - 1);
-    const int source = TOKEN_ROWS ? min(max(row_tokens[row], 0), num_rows - 1) : row;
-    row_sources[i] = (GLOBAL const unsigned short*)rows + (i64)source * in_dims
-                     + first_stage * STAGE_VALUES + (chunk % ROW_CHUNKS) * 8;
-    // With WARPGROUP, core matrices (CORE_WORDS apart): the 8 lanes of one
-    // 16-byte copy's pass take 8 chunks of a row, each in its own core
-    // matrix, which the pad after each puts in other banks. With
-    // SHARED_WEIGHTS, swizzled slabs. Where THREADS is a multiple of 8 rows'
-    // chunks, copy i is ROW_STEP rows past copy 0, at the same chunk, and
-    // every layout repeats each 8 rows: its place is copy 0's plus a
-    // constant, so the compiler keeps one register for all the copies, not
-    // one a copy or each place computed again every stage. (A copy past the
-    // block is never made.)
-    const int row_chunk = chunk % ROW_CHUNKS;
-    row_targets[i] = i > 0 && ROW_STEP % 8 == 0 ? row_targets[0] + i * ROW_TARGET_STEP
-                   : SHARED_WEIGHTS ? (row_chunk / 8) * ROW_SLAB_WORDS
-                                      + SWIZZLE128(block_row * 32 + (row_chunk % 8) * 4)
-                   : WARPGROUP ? ((block_row / 8) * ROW_CHUNKS + row_chunk) * CORE_WORDS
-                                 + (block_row % 8) * 4
-                               : block_row * ROW_STRIDE + row_chunk * 4;
-  }
-  GLOBAL const unsigned* word_sources[WORD_COPIES];
-  int word_targets[WORD_COPIES];
-UNROLL
-  for (int i = 0; i < WORD_COPIES; ++i) {
-    const int chunk = min((int)LOCAL_ID + i * THREADS,
-                          MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS - 1);
-    const int column = chunk / COLUMN_CHUNKS;  // matrix column / BLOCK_COLUMNS
-    const i64 column_row = (i64)expert * out_dims
-                           + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);
-    word_sources[i] = (column < BLOCK_COLUMNS ? weight : up_weight) + column_row * row_words
-                      + first_stage * STAGE_GROUPS * GROUP_WORDS + (chunk % COLUMN_CHUNKS) * 4;
-    // As the rows' (above), where THREADS is a multiple of a column's chunks.
-    word_targets[i] = i > 0 && THREADS % COLUMN_CHUNKS == 0
-                          ? word_targets[0] + i * (THREADS / COLUMN_CHUNKS) * WORD_STRIDE
-                          : column * WORD_STRIDE + (chunk % COLUMN_CHUNKS) * 4;
-  }
-  GLOBAL const unsigned short* scale_sources[SCALE_COPIES];
-  GLOBAL const unsigned short* bias_sources[SCALE_COPIES];
-UNROLL
-  for (int i = 0; i < SCALE_COPIES; ++i) {
-    const int entry = min((int)LOCAL_ID + i * THREADS, STAGE_SCALES - 1);
-    const int column = entry / STAGE_GROUPS;
-    const i64 column_row = (i64)expert * out_dims
-                           + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);
-    scale_sources[i] = (GLOBAL const unsigned short*)(column < BLOCK_COLUMNS ? scales : up_scales)
-                       + column_row * row_groups + first_stage * STAGE_GROUPS
-                       + entry % STAGE_GROUPS;
-    bias_sources[i] = (GLOBAL const unsigned short*)(column < BLOCK_COLUMNS ? biases : up_biases)
-                      + column_row * row_groups + first_stage * STAGE_GROUPS
-                      + entry % STAGE_GROUPS;
-  }
-  // sums[(t * ROW_TILES + n) * 4 + e]: tile t's column fragment_row + 8 * (e / 2),
-  // row n * 8 + 2 * fragment_slot + e % 2 of the warp's (the accumulator layout).
-  float sums[TILES * ROW_TILES * 4];
+  const int run_stages = run_items * num_stages;
+  int product_live_row_tiles = 0;  // the multiplied item's
 UNROLL
   for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
     sums[i] = 0.0f;
   }
-  // A stage's scales and biases (2 bytes each, too small to copy
-  // asynchronously) go through registers: loaded when the stage's copies are
-  // issued, stored one step later, after a stage's multiply-adds (a plain
-  // load's first use holds the thread until it arrives).
-  unsigned pending_scales[SCALE_COPIES];
-  unsigned pending_biases[SCALE_COPIES];
-  BARRIER();  // the previous item's last stage is read by every warp
+  BARRIER();  // the previous run's last stage and places are read by every warp
+  if (!ACROSS_ITEMS) {  // a run of one item: its beginning before its steps
+    const int begun_index = 0;
+    const int item = run_item;
+    // include: tiles_begin
+    product_live_row_tiles = (min(last - row0, BLOCK_ROWS) + 7) / 8;
+  }
   // Step s copies stage s (while there is one) and computes stage s - AHEAD:
   // AHEAD stages are in flight while one is multiplied. With WEIGHTS_AHEAD,
   // step s makes stage s - AHEAD's weights and multiplies the stage before.
-  for (int step = 0; step < num_stages + AHEAD + LAG; ++step) {
-    const int stage = step - AHEAD;
-    const int product_stage = stage - LAG;
-    if (step > 0 && step - 1 < num_stages) {  // the last step's scales, arrived by now
-      const int into = ((step - 1) % STAGES) * 2 * STAGE_SCALES;
+  // An item's steps multiply its stages (the first item's also those before,
+  // which only copy) and meanwhile copy the stages AHEAD on, the next item's
+  // first among them; its sums are stored after them, outside the step loop:
+  // a warpgroup's sums read inside it make ptxas wait for every batch at
+  // each step's end (its C7517), and zeros written there serialize them all.
+  for (int item_index = 0; item_index < run_items; ++item_index) {
+    const int end_step = (item_index + 1) * num_stages + AHEAD + LAG;
+    for (int step = ACROSS_ITEMS && item_index > 0 ? end_step - num_stages : 0; step < end_step;
+         ++step) {
+      const int stage = step - AHEAD;
+      const int product_stage = stage - LAG;
+      if (step > 0 && step - 1 < run_stages) {  // the last step's scales, arrived by now
+        const int into = ((step - 1) % STAGES) * 2 * STAGE_SCALES;
 UNROLL
-      for (int i = 0; i < SCALE_COPIES; ++i) {
-        const int entry = (int)LOCAL_ID + i * THREADS;
-        if (entry < STAGE_SCALES) {
-          // The pair (value, value), made here: an operation on a loaded
-          // value right after its load would wait for it there.
-          stage_scales[into + entry] = pending_scales[i] | (pending_scales[i] << 16);
-          stage_scales[into + STAGE_SCALES + entry] = pending_biases[i] | (pending_biases[i] << 16);
-        }
-      }
-    }
-    // Stage `stage`'s copies have landed (this thread's; none are waited for
-    // while stage < 0), then every thread's, and the buffers this step
-    // copies into are free: stage - 1's (its warpgroup multiply-adds done:
-    // they read the rows until then), with SHARED_WEIGHTS stage - 2's (each
-    // warpgroup waited for them in the last step).
-    if (WARPGROUP && !SHARED_WEIGHTS) {
-      WARPGROUP_WAIT(0, sums, 0);
-    }
-    ASYNC_WAIT(AHEAD - 1);
-    if (WARPGROUP) {
-      SHARED_PROXY_FENCE();
-    }
-    BARRIER();
-    if (step < num_stages) {
-      const int buffer = step % STAGES;
-      SHARED_SPACE unsigned* rows_into = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE;
-      SHARED_SPACE unsigned* words_into = stage_words
-                                          + buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
-      // One branch a stage, not one a copy: the copies then issue back to
-      // back, and a count that THREADS divides needs no bound check.
-      if (vectors) {
-UNROLL
-        for (int i = 0; i < ROW_COPIES; ++i) {
-          if (ROW_COPIES * THREADS == BLOCK_ROWS * ROW_CHUNKS
-              || (int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
-            ASYNC_COPY16(rows_into + row_targets[i], row_sources[i]);
-          }
-        }
-UNROLL
-        for (int i = 0; i < WORD_COPIES; ++i) {
-          if (WORD_COPIES * THREADS == MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS
-              || (int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
-            ASYNC_COPY16(words_into + word_targets[i], word_sources[i]);
-          }
-        }
-      } else {
-        for (int i = 0; i < ROW_COPIES; ++i) {
-          if ((int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
-UNROLL
-            for (int j = 0; j < 4; ++j) {
-              rows_into[row_targets[i] + j] =
-                  (unsigned)row_sources[i][2 * j]
-                  | ((unsigned)row_sources[i][2 * j + 1] << 16);
-            }
-          }
-        }
-        for (int i = 0; i < WORD_COPIES; ++i) {
-          if ((int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
-UNROLL
-            for (int j = 0; j < 4; ++j) {
-              words_into[word_targets[i] + j] = word_sources[i][j];
-            }
+        for (int i = 0; i < SCALE_COPIES; ++i) {
+          const int entry = (int)LOCAL_ID + i * THREADS;
+          if (entry < STAGE_SCALES) {
+            // The pair (value, value), made here: an operation on a loaded
+            // value right after its load would wait for it there.
+            stage_scales[into + entry] = pending_scales[i] | (pending_scales[i] << 16);
+            stage_scales[into + STAGE_SCALES + entry] =
+                pending_biases[i] | (pending_biases[i] << 16);
           }
         }
       }
-UNROLL
-      for (int i = 0; i < SCALE_COPIES; ++i) {
-        pending_scales[i] = scale_sources[i][0];
-        pending_biases[i] = bias_sources[i][0];
+      // Stage `stage`'s copies have landed (this thread's; none are waited for
+      // while stage < 0), then every thread's, and the buffers this step
+      // copies into are free: stage - 1's (its warpgroup multiply-adds done:
+      // they read the rows until then), with SHARED_WEIGHTS stage - 2's (each
+      // warpgroup waited for them in the last step).
+      if (WARPGROUP && !SHARED_WEIGHTS) {
+        WARPGROUP_WAIT(0, sums, 0);
       }
-      // The next stage's.
-UNROLL
-      for (int i = 0; i < ROW_COPIES; ++i) {
-        row_sources[i] += STAGE_VALUES;
+      ASYNC_WAIT(AHEAD - 1);
+      if (WARPGROUP) {
+        SHARED_PROXY_FENCE();
       }
-UNROLL
-      for (int i = 0; i < WORD_COPIES; ++i) {
-        word_sources[i] += STAGE_GROUPS * GROUP_WORDS;
-      }
-UNROLL
-      for (int i = 0; i < SCALE_COPIES; ++i) {
-        scale_sources[i] += STAGE_GROUPS;
-        bias_sources[i] += STAGE_GROUPS;
-      }
-    }
-    ASYNC_COMMIT();
-    // The buffers of the stage multiplied this step (while product_stage >= 0).
-    const int buffer = max(product_stage, 0) % STAGES;
-    const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
-                        + row_warp * 8 * ROW_TILES * ROW_STRIDE;
-    const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
-    const int scales_at = buffer * 2 * STAGE_SCALES;
-    const int warp_column = column_warp * 16 * COLUMN_TILES;
-    const int weights_at = max(product_stage, 0) % 2 * WEIGHT_WORDS;
-    // The weights of the stage `stage`, made into its buffers (stage_words,
-    // stage_scales at made_words_at, made_scales_at; stage_weights at
-    // made_at): then a barrier shows them to the products of the same step,
-    // or with WEIGHTS_AHEAD the next step's one barrier does, the products of
-    // the stage before them issued first to run meanwhile and waited for
-    // after. Without it they are the products' offsets, named once: computed
-    // twice, nvcc kept both (13 more instructions a stage).
-    const int made_buffer = max(stage, 0) % STAGES;
-    const int made_words_at = LAG ? made_buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE
-                                  : words_at;
-    const int made_scales_at = LAG ? made_buffer * 2 * STAGE_SCALES : scales_at;
-    const int made_at = LAG ? max(stage, 0) % 2 * WEIGHT_WORDS : weights_at;
-    if (SHARED_WEIGHTS && !WEIGHTS_AHEAD) {
-      if (stage >= 0) {
-        // include: tiles_weights
-      }
-      // Made for every thread, and for the multiply-adds' reads (the async
-      // proxy's).
-      SHARED_PROXY_FENCE();
       BARRIER();
-    }
-    if (product_stage >= 0) {
-      // An expert's last block is part empty (most are, at prefill sizes and
-      // under skewed routing): where its rows fill half a warp's row tiles
-      // or fewer (ROW_TILES / 2, all in the first warp row), every warp
-      // multiplies that half only; the bound is the same for the whole
-      // group (the emulated MMA_16x8x16 meets a barrier). The products'
-      // text twice, not a bound a row tile: a branch inside the unrolled
-      // loop kept its loads and multiply-adds from overlapping and slowed
-      // full blocks. One copy for a warp of one row tile (no half) and of
-      // more than 8 (the tall blocks, from 512 rows an expert, whose last
-      // blocks are a small share of the work: the second copy slowed them).
-      if (ROW_TILES < 2 || ROW_TILES > 8 || live_row_tiles > ROW_TILES / 2) {
-        const int product_row_tiles = ROW_TILES;
-        // include: tiles_products
-      } else {
-        const int product_row_tiles = ROW_TILES / 2;
-        // include: tiles_products
+      if (step < run_stages) {
+        if (ACROSS_ITEMS && step % num_stages == 0) {  // an item's first stage
+          const int begun_index = step / num_stages;
+          const int item = run_item + begun_index * NUM_GROUPS;
+          // include: tiles_begin
+        }
+        const int buffer = step % STAGES;
+        SHARED_SPACE unsigned* rows_into = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE;
+        SHARED_SPACE unsigned* words_into = stage_words
+                                            + buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
+        // One branch a stage, not one a copy: the copies then issue back to
+        // back, and a count that THREADS divides needs no bound check.
+        if (vectors) {
+UNROLL
+          for (int i = 0; i < ROW_COPIES; ++i) {
+            if (ROW_COPIES * THREADS == BLOCK_ROWS * ROW_CHUNKS
+                || (int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
+              ASYNC_COPY16(rows_into + row_targets[i], row_sources[i]);
+            }
+          }
+UNROLL
+          for (int i = 0; i < WORD_COPIES; ++i) {
+            if (WORD_COPIES * THREADS == MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS
+                || (int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
+              ASYNC_COPY16(words_into + word_targets[i], word_sources[i]);
+            }
+          }
+        } else {
+          for (int i = 0; i < ROW_COPIES; ++i) {
+            if ((int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
+UNROLL
+              for (int j = 0; j < 4; ++j) {
+                rows_into[row_targets[i] + j] =
+                    (unsigned)row_sources[i][2 * j]
+                    | ((unsigned)row_sources[i][2 * j + 1] << 16);
+              }
+            }
+          }
+          for (int i = 0; i < WORD_COPIES; ++i) {
+            if ((int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
+UNROLL
+              for (int j = 0; j < 4; ++j) {
+                words_into[word_targets[i] + j] = word_sources[i][j];
+              }
+            }
+          }
+        }
+UNROLL
+        for (int i = 0; i < SCALE_COPIES; ++i) {
+          pending_scales[i] = scale_sources[i][0];
+          pending_biases[i] = bias_sources[i][0];
+        }
+        // The next stage's.
+UNROLL
+        for (int i = 0; i < ROW_COPIES; ++i) {
+          row_sources[i] += STAGE_VALUES;
+        }
+UNROLL
+        for (int i = 0; i < WORD_COPIES; ++i) {
+          word_sources[i] += STAGE_GROUPS * GROUP_WORDS;
+        }
+UNROLL
+        for (int i = 0; i < SCALE_COPIES; ++i) {
+          scale_sources[i] += STAGE_GROUPS;
+          bias_sources[i] += STAGE_GROUPS;
+        }
+      }
+      ASYNC_COMMIT();
+      // The buffers of the stage multiplied this step (while product_stage >= 0).
+      const int buffer = max(product_stage, 0) % STAGES;
+      const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
+                          + row_warp * 8 * ROW_TILES * ROW_STRIDE;
+      const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
+      const int scales_at = buffer * 2 * STAGE_SCALES;
+      const int warp_column = column_warp * 16 * COLUMN_TILES;
+      const int weights_at = max(product_stage, 0) % 2 * WEIGHT_WORDS;
+      // The weights of the stage `stage`, made into its buffers (stage_words,
+      // stage_scales at made_words_at, made_scales_at; stage_weights at
+      // made_at): then a barrier shows them to the products of the same step,
+      // or with WEIGHTS_AHEAD the next step's one barrier does, the products of
+      // the stage before them issued first to run meanwhile and waited for
+      // after. Without it they are the products' offsets, named once: computed
+      // twice, nvcc kept both (13 more instructions a stage).
+      const int made_buffer = max(stage, 0) % STAGES;
+      const int made_words_at = LAG ? made_buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE
+                                    : words_at;
+      const int made_scales_at = LAG ? made_buffer * 2 * STAGE_SCALES : scales_at;
+      const int made_at = LAG ? max(stage, 0) % 2 * WEIGHT_WORDS : weights_at;
+      if (SHARED_WEIGHTS && !WEIGHTS_AHEAD) {
+        if (stage >= 0) {
+          // include: tiles_weights
+        }
+        // Made for every thread, and for the multiply-adds' reads (the async
+        // proxy's).
+        SHARED_PROXY_FENCE();
+        BARRIER();
+      }
+      if (ACROSS_ITEMS && product_stage >= 0 && product_stage % num_stages == 0) {
+        // An item's first product: the block's 8-row tiles that hold rows of
+        // its expert.
+        const int slot = 3 * (product_stage / num_stages % ITEM_RING);
+        product_live_row_tiles = (min(item_places[slot + 2] - item_places[slot + 1], BLOCK_ROWS)
+                                  + 7) / 8;
+      }
+      if (product_stage >= 0) {
+        // An expert's last block is part empty (most are, at prefill sizes and
+        // under skewed routing): where its rows fill half a warp's row tiles
+        // or fewer (ROW_TILES / 2, all in the first warp row), every warp
+        // multiplies that half only; the bound is the same for the whole
+        // group (the emulated MMA_16x8x16 meets a barrier). The products'
+        // text twice, not a bound a row tile: a branch inside the unrolled
+        // loop kept its loads and multiply-adds from overlapping and slowed
+        // full blocks. One copy for a warp of one row tile (no half) and of
+        // more than 8 (the tall blocks, from 512 rows an expert, whose last
+        // blocks are a small share of the work: the second copy slowed them).
+        if (ROW_TILES < 2 || ROW_TILES > 8 || product_live_row_tiles > ROW_TILES / 2) {
+          const int product_row_tiles = ROW_TILES;
+          // include: tiles_products
+        } else {
+          const int product_row_tiles = ROW_TILES / 2;
+          // include: tiles_products
+        }
+      }
+      if (SHARED_WEIGHTS && WEIGHTS_AHEAD) {
+        if (stage >= 0 && stage < run_stages) {
+          // include: tiles_weights
+        }
+        WARPGROUP_WAIT(0, sums, 0);
       }
     }
-    if (SHARED_WEIGHTS && WEIGHTS_AHEAD) {
-      if (stage >= 0 && stage < num_stages) {
-        // include: tiles_weights
+    // Its sums, finished, stored; the next item's from zero.
+    {
+      const int item = run_item + (ACROSS_ITEMS ? item_index * NUM_GROUPS : 0);
+      const int slot = ACROSS_ITEMS ? 3 * (item_index % ITEM_RING) : 0;
+      // include: tiles_end
+    }
+    if (item_index + 1 < run_items) {
+UNROLL
+      for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
+        sums[i] = 0.0f;
       }
-      WARPGROUP_WAIT(0, sums, 0);
     }
   }
-  if (WARPGROUP) {
-    WARPGROUP_WAIT(0, sums, TILES * ROW_TILES * 4);
-  }
-  const int warp_row0 = row0 + row_warp * 8 * ROW_TILES;
-  const int warp_column0 = column0 + column_warp * 16 * COLUMN_TILES;
-  // include: qmm_store
 }

@@ -217,6 +217,13 @@ class GroupedQmmTiling:
     # to 3, then its values a stage halve and its stages start again from
     # these (_grouped_qmm_tiles_launch)
     block_shared_stages: int = 3
+    # 1: each group's items of the experts' rows one run of stages
+    # (ACROSS_ITEMS): an item's first copies in flight while the item before
+    # is multiplied and stored, with block_max_groups then a group or so an
+    # SM, each of many items; a launch whose input is split keeps its items
+    # apart. 0: each item's stages alone (copies, products, then the store).
+    # Off until timed.
+    block_across_items: int = 0
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -250,9 +257,9 @@ class GroupedQmmTiling:
                              f"({MAX_EXPERTS}): {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
                 or self.block_warpgroup not in (None, 0, 1, 2) \
-                or self.block_weights_ahead not in (0, 1):
-            raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead and "
-                             f"block_weights_ahead are 0 or 1, block_warpgroup None, 0, 1 or "
+                or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1):
+            raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead, block_weights_ahead "
+                             f"and block_across_items are 0 or 1, block_warpgroup None, 0, 1 or "
                              f"2: {self}")
         if self.block_shared_row_tiles not in (None, *SHARED_WEIGHTS_ROW_TILES):
             raise ValueError(f"grouped_qmm tiling: block_shared_row_tiles is None or one of "
@@ -991,7 +998,9 @@ def _grouped_qmm_tiles_launch(
         # room to align the swizzled buffers
         made_bytes = (2 * 2 * matrices * block_columns * stage_values + SWIZZLE_ALIGN_BYTES
                       if shared_weights else 0)
-        if fixed + stages * stage_bytes + made_bytes <= shared_bytes:
+        # the ring of begun items' places (grouped_qmm_tiles.h's item_places)
+        ring_bytes = 4 * 3 * (stages + 1)
+        if fixed + ring_bytes + stages * stage_bytes + made_bytes <= shared_bytes:
             break
         if stages > (3 if shared_weights else 2):
             stages -= 1
@@ -1041,9 +1050,10 @@ def _grouped_qmm_tiles_launch(
          ("WORD_STRIDE", word_stride), ("INPUT_SPLITS", splits), ("WARPGROUP", by_warpgroup),
          ("SHARED_WEIGHTS", shared_weights),
          ("WEIGHTS_AHEAD", shared_weights and bool(tiling.block_weights_ahead)),
+         ("ACROSS_ITEMS", splits == 1 and bool(tiling.block_across_items)),
          *_store_template(store)),
         (out,),
-        _dynamic_shared_bytes(fixed, stages * stage_bytes + made_bytes),
+        _dynamic_shared_bytes(fixed + ring_bytes, stages * stage_bytes + made_bytes),
     )
 
 
