@@ -181,9 +181,10 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
     if run.body == "grouped_qmm_tiles":
         multiply_adds = (", weights made in shared memory" if template["SHARED_WEIGHTS"]
                          else ", wgmma" if template["WARPGROUP"] else "")
+        runs = f", each of {run.groups} groups' items one run" if template["ACROSS_ITEMS"] else ""
         return (f"tiles {template['BLOCK_ROWS']}x{template['BLOCK_COLUMNS']}, "
                 f"{template['STAGE_GROUPS'] * form.group_size} values x "
-                f"{template['STAGES']} stages{multiply_adds}")
+                f"{template['STAGES']} stages{multiply_adds}{runs}")
     ahead = ", loads ahead" if template["LOADS_AHEAD"] else ""
     ring = f", words in a ring of {template['WORD_STAGES']}" if template["WORD_STAGES"] else ""
     return f"decode body, {template['STEPS']} steps{ahead}{ring}, {template['K_SPLITS']} sets"

@@ -118,6 +118,13 @@
 #               warps' own) and Qwen3-30B-A3B at T = 8192 (192-row made weights,
 #               3 stages of 64 values, and 5 with block_shared_stages=5):
 #               throughput, occupancy, the warps' stall reasons, the schedulers.
+#   item-runs (not in `bench`) each group's items one run of stages
+#               (block_across_items=1, ACROSS_ITEMS: an item's first copies in
+#               flight while the item before is multiplied and stored): its GPU
+#               tests, then under compute-sanitizer's three tools (CUDA); then
+#               the expert GEMMs of Qwen3-30B-A3B and Qwen3-Next at T = 2048 and
+#               8192 in runs over 132 and 264 groups (one and two an SM of an
+#               H100 or H200) beside the default and the same groups alone.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -685,6 +692,20 @@ if wanted prefill-ncu && command -v ncu >/dev/null; then
       python3 -m benchmarks.grouped_qmm --shapes "$name" --tokens "$tokens" --calls 1 \
       --no-sorted --sides kernel --tilings "$tilings"
   done
+fi
+if wanted item-runs; then
+  logged "$results/item-runs-test.log" python3 -m pytest -q tests/test_grouped_qmm.py -k runs \
+    -p no:cacheprovider
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      HYPOTHESIS_PROFILE=sanitize logged "$results/item-runs-$tool.log" compute-sanitizer \
+        --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_grouped_qmm_tiles \
+        python3 -m pytest -q -x tests/test_grouped_qmm.py -k runs -p no:cacheprovider
+    done
+  fi
+  runs="default;block_max_groups=132;block_across_items=1,block_max_groups=132"
+  runs="$runs;block_max_groups=264;block_across_items=1,block_max_groups=264"
+  grouped_qmm_each item-runs "qwen3-30b-a3b 2048,8192 $runs" "qwen3-next 2048,8192 $runs"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"
