@@ -731,6 +731,19 @@ def test_grouped_qmm_tiles_blocks(bits, group_size, name):
                           group_size, name, 5)
 
 
+def _check_fusion(fusion, rng, counts, out_dims, in_dims, bits, group_size, name, tail,
+                  num_tokens):
+    """One projection of expert-sorted rows (`fusion` "none"), or `_check_fused`'s
+    rows from `num_tokens` tokens ("tokens"), gate and up fused ("gated"), or
+    both ("both")."""
+    if fusion == "none":
+        check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_dims, bits, group_size, name,
+                          tail)
+    else:
+        _check_fused(rng, counts, out_dims, in_dims, bits, group_size, name, tail, num_tokens,
+                     fusion != "gated", fusion != "tokens")
+
+
 def tiles_cases(in_groups: st.SearchStrategy) -> dict:
     """The block tiles' Hypothesis arguments: experts of no row, of a few and
     past a block (64 rows), columns past a block's last tile, `in_groups`
@@ -816,12 +829,8 @@ def test_grouped_qmm_tiles_warpgroup(counts, out_dims, in_groups, bits, group_si
         slabs = template["STAGE_GROUPS"] * group_size % 64 == 0
         assert template["SHARED_WEIGHTS"] == (shared_weights and slabs)
         assert template["WARPGROUP"] == (not shared_weights or slabs)
-        if fusion == "none":
-            check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_groups * group_size, bits,
-                              group_size, name, tail)
-        else:
-            _check_fused(rng, counts, out_dims, in_groups * group_size, bits, group_size, name,
-                         tail, num_tokens, fusion != "gated", fusion != "tokens")
+        _check_fusion(fusion, rng, counts, out_dims, in_groups * group_size, bits, group_size,
+                      name, tail, num_tokens)
 
 
 # The blocks a run of items crosses: the warps' own multiply-adds (the
@@ -851,12 +860,8 @@ def test_grouped_qmm_tiles_across_items(counts, out_dims, in_groups, bits, group
                                         sum(counts) + tail, bits, group_size, name,
                                         backend="opencl", gated=fusion in ("gated", "both"))
         assert dict(qmm.template)["ACROSS_ITEMS"] and qmm.groups <= groups
-        if fusion == "none":
-            check_grouped_qmm(_grouped_qmm, rng, counts, out_dims, in_groups * group_size, bits,
-                              group_size, name, tail)
-        else:
-            _check_fused(rng, counts, out_dims, in_groups * group_size, bits, group_size, name,
-                         tail, num_tokens, fusion != "gated", fusion != "tokens")
+        _check_fusion(fusion, rng, counts, out_dims, in_groups * group_size, bits, group_size,
+                      name, tail, num_tokens)
 
 
 def test_grouped_qmm_tiles_across_items_many_stages():
