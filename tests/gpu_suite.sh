@@ -88,10 +88,12 @@
 #               measured), in two steps that each fit one call of a lent machine:
 #   attention-checks its GPU tests (against the reference and MLX's attention,
 #               outputs poisoned; whole models against mlx-lm's logits) and the
-#               benchmark's sketch's; MLX's cuDNN path, its vector kernel and the
-#               sketch (benchmarks.decode_attention), Qwen3-30B-A3B's and
-#               gpt-oss-20b's shapes, contexts 512 and 2048, batch 1 to 64; the
-#               package's kernels under compute-sanitizer's three tools (CUDA);
+#               benchmark's sketch's; MLX's cuDNN path, its vector kernel, the
+#               sketch and the package's launches, as they split the keys and
+#               for 384 and 512 groups (benchmarks.decode_attention),
+#               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and 2048,
+#               batch 1 to 64; the package's kernels under compute-sanitizer's
+#               three tools (CUDA);
 #   attention-steps both whole models decoding at batch 1 to 64, the patch
 #               beside its launches from 4 sequences (on) and the sketch's
 #               tensor-core form (sketch), alternated; and Qwen3-30B-A3B from
