@@ -157,6 +157,14 @@ def as_float32(array: mx.array) -> np.ndarray:
     return np.array(array.astype(mx.float32))
 
 
+def assert_logits_close(got, want) -> None:
+    """Each step's logits of `got` within bfloat16's rounding of `want`'s
+    (a launch that rounds or sums in another order than MLX's ops)."""
+    for got_step, want_step in zip(got, want):
+        g, w = as_float32(got_step), as_float32(want_step)
+        np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * np.abs(w).max())
+
+
 def assert_bitwise(actual, expected, what: str) -> None:
     """`actual` (MLX array) holds exactly the bits of `expected` (NumPy array).
 

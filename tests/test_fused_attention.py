@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import check_decode_attention, check_head_norm_rope, gpu_glue_on_the_cpu
+from conftest import (assert_logits_close, check_decode_attention, check_head_norm_rope,
+                      gpu_glue_on_the_cpu)
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -731,9 +732,7 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     with pytest.MonkeyPatch.context() as off:
         off.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)
         want = decode(plain, prompt, 4)
-    for g, w in zip(got, want):
-        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
-        np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * np.abs(w).max())
+    assert_logits_close(got, want)
 
 
 @on_cuda
@@ -767,6 +766,4 @@ def test_decoding_through_the_attention_launch_on_the_gpu(monkeypatch, name, siz
     with pytest.MonkeyPatch.context() as off:
         off.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1 << 30)
         want = decode(plain, prompt, 4)
-    for g, w in zip(got, want):
-        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
-        np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * np.abs(w).max())
+    assert_logits_close(got, want)

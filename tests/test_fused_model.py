@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import check_add_rms_norm, gpu_glue_on_the_cpu
+from conftest import assert_logits_close, check_add_rms_norm, gpu_glue_on_the_cpu
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -404,6 +404,4 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     got = decode(model, prompt, 4)
     assert launches == [(8, 1, CONFIGS["qwen3_moe"]["hidden_size"])] * 2 * LAYERS * 4
     want = unfused_logits(plain, prompt, 4)
-    for g, w in zip(got, want):
-        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
-        np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * np.abs(w).max())
+    assert_logits_close(got, want)
