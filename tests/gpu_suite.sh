@@ -88,12 +88,13 @@
 #               measured), in two steps that each fit one call of a lent machine:
 #   attention-checks its GPU tests (against the reference and MLX's attention,
 #               outputs poisoned; whole models against mlx-lm's logits) and the
-#               benchmark's sketch's; MLX's cuDNN path, its vector kernel, the
+#               benchmark's sketch's; the package's kernels under
+#               compute-sanitizer's three tools (CUDA); then, last because a
+#               call may run out first, MLX's cuDNN path, its vector kernel, the
 #               sketch and the package's launches, as they split the keys and
 #               for 384 and 512 groups (benchmarks.decode_attention),
 #               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and 2048,
-#               batch 1 to 64; the package's kernels under compute-sanitizer's
-#               three tools (CUDA);
+#               batch 1 to 64;
 #   attention-steps both whole models decoding at batch 1 to 64, the patch
 #               beside its launches from 4 sequences (on) and the sketch's
 #               tensor-core form (sketch), alternated; and Qwen3-30B-A3B from
@@ -651,7 +652,6 @@ fi
 if wanted attention-checks; then
   logged "$results/decode-attention-test.log" python3 -m pytest -q tests/test_fused_attention.py \
     tests/test_benchmarks.py -k "decode_attention or attention_launch" -p no:cacheprovider
-  logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck synccheck; do
       logged "$results/decode-attention-$tool.log" compute-sanitizer --tool "$tool" \
@@ -659,6 +659,7 @@ if wanted attention-checks; then
         tests/test_fused_attention.py -k "decode_attention_kernel and dtype0" -p no:cacheprovider
     done
   fi
+  logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
 fi
 if wanted attention-steps; then
   # Batch 8 first (#33's open target); from 4 sequences the rule's `on` differs
