@@ -398,9 +398,12 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
 # 1.32x at 4, 2.92x to 3.25x at 32; slower at 2 (1.01x against 1.07x), where
 # its launches' host work outweighs their GPU time (benchmarks/HISTORY.md, "A
 # decoding attention of the package's own in whole steps"). The package's
-# launches, with their glue, have run once in whole steps, on an H100, at
-# batch 8, within that run's spread of the patch without them: off
-# (`DECODE_ATTENTION_FROM_ROWS` out of reach) until measured;
+# launches, with their glue, have not kept that gain: in whole steps on H100s
+# they ran within the spread of the patch without them at batch 8 and slower
+# at 4, their steps built more slowly than the patch's where the sketch's
+# built faster (benchmarks/HISTORY.md, "The package's decoding attention in
+# whole steps again"): off (`DECODE_ATTENTION_FROM_ROWS` out of reach) until
+# the glue's host work is found and cut;
 # `benchmarks.step_kernels --variants "on:DECODE_ATTENTION_FROM_ROWS=4"`
 # times it (`tests/gpu_suite.sh R decode-attention`). Elsewhere than CUDA not
 # measured: never.
@@ -410,8 +413,8 @@ DECODE_ATTENTION_FROM_ROWS = 1 << 30
 def decodes_attention(rows: int, *, cuda: bool) -> bool:
     """Whether a decoding step's attention runs in the package's launches.
 
-    On CUDA, from `DECODE_ATTENTION_FROM_ROWS` sequences (not yet measured
-    enough in whole steps: never). Elsewhere never until measured.
+    On CUDA, from `DECODE_ATTENTION_FROM_ROWS` sequences (never: not yet
+    faster in whole steps). Elsewhere never until measured.
 
     Args:
         rows (int): Rows of the step (sequences decoding together).
