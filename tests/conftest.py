@@ -463,7 +463,8 @@ def grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tai
 # (SHARED_WEIGHTS): 4 warps side by side, one 16-column tile a matrix each,
 # 128 rows, 64 values a stage in 3 stages.
 SHARED_WEIGHTS_BLOCK = dict(block_warpgroup=2, block_tiles=1, block_gated_tiles=1,
-                            block_row_tiles=16, block_gated_row_tiles=16, block_stage_values=64)
+                            block_row_tiles=16, block_gated_row_tiles=16, block_stage_values=64,
+                            block_stages=3)
 # The row tiles only the made weights' block takes, past the register
 # form's (wgmma's N of 8 times as many): the tests of those widths take them
 # from here.

@@ -54,7 +54,7 @@
 #   grouped-qmm-prefill (not in `bench`) the expert GEMMs at T = 512 to 16384,
 #               every shape: the kernel (its block tiles by default, with the
 #               warps' own multiply-adds where the default makes the weights in
-#               shared memory, in two stages, in stages of 64 values), MLX's
+#               shared memory, in three stages, in stages of 64 values), MLX's
 #               tiled gather_qmm and
 #               the dense ceilings, TFLOP/s, uniform and skewed routing.
 #   grouped-qmm-formats (not in `bench`) the same at T = 2048 and 8192,
@@ -621,7 +621,7 @@ if wanted grouped-qmm-prefill; then
     logged "$results/grouped-qmm-prefill-skew$skew.log" python3 -m benchmarks.grouped_qmm \
       --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 \
       --tokens 512,2048,8192,16384 --mlx-tiles 16,64 --skew "$skew" --calls 8 --no-sorted \
-      --tilings "default;block_warpgroup=0;block_warpgroup=0,block_stages=2;block_warpgroup=0,block_stage_values=64"
+      --tilings "default;block_warpgroup=0;block_warpgroup=0,block_stages=3;block_warpgroup=0,block_stage_values=64"
   done
 fi
 if wanted grouped-qmm-formats; then

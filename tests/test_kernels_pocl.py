@@ -779,7 +779,7 @@ def test_grouped_qmm_tiles_unaligned(name):
 
 TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles=1),
                 dict(block_column_warps=1, block_tiles=1, block_gated_tiles=1),
-                dict(block_stages=2), dict(block_stages=4, block_row_tiles=1),
+                dict(block_stages=3), dict(block_stages=4, block_row_tiles=1),
                 dict(block_stage_values=256, block_row_tiles=1),
                 dict(block_stage_values=64), dict(block_stage_values=192),
                 dict(block_row_warps=2, block_column_warps=2, block_tiles=4,
@@ -880,9 +880,9 @@ def test_grouped_qmm_tiles_across_items_many_stages():
                                   "bfloat16", 5)
                 _check_fused(rng, [129, 70, 0, 128, 1], 24, 640, 4, 64, "float16", 2, 5, True,
                              True)
-    # items of one stage each: the copies run two items ahead of the products
+    # items of one stage each in 3 stages: the copies run two items ahead of the products
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_across_items=1,
-                                   block_max_groups=1):
+                                   block_max_groups=1, block_stages=3):
         assert dict(launch.grouped_qmm_launch(5, 64, 40, 420, 4, 64, "bfloat16",
                                               backend="opencl").template)["STAGES"] == 3
         check_grouped_qmm(_grouped_qmm, rng, [130, 0, 20, 257, 1], 40, 64, 4, 64, "bfloat16", 5)
@@ -1110,7 +1110,8 @@ def test_shared_weights_stages_rule():
     assert block(*deepseek, block_shared_stages=6) == (3, 128)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_shared_stages=6):
         assert dict(launch.grouped_qmm_launch(
-            8, 768, 2048, 8192, 4, 64, "bfloat16", backend="cuda").template)["STAGES"] == 3
+            8, 768, 2048, 8192, 4, 64, "bfloat16", backend="cuda").template)["STAGES"] \
+            == launch.GroupedQmmTiling().block_stages
 
 
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)

@@ -170,7 +170,12 @@ class GroupedQmmTiling:
     # the launch)
     block_split_below_groups: int = 256
     block_input_splits: int | None = None
-    block_stages: int = 3  # stages in flight at most (STAGES), fewer where memory is short
+    # stages in flight at most (STAGES), fewer where memory is short: 2, not
+    # 3, since the warps' own block at 128 values a stage ran faster in 2 at
+    # every shape that takes it, and no slower elsewhere (the made weights
+    # keep block_shared_stages; benchmarks/RESULTS.md, "The warps' own block
+    # in two stages")
+    block_stages: int = 2
     # input values wanted a stage, in whole quantization groups that divide the
     # row (STAGE_GROUPS, _stage_groups): more, fewer barriers and longer runs
     # of each column's row read at a time, more memory
@@ -628,10 +633,12 @@ SHARED_WEIGHTS_ROW_TILES = (8, 10, 12, 16, 20, 24)
 # SHARED_WEIGHTS' block where the rule takes it (_shared_weights_tiling): two
 # warpgroups side by side (128 columns), each warp one 16-column tile a
 # matrix, 128 rows, 128 values a stage (fewer where memory is short: a
-# gated block's 64).
+# gated block's 64), in 3 stages, the fewest it runs in: the rule's block
+# takes its stages from block_shared_stages, a tiling naming this block from
+# block_stages, whose default (the warps' own) is fewer.
 SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tiles=1,
                              block_gated_tiles=1, block_row_tiles=16, block_gated_row_tiles=16,
-                             block_stage_values=128)
+                             block_stage_values=128, block_stages=3)
 
 
 def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
