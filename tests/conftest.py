@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import mlx_moe_plan
 from mlx_moe_plan import _backend
+from mlx_moe_plan.kernels import launch
 from mlx_moe_plan import reference as ref
 from mlx_moe_plan.kernels import launch
 
@@ -460,11 +461,11 @@ def grouped_qmm_case(rng, counts, out_dims, in_dims, bits, group_size, name, tai
 
 
 # The block tiles with the weights made 16-bit in shared memory
-# (SHARED_WEIGHTS): 4 warps side by side, one 16-column tile a matrix each,
-# 128 rows, 64 values a stage in 3 stages.
-SHARED_WEIGHTS_BLOCK = dict(block_warpgroup=2, block_tiles=1, block_gated_tiles=1,
-                            block_row_tiles=16, block_gated_row_tiles=16, block_stage_values=64,
-                            block_stages=3)
+# (SHARED_WEIGHTS): the rule's block (launch.SHARED_WEIGHTS_TILING: 128 rows,
+# one 16-column tile a matrix a warp, 3 stages) at 4 warps side by side and
+# 64 values a stage.
+SHARED_WEIGHTS_BLOCK = dict(launch.SHARED_WEIGHTS_TILING, block_column_warps=4,
+                            block_stage_values=64)
 # The row tiles only the made weights' block takes, past the register
 # form's (wgmma's N of 8 times as many): the tests of those widths take them
 # from here.
