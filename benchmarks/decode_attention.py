@@ -16,6 +16,9 @@ step attends to one more. Each measurement is a graph of `--layers` calls,
 each on its own buffers (`benchmarks.timing`), the sides alternated twice,
 the median of the two; "diff" is the largest difference between the two
 sides' outputs on the same keys. Elsewhere both sides run the same ops.
+`--build` times the host's building of each call's graph instead (the same
+graphs: MLX's call, or the kernels' with their glue), which a decoding step
+pays before its GPU starts.
 
 On CUDA two more sides are a sketch of the attention a decoding step could
 have instead, CUDA text of its own here (not the package's kernel scheme):
@@ -518,23 +521,27 @@ def package_sides(model: str, groups: tuple[int, ...]) -> dict[str, int | None]:
 def launch_groups(groups: int | None):
     """The package's decoding attention splitting its keys for `groups`
     groups (None: as it does), its launches made anew either way."""
+    from mlx_moe_plan import _gpu
     from mlx_moe_plan.kernels import launch
 
     made = launch.DECODE_ATTENTION_GROUPS
     launch.DECODE_ATTENTION_GROUPS = made if groups is None else groups
     launch.decode_attention_launches.cache_clear()
+    _gpu._decode_attention_step.cache_clear()
     try:
         yield
     finally:
         launch.DECODE_ATTENTION_GROUPS = made
         launch.decode_attention_launches.cache_clear()
+        _gpu._decode_attention_step.cache_clear()
 
 
 def measure(model: str, context: int, batch: int, layers: int,
-            package_groups: tuple[int, ...] = ()) -> dict:
+            package_groups: tuple[int, ...] = (), build: bool = False) -> dict:
     """Microseconds a call on each side (the package's launch's among them
     where the backend has it, for its own groups and each of
-    `package_groups`), and each other side's largest difference from the
+    `package_groups`): its evaluation's, or with `build` the host's graph
+    building of it; and each other side's largest difference from the
     `cudnn` side's output on the same keys."""
     heads, kv_heads, head_dim, has_sinks = attention_shape(model)
     keys_count = context + 1
@@ -568,7 +575,7 @@ def measure(model: str, context: int, batch: int, layers: int,
         mx.eval(buffers)
         timing = time_calls(lambda i, side=side, buffers=buffers:
                             attend(side, queries[i], *buffers[i]), layers, warmup=2)
-        micros[side].append(timing.median_s * 1e6)
+        micros[side].append((timing.build_median_s if build else timing.median_s) * 1e6)
         del buffers
     (keys, values), = _buffers(batch, kv_heads, head_dim, lengths["vector"], 1)
     cached_keys = mx.zeros((batch, kv_heads, cache_length, head_dim), mx.bfloat16)
@@ -598,6 +605,8 @@ def main(argv=None) -> int:
     parser.add_argument("--package-groups", default="384,512",
                         help="groups the package's launch also splits the keys for, a side "
                              "each (default: %(default)s)")
+    parser.add_argument("--build", action="store_true",
+                        help="time the host's graph building of each call, not its evaluation")
     args = parser.parse_args(argv)
     groups = tuple(int(n) for n in args.package_groups.split(",") if n)
     # every side a model may have, in order: a dash where it has none
@@ -609,7 +618,7 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                got = measure(model, context, batch, args.layers, groups)
+                got = measure(model, context, batch, args.layers, groups, args.build)
                 others = "".join(
                     f" {got[side]:9.1f} {got['cudnn'] / got[side]:11.2f}x "
                     f"{got[side + ' diff']:11.3g}" if side in got else

@@ -71,6 +71,7 @@ def cache_by_stream(make=None, *, maxsize: int | None = None):
         return found
 
     get.cache_clear = made.clear
+    get.__wrapped__ = make  # a fresh cache of the same: cache_by_stream(...)(get.__wrapped__)
     return get
 
 
@@ -279,9 +280,18 @@ class GpuBackend:
                                 keys.dtype, values.dtype, None if sinks is None else sinks.dtype,
                                 None if mask is None else mask.shape,
                                 None if mask is None else mask.dtype)
-        arrays = (queries, keys, values, *(a for a in (sinks, mask) if a is not None))
-        return _decode_attention_function(self.backend, sinks is not None, mask is not None,
-                                          float(scale), stream)(*arrays)
+        batch, heads, _, head_dim = queries.shape
+        step = _decode_attention_step(self.backend, batch, heads, keys.shape[1], head_dim,
+                                      _name(queries.dtype), sinks is not None, mask is not None,
+                                      float(scale), POISON, stream)
+        # The step takes the sinks and mask it was made for, in that order.
+        if sinks is None:
+            if mask is None:
+                return step(queries, keys, values)
+            return step(queries, keys, values, mask)
+        if mask is None:
+            return step(queries, keys, values, sinks)
+        return step(queries, keys, values, sinks, mask)
 
     def add_rms_norm_computes(self, *, dtype: mx.Dtype) -> bool:
         return _name(dtype) in launch.ROW_KINDS
@@ -519,19 +529,30 @@ def _check_decode_attention(q_shape, k_shape, v_shape, sinks_shape, dtype, k_dty
                          f"got {mask_dtype} {mask_shape}")
 
 
-def _decode_attention(backend, queries, keys, values, sinks, mask, scale, stream):
-    batch, heads, _, head_dim = queries.shape
+def _decode_attention_launched(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks,
+                               has_mask, scale, poison, stream) -> Callable:
+    """The two launches of a decoding step's attention for these sizes, as
+    `launched(queries, keys, values[, sinks][, mask])`, its kernel objects,
+    arguments and params bound here, once: every layer of every step calls
+    it, and looking each launch up by its `Launch` at every call cost the
+    host more than the launches' own calls."""
     if batch == 0:
-        return mx.zeros(queries.shape, queries.dtype)
+        return lambda queries, *_: mx.zeros(queries.shape, queries.dtype)
     split_launch, merge_launch = launch.decode_attention_launches(
-        batch, heads, keys.shape[1], head_dim, sinks is not None, scale, _name(queries.dtype),
-        mask is not None)
-    # Without sinks or a mask the launches are handed arrays they never read.
-    parts = _run(backend, [queries, keys, values, _unused_mask() if mask is None else mask],
-                 split_launch, stream)
-    (out,) = _run(backend, [*parts, parts[1] if sinks is None else sinks], merge_launch,
-                  stream)
-    return out
+        batch, heads, kv_heads, head_dim, has_sinks, scale, dtype, has_mask)
+    split_call, split_params = _launch_call(backend, split_launch, poison, stream)
+    merge_call, merge_params = _launch_call(backend, merge_launch, poison, stream)
+    unused_mask = _unused_mask()
+
+    def launched(queries, keys, values, *sinks_mask):
+        # Without sinks or a mask the launches are handed arrays they never read.
+        mask = sinks_mask[-1] if has_mask else unused_mask
+        part_out, part_max, part_sum = split_call(
+            inputs=[queries, keys, values, mask, split_params])
+        sinks = sinks_mask[0] if has_sinks else part_max
+        return merge_call(inputs=[part_out, part_max, part_sum, sinks, merge_params])[0]
+
+    return launched
 
 
 @cache
@@ -544,16 +565,23 @@ def _unused_mask() -> mx.array:
     return unused
 
 
-@cache_by_stream
-def _decode_attention_function(backend, has_sinks, has_mask, scale, stream):
-    def apart(arrays):  # queries, keys, values, sinks, mask
-        rest = iter(arrays[3:])
-        return (*arrays[:3], next(rest) if has_sinks else None, next(rest) if has_mask else None)
+@cache_by_stream(maxsize=256)
+def _decode_attention_step(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks,
+                           has_mask, scale, poison, stream) -> Callable:
+    """`_decode_attention_launched`'s launches as one differentiable call,
+    made once for each size, dtype, form and stream: what a decoding step's
+    every layer looks up. `poison` is the `POISON` its launches fill their
+    outputs with first."""
+    launched = _decode_attention_launched(backend, batch, heads, kv_heads, head_dim, dtype,
+                                          has_sinks, has_mask, scale, poison, stream)
 
-    return _gradient_by_ops(
-        lambda *arrays: _decode_attention(backend, *apart(arrays), scale, stream),
-        lambda *arrays: decode_attention_by_ops(*apart(arrays), scale, stream=stream),
-        differentiable=4 if has_sinks else 3)
+    def by_ops(queries, keys, values, *sinks_mask):
+        return decode_attention_by_ops(queries, keys, values,
+                                       sinks_mask[0] if has_sinks else None,
+                                       sinks_mask[-1] if has_mask else None, scale,
+                                       stream=stream)
+
+    return _gradient_by_ops(launched, by_ops, differentiable=4 if has_sinks else 3)
 
 
 def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) -> Callable:

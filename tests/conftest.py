@@ -86,10 +86,13 @@ def device(request) -> mx.Device:
 def gpu_glue_on_the_cpu(monkeypatch, kernel: str, launched, *, module, rule: str,
                         from_rows: int) -> None:
     """The CPU backend given the GPU glue's optional `kernel` (its checks and
-    custom function) and its `_computes`, the glue's launch (`_gpu._KERNEL`)
-    replaced by `launched`; `module`'s `on_cuda` saying yes and the rule's
-    constant `rules.<rule>` at `from_rows`, as on CUDA: the fused forwards
-    and the glue, run on a machine without a GPU."""
+    custom function) and its `_computes`, the glue's launch replaced by
+    `launched`; `module`'s `on_cuda` saying yes and the rule's constant
+    `rules.<rule>` at `from_rows`, as on CUDA: the fused forwards and the
+    glue, run on a machine without a GPU. The glue's launch is
+    `_gpu._KERNEL_launched` where the glue binds its launches once a size
+    (its steps kept in `_gpu._KERNEL_step`, a fresh cache for the test),
+    else `_gpu._KERNEL`."""
     from mlx_moe_plan import _gpu, rules
     # imported here, not above: the GPU suite runs from a tree without the C++ extension
     from mlx_moe_plan import _cpu
@@ -97,7 +100,13 @@ def gpu_glue_on_the_cpu(monkeypatch, kernel: str, launched, *, module, rule: str
     gpu = _gpu.GpuBackend("cuda")
     monkeypatch.setattr(rules, rule, from_rows)
     monkeypatch.setattr(module, "on_cuda", lambda stream=None: True)
-    monkeypatch.setattr(_gpu, f"_{kernel}", launched)
+    if hasattr(_gpu, f"_{kernel}_launched"):
+        monkeypatch.setattr(_gpu, f"_{kernel}_launched", launched)
+        steps = getattr(_gpu, f"_{kernel}_step")
+        monkeypatch.setattr(_gpu, f"_{kernel}_step",
+                            _gpu.cache_by_stream(maxsize=256)(steps.__wrapped__))
+    else:
+        monkeypatch.setattr(_gpu, f"_{kernel}", launched)
     monkeypatch.setattr(_cpu.CPU, kernel, getattr(gpu, kernel), raising=False)
     monkeypatch.setattr(_cpu.CPU, f"{kernel}_computes", getattr(gpu, f"{kernel}_computes"),
                         raising=False)
@@ -664,6 +673,22 @@ def check_head_norm_rope(actual, expected, positions, name: str, scale: float) -
 
 
 # --- a decoding step's attention (decode_attention) -----------------------------------
+
+def decode_attention_by_ops_launched(backend, batch, heads, kv_heads, head_dim, dtype,
+                                     has_sinks, has_mask, scale, poison, stream):
+    """A stand-in for `_gpu._decode_attention_launched` on the CPU: the
+    launches of these sizes computed by MLX's attention
+    (`_gpu.decode_attention_by_ops`), called as the glue calls them."""
+    from mlx_moe_plan import _gpu
+
+    def launched(queries, keys, values, *sinks_mask):
+        return _gpu.decode_attention_by_ops(queries, keys, values,
+                                            sinks_mask[0] if has_sinks else None,
+                                            sinks_mask[-1] if has_mask else None, scale,
+                                            stream=stream)
+
+    return launched
+
 
 def check_decode_attention(actual, expected, values, name: str) -> None:
     """`actual` (NumPy or MLX `[batch, heads, 1, head_dim]`, stored as `name`)

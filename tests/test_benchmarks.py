@@ -728,24 +728,23 @@ def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, caps
     keys as the package does and `package@N` for N groups, each as close to
     the `cudnn` side's output as MLX's own vector path; the groups restored
     after. small-qwen3-moe's heads: 2 sequences of 2 key-value heads."""
-    from conftest import gpu_glue_on_the_cpu
+    from conftest import decode_attention_by_ops_launched, gpu_glue_on_the_cpu
 
     from benchmarks import decode_attention
-    from mlx_moe_plan import _gpu, fused_attention
+    from mlx_moe_plan import fused_attention
     from mlx_moe_plan.kernels import launch
 
     splits = []
 
-    def by_ops(backend, queries, keys, values, sinks, mask, scale, stream):
-        batch, heads, _, head_dim = queries.shape
+    def launched(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks, has_mask, scale,
+                 poison, stream):
         split_launch, _ = launch.decode_attention_launches(
-            batch, heads, keys.shape[1], head_dim, sinks is not None, scale, "bfloat16",
-            mask is not None)
+            batch, heads, kv_heads, head_dim, has_sinks, scale, dtype, has_mask)
         splits.append(split_launch.params.splits)
-        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, mask, scale,
-                                            stream=stream)
+        return decode_attention_by_ops_launched(backend, batch, heads, kv_heads, head_dim, dtype,
+                                                has_sinks, has_mask, scale, poison, stream)
 
-    gpu_glue_on_the_cpu(monkeypatch, "decode_attention", by_ops, module=fused_attention,
+    gpu_glue_on_the_cpu(monkeypatch, "decode_attention", launched, module=fused_attention,
                         rule="DECODE_ATTENTION_FROM_ROWS", from_rows=4)
     made = launch.DECODE_ATTENTION_GROUPS
     got = decode_attention.measure("small-qwen3-moe", 300, 2, 2, (384, 512))
@@ -760,6 +759,8 @@ def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, caps
     header, line = capsys.readouterr().out.splitlines()
     # the last six fields: package's and package@64's times, ratios and diffs
     assert header.endswith("package@64 diff") and "-" not in line.split()[-6:]
+    built = decode_attention.measure("small-qwen3-moe", 8, 2, 2, (), build=True)
+    assert all(built[side] > 0 for side in ("cudnn", "vector", "package"))
 
 
 def test_decode_attention_sketch_takes_decoding_steps_only():

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import (assert_logits_close, check_decode_attention, check_head_norm_rope,
+                      decode_attention_by_ops_launched,
                       gpu_glue_on_the_cpu)
 from mlx.utils import tree_flatten
 
@@ -369,12 +370,16 @@ def test_decoding_through_the_glue_bit_for_bit(monkeypatch, name, sizes):
     patched model's without it, bit for bit."""
     launches = []
 
-    def by_ops(backend, queries, keys, values, sinks, mask, scale, stream):
-        launches.append(keys.shape[2])
-        return _gpu.decode_attention_by_ops(queries, keys, values, sinks, mask, scale,
-                                            stream=stream)
+    def counted(*sizes):
+        by_ops = decode_attention_by_ops_launched(*sizes)
 
-    gpu_glue_on_the_cpu(monkeypatch, "decode_attention", by_ops, module=fused_attention,
+        def launched(queries, keys, *rest):
+            launches.append(keys.shape[2])
+            return by_ops(queries, keys, *rest)
+
+        return launched
+
+    gpu_glue_on_the_cpu(monkeypatch, "decode_attention", counted, module=fused_attention,
                         rule="DECODE_ATTENTION_FROM_ROWS", from_rows=4)
     assert_decodes_as_without_launches(make_model(name, **sizes), 4, 4, seed=13)
     assert launches == keys_counts(name, 6, 4)
@@ -600,9 +605,10 @@ def test_decode_attention_glue_gradient(monkeypatch, sinks, masked):
     """The glue's gradient with respect to the queries, keys, values and sinks
     is MLX's attention's (its launches stood in on the CPU by that op), a
     mask's keys taken out."""
-    monkeypatch.setattr(_gpu, "_decode_attention",
-                        lambda backend, q, k, v, s, m, scale, stream:
-                        _gpu.decode_attention_by_ops(q, k, v, s, m, scale, stream=stream))
+    monkeypatch.setattr(_gpu, "_decode_attention_launched", decode_attention_by_ops_launched)
+    # A cache of its own: no step made with the stand-in outlives the test.
+    monkeypatch.setattr(_gpu, "_decode_attention_step", _gpu.cache_by_stream(maxsize=256)(
+        _gpu._decode_attention_step.__wrapped__))
     arrays = [a for a in decode_attention_case(np.random.default_rng(5), 2, 8, 2, 64, 9, sinks,
                                                mx.float16) if a is not None]
     mask = mx.array(np.arange(9)[None, None, None, :] >= np.array([0, 3])[:, None, None, None]) \

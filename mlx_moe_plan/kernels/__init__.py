@@ -104,8 +104,8 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     attention, the keys split among groups, then the splits merged
     (`mlx_moe_plan/fused_attention.py`); not a public op
     launch:   `launch.decode_attention_launches`, `launch.DecodeAttentionParams`
-    GPU glue: `_gpu.GpuBackend.decode_attention`, `_gpu._decode_attention`,
-              `_gpu._decode_attention_function`
+    GPU glue: `_gpu.GpuBackend.decode_attention`, `_gpu._decode_attention_launched`,
+              `_gpu._decode_attention_step`
     C++:      none (the CPU runs the attention's own
               `mx.fast.scaled_dot_product_attention`)
     gradient: that op's (`_gpu.decode_attention_by_ops`)
