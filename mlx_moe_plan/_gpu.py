@@ -255,12 +255,15 @@ class GpuBackend:
                        k_heads: int, q_at: int, k_at: int, eps: float, base: float,
                        scale: float, stream: mx.Stream) -> tuple[mx.array, mx.array]:
         """`_backend.HeadNormRope` in one launch of kernels/head_norm_rope.h."""
-        _check_head_norm_rope(queries_in.shape, keys_in.shape, q_weight.shape, k_weight.shape,
-                              offsets.shape, queries_in.dtype, keys_in.dtype, q_weight.dtype,
-                              k_weight.dtype, offsets.dtype, batch, q_heads, k_heads, q_at, k_at)
-        return _head_norm_rope_function(
-            self.backend, batch, q_heads, k_heads, q_at, k_at, float(eps), float(base),
-            float(scale), stream)(queries_in, keys_in, q_weight, k_weight, offsets)
+        q_shape, k_shape = queries_in.shape, keys_in.shape
+        _check_head_norm_rope(q_shape, k_shape, q_weight.shape, k_weight.shape, offsets.shape,
+                              queries_in.dtype, keys_in.dtype, q_weight.dtype, k_weight.dtype,
+                              offsets.dtype, batch, q_heads, k_heads, q_at, k_at)
+        step = _head_norm_rope_step(self.backend, batch, q_shape[1], q_heads, k_heads,
+                                    q_weight.shape[0], q_shape[2], q_at, k_shape[2], k_at,
+                                    offsets.size > 1, float(eps), float(base), float(scale),
+                                    _name(queries_in.dtype), POISON, stream)
+        return step(queries_in, keys_in, q_weight, k_weight, offsets)
 
     def decode_attention_computes(self, *, head_dim: int, heads: int, kv_heads: int,
                                   dtype: mx.Dtype) -> bool:
@@ -299,9 +302,11 @@ class GpuBackend:
     def add_rms_norm(self, residual: mx.array, update: mx.array, weight: mx.array, *,
                      eps: float, stream: mx.Stream) -> tuple[mx.array, mx.array]:
         """`_backend.AddRmsNorm` in one launch of kernels/add_rms_norm.h."""
-        _check_add_rms_norm(residual.shape, update.shape, weight.shape, residual.dtype,
-                            update.dtype, weight.dtype)
-        return _add_rms_norm_function(self.backend, float(eps), stream)(residual, update, weight)
+        shape = residual.shape
+        _check_add_rms_norm(shape, update.shape, weight.shape, residual.dtype, update.dtype,
+                            weight.dtype)
+        return _add_rms_norm_step(self.backend, shape, float(eps), _name(residual.dtype), POISON,
+                                  stream)(residual, update, weight)
 
     def argsort_slice(self, values: mx.array, start: int, count: int, *,
                       normalize: bool = False,
@@ -461,19 +466,26 @@ def _check_head_norm_rope(q_shape, k_shape, q_weight_shape, k_weight_shape, offs
                          f"{offsets_shape}")
 
 
-def _head_norm_rope(backend, queries_in, keys_in, q_weight, k_weight, offsets, batch, q_heads,
-                    k_heads, q_at, k_at, eps, base, scale, stream):
-    length = queries_in.shape[1]
-    head_dim = q_weight.shape[0]
+def _head_norm_rope_launched(backend, batch, length, q_heads, k_heads, head_dim, q_row, q_at,
+                             k_row, k_at, per_sequence, eps, base, scale, dtype, poison,
+                             stream) -> Callable:
+    """The launch of an attention's queries' and keys' norms and rotations
+    for these sizes (`launch.head_norm_rope_launch`'s), as
+    `launched(queries_in, keys_in, q_weight, k_weight, offsets)`, bound here,
+    once, as `_decode_attention_launched`'s."""
     if length == 0:
-        return (mx.zeros((batch, q_heads, 0, head_dim), queries_in.dtype),
-                mx.zeros((batch, k_heads, 0, head_dim), queries_in.dtype))
-    head_launch = launch.head_norm_rope_launch(
-        batch, length, q_heads, k_heads, head_dim, queries_in.shape[2], q_at, keys_in.shape[2],
-        k_at, offsets.size > 1, eps, base, scale, _name(queries_in.dtype))
-    queries, keys = _run(backend, [queries_in, keys_in, q_weight, k_weight, offsets],
-                         head_launch, stream)
-    return queries, keys
+        return lambda queries_in, *_: (
+            mx.zeros((batch, q_heads, 0, head_dim), queries_in.dtype),
+            mx.zeros((batch, k_heads, 0, head_dim), queries_in.dtype))
+    call, params = _launch_call(backend, launch.head_norm_rope_launch(
+        batch, length, q_heads, k_heads, head_dim, q_row, q_at, k_row, k_at, per_sequence, eps,
+        base, scale, dtype), poison, stream)
+
+    def launched(queries_in, keys_in, q_weight, k_weight, offsets):
+        queries, keys = call(inputs=[queries_in, keys_in, q_weight, k_weight, offsets, params])
+        return queries, keys
+
+    return launched
 
 
 def head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets, q_heads, k_heads,
@@ -604,14 +616,19 @@ def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) 
     return function
 
 
-@cache_by_stream
-def _head_norm_rope_function(backend, batch, q_heads, k_heads, q_at, k_at, eps, base, scale,
-                             stream):
+@cache_by_stream(maxsize=256)
+def _head_norm_rope_step(backend, batch, length, q_heads, k_heads, head_dim, q_row, q_at, k_row,
+                         k_at, per_sequence, eps, base, scale, dtype, poison,
+                         stream) -> Callable:
+    """`_head_norm_rope_launched`'s launch as one differentiable call, made
+    once for each size, dtype and stream, as `_decode_attention_step`."""
+    launched = _head_norm_rope_launched(backend, batch, length, q_heads, k_heads, head_dim,
+                                        q_row, q_at, k_row, k_at, per_sequence, eps, base, scale,
+                                        dtype, poison, stream)
     sizes = (q_heads, k_heads, q_at, k_at, eps, base, scale)
     return _gradient_by_ops(
-        lambda queries_in, keys_in, q_weight, k_weight, offsets: _head_norm_rope(
-            backend, queries_in, keys_in, q_weight, k_weight, offsets, batch, *sizes, stream),
-        lambda *arrays: head_norm_rope_by_ops(*arrays, *sizes, stream=stream), differentiable=4)
+        launched, lambda *arrays: head_norm_rope_by_ops(*arrays, *sizes, stream=stream),
+        differentiable=4)
 
 
 @lru_cache(maxsize=256)
@@ -631,14 +648,25 @@ def _check_add_rms_norm(residual_shape, update_shape, weight_shape, dtype, updat
                          f"{weight_shape}")
 
 
-def _add_rms_norm(backend, residual, update, weight, eps, stream):
-    dims = residual.shape[-1]
-    rows = residual.size // dims
+def _add_rms_norm_launched(backend, shape, eps, dtype, poison, stream) -> Callable:
+    """The launch of a residual add and its norm for a residual of `shape`
+    (`[..., dims]`), as `launched(residual, update, weight)`, bound here,
+    once, as `_decode_attention_launched`'s; its rows come back in `shape`.
+    Bound by the shape rather than the rows: the glue reads it for its check
+    anyway, and a call then reads nothing of the arrays."""
+    dims = shape[-1]
+    rows = math.prod(shape) // dims
     if rows == 0:
-        return mx.zeros(residual.shape, residual.dtype), mx.zeros(residual.shape, residual.dtype)
-    norm_launch = launch.add_rms_norm_launch(rows, dims, eps, _name(residual.dtype))
-    sums, normed = _run(backend, [residual, update, weight], norm_launch, stream)
-    return sums.reshape(residual.shape), normed.reshape(residual.shape)
+        return lambda residual, *_: (mx.zeros(shape, residual.dtype),
+                                     mx.zeros(shape, residual.dtype))
+    call, params = _launch_call(backend, launch.add_rms_norm_launch(rows, dims, eps, dtype),
+                                poison, stream)
+
+    def launched(residual, update, weight):
+        sums, normed = call(inputs=[residual, update, weight, params])
+        return sums.reshape(shape), normed.reshape(shape)
+
+    return launched
 
 
 def add_rms_norm_by_ops(residual, update, weight, eps, stream=None):
@@ -648,11 +676,12 @@ def add_rms_norm_by_ops(residual, update, weight, eps, stream=None):
     return sums, mx.fast.rms_norm(sums, weight, eps, stream=stream)
 
 
-@cache_by_stream
-def _add_rms_norm_function(backend, eps, stream):
+@cache_by_stream(maxsize=256)
+def _add_rms_norm_step(backend, shape, eps, dtype, poison, stream) -> Callable:
+    """`_add_rms_norm_launched`'s launch as one differentiable call, made
+    once for each shape, dtype and stream, as `_decode_attention_step`."""
     return _gradient_by_ops(
-        lambda residual, update, weight: _add_rms_norm(backend, residual, update, weight, eps,
-                                                       stream),
+        _add_rms_norm_launched(backend, shape, eps, dtype, poison, stream),
         lambda *arrays: add_rms_norm_by_ops(*arrays, eps, stream=stream), differentiable=3)
 
 

@@ -86,13 +86,10 @@ def device(request) -> mx.Device:
 def gpu_glue_on_the_cpu(monkeypatch, kernel: str, launched, *, module, rule: str,
                         from_rows: int) -> None:
     """The CPU backend given the GPU glue's optional `kernel` (its checks and
-    custom function) and its `_computes`, the glue's launch replaced by
-    `launched`; `module`'s `on_cuda` saying yes and the rule's constant
-    `rules.<rule>` at `from_rows`, as on CUDA: the fused forwards and the
-    glue, run on a machine without a GPU. The glue's launch is
-    `_gpu._KERNEL_launched` where the glue binds its launches once a size
-    (its steps kept in `_gpu._KERNEL_step`, a fresh cache for the test),
-    else `_gpu._KERNEL`."""
+    custom function) and its `_computes`, the glue's launches replaced by
+    `launched` (`glue_launched_by`); `module`'s `on_cuda` saying yes and the
+    rule's constant `rules.<rule>` at `from_rows`, as on CUDA: the fused
+    forwards and the glue, run on a machine without a GPU."""
     from mlx_moe_plan import _gpu, rules
     # imported here, not above: the GPU suite runs from a tree without the C++ extension
     from mlx_moe_plan import _cpu
@@ -100,16 +97,24 @@ def gpu_glue_on_the_cpu(monkeypatch, kernel: str, launched, *, module, rule: str
     gpu = _gpu.GpuBackend("cuda")
     monkeypatch.setattr(rules, rule, from_rows)
     monkeypatch.setattr(module, "on_cuda", lambda stream=None: True)
-    if hasattr(_gpu, f"_{kernel}_launched"):
-        monkeypatch.setattr(_gpu, f"_{kernel}_launched", launched)
-        steps = getattr(_gpu, f"_{kernel}_step")
-        monkeypatch.setattr(_gpu, f"_{kernel}_step",
-                            _gpu.cache_by_stream(maxsize=256)(steps.__wrapped__))
-    else:
-        monkeypatch.setattr(_gpu, f"_{kernel}", launched)
+    glue_launched_by(monkeypatch, kernel, launched)
     monkeypatch.setattr(_cpu.CPU, kernel, getattr(gpu, kernel), raising=False)
     monkeypatch.setattr(_cpu.CPU, f"{kernel}_computes", getattr(gpu, f"{kernel}_computes"),
                         raising=False)
+
+
+def glue_launched_by(monkeypatch, kernel: str, launched) -> None:
+    """The GPU glue of `kernel` binding its launches by `launched` (for
+    `_gpu._KERNEL_launched`: a factory taking the static sizes, returning a
+    callable over the arrays), its steps kept in a fresh cache for the test
+    (`_gpu._KERNEL_step`): no step made before answers, and none made with
+    `launched` outlives the test."""
+    from mlx_moe_plan import _gpu
+
+    monkeypatch.setattr(_gpu, f"_{kernel}_launched", launched)
+    steps = getattr(_gpu, f"_{kernel}_step")
+    monkeypatch.setattr(_gpu, f"_{kernel}_step",
+                        _gpu.cache_by_stream(maxsize=256)(steps.__wrapped__))
 
 
 # --- dtypes and conversions ----------------------------------------------------

@@ -23,8 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import (assert_logits_close, check_decode_attention, check_head_norm_rope,
-                      decode_attention_by_ops_launched,
-                      gpu_glue_on_the_cpu)
+                      decode_attention_by_ops_launched, glue_launched_by, gpu_glue_on_the_cpu)
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -143,11 +142,16 @@ def launch_stood_in(monkeypatch):
     first query and key columns and its offsets' shape."""
     launches = []
 
-    def by_ops(backend, queries_in, keys_in, q_weight, k_weight, offsets, batch, *sizes):
-        *sizes, stream = sizes
-        launches.append((sizes[2], sizes[3], offsets.shape))
-        return _gpu.head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets,
-                                          *sizes, stream=stream)
+    def by_ops(backend, batch, length, q_heads, k_heads, head_dim, q_row, q_at, k_row, k_at,
+               per_sequence, eps, base, scale, dtype, poison, stream):
+        sizes = (q_heads, k_heads, q_at, k_at, eps, base, scale)
+
+        def launched(queries_in, keys_in, q_weight, k_weight, offsets):
+            launches.append((q_at, k_at, offsets.shape))
+            return _gpu.head_norm_rope_by_ops(queries_in, keys_in, q_weight, k_weight, offsets,
+                                              *sizes, stream=stream)
+
+        return launched
 
     gpu_glue_on_the_cpu(monkeypatch, "head_norm_rope", by_ops, module=fused_attention,
                         rule="HEAD_NORM_ROPE_FROM_ROWS", from_rows=1)
@@ -605,10 +609,7 @@ def test_decode_attention_glue_gradient(monkeypatch, sinks, masked):
     """The glue's gradient with respect to the queries, keys, values and sinks
     is MLX's attention's (its launches stood in on the CPU by that op), a
     mask's keys taken out."""
-    monkeypatch.setattr(_gpu, "_decode_attention_launched", decode_attention_by_ops_launched)
-    # A cache of its own: no step made with the stand-in outlives the test.
-    monkeypatch.setattr(_gpu, "_decode_attention_step", _gpu.cache_by_stream(maxsize=256)(
-        _gpu._decode_attention_step.__wrapped__))
+    glue_launched_by(monkeypatch, "decode_attention", decode_attention_by_ops_launched)
     arrays = [a for a in decode_attention_case(np.random.default_rng(5), 2, 8, 2, 64, 9, sinks,
                                                mx.float16) if a is not None]
     mask = mx.array(np.arange(9)[None, None, None, :] >= np.array([0, 3])[:, None, None, None]) \
@@ -722,13 +723,18 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     monkeypatch.setattr(rules, "SIBLINGS_FROM_ROWS", 1)
     monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1 << 30)  # the norms' launch alone
     launches = []
-    launched = _gpu._head_norm_rope
+    bind = _gpu._head_norm_rope_launched
 
-    def counted(backend, queries_in, keys_in, *args):
-        launches.append(keys_in.shape[-1])
-        return launched(backend, queries_in, keys_in, *args)
+    def counted(*sizes):
+        launched = bind(*sizes)
 
-    monkeypatch.setattr(_gpu, "_head_norm_rope", counted)
+        def counting(queries_in, keys_in, *arrays):
+            launches.append(keys_in.shape[-1])
+            return launched(queries_in, keys_in, *arrays)
+
+        return counting
+
+    glue_launched_by(monkeypatch, "head_norm_rope", counted)
     prompt = mx.array(np.random.default_rng(9).integers(0, 40, (8, 6)))
     got = decode(model, prompt, 4)
     config = CONFIGS["qwen3_moe"]

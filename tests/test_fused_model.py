@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import assert_logits_close, check_add_rms_norm, gpu_glue_on_the_cpu
+from conftest import (assert_logits_close, check_add_rms_norm, glue_launched_by,
+                      gpu_glue_on_the_cpu)
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -102,9 +103,12 @@ def launch_stood_in(monkeypatch):
     rows' shape."""
     launches = []
 
-    def by_ops(backend, residual, update, weight, eps, stream):
-        launches.append(residual.shape)
-        return _gpu.add_rms_norm_by_ops(residual, update, weight, eps, stream=stream)
+    def by_ops(backend, shape, eps, dtype, poison, stream):
+        def launched(residual, update, weight):
+            launches.append(residual.shape)
+            return _gpu.add_rms_norm_by_ops(residual, update, weight, eps, stream=stream)
+
+        return launched
 
     gpu_glue_on_the_cpu(monkeypatch, "add_rms_norm", by_ops, module=fused_model,
                         rule="ADD_RMS_NORM_FROM_ROWS", from_rows=1)
@@ -393,13 +397,18 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     plain = copy.deepcopy(model)
     monkeypatch.setattr(rules, "ADD_RMS_NORM_FROM_ROWS", 1)
     launches = []
-    launched = _gpu._add_rms_norm
+    bind = _gpu._add_rms_norm_launched
 
-    def counted(backend, residual, *args):
-        launches.append(residual.shape)
-        return launched(backend, residual, *args)
+    def counted(*sizes):
+        launched = bind(*sizes)
 
-    monkeypatch.setattr(_gpu, "_add_rms_norm", counted)
+        def counting(residual, *arrays):
+            launches.append(residual.shape)
+            return launched(residual, *arrays)
+
+        return counting
+
+    glue_launched_by(monkeypatch, "add_rms_norm", counted)
     prompt = mx.array(np.random.default_rng(10).integers(0, 40, (8, 6)))
     got = decode(model, prompt, 4)
     assert launches == [(8, 1, CONFIGS["qwen3_moe"]["hidden_size"])] * 2 * LAYERS * 4

@@ -92,8 +92,8 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     RMS-normalized and rotated (`mlx_moe_plan/fused_attention.py`); not a
     public op
     launch:   `launch.head_norm_rope_launch`, `launch.HeadNormRopeParams`
-    GPU glue: `_gpu.GpuBackend.head_norm_rope`, `_gpu._head_norm_rope`,
-              `_gpu._head_norm_rope_function`
+    GPU glue: `_gpu.GpuBackend.head_norm_rope`, `_gpu._head_norm_rope_launched`,
+              `_gpu._head_norm_rope_step`
     C++:      none (the CPU runs the attention's own `mx.fast.rms_norm` and
               `mx.fast.rope`)
     gradient: those ops' (`_gpu.head_norm_rope_by_ops`)
@@ -115,8 +115,8 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
 `add_rms_norm.h` -- a decoder layer's residual add and the RMS norm after
     it (`mlx_moe_plan/fused_model.py`); not a public op
     launch:   `launch.add_rms_norm_launch`, `launch.AddRmsNormParams`
-    GPU glue: `_gpu.GpuBackend.add_rms_norm`, `_gpu._add_rms_norm`,
-              `_gpu._add_rms_norm_function`
+    GPU glue: `_gpu.GpuBackend.add_rms_norm`, `_gpu._add_rms_norm_launched`,
+              `_gpu._add_rms_norm_step`
     C++:      none (the CPU runs the layer's own add and `mx.fast.rms_norm`)
     gradient: those ops' (`_gpu.add_rms_norm_by_ops`)
     tests:    `tests/test_fused_model.py`, `tests/test_kernels_pocl.py`
