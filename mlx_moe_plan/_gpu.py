@@ -544,19 +544,27 @@ def _check_decode_attention(q_shape, k_shape, v_shape, sinks_shape, dtype, k_dty
 def _decode_attention_launched(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks,
                                has_mask, scale, poison, stream) -> Callable:
     """The two launches of a decoding step's attention for these sizes, as
-    `launched(queries, keys, values[, sinks][, mask])`, its kernel objects,
-    arguments and params bound here, once: every layer of every step calls
-    it, and looking each launch up by its `Launch` at every call cost the
-    host more than the launches' own calls."""
+    `launched(queries, keys, values[, sinks][, mask])`: for each split count
+    (`launch.decode_attention_splits` of the keys' count), its kernel
+    objects, arguments and params bound once, when a call first takes it.
+    Every layer of every step calls it, and looking each launch up by its
+    `Launch` at every call cost the host more than the launches' own calls."""
     if batch == 0:
         return lambda queries, *_: mx.zeros(queries.shape, queries.dtype)
-    split_launch, merge_launch = launch.decode_attention_launches(
-        batch, heads, kv_heads, head_dim, has_sinks, scale, dtype, has_mask)
-    split_call, split_params = _launch_call(backend, split_launch, poison, stream)
-    merge_call, merge_params = _launch_call(backend, merge_launch, poison, stream)
     unused_mask = _unused_mask()
+    by_splits = {}
+
+    def bound(splits):
+        launches = launch.decode_attention_launches(batch, heads, kv_heads, head_dim, has_sinks,
+                                                    scale, dtype, has_mask, splits)
+        made = by_splits[splits] = [_launch_call(backend, kernel_launch, poison, stream)
+                                    for kernel_launch in launches]
+        return made
 
     def launched(queries, keys, values, *sinks_mask):
+        splits = launch.decode_attention_splits(batch, kv_heads, keys.shape[2])
+        (split_call, split_params), (merge_call, merge_params) = (
+            by_splits.get(splits) or bound(splits))
         # Without sinks or a mask the launches are handed arrays they never read.
         mask = sinks_mask[-1] if has_mask else unused_mask
         part_out, part_max, part_sum = split_call(

@@ -439,7 +439,8 @@ def decode_attention(queries: np.ndarray, key_buffer: np.ndarray, value_buffer: 
     kv_heads = key_buffer.shape[1]
     dtype = dtype_name(queries)
     split_launch, merge_launch = launch.decode_attention_launches(
-        batch, heads, kv_heads, head_dim, sinks is not None, scale, dtype, mask is not None)
+        batch, heads, kv_heads, head_dim, sinks is not None, scale, dtype, mask is not None,
+        launch.decode_attention_splits(batch, kv_heads, keys_count))
     views = {name: ((batch, kv_heads, keys_count, head_dim),
                     tuple(stride // buffer.itemsize for stride in buffer.strides))
              for name, buffer in (("keys", key_buffer), ("values", value_buffer))}

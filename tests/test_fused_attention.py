@@ -604,6 +604,28 @@ def test_decode_attention_glue_names_the_bad_argument(change, argument):
                                                  stream=mx.default_stream(mx.cpu))
 
 
+@pytest.mark.parametrize("sequences", [1, 3, 4, 16, 33, 256, 600])
+def test_decode_attention_splits_fill_the_groups_none_empty(sequences):
+    """The keys' splits the glue takes, at every count of keys to 40 steps
+    past the most splits: at most the groups' (`DECODE_ATTENTION_GROUPS`
+    over the sequences' key-value heads), all of them from that many steps
+    on, one a step below it, and none empty as decode_attention.h splits the
+    keys (whole steps, the same count in each, the last split the rest)."""
+    from mlx_moe_plan.kernels import launch
+
+    most = max(1, -(-launch.DECODE_ATTENTION_GROUPS // sequences))
+    for keys in range(1, (most + 40) * launch.DECODE_ATTENTION_STEP + 1, 5):
+        splits = launch.decode_attention_splits(sequences, 1, keys)
+        steps = -(-keys // launch.DECODE_ATTENTION_STEP)
+        steps_a_split = -(-steps // splits)  # as the body takes them
+        assert 1 <= splits <= most
+        assert (splits - 1) * steps_a_split < steps <= splits * steps_a_split
+        if steps <= most:
+            assert splits == steps
+        if steps % most == 0:
+            assert splits == most
+
+
 @pytest.mark.parametrize("sinks, masked", [(False, False), (True, False), (False, True)])
 def test_decode_attention_glue_gradient(monkeypatch, sinks, masked):
     """The glue's gradient with respect to the queries, keys, values and sinks

@@ -1264,18 +1264,39 @@ def decode_attention_computes(head_dim: int, heads: int, kv_heads: int, dtype: s
             and dtype in DECODE_ATTENTION_DTYPES)
 
 
+# Keys a group of decode_attention.h takes a step (16 a warp).
+DECODE_ATTENTION_STEP = 16 * DECODE_ATTENTION_WARPS
+
+
+def decode_attention_splits(batch: int, kv_heads: int, keys: int) -> int:
+    """Splits of each sequence's key-value head for `keys >= 1` keys: as many
+    as make `DECODE_ATTENTION_GROUPS` groups where the keys allow, each whole
+    steps of a group and none empty. Few keys make few splits: with the
+    groups' splits at every context, a short one left most of them empty,
+    each still a group that writes its parts, and the merge read every one,
+    one after another."""
+    steps = -(-keys // DECODE_ATTENTION_STEP)
+    most = max(1, -(-DECODE_ATTENTION_GROUPS // (batch * kv_heads)))
+    steps_a_split = -(-steps // most)
+    return -(-steps // steps_a_split)
+
+
 @lru_cache(maxsize=256)
 def decode_attention_launches(batch: int, heads: int, kv_heads: int, head_dim: int,
                               has_sinks: bool, scale: float, dtype: str,
-                              has_mask: bool = False) -> tuple[Launch, Launch]:
+                              has_mask: bool = False,
+                              splits: int | None = None) -> tuple[Launch, Launch]:
     """decode_attention.h's launch, then decode_attention_merge.h's, for `batch
     >= 1` sequences of heads `decode_attention_computes` takes, with a mask
-    or not (`has_mask`). The splits depend on the sequences and heads only,
-    not the keys' count, which the body reads from the keys' shape: one pair
-    of launches for every context (where the keys are few, the last splits
-    have none)."""
+    or not (`has_mask`), each sequence's key-value head in `splits` splits of
+    its keys (`decode_attention_splits`'; None: as many as make
+    `DECODE_ATTENTION_GROUPS` groups, which takes any context, the last
+    splits empty where the keys are few). The body reads the keys' count from
+    the keys' shape: one pair of launches for every context of a split
+    count."""
     sequences = batch * kv_heads
-    splits = max(1, -(-DECODE_ATTENTION_GROUPS // sequences))
+    if splits is None:
+        splits = max(1, -(-DECODE_ATTENTION_GROUPS // sequences))
     params = DecodeAttentionParams(batch=batch, heads=heads, kv_heads=kv_heads, splits=splits,
                                    scale_bits=_float_bits(scale))
     parts = batch * heads * splits
