@@ -362,9 +362,11 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # `mx.custom_function`), so it pays only where it replaces several. It does
 # not: timed alone in a whole step, its step built 2.8 to 5.5 ms more slowly
 # and ran 0.86x to 0.90x at batch 4 and 8, slower at 1 (benchmarks/HISTORY.md,
-# "The fused attention's launch alone in a step"). Off
-# (`HEAD_NORM_ROPE_FROM_ROWS` out of reach); `benchmarks.step_kernels
-# --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"` times it again.
+# "The fused attention's launch alone in a step"; its glue has bound its
+# launch once a size since, as the decoding attention's, not timed in steps
+# on a quiet machine). Off (`HEAD_NORM_ROPE_FROM_ROWS` out of reach);
+# `benchmarks.step_kernels --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"`
+# times it again.
 HEAD_NORM_ROPE_FROM_ROWS = 1 << 30
 
 
@@ -402,9 +404,12 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
 # they ran within the spread of the patch without them at batch 8 and slower
 # at 4, their steps built more slowly than the patch's where the sketch's
 # built faster (benchmarks/HISTORY.md, "The package's decoding attention in
-# whole steps again"): off (`DECODE_ATTENTION_FROM_ROWS` out of reach) until
-# the glue's host work is found and cut;
-# `benchmarks.step_kernels --variants "on:DECODE_ATTENTION_FROM_ROWS=4"`
+# whole steps again"). Its glue now binds its launches once a size, and its
+# splits follow the keys' count, but its launches still evaluated more slowly
+# than the sketch's at 4 and 8 sequences, and whole steps have not been timed
+# on a quiet machine since (benchmarks/HISTORY.md, "The decoding attention's
+# glue bound once"): off (`DECODE_ATTENTION_FROM_ROWS` out of reach) until
+# they are; `benchmarks.step_kernels --variants "on:DECODE_ATTENTION_FROM_ROWS=4"`
 # times it (`tests/gpu_suite.sh R decode-attention`). Elsewhere than CUDA not
 # measured: never.
 DECODE_ATTENTION_FROM_ROWS = 1 << 30
@@ -433,7 +438,8 @@ def decodes_attention(rows: int, *, cuda: bool) -> bool:
 # layers. Off (`ADD_RMS_NORM_FROM_ROWS` out of reach): its glue builds more
 # slowly than the add and the norm it replaces, and with the fused attention
 # a step at batch 8 lost 1.22x (benchmarks/HISTORY.md, "The fused attention's
-# and residual norms' launches in a step").
+# and residual norms' launches in a step"; its glue has bound its launch once
+# a size since, as the decoding attention's, not timed in steps).
 ADD_RMS_NORM_FROM_ROWS = 1 << 30
 
 
