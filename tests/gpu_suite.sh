@@ -100,6 +100,12 @@
 #               tensor-core form (sketch), alternated; and Qwen3-30B-A3B from
 #               mlx-lm's batch caches (--batch-cache: left-padded prompts, a
 #               mask every step, as batch generation and the server decode).
+#   attention-ncu (not in `bench`; ncu on the PATH) each decoding attention
+#               kernel's GPU time alone under Nsight Compute, the package's
+#               launches (moe_decode_attention*) beside the sketch's at
+#               Qwen3-30B-A3B's 4 and 8 sequences, context 512, each kernel's
+#               mean by name: whether the package's launches lose
+#               to the sketch's on the GPU or in the host's evaluation.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -691,6 +697,14 @@ if wanted made-stages; then
     "qwen3-30b-a3b 2048,8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=5" \
     "qwen3-next 8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=6" \
     "gpt-oss-20b 8192 $stages" "mixtral 8192 $stages"
+fi
+if wanted attention-ncu && command -v ncu >/dev/null; then
+  for batch in 4 8; do
+    logged "$results/attention-ncu-$batch.log" ncu --metrics gpu__time_duration.sum \
+      --print-summary per-kernel --kernel-name "regex:decode_attention" \
+      python3 -m benchmarks.decode_attention --models qwen3-30b-a3b --contexts 512 \
+      --batches "$batch" --layers 2 --package-groups ""
+  done
 fi
 if wanted prefill-ncu && command -v ncu >/dev/null; then
   for shape in "qwen3-next 2048 default" "qwen3-30b-a3b 8192 default;block_shared_stages=5"; do
