@@ -96,9 +96,10 @@
 #               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and 2048,
 #               batch 1 to 64;
 #   attention-steps both whole models decoding at batch 1 to 64, the patch
-#               beside its launches from 4 sequences (on) and the sketch's
-#               tensor-core form (sketch), alternated; and Qwen3-30B-A3B from
-#               mlx-lm's batch caches (--batch-cache: left-padded prompts, a
+#               beside its launches from 4 sequences (on), the sketch's
+#               tensor-core form (sketch) and, Qwen3-30B-A3B's, every launch of
+#               a decoding step (launches: the norms' too), alternated; and
+#               Qwen3-30B-A3B from mlx-lm's batch caches (--batch-cache: left-padded prompts, a
 #               mask every step, as batch generation and the server decode).
 #   attention-ncu (not in `bench`; ncu on the PATH) each decoding attention
 #               kernel's GPU time alone under Nsight Compute, the package's
@@ -677,8 +678,13 @@ if wanted attention-steps; then
   # Batch 8 first (#33's open target); from 4 sequences the rule's `on` differs
   # from the patch, batch 1 is the control.
   attention="on:DECODE_ATTENTION_FROM_ROWS=4;sketch:attention=sketch-mma"
+  # Qwen3-30B-A3B's step with every launch of the package's decoding step too
+  # (the queries' and keys' norms, the residual norms): each was off for its
+  # glue's building, all three glues now bound once a size.
+  launches="launches:DECODE_ATTENTION_FROM_ROWS=4,HEAD_NORM_ROPE_FROM_ROWS=1"
+  launches="$launches,ADD_RMS_NORM_FROM_ROWS=1"
   logged "$results/decode-attention-qwen.log" python3 -m benchmarks.step_kernels --layers 48 \
-    --batches 8,4,1,32,64 --rounds 5 --variants "$attention"
+    --batches 8,4,1,32,64 --rounds 5 --variants "$attention;$launches"
   logged "$results/decode-attention-gpt-oss.log" python3 -m benchmarks.step_kernels \
     --models gpt-oss-20b --layers 24 --batches 8,32,64,4,1 --rounds 5 --variants "$attention"
   logged "$results/decode-attention-batch-cache.log" python3 -m benchmarks.step_kernels \
