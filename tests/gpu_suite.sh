@@ -99,8 +99,9 @@
 #               beside its launches from 4 sequences (on), the sketch's
 #               tensor-core form (sketch) and, Qwen3-30B-A3B's, every launch of
 #               a decoding step (launches: the norms' too), alternated; and
-#               Qwen3-30B-A3B from mlx-lm's batch caches (--batch-cache: left-padded prompts, a
-#               mask every step, as batch generation and the server decode).
+#               Qwen3-30B-A3B from mlx-lm's batch caches (--batch-cache:
+#               left-padded prompts, a mask every step, as batch generation and
+#               the server decode).
 #   attention-ncu (not in `bench`; ncu on the PATH) each decoding attention
 #               kernel's GPU time alone under Nsight Compute, the package's
 #               launches (moe_decode_attention*) beside the sketch's at
