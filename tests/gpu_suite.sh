@@ -129,6 +129,17 @@
 #               warps' own) and Qwen3-30B-A3B at T = 8192 (192-row made weights,
 #               3 stages of 64 values, and 5 with block_shared_stages=5):
 #               throughput, occupancy, the warps' stall reasons, the schedulers.
+#   fewer-sums  (not in `bench`) the warps' own block over twice its warps,
+#               each holding half its sums, where the default's 255 registers a
+#               thread spill: its rows over 2 warps of 4 row tiles
+#               (block_row_warps=2,block_row_tiles=4), and the down
+#               projection's columns over 8 warps of one tile
+#               (block_column_warps=8,block_tiles=1: the gated launch, one tile
+#               of each already, takes twice the columns), beside the default,
+#               Qwen3-Next at T = 2048 and Qwen3-30B-A3B at 512 (launches that
+#               take that block); then each under Nsight Compute's launch
+#               statistics and occupancy (ncu on the PATH): registers, spills
+#               and groups an SM.
 #   item-runs (not in `bench`) each group's items one run of stages
 #               (block_across_items=1, ACROSS_ITEMS: an item's first copies in
 #               flight while the item before is multiplied and stored): its GPU
@@ -722,6 +733,20 @@ if wanted prefill-ncu && command -v ncu >/dev/null; then
       python3 -m benchmarks.grouped_qmm --shapes "$name" --tokens "$tokens" --calls 1 \
       --no-sorted --sides kernel --tilings "$tilings"
   done
+fi
+if wanted fewer-sums; then
+  halved="block_row_warps=2,block_row_tiles=4;block_column_warps=8,block_tiles=1"
+  grouped_qmm_each fewer-sums "qwen3-next 2048 default;$halved" \
+    "qwen3-30b-a3b 512 default;$halved"
+  if command -v ncu >/dev/null; then
+    for tiling in default block_row_warps=2,block_row_tiles=4 block_column_warps=8,block_tiles=1
+    do
+      logged "$results/fewer-sums-ncu-${tiling//[=,]/-}.log" ncu \
+        --kernel-id "::regex:moe_grouped_qmm:2" --section LaunchStats --section Occupancy \
+        --section SpeedOfLight python3 -m benchmarks.grouped_qmm --shapes qwen3-next \
+        --tokens 2048 --calls 1 --no-sorted --sides kernel --tilings "$tiling"
+    done
+  fi
 fi
 if wanted item-runs; then
   logged "$results/item-runs-test.log" python3 -m pytest -q tests/test_grouped_qmm.py -k runs \

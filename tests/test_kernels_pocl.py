@@ -784,6 +784,10 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                 dict(block_stage_values=64), dict(block_stage_values=192),
                 dict(block_row_warps=2, block_column_warps=2, block_tiles=4,
                      block_gated_tiles=2, block_row_tiles=4),
+                # the default block's rows and columns over twice its warps, each
+                # holding half its sums (the `fewer-sums` step of gpu_suite.sh)
+                dict(block_row_warps=2, block_row_tiles=4),
+                dict(block_column_warps=8, block_tiles=1),
                 dict(block_max_groups=1),
                 # Hopper's warpgroup multiply-add, emulated (tiles_products.h)
                 dict(block_warpgroup=1), dict(block_warpgroup=1, block_stage_values=192),
