@@ -85,11 +85,19 @@ def _run(backend: str, arrays: list, kernel_launch: launch.Launch, stream):
 def _launch_call(backend: str, kernel_launch: launch.Launch, poison: float | None,
                  stream) -> tuple[Callable, mx.array]:
     """`kernel_launch`'s kernel object with every argument of its call but the
-    inputs bound, and its `params` array: made once a launch and stream, and
-    found in one lookup. A decoding step calls the same launches in every
-    layer; making the template's MLX values anew each call was most of the
-    host's time for a call, and looking up the kernel and the params apart
-    made the stream's text twice."""
+    inputs bound (`_bound_kernel`), and its `params` array: made once a
+    launch and stream, and found in one lookup. A decoding step calls the
+    same launches in every layer; making the template's MLX values anew each
+    call was most of the host's time for a call, and looking up the kernel
+    and the params apart made the stream's text twice."""
+    return (_bound_kernel(backend, kernel_launch, poison, stream),
+            _params(kernel_launch.params, stream))
+
+
+def _bound_kernel(backend: str, kernel_launch: launch.Launch, poison: float | None,
+                  stream) -> Callable:
+    """`kernel_launch`'s kernel object with every argument of its call but the
+    inputs bound: `call(inputs=[...])`."""
     shared_bytes = kernel_launch.shared_bytes if backend == "cuda" else 0
     arguments = dict(
         template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
@@ -98,9 +106,8 @@ def _launch_call(backend: str, kernel_launch: launch.Launch, poison: float | Non
         output_shapes=[shape for shape, _ in kernel_launch.outputs],
         output_dtypes=[_mlx_value(dtype) for _, dtype in kernel_launch.outputs],
         **({} if poison is None else {"init_value": poison}))
-    return (partial(_kernel(backend, kernel_launch.body, shared_bytes), stream=stream,
-                    **arguments),
-            _params(kernel_launch.params, stream))
+    return partial(_kernel(backend, kernel_launch.body, shared_bytes), stream=stream,
+                   **arguments)
 
 
 _DEVICE_MIN_INTS = 8  # 32 bytes: past the 8 that MLX's CUDA allocator keeps in managed memory
@@ -546,31 +553,40 @@ def _decode_attention_launched(backend, batch, heads, kv_heads, head_dim, dtype,
     """The two launches of a decoding step's attention for these sizes, as
     `launched(queries, keys, values[, sinks][, mask])`: for each split count
     (`launch.decode_attention_splits` of the keys' count), its kernel
-    objects, arguments and params bound once, when a call first takes it.
-    Every layer of every step calls it, and looking each launch up by its
-    `Launch` at every call cost the host more than the launches' own calls."""
+    objects and arguments bound once, when a call first takes it, rather
+    than looked up anew at every call of every layer. The params of every
+    split count are made here, in one array in device memory, each count's
+    a view of it: a count met as the context grows then evaluates nothing
+    in the middle of a step."""
     if batch == 0:
         return lambda queries, *_: mx.zeros(queries.shape, queries.dtype)
     unused_mask = _unused_mask()
+    fields = launch.decode_attention_launches(batch, heads, kv_heads, head_dim, has_sinks,
+                                              scale, dtype, has_mask, 1)[0].params
+    most_splits = launch.decode_attention_most_splits(batch, kv_heads)
+    # params_by_splits[splits - 1]: lazy views, evaluated with the first step
+    # that takes them
+    params_by_splits = mx.split(device_ints(
+        tuple(value for splits in range(1, most_splits + 1)
+              for value in fields._replace(splits=splits)), stream), most_splits, stream=stream)
     by_splits = {}
 
     def bound(splits):
-        launches = launch.decode_attention_launches(batch, heads, kv_heads, head_dim, has_sinks,
-                                                    scale, dtype, has_mask, splits)
-        made = by_splits[splits] = [_launch_call(backend, kernel_launch, poison, stream)
-                                    for kernel_launch in launches]
+        split_launch, merge_launch = launch.decode_attention_launches(
+            batch, heads, kv_heads, head_dim, has_sinks, scale, dtype, has_mask, splits)
+        made = by_splits[splits] = (_bound_kernel(backend, split_launch, poison, stream),
+                                    _bound_kernel(backend, merge_launch, poison, stream),
+                                    params_by_splits[splits - 1])
         return made
 
     def launched(queries, keys, values, *sinks_mask):
         splits = launch.decode_attention_splits(batch, kv_heads, keys.shape[2])
-        (split_call, split_params), (merge_call, merge_params) = (
-            by_splits.get(splits) or bound(splits))
+        split_call, merge_call, params = by_splits.get(splits) or bound(splits)
         # Without sinks or a mask the launches are handed arrays they never read.
         mask = sinks_mask[-1] if has_mask else unused_mask
-        part_out, part_max, part_sum = split_call(
-            inputs=[queries, keys, values, mask, split_params])
+        part_out, part_max, part_sum = split_call(inputs=[queries, keys, values, mask, params])
         sinks = sinks_mask[0] if has_sinks else part_max
-        return merge_call(inputs=[part_out, part_max, part_sum, sinks, merge_params])[0]
+        return merge_call(inputs=[part_out, part_max, part_sum, sinks, params])[0]
 
     return launched
 
@@ -585,6 +601,18 @@ def _unused_mask() -> mx.array:
     return unused
 
 
+def _decode_attention_by_ops_bound(has_sinks, has_mask, scale, stream) -> Callable:
+    """`decode_attention_by_ops` called as `_decode_attention_launched`'s
+    launches are: `(queries, keys, values[, sinks][, mask])`."""
+    def by_ops(queries, keys, values, *sinks_mask):
+        return decode_attention_by_ops(queries, keys, values,
+                                       sinks_mask[0] if has_sinks else None,
+                                       sinks_mask[-1] if has_mask else None, scale,
+                                       stream=stream)
+
+    return by_ops
+
+
 @cache_by_stream(maxsize=256)
 def _decode_attention_step(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks,
                            has_mask, scale, poison, stream) -> Callable:
@@ -592,16 +620,11 @@ def _decode_attention_step(backend, batch, heads, kv_heads, head_dim, dtype, has
     made once for each size, dtype, form and stream: what a decoding step's
     every layer looks up. `poison` is the `POISON` its launches fill their
     outputs with first."""
-    launched = _decode_attention_launched(backend, batch, heads, kv_heads, head_dim, dtype,
-                                          has_sinks, has_mask, scale, poison, stream)
-
-    def by_ops(queries, keys, values, *sinks_mask):
-        return decode_attention_by_ops(queries, keys, values,
-                                       sinks_mask[0] if has_sinks else None,
-                                       sinks_mask[-1] if has_mask else None, scale,
-                                       stream=stream)
-
-    return _gradient_by_ops(launched, by_ops, differentiable=4 if has_sinks else 3)
+    return _gradient_by_ops(
+        _decode_attention_launched(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks,
+                                   has_mask, scale, poison, stream),
+        _decode_attention_by_ops_bound(has_sinks, has_mask, scale, stream),
+        differentiable=4 if has_sinks else 3)
 
 
 def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) -> Callable:

@@ -682,17 +682,11 @@ def check_head_norm_rope(actual, expected, positions, name: str, scale: float) -
 def decode_attention_by_ops_launched(backend, batch, heads, kv_heads, head_dim, dtype,
                                      has_sinks, has_mask, scale, poison, stream):
     """A stand-in for `_gpu._decode_attention_launched` on the CPU: the
-    launches of these sizes computed by MLX's attention
-    (`_gpu.decode_attention_by_ops`), called as the glue calls them."""
+    launches of these sizes computed by MLX's attention, called as the glue
+    calls them (`_gpu._decode_attention_by_ops_bound`)."""
     from mlx_moe_plan import _gpu
 
-    def launched(queries, keys, values, *sinks_mask):
-        return _gpu.decode_attention_by_ops(queries, keys, values,
-                                            sinks_mask[0] if has_sinks else None,
-                                            sinks_mask[-1] if has_mask else None, scale,
-                                            stream=stream)
-
-    return launched
+    return _gpu._decode_attention_by_ops_bound(has_sinks, has_mask, scale, stream)
 
 
 def check_decode_attention(actual, expected, values, name: str) -> None:

@@ -606,24 +606,70 @@ def test_decode_attention_glue_names_the_bad_argument(change, argument):
 
 @pytest.mark.parametrize("sequences", [1, 3, 4, 16, 33, 256, 600])
 def test_decode_attention_splits_fill_the_groups_none_empty(sequences):
-    """The keys' splits the glue takes, at every count of keys to 40 steps
-    past the most splits: at most the groups' (`DECODE_ATTENTION_GROUPS`
-    over the sequences' key-value heads), all of them from that many steps
-    on, one a step below it, and none empty as decode_attention.h splits the
-    keys (whole steps, the same count in each, the last split the rest)."""
+    """The keys' splits the glue takes, at every fifth count of keys to 40
+    steps past the most splits: at most the groups' (`DECODE_ATTENTION_GROUPS`
+    over the sequences' key-value heads, rounded up), all of them at a
+    multiple of that many steps, one a step below it, and none empty as
+    decode_attention.h splits the keys (whole steps, the same count in each,
+    the last split the rest)."""
     from mlx_moe_plan.kernels import launch
 
-    most = max(1, -(-launch.DECODE_ATTENTION_GROUPS // sequences))
-    for keys in range(1, (most + 40) * launch.DECODE_ATTENTION_STEP + 1, 5):
+    most_splits = max(1, -(-launch.DECODE_ATTENTION_GROUPS // sequences))
+    assert launch.decode_attention_most_splits(sequences, 1) == most_splits
+    for keys in range(1, (most_splits + 40) * launch.DECODE_ATTENTION_STEP + 1, 5):
         splits = launch.decode_attention_splits(sequences, 1, keys)
         steps = -(-keys // launch.DECODE_ATTENTION_STEP)
         steps_a_split = -(-steps // splits)  # as the body takes them
-        assert 1 <= splits <= most
+        assert 1 <= splits <= most_splits
         assert (splits - 1) * steps_a_split < steps <= splits * steps_a_split
-        if steps <= most:
+        if steps <= most_splits:
             assert splits == steps
-        if steps % most == 0:
-            assert splits == most
+        if steps % most_splits == 0:
+            assert splits == most_splits
+
+
+def test_decode_attention_glue_binds_each_split_count_once(monkeypatch):
+    """The glue's launches over a context that grows past several split
+    counts, their kernels stood in on the CPU by a recorder: each count's
+    launches bound once (the first call that takes it), each call handed its
+    count's launches and the params of that count, both launches the same
+    params, the inputs in the order the bodies read them."""
+    from mlx_moe_plan.kernels import launch
+
+    bound, calls = [], []
+
+    def recorder(backend, kernel_launch, poison, stream):
+        bound.append((kernel_launch.body, kernel_launch.params.splits))
+
+        def call(*, inputs):
+            calls.append((kernel_launch.body, kernel_launch.params.splits,
+                          np.array(inputs[-1]).tolist(), [a.shape for a in inputs[:-1]]))
+            return [mx.zeros(shape, getattr(mx, dtype)) for shape, dtype in kernel_launch.outputs]
+        return call
+
+    monkeypatch.setattr(_gpu, "_bound_kernel", recorder)
+    monkeypatch.setattr(_gpu, "_decode_attention_step", _gpu.cache_by_stream(maxsize=256)(
+        _gpu._decode_attention_step.__wrapped__))
+    batch, heads, kv_heads, head_dim = 2, 8, 2, 64
+    stream = mx.default_stream(mx.cpu)
+    buffer = mx.zeros((batch, kv_heads, 1000, head_dim), mx.bfloat16)
+    keys_counts = [1, 64, 65, 300, 301, 129, 960]
+    for keys in keys_counts:
+        _gpu.GpuBackend("cuda").decode_attention(
+            mx.zeros((batch, heads, 1, head_dim), mx.bfloat16), buffer[:, :, :keys],
+            buffer[:, :, :keys], None, scale=0.125, stream=stream)
+    splits = [launch.decode_attention_splits(batch, kv_heads, keys) for keys in keys_counts]
+    assert splits == [1, 1, 2, 5, 5, 3, 15]
+    assert bound == [(body, count) for count in dict.fromkeys(splits)
+                     for body in ("decode_attention", "decode_attention_merge")]
+    parts = [(batch * heads * count, head_dim) for count in splits]
+    assert calls == [
+        call for keys, count, part in zip(keys_counts, splits, parts) for call in (
+            ("decode_attention", count, [batch, heads, kv_heads, count, 0x3E000000],
+             [(batch, heads, 1, head_dim), (batch, kv_heads, keys, head_dim),
+              (batch, kv_heads, keys, head_dim), (1, 1, 1, 1)]),
+            ("decode_attention_merge", count, [batch, heads, kv_heads, count, 0x3E000000],
+             [part, part[:1], part[:1], part[:1]]))]
 
 
 @pytest.mark.parametrize("sinks, masked", [(False, False), (True, False), (False, True)])

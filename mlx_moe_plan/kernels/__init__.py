@@ -103,7 +103,8 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
 `decode_attention.h`, `decode_attention_merge.h` -- a decoding step's
     attention, the keys split among groups, then the splits merged
     (`mlx_moe_plan/fused_attention.py`); not a public op
-    launch:   `launch.decode_attention_launches`, `launch.DecodeAttentionParams`
+    launch:   `launch.decode_attention_launches`, `launch.decode_attention_splits`,
+              `launch.DecodeAttentionParams`
     GPU glue: `_gpu.GpuBackend.decode_attention`, `_gpu._decode_attention_launched`,
               `_gpu._decode_attention_step`
     C++:      none (the CPU runs the attention's own

@@ -1264,20 +1264,27 @@ def decode_attention_computes(head_dim: int, heads: int, kv_heads: int, dtype: s
             and dtype in DECODE_ATTENTION_DTYPES)
 
 
-# Keys a group of decode_attention.h takes a step (16 a warp).
+# Keys a group of decode_attention.h takes a step (16 a warp; the body's STEP,
+# from its WARPS).
 DECODE_ATTENTION_STEP = 16 * DECODE_ATTENTION_WARPS
 
 
+def decode_attention_most_splits(batch: int, kv_heads: int) -> int:
+    """The most splits of each sequence's key-value head: enough for
+    `DECODE_ATTENTION_GROUPS` groups over the sequences' key-value heads
+    (rounded up)."""
+    return max(1, -(-DECODE_ATTENTION_GROUPS // (batch * kv_heads)))
+
+
 def decode_attention_splits(batch: int, kv_heads: int, keys: int) -> int:
-    """Splits of each sequence's key-value head for `keys >= 1` keys: as many
-    as make `DECODE_ATTENTION_GROUPS` groups where the keys allow, each whole
-    steps of a group and none empty. Few keys make few splits: with the
-    groups' splits at every context, a short one left most of them empty,
-    each still a group that writes its parts, and the merge read every one,
-    one after another."""
+    """Splits of each sequence's key-value head for `keys >= 1` keys: whole
+    steps of a group each, the same count of steps in each but the last,
+    none empty, and at most `decode_attention_most_splits`. Few keys make
+    few splits: with the groups' splits at every context, a short one left
+    most of them empty, each still a group that writes its parts, and the
+    merge read every one, one after another."""
     steps = -(-keys // DECODE_ATTENTION_STEP)
-    most = max(1, -(-DECODE_ATTENTION_GROUPS // (batch * kv_heads)))
-    steps_a_split = -(-steps // most)
+    steps_a_split = -(-steps // decode_attention_most_splits(batch, kv_heads))
     return -(-steps // steps_a_split)
 
 
@@ -1289,14 +1296,14 @@ def decode_attention_launches(batch: int, heads: int, kv_heads: int, head_dim: i
     """decode_attention.h's launch, then decode_attention_merge.h's, for `batch
     >= 1` sequences of heads `decode_attention_computes` takes, with a mask
     or not (`has_mask`), each sequence's key-value head in `splits` splits of
-    its keys (`decode_attention_splits`'; None: as many as make
-    `DECODE_ATTENTION_GROUPS` groups, which takes any context, the last
+    its keys (`decode_attention_splits`'; None: the most,
+    `decode_attention_most_splits`, which takes any context, the last
     splits empty where the keys are few). The body reads the keys' count from
     the keys' shape: one pair of launches for every context of a split
     count."""
     sequences = batch * kv_heads
     if splits is None:
-        splits = max(1, -(-DECODE_ATTENTION_GROUPS // sequences))
+        splits = decode_attention_most_splits(batch, kv_heads)
     params = DecodeAttentionParams(batch=batch, heads=heads, kv_heads=kv_heads, splits=splits,
                                    scale_bits=_float_bits(scale))
     parts = batch * heads * splits
