@@ -34,11 +34,13 @@ launches' host work included.
 
 And, where the backend has it, the package's own launch of that scheme
 (kernels/decode_attention.h, `_backend.DecodeAttention`) through its glue:
-`package` with its splits as the package makes them (enough for
-`launch.DECODE_ATTENTION_GROUPS` groups), and `package@N` for each N of
-`--package-groups`, the splits made for N groups instead: where a model's
-heads let 3 groups run on each of 132 SMs, 528 groups are a wave and a third,
-and fewer groups of more keys each may finish sooner.
+`package` with its splits as the package makes them (by the keys' count,
+up to enough for `launch.DECODE_ATTENTION_GROUPS` groups), and `package@N`
+for each N of `--package-groups`, the splits capped for N groups instead:
+where a model's heads let 3 groups run on each of 132 SMs, 528 groups are a
+wave and a third, and fewer groups of more keys each may finish sooner. The
+caps differ only where the keys fill more than N groups (a long context, or
+many sequences): below, every side splits alike.
 """
 
 from __future__ import annotations

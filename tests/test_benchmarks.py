@@ -738,20 +738,26 @@ def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, caps
 
     def launched(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks, has_mask, scale,
                  poison, stream):
-        split_launch, _ = launch.decode_attention_launches(
-            batch, heads, kv_heads, head_dim, has_sinks, scale, dtype, has_mask)
-        splits.append(split_launch.params.splits)
-        return decode_attention_by_ops_launched(backend, batch, heads, kv_heads, head_dim, dtype,
-                                                has_sinks, has_mask, scale, poison, stream)
+        by_ops = decode_attention_by_ops_launched(backend, batch, heads, kv_heads, head_dim,
+                                                  dtype, has_sinks, has_mask, scale, poison,
+                                                  stream)
+
+        def counted(queries, keys, *rest):
+            # the splits the glue takes for these keys, as the side's groups make them
+            splits.append(launch.decode_attention_splits(batch, kv_heads, keys.shape[2]))
+            return by_ops(queries, keys, *rest)
+
+        return counted
 
     gpu_glue_on_the_cpu(monkeypatch, "decode_attention", launched, module=fused_attention,
                         rule="DECODE_ATTENTION_FROM_ROWS", from_rows=4)
     made = launch.DECODE_ATTENTION_GROUPS
-    got = decode_attention.measure("small-qwen3-moe", 300, 2, 2, (384, 512))
-    sequences = 2 * 2
-    assert set(splits) == {-(-groups // sequences) for groups in (made, 384, 512)}
+    # 301 keys are 5 steps: 8 groups over 4 sequences' key-value heads split
+    # them in 2, 12 groups in 3, the package's own in 5
+    got = decode_attention.measure("small-qwen3-moe", 300, 2, 2, (8, 12))
+    assert set(splits) == {5, 2, 3}
     assert launch.DECODE_ATTENTION_GROUPS == made
-    for side in ("package", "package@384", "package@512"):
+    for side in ("package", "package@8", "package@12"):
         assert got[side] > 0 and got[side + " diff"] <= max(got["vector diff"], 1e-2)
     assert decode_attention.main(["--models", "small-qwen3-moe", "--contexts", "8",
                                   "--batches", "1", "--layers", "2",
