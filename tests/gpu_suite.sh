@@ -130,9 +130,9 @@
 #               3 stages of 64 values, and 5 with block_shared_stages=5):
 #               throughput, occupancy, the warps' stall reasons, the schedulers.
 #   fewer-sums  (not in `bench`) the warps' own block over twice its warps,
-#               each holding half its sums, where the default's 255 registers a
-#               thread spill: its rows over 2 warps of 4 row tiles
-#               (block_row_warps=2,block_row_tiles=4), and the down
+#               each holding half its sums, where the default's registers
+#               spill (Nsight Compute, prefill-ncu): its rows over 2 warps of 4
+#               row tiles (block_row_warps=2,block_row_tiles=4), and the down
 #               projection's columns over 8 warps of one tile
 #               (block_column_warps=8,block_tiles=1: the gated launch, one tile
 #               of each already, takes twice the columns), beside the default,
