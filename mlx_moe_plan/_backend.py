@@ -16,7 +16,7 @@ tests/test_structure.py compares with it.
 from __future__ import annotations
 
 import functools
-
+from types import ModuleType
 from typing import Callable, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -406,16 +406,34 @@ def kernel_bias(layer, dtype: mx.Dtype) -> mx.array | None:
 
 def implementation(stream: mx.Stream) -> Backend:
     """The backend of `stream`'s device."""
-    if stream.device.type == mx.DeviceType.cpu:
-        from . import _cpu
-
-        return _cpu.CPU
+    if stream.device.type is _CPU_DEVICE:
+        return _cpu_module().CPU
     backend = gpu_backend()
     if backend is None:
         raise RuntimeError(
             "stream: a GPU stream was given but this MLX has neither Metal nor CUDA"
         )
+    return _gpu_module().for_backend(backend)
+
+
+_CPU_DEVICE = mx.DeviceType.cpu
+
+
+# The backends' modules, imported at their first use, not with this one
+# (`_cpu` needs the C++ extension, which a tree built for the GPU suite
+# lacks), then looked up: every launch of every layer asks for its backend,
+# and an import statement at each call cost the host more than the rest of
+# the question.
+@functools.cache
+def _cpu_module() -> ModuleType:
+    from . import _cpu
+
+    return _cpu
+
+
+@functools.cache
+def _gpu_module() -> ModuleType:
     from . import _gpu
 
-    return _gpu.for_backend(backend)
+    return _gpu
 

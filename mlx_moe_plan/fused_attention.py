@@ -103,7 +103,9 @@ def _route(attention: nn.Module, x: mx.array, entry: FusedAttentionEntry) -> Lau
     drops): every layer asks at every step."""
     key = (x.shape, x.dtype, mx.default_device().type)
     if entry.head_norm_rope:
-        key += (attention.q_norm.weight.dtype, attention.k_norm.weight.dtype)
+        # As the module's dictionary's items: its attribute lookups cost the
+        # host more than the rest of the key.
+        key += (attention["q_norm"]["weight"].dtype, attention["k_norm"]["weight"].dtype)
     routes = module_cache(attention, "_attention_routes")
     route = routes.get(key)
     if route is None:
