@@ -71,7 +71,8 @@ def cache_by_stream(make=None, *, maxsize: int | None = None):
         return found
 
     get.cache_clear = made.clear
-    get.__wrapped__ = make  # a fresh cache of the same: cache_by_stream(...)(get.__wrapped__)
+    # an empty cache of the same `make` and bound, for a test to stand in with
+    get.fresh = lambda: cache_by_stream(make, maxsize=maxsize)
     return get
 
 

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 import mlx_moe_plan
 from mlx_moe_plan import _backend
-from mlx_moe_plan.kernels import launch
 from mlx_moe_plan import reference as ref
 from mlx_moe_plan.kernels import launch
 
@@ -112,9 +111,23 @@ def glue_launched_by(monkeypatch, kernel: str, launched) -> None:
     from mlx_moe_plan import _gpu
 
     monkeypatch.setattr(_gpu, f"_{kernel}_launched", launched)
-    steps = getattr(_gpu, f"_{kernel}_step")
-    monkeypatch.setattr(_gpu, f"_{kernel}_step",
-                        _gpu.cache_by_stream(maxsize=256)(steps.__wrapped__))
+    monkeypatch.setattr(_gpu, f"_{kernel}_step", getattr(_gpu, f"_{kernel}_step").fresh())
+
+
+def recording_calls(bind, record, calls: list):
+    """`bind` (a glue's `_gpu._KERNEL_launched`, or a stand-in for it) with
+    `record(*arrays)` of each call of what it binds appended to `calls`: a
+    test's count of a glue's calls, its launches bound once a size."""
+    def bound(*sizes):
+        launched = bind(*sizes)
+
+        def recorded(*arrays):
+            calls.append(record(*arrays))
+            return launched(*arrays)
+
+        return recorded
+
+    return bound
 
 
 # --- dtypes and conversions ----------------------------------------------------

@@ -728,7 +728,7 @@ def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, caps
     keys as the package does and `package@N` for N groups, each as close to
     the `cudnn` side's output as MLX's own vector path; the groups restored
     after. small-qwen3-moe's heads: 2 sequences of 2 key-value heads."""
-    from conftest import decode_attention_by_ops_launched, gpu_glue_on_the_cpu
+    from conftest import decode_attention_by_ops_launched, gpu_glue_on_the_cpu, recording_calls
 
     from benchmarks import decode_attention
     from mlx_moe_plan import fused_attention
@@ -736,19 +736,10 @@ def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, caps
 
     splits = []
 
-    def launched(backend, batch, heads, kv_heads, head_dim, dtype, has_sinks, has_mask, scale,
-                 poison, stream):
-        by_ops = decode_attention_by_ops_launched(backend, batch, heads, kv_heads, head_dim,
-                                                  dtype, has_sinks, has_mask, scale, poison,
-                                                  stream)
-
-        def counted(queries, keys, *rest):
-            # the splits the glue takes for these keys, as the side's groups make them
-            splits.append(launch.decode_attention_splits(batch, kv_heads, keys.shape[2]))
-            return by_ops(queries, keys, *rest)
-
-        return counted
-
+    # each call's splits, as the glue takes them for its keys and the side's groups
+    launched = recording_calls(
+        decode_attention_by_ops_launched,
+        lambda queries, keys, *_: launch.decode_attention_splits(*keys.shape[:3]), splits)
     gpu_glue_on_the_cpu(monkeypatch, "decode_attention", launched, module=fused_attention,
                         rule="DECODE_ATTENTION_FROM_ROWS", from_rows=4)
     made = launch.DECODE_ATTENTION_GROUPS

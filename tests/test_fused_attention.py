@@ -23,7 +23,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import (assert_logits_close, check_decode_attention, check_head_norm_rope,
-                      decode_attention_by_ops_launched, glue_launched_by, gpu_glue_on_the_cpu)
+                      decode_attention_by_ops_launched, glue_launched_by, gpu_glue_on_the_cpu,
+                      recording_calls)
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -374,15 +375,8 @@ def test_decoding_through_the_glue_bit_for_bit(monkeypatch, name, sizes):
     patched model's without it, bit for bit."""
     launches = []
 
-    def counted(*sizes):
-        by_ops = decode_attention_by_ops_launched(*sizes)
-
-        def launched(queries, keys, *rest):
-            launches.append(keys.shape[2])
-            return by_ops(queries, keys, *rest)
-
-        return launched
-
+    counted = recording_calls(decode_attention_by_ops_launched,
+                              lambda queries, keys, *_: keys.shape[2], launches)
     gpu_glue_on_the_cpu(monkeypatch, "decode_attention", counted, module=fused_attention,
                         rule="DECODE_ATTENTION_FROM_ROWS", from_rows=4)
     assert_decodes_as_without_launches(make_model(name, **sizes), 4, 4, seed=13)
@@ -648,8 +642,7 @@ def test_decode_attention_glue_binds_each_split_count_once(monkeypatch):
         return call
 
     monkeypatch.setattr(_gpu, "_bound_kernel", recorder)
-    monkeypatch.setattr(_gpu, "_decode_attention_step", _gpu.cache_by_stream(maxsize=256)(
-        _gpu._decode_attention_step.__wrapped__))
+    monkeypatch.setattr(_gpu, "_decode_attention_step", _gpu._decode_attention_step.fresh())
     batch, heads, kv_heads, head_dim = 2, 8, 2, 64
     stream = mx.default_stream(mx.cpu)
     buffer = mx.zeros((batch, kv_heads, 1000, head_dim), mx.bfloat16)
@@ -791,18 +784,9 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     monkeypatch.setattr(rules, "SIBLINGS_FROM_ROWS", 1)
     monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1 << 30)  # the norms' launch alone
     launches = []
-    bind = _gpu._head_norm_rope_launched
-
-    def counted(*sizes):
-        launched = bind(*sizes)
-
-        def counting(queries_in, keys_in, *arrays):
-            launches.append(keys_in.shape[-1])
-            return launched(queries_in, keys_in, *arrays)
-
-        return counting
-
-    glue_launched_by(monkeypatch, "head_norm_rope", counted)
+    glue_launched_by(monkeypatch, "head_norm_rope", recording_calls(
+        _gpu._head_norm_rope_launched, lambda queries_in, keys_in, *_: keys_in.shape[-1],
+        launches))
     prompt = mx.array(np.random.default_rng(9).integers(0, 40, (8, 6)))
     got = decode(model, prompt, 4)
     config = CONFIGS["qwen3_moe"]

@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import (assert_logits_close, check_add_rms_norm, glue_launched_by,
-                      gpu_glue_on_the_cpu)
+                      gpu_glue_on_the_cpu, recording_calls)
 from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
@@ -397,18 +397,8 @@ def test_decoding_on_the_gpu_within_rounding(monkeypatch):
     plain = copy.deepcopy(model)
     monkeypatch.setattr(rules, "ADD_RMS_NORM_FROM_ROWS", 1)
     launches = []
-    bind = _gpu._add_rms_norm_launched
-
-    def counted(*sizes):
-        launched = bind(*sizes)
-
-        def counting(residual, *arrays):
-            launches.append(residual.shape)
-            return launched(residual, *arrays)
-
-        return counting
-
-    glue_launched_by(monkeypatch, "add_rms_norm", counted)
+    glue_launched_by(monkeypatch, "add_rms_norm", recording_calls(
+        _gpu._add_rms_norm_launched, lambda residual, *_: residual.shape, launches))
     prompt = mx.array(np.random.default_rng(10).integers(0, 40, (8, 6)))
     got = decode(model, prompt, 4)
     assert launches == [(8, 1, CONFIGS["qwen3_moe"]["hidden_size"])] * 2 * LAYERS * 4

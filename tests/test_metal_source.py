@@ -76,7 +76,7 @@ def record_launches(backend: str = "metal") -> list[Launch]:
     gpu = _gpu.GpuBackend(backend)
     # The glues that bind their launches once a size keep them in caches of
     # their own: fresh ones while the recorder stands in, dropped after it.
-    steps = {name: _gpu.cache_by_stream(maxsize=256)(getattr(_gpu, name).__wrapped__)
+    steps = {name: getattr(_gpu, name).fresh()
              for name in ("_decode_attention_step", "_head_norm_rope_step", "_add_rms_norm_step")}
     with mock.patch.object(_gpu, "_kernel", fake_kernel), mock.patch.multiple(_gpu, **steps):
         # plan: tiny arrays (constant address space) up to the expert limit;
