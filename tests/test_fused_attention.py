@@ -817,9 +817,9 @@ def test_decoding_through_the_attention_launch_on_the_gpu(monkeypatch, name, siz
     launches = []
     launched = backend.decode_attention
 
-    def counted(queries, keys, values, sinks, *, scale, stream):
+    def counted(queries, keys, values, sinks, *, scale, stream, mask=None):
         launches.append((queries.shape, keys.shape[2], sinks is not None))
-        return launched(queries, keys, values, sinks, scale=scale, stream=stream)
+        return launched(queries, keys, values, sinks, scale=scale, stream=stream, mask=mask)
 
     monkeypatch.setattr(backend, "decode_attention", counted)
     prompt = mx.array(np.random.default_rng(12).integers(0, 40, (8, 6)))
