@@ -362,9 +362,11 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # `mx.custom_function`), so it pays only where it replaces several. It does
 # not: timed alone in a whole step, its step built 2.8 to 5.5 ms more slowly
 # and ran 0.86x to 0.90x at batch 4 and 8, slower at 1 (benchmarks/HISTORY.md,
-# "The fused attention's launch alone in a step"; its glue has bound its
-# launch once a size since, as the decoding attention's, not timed in steps
-# on a quiet machine). Off (`HEAD_NORM_ROPE_FROM_ROWS` out of reach);
+# "The fused attention's launch alone in a step"). Bound once a size since, as
+# the decoding attention's, it and the residual norms' launch beside the
+# decoding attention's still built those steps more slowly than that launch
+# alone, at 4 and 8 sequences ("The decoding attention's kernels alone under
+# Nsight Compute"). Off (`HEAD_NORM_ROPE_FROM_ROWS` out of reach);
 # `benchmarks.step_kernels --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"`
 # times it again.
 HEAD_NORM_ROPE_FROM_ROWS = 1 << 30
@@ -405,12 +407,15 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
 # at 4, their steps built more slowly than the patch's where the sketch's
 # built faster (benchmarks/HISTORY.md, "The package's decoding attention in
 # whole steps again"). Its glue now binds its launches once a size, and its
-# splits follow the keys' count, but its launches still evaluated more slowly
-# than the sketch's at 4 and 8 sequences, and whole steps have not been timed
-# on a quiet machine since (benchmarks/HISTORY.md, "The decoding attention's
-# glue bound once"): off (`DECODE_ATTENTION_FROM_ROWS` out of reach) until
-# they are; `benchmarks.step_kernels --variants "on:DECODE_ATTENTION_FROM_ROWS=4"`
-# times it (`tests/gpu_suite.sh R decode-attention`). Elsewhere than CUDA not
+# splits follow the keys' count; its launches take less GPU time than the
+# sketch's, but their glue (the custom function that carries the gradient,
+# the checks) still costs the host more than the sketch's raw calls, and in
+# whole steps they stayed within the patch's spread at 4 and 8 sequences
+# where the sketch passed it (benchmarks/HISTORY.md, "The decoding
+# attention's kernels alone under Nsight Compute"): off
+# (`DECODE_ATTENTION_FROM_ROWS` out of reach) until they win;
+# `benchmarks.step_kernels --variants "on:DECODE_ATTENTION_FROM_ROWS=4"` times
+# it (`tests/gpu_suite.sh R decode-attention`). Elsewhere than CUDA not
 # measured: never.
 DECODE_ATTENTION_FROM_ROWS = 1 << 30
 
@@ -438,8 +443,9 @@ def decodes_attention(rows: int, *, cuda: bool) -> bool:
 # layers. Off (`ADD_RMS_NORM_FROM_ROWS` out of reach): its glue builds more
 # slowly than the add and the norm it replaces, and with the fused attention
 # a step at batch 8 lost 1.22x (benchmarks/HISTORY.md, "The fused attention's
-# and residual norms' launches in a step"; its glue has bound its launch once
-# a size since, as the decoding attention's, not timed in steps).
+# and residual norms' launches in a step"; bound once a size since, it still
+# built slower, with the fused attention's launch, in "The decoding
+# attention's kernels alone under Nsight Compute").
 ADD_RMS_NORM_FROM_ROWS = 1 << 30
 
 
