@@ -270,8 +270,8 @@ def warmup_prompt(prompt: mx.array) -> mx.array:
 
 class Sides:
     """mlx-lm's model and the patched one, and optionally a control (an
-    unpatched copy of mlx-lm's) and a variant (the model patched with another
-    `tile_m`), taking turns.
+    unpatched copy of mlx-lm's), a variant (the model patched with another
+    `tile_m`) and more patched sides by name (`patched_sides`), taking turns.
 
     Each round runs every side, the first rotating from round to round, so
     that drift hits all of them. MLX's CUDA backend can fail to launch mlx-lm's
@@ -283,12 +283,15 @@ class Sides:
     PATCHED = ("patched", "variant")
     EXTRA = ("control", "variant")  # the optional sides, each compared with mlx-lm's
 
-    def __init__(self, model, patched, control=None, variant=None):
+    def __init__(self, model, patched, control=None, variant=None,
+                 patched_sides: dict | None = None):
         self.models = {"mlx-lm": model, "patched": patched}
         if control is not None:
             self.models["control"] = control
         if variant is not None:
             self.models["variant"] = variant
+        self.models.update(patched_sides or {})
+        self.patched = {*self.PATCHED, *(patched_sides or {})}
         self.failure: str | None = None
 
     def turns(self, rounds: int, start: int = 0):
@@ -297,7 +300,7 @@ class Sides:
         for r in range(start, start + rounds):
             shift = r % len(names)
             for side in names[shift:] + names[:shift]:
-                if side not in self.PATCHED and self.failure:
+                if side not in self.patched and self.failure:
                     continue
                 yield side, self.models[side]
 
@@ -306,7 +309,7 @@ class Sides:
         try:
             return run()
         except RuntimeError as error:
-            if side in self.PATCHED:
+            if side in self.patched:
                 raise
             self.failure = f"{type(error).__name__}: {error}"
             progress(f"  {what}, mlx-lm: {self.failure}")

@@ -25,7 +25,15 @@ tiling (`GroupedQmmTiling` fields, lower case), or with an option of
 sketch of `benchmarks.decode_attention`, on CUDA), their turns of 20 steps
 alternated `--rounds` times at each batch, the median step of each turn,
 then the median turn. A variant's compiled forwards and projection routes
-are dropped when its turn starts, so each traces under its own rules. With
+are dropped when its turn starts, so each traces under its own rules.
+`--interleave` interleaves the decoding steps instead, as
+`benchmarks.model` does: every patched side its own patched copy of the
+model (the weights shared) and every side its own copy of the context, step
+i of each side in turn, the first rotating, so that drift slower than a step
+hits every side alike, where whole turns of 20 steps a side spread by
+several ms on a busy host; the median step over `--rounds` rounds. Each
+step then enters its side's settings, which costs the sketch's side a scan
+of the loaded modules (some tens of us a step, counted in its building). With
 `--prefill TOKENS` each turn is one prefill of that many tokens instead, in
 generate's chunks of 2048 (a rule or tiling of prefill sizes, measured on the
 whole model in one process: `--layers 48`), after an untimed one of the same
@@ -67,8 +75,9 @@ import sys
 
 import mlx.core as mx
 
-from .model import (build_step, decode_step, decode_steps, fill_context, patched_copy, prefill,
-                    progress, random_model, timed_prefill, warmup_prompt)
+from .model import (Sides, build_step, decode_interleaved, decode_step, decode_steps,
+                    fill_context, patched_copy, prefill, progress, random_model, restore,
+                    snapshot, timed_prefill, warmup_prompt)
 from .timing import marked_kernels, profiled
 from .workloads import MODELS, with_layers
 
@@ -246,6 +255,98 @@ def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
     return variants
 
 
+@contextlib.contextmanager
+def _settings(constants: dict, tiling: dict, options: dict, defaults: dict):
+    """Within the block, a side's rules' constants (`defaults` for those it
+    leaves), the grouped kernel's tiling and `VARIANT_OPTIONS`' settings."""
+    from mlx_moe_plan import rules
+    from mlx_moe_plan.kernels import launch
+
+    for key, value in defaults.items():
+        setattr(rules, key, constants.get(key, value))
+    attention = contextlib.nullcontext()
+    if "attention" in options:
+        from .decode_attention import sketch_in_models
+        attention = sketch_in_models(VARIANT_OPTIONS["attention"][options["attention"]])
+    with launch.grouped_qmm_tiling(**tiling), attention:
+        yield
+
+
+class _OwnSide:
+    """A patched side of `--interleave`: its own patched copy of the model
+    (the weights shared), called as `decode_step` calls a model, each call
+    under the side's settings and with the traces its layers share kept
+    apart from the other sides' (`_compiled`'s, keyed by the layers' shapes,
+    not by the rules a trace was made under)."""
+
+    def __init__(self, model, settings: tuple[dict, dict, dict], defaults: dict):
+        self.settings, self.defaults, self.traces = settings, defaults, {}
+        with _settings(*settings, defaults):  # what the patch asks the rules at patch time
+            self.model = patched_copy(model, tile_m=None, no_compile=False)[0]
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        from mlx_moe_plan import _compiled
+
+        with _compiled.shared_traces_in(self.traces), _settings(*self.settings, self.defaults):
+            return self.model(inputs, cache=cache)
+
+
+def interleave_variants(model, patched, config: dict, args) -> str:
+    """mlx-lm's model, and one patched anew as it is and under each of
+    `args.variants`, each decoding its own copy of the same context (which
+    `patched` fills), their steps interleaved one by one
+    (`benchmarks.model.decode_interleaved`, the first side rotating from step
+    to step), `args.rounds` rounds of 20 steps a side from that context: each
+    side's median step over all rounds, and each round's, a batch."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_moe_plan import rules
+
+    variants = {"patched": ({}, {}, {}), **parse_variants(args.variants)}
+    defaults = {key: getattr(rules, key) for constants, _, _ in variants.values()
+                for key in constants}
+    own = {name: _OwnSide(model, settings, defaults) for name, settings in variants.items()}
+    sides = Sides(model, own.pop("patched"), patched_sides=own)
+    lines = [f"{args.models}, {args.layers} layers: {args.rounds} rounds of {TIMED_STEPS} "
+             f"steps a side from a context of {args.context}, the sides' steps interleaved; "
+             f"wall ms, build ms (a decoding step's median), speedup over mlx-lm"]
+    try:
+        for batch in (int(b) for b in args.batches.split(",")):
+            case = f"batch {batch}"
+            cache, first = fill_context(patched, batch, args.context, config["vocab_size"],
+                                        args.batch_cache)
+            saved = snapshot(cache)
+            caches = {name: make_prompt_cache(getattr(side, "model", side))
+                      for name, side in sides.models.items()}
+            samples = {name: ([], [], []) for name in sides.models}
+            for round_ in range(args.rounds):
+                for side_cache in caches.values():
+                    restore(side_cache, saved)
+                stepped = decode_interleaved(sides, caches, first, TIMED_STEPS, UNTIMED_STEPS,
+                                             round_, case)
+                for name, (builds, walls, _) in stepped.items():
+                    samples[name][0].extend(builds)
+                    samples[name][1].extend(walls)
+                    samples[name][2].append(statistics.median(walls))
+                progress(f"{case}, round {round_ + 1}: " + ", ".join(
+                    f"{name} {statistics.median(walls) * 1e3:.2f} ms"
+                    for name, (_, walls, _) in stepped.items()))
+            reference = statistics.median(samples["mlx-lm"][1]) if samples["mlx-lm"][1] else None
+            for name, (builds, walls, rounds) in samples.items():
+                if not walls:
+                    lines.append(f"{case:<9} {name:<12} failed: {sides.failure}")
+                    continue
+                wall = statistics.median(walls)
+                speedup = f"{reference / wall:5.2f}x" if reference else "    -"
+                lines.append(f"{case:<9} {name:<12} wall {wall * 1e3:8.3f}  build "
+                             f"{statistics.median(builds) * 1e3:7.3f}  {speedup}  rounds "
+                             + " ".join(f"{w * 1e3:.2f}" for w in rounds))
+    finally:
+        for key, value in defaults.items():
+            setattr(rules, key, value)
+    return "\n".join(lines)
+
+
 def compare_variants(model, patched, config: dict, args) -> str:
     """mlx-lm's model, the patched one, and the patched one under each of
     `args.variants`, turns alternated (the order reversed every other round):
@@ -255,7 +356,6 @@ def compare_variants(model, patched, config: dict, args) -> str:
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_moe_plan import _compiled, rules
-    from mlx_moe_plan.kernels import launch
 
     sides = {"mlx-lm": (model, {}, {}, {}), "patched": (patched, {}, {}, {}),
              **{name: (patched, *changes) for name, changes in
@@ -266,14 +366,8 @@ def compare_variants(model, patched, config: dict, args) -> str:
     def turn(name: str, run):
         """`run(side)` with the side's rules, tiling, options and traces of its own."""
         side, constants, tiling, options = sides[name]
-        for key, value in defaults.items():
-            setattr(rules, key, constants.get(key, value))
-        _compiled.forget(patched)  # another side's traces and routes
-        attention = contextlib.nullcontext()
-        if "attention" in options:
-            from .decode_attention import sketch_in_models
-            attention = sketch_in_models(VARIANT_OPTIONS["attention"][options["attention"]])
-        with launch.grouped_qmm_tiling(**tiling), attention:
+        with _settings(constants, tiling, options, defaults):
+            _compiled.forget(patched)  # another side's traces and routes
             return run(side)
 
     what = (f"one prefill of {args.prefill} tokens" if args.prefill
@@ -354,6 +448,10 @@ def main(argv=None) -> int:
                         help="compare mlx-lm's model, the patched one and the patched one "
                              "under these rule constants and tiling fields, alternated, "
                              "instead of one side (default: none)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with --variants, decoding: each patched side its own copy of "
+                             "the model and every side its own cache, their steps "
+                             "interleaved one by one, not in turns (default: turns)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="turns of each side a batch with --variants "
                              "(default: %(default)s)")
@@ -362,6 +460,8 @@ def main(argv=None) -> int:
                              "of decoding steps: with --variants one a turn, else 3 of "
                              "--side and --timeline's (default: %(default)s, decoding)")
     args = parser.parse_args(argv)
+    if args.interleave and (args.variants is None or args.prefill):
+        parser.error("--interleave: decoding steps' --variants only")
     if args.summarize:
         print(summarize(args.summarize, args.top))
         return 0
@@ -370,7 +470,9 @@ def main(argv=None) -> int:
     patched, _ = patched_copy(model, tile_m=None, no_compile=False)
     progress(f"built {args.models} with {args.layers} layers, and its patched copy")
     if args.variants is not None:
-        print(compare_variants(model, patched, config, args), flush=True)
+        compare = interleave_variants(model, patched, config, args) if args.interleave else \
+            compare_variants(model, patched, config, args)
+        print(compare, flush=True)
         return 0
     side = patched if args.side == "patched" else model
     cuda = mx.default_device().type == mx.gpu and mx.cuda.is_available()

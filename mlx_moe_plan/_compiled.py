@@ -20,6 +20,7 @@ layers alike (6aa1022)").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -197,6 +198,22 @@ def forget(model: nn.Module) -> None:
                 value.clear()
             elif isinstance(value, KeptBeside) and value.kept_module is not None:
                 forget(value.kept_module)
+
+
+@contextlib.contextmanager
+def shared_traces_in(traces: dict):
+    """Within the block, the traces layers share kept in `traces`, not the
+    process's: they are keyed by the layers' structure and shapes, not by
+    the rules a trace was made under, so copies of a model patched under
+    different rules, run side by side (a benchmark's), keep theirs apart."""
+    global _SHARED_FORWARDS
+    with _SHARED_LOCK:
+        kept, _SHARED_FORWARDS = _SHARED_FORWARDS, traces
+    try:
+        yield
+    finally:
+        with _SHARED_LOCK:
+            _SHARED_FORWARDS = kept
 
 
 def compiled_call(module: nn.Module, forward: Callable, *arrays: mx.array, key: tuple):

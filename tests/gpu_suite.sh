@@ -98,7 +98,9 @@
 #   attention-steps both whole models decoding at batch 1 to 64, the patch
 #               beside its launches from 4 sequences (on), the sketch's
 #               tensor-core form (sketch) and, Qwen3-30B-A3B's, every launch of
-#               a decoding step (launches: the norms' too), alternated; and
+#               a decoding step (launches: the norms' too), their steps
+#               interleaved one by one (whole turns a side spread too much on
+#               these hosts to tell them apart); and
 #               Qwen3-30B-A3B from mlx-lm's batch caches (--batch-cache:
 #               left-padded prompts, a mask every step, as batch generation and
 #               the server decode).
@@ -696,11 +698,13 @@ if wanted attention-steps; then
   launches="launches:DECODE_ATTENTION_FROM_ROWS=4,HEAD_NORM_ROPE_FROM_ROWS=1"
   launches="$launches,ADD_RMS_NORM_FROM_ROWS=1"
   logged "$results/decode-attention-qwen.log" python3 -m benchmarks.step_kernels --layers 48 \
-    --batches 8,4,1,32,64 --rounds 5 --variants "$attention;$launches"
+    --batches 8,4,1,32,64 --rounds 5 --interleave --variants "$attention;$launches"
   logged "$results/decode-attention-gpt-oss.log" python3 -m benchmarks.step_kernels \
-    --models gpt-oss-20b --layers 24 --batches 8,32,64,4,1 --rounds 5 --variants "$attention"
+    --models gpt-oss-20b --layers 24 --batches 8,32,64,4,1 --rounds 5 --interleave \
+    --variants "$attention"
   logged "$results/decode-attention-batch-cache.log" python3 -m benchmarks.step_kernels \
-    --layers 48 --batches 8,32,64 --rounds 5 --batch-cache --variants "on:DECODE_ATTENTION_FROM_ROWS=4"
+    --layers 48 --batches 8,32,64 --rounds 5 --batch-cache --interleave \
+    --variants "on:DECODE_ATTENTION_FROM_ROWS=4"
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \

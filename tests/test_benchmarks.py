@@ -587,6 +587,57 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monk
         "        0.0 us     1x  mlx::rope"]
 
 
+def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
+    """`--interleave`: each side's steps under its own rules, the sides'
+    steps taking turns one by one (not a side's whole turn at once), every
+    side's median over all rounds and each round's; afterwards the rules and
+    the layers' shared traces as they were."""
+    from benchmarks import step_kernels
+    from mlx_moe_plan import _compiled, rules
+
+    default = rules.DECODE_ATTENTION_FROM_ROWS
+    shared = _compiled._SHARED_FORWARDS
+    asked = []  # the rule's constant as each attention call of a step finds it
+    decodes_attention = rules.decodes_attention
+
+    def recorded(rows, *, cuda):
+        asked.append(rules.DECODE_ATTENTION_FROM_ROWS)
+        return decodes_attention(rows, cuda=cuda)
+
+    monkeypatch.setattr(rules, "decodes_attention", recorded)
+    traces = {}  # the layers' shared traces each side's steps kept, by the dict's id
+    shared_traces_in = _compiled.shared_traces_in
+
+    def kept_in(side_traces):
+        traces[id(side_traces)] = side_traces
+        return shared_traces_in(side_traces)
+
+    monkeypatch.setattr(_compiled, "shared_traces_in", kept_in)
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches", "2",
+                              "--context", "8", "--dtype", "float32", "--rounds", "2",
+                              "--interleave", "--variants", "on:DECODE_ATTENTION_FROM_ROWS=2;"
+                              "body:tiles_from_rows=65"]) == 0
+    # three patched sides, each tracing its layers into its own
+    assert len(traces) == 3 and all(traces.values())
+    assert shared not in traces.values()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines[1:]] == ["mlx-lm", "patched", "on", "body"]
+    assert all(len(line.split("rounds")[1].split()) == 2 for line in lines[1:])
+    assert rules.DECODE_ATTENTION_FROM_ROWS == default
+    assert _compiled._SHARED_FORWARDS is shared
+    # Every step of a patched side asks once (its one layer's attention), and
+    # `on`'s route once more; the context's fill asks under the defaults too.
+    # So `on` asked under its own constant at each of its steps and never
+    # another side under it, and its steps took turns with the others'.
+    steps = 2 * (step_kernels.TIMED_STEPS + step_kernels.UNTIMED_STEPS)
+    assert asked.count(2) == steps + 1
+    assert asked.count(default) >= 2 * steps
+    tail = asked[-3 * steps:]
+    assert sum(1 for a, b in zip(tail, tail[1:]) if a != b) >= steps
+    with pytest.raises(SystemExit):
+        step_kernels.main(["--models", "small-qwen3-moe", "--interleave"])
+
+
 def test_model_benchmark_variant(tmp_path, capsys):
     # --variant-tile-m: the model patched another way decodes with the sides,
     # interleaved; its figures, its ratio and its logits in the row and table.
