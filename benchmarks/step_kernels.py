@@ -39,6 +39,10 @@ generate's chunks of 2048 (a rule or tiling of prefill sizes, measured on the
 whole model in one process: `--layers 48`), after an untimed one of the same
 chunk sizes in the same turn, which traces anew.
 
+`--without-gradients` makes every side's launches without the custom
+function that carries each one's gradient (a process that only measures):
+what those graph nodes cost a step, beside a run without it.
+
 `--build-profile N` builds N more steps under Python's profiler, evaluating
 each outside it, and prints where the building went by function, own time
 first: the host's part of a step (the model's calls, the layers' rules and
@@ -459,12 +463,40 @@ def main(argv=None) -> int:
                         help="prefills of this many tokens, in generate's chunks, instead "
                              "of decoding steps: with --variants one a turn, else 3 of "
                              "--side and --timeline's (default: %(default)s, decoding)")
+    parser.add_argument("--without-gradients", action="store_true",
+                        help="every side without the package's launches' gradients: MLX's "
+                             "custom_function replaced by the function itself, what the "
+                             "nodes that carry them cost a step (default: kept)")
     args = parser.parse_args(argv)
     if args.interleave and (args.variants is None or args.prefill):
         parser.error("--interleave: decoding steps' --variants only")
     if args.summarize:
         print(summarize(args.summarize, args.top))
         return 0
+    with without_gradients() if args.without_gradients else contextlib.nullcontext():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def without_gradients():
+    """Within the block, `mx.custom_function` is the function itself, its
+    vjp, jvp and vmap keeping nothing: the package's launches are then made
+    without the custom function that carries each one's gradient (two more
+    graph nodes a launch, its output's `StopGradient` and the
+    `CustomTransforms`), for a process that only measures steps."""
+    def function_itself(function):
+        function.vjp = function.jvp = function.vmap = lambda transform: transform
+        return function
+
+    custom_function, mx.custom_function = mx.custom_function, function_itself
+    try:
+        yield
+    finally:
+        mx.custom_function = custom_function
+
+
+def _run(args) -> int:
+    """`main`'s work once its arguments are read."""
     config = with_layers(MODELS[args.models], args.layers)
     model, _ = random_model(config, dtype=getattr(mx, args.dtype), bits=4, group_size=64)
     patched, _ = patched_copy(model, tile_m=None, no_compile=False)

@@ -110,6 +110,13 @@
 #               Qwen3-30B-A3B's 4 and 8 sequences, context 512, each kernel's
 #               mean by name: whether the package's launches lose
 #               to the sketch's on the GPU or in the host's evaluation.
+#   gradient-nodes (not in `bench`) what the custom functions that carry the
+#               launches' gradients (two graph nodes a launch) cost a decoding
+#               step: Qwen3-30B-A3B at batch 8 and 4, the patch and its
+#               attention's launches (on) beside mlx-lm, steps interleaved, in
+#               two processes, the second without them
+#               (benchmarks.step_kernels --without-gradients): the ratios to
+#               mlx-lm's steps of the two processes compared.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -705,6 +712,13 @@ if wanted attention-steps; then
   logged "$results/decode-attention-batch-cache.log" python3 -m benchmarks.step_kernels \
     --layers 48 --batches 8,32,64 --rounds 5 --batch-cache --interleave \
     --variants "on:DECODE_ATTENTION_FROM_ROWS=4"
+fi
+if wanted gradient-nodes; then
+  for gradients in "" --without-gradients; do
+    logged "$results/gradient-nodes${gradients}.log" python3 -m benchmarks.step_kernels \
+      --layers 48 --batches 8,4 --rounds 3 --interleave \
+      --variants "on:DECODE_ATTENTION_FROM_ROWS=4" $gradients
+  done
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \

@@ -638,6 +638,30 @@ def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
         step_kernels.main(["--models", "small-qwen3-moe", "--interleave"])
 
 
+def test_step_kernels_without_gradients_drops_the_custom_functions_vjp(monkeypatch):
+    """`--without-gradients`: within the run a custom function is the function
+    itself (its vjp not kept: the ops' gradient), afterwards MLX's again."""
+    from benchmarks import step_kernels
+
+    custom_function = mx.custom_function
+    with step_kernels.without_gradients():
+        doubled = mx.custom_function(lambda x: 2 * x)
+
+        @doubled.vjp
+        def ignored(primals, cotangent, output):
+            return 100 * cotangent
+
+        assert mx.grad(doubled)(mx.array(1.0)).item() == 2
+    assert mx.custom_function is custom_function
+    kept = mx.custom_function(lambda x: 2 * x)
+    kept.vjp(ignored)
+    assert mx.grad(kept)(mx.array(1.0)).item() == 100
+    seen = []
+    monkeypatch.setattr(step_kernels, "_run", lambda args: seen.append(mx.custom_function) or 0)
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--without-gradients"]) == 0
+    assert seen and seen[0] is not custom_function and mx.custom_function is custom_function
+
+
 def test_model_benchmark_variant(tmp_path, capsys):
     # --variant-tile-m: the model patched another way decodes with the sides,
     # interleaved; its figures, its ratio and its logits in the row and table.
