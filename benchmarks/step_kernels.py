@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
 import cProfile
 import io
 import pstats
@@ -302,8 +303,6 @@ def interleave_variants(model, patched, config: dict, args) -> str:
     (`benchmarks.model.decode_interleaved`, the first side rotating from step
     to step), `args.rounds` rounds of 20 steps a side from that context: each
     side's median step over all rounds, and each round's, a batch."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     from mlx_moe_plan import rules
 
     variants = {"patched": ({}, {}, {}), **parse_variants(args.variants)}
@@ -320,8 +319,8 @@ def interleave_variants(model, patched, config: dict, args) -> str:
             cache, first = fill_context(patched, batch, args.context, config["vocab_size"],
                                         args.batch_cache)
             saved = snapshot(cache)
-            caches = {name: make_prompt_cache(getattr(side, "model", side))
-                      for name, side in sides.models.items()}
+            # each side a cache of the filled one's kind (a batch cache's too)
+            caches = {name: [copy.copy(layer) for layer in cache] for name in sides.models}
             samples = {name: ([], [], []) for name in sides.models}
             for round_ in range(args.rounds):
                 for side_cache in caches.values():

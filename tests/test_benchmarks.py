@@ -634,6 +634,13 @@ def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
     assert asked.count(default) >= 2 * steps
     tail = asked[-3 * steps:]
     assert sum(1 for a, b in zip(tail, tail[1:]) if a != b) >= steps
+    # from mlx-lm's batch caches, each side a copy of the same kind of cache
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches", "3",
+                              "--context", "40", "--dtype", "float32", "--rounds", "1",
+                              "--batch-cache", "--interleave", "--variants",
+                              "on:DECODE_ATTENTION_FROM_ROWS=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in lines[1:]] == ["mlx-lm", "patched", "on"]
     with pytest.raises(SystemExit):
         step_kernels.main(["--models", "small-qwen3-moe", "--interleave"])
 
