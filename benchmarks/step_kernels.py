@@ -30,10 +30,11 @@ are dropped when its turn starts, so each traces under its own rules.
 `benchmarks.model` does: every patched side its own patched copy of the
 model (the weights shared) and every side its own copy of the context, step
 i of each side in turn, the first rotating, so that drift slower than a step
-hits every side alike, where whole turns of 20 steps a side spread by
-several ms on a busy host; the median step over `--rounds` rounds. Each
-step then enters its side's settings, which costs the sketch's side a scan
-of the loaded modules (some tens of us a step, counted in its building). With
+hits every side alike (whole turns a side spread too much on a busy host:
+benchmarks/HISTORY.md, "The decoding attention's kernels alone under Nsight
+Compute"); the median step over `--rounds` rounds. Each step then enters
+its side's settings, mlx-lm's too; the sketch's option also scans the
+loaded modules, which its side's building counts. With
 `--prefill TOKENS` each turn is one prefill of that many tokens instead, in
 generate's chunks of 2048 (a rule or tiling of prefill sizes, measured on the
 whole model in one process: `--layers 48`), after an untimed one of the same
@@ -256,6 +257,9 @@ def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
                 raise SystemExit(f"--variants: {key!r} is neither an int constant of "
                                  f"mlx_moe_plan.rules nor a GroupedQmmTiling field nor one of "
                                  f"{VARIANT_OPTIONS}")
+        if name.strip() in ("mlx-lm", "patched"):
+            raise SystemExit(f"--variants: {name.strip()!r} is the name of a side every "
+                             f"comparison has")
         variants[name.strip()] = constants, tiling, options
     return variants
 
@@ -267,27 +271,36 @@ def _settings(constants: dict, tiling: dict, options: dict, defaults: dict):
     from mlx_moe_plan import rules
     from mlx_moe_plan.kernels import launch
 
+    kept = {key: getattr(rules, key) for key in defaults}
     for key, value in defaults.items():
         setattr(rules, key, constants.get(key, value))
-    attention = contextlib.nullcontext()
-    if "attention" in options:
-        from .decode_attention import sketch_in_models
-        attention = sketch_in_models(VARIANT_OPTIONS["attention"][options["attention"]])
-    with launch.grouped_qmm_tiling(**tiling), attention:
-        yield
+    try:
+        attention = contextlib.nullcontext()
+        if "attention" in options:
+            from .decode_attention import sketch_in_models
+            attention = sketch_in_models(VARIANT_OPTIONS["attention"][options["attention"]])
+        with launch.grouped_qmm_tiling(**tiling), attention:
+            yield
+    finally:
+        for key, value in kept.items():
+            setattr(rules, key, value)
 
 
 class _OwnSide:
-    """A patched side of `--interleave`: its own patched copy of the model
-    (the weights shared), called as `decode_step` calls a model, each call
-    under the side's settings and with the traces its layers share kept
-    apart from the other sides' (`_compiled`'s, keyed by the layers' shapes,
-    not by the rules a trace was made under)."""
+    """A side of `--interleave`, called as `decode_step` calls a model: a
+    patched side's own patched copy of `model` (the weights shared), or with
+    `patch=False` mlx-lm's model itself, each call under the side's settings
+    and with the traces its layers share kept apart from the other sides'
+    (`_compiled`'s, keyed by the layers' shapes, not by the rules a trace was
+    made under). mlx-lm's side takes the same steps around its calls, so that
+    their host time counts on every side alike."""
 
-    def __init__(self, model, settings: tuple[dict, dict, dict], defaults: dict):
+    def __init__(self, model, settings: tuple[dict, dict, dict], defaults: dict,
+                 patch: bool = True):
         self.settings, self.defaults, self.traces = settings, defaults, {}
         with _settings(*settings, defaults):  # what the patch asks the rules at patch time
-            self.model = patched_copy(model, tile_m=None, no_compile=False)[0]
+            self.model = patched_copy(model, tile_m=None, no_compile=False)[0] if patch \
+                else model
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         from mlx_moe_plan import _compiled
@@ -308,45 +321,42 @@ def interleave_variants(model, patched, config: dict, args) -> str:
     variants = {"patched": ({}, {}, {}), **parse_variants(args.variants)}
     defaults = {key: getattr(rules, key) for constants, _, _ in variants.values()
                 for key in constants}
-    own = {name: _OwnSide(model, settings, defaults) for name, settings in variants.items()}
-    sides = Sides(model, own.pop("patched"), patched_sides=own)
     lines = [f"{args.models}, {args.layers} layers: {args.rounds} rounds of {TIMED_STEPS} "
              f"steps a side from a context of {args.context}, the sides' steps interleaved; "
              f"wall ms, build ms (a decoding step's median), speedup over mlx-lm"]
-    try:
-        for batch in (int(b) for b in args.batches.split(",")):
-            case = f"batch {batch}"
-            cache, first = fill_context(patched, batch, args.context, config["vocab_size"],
-                                        args.batch_cache)
-            saved = snapshot(cache)
-            # each side a cache of the filled one's kind (a batch cache's too)
-            caches = {name: [copy.copy(layer) for layer in cache] for name in sides.models}
-            samples = {name: ([], [], []) for name in sides.models}
-            for round_ in range(args.rounds):
-                for side_cache in caches.values():
-                    restore(side_cache, saved)
-                stepped = decode_interleaved(sides, caches, first, TIMED_STEPS, UNTIMED_STEPS,
-                                             round_, case)
-                for name, (builds, walls, _) in stepped.items():
-                    samples[name][0].extend(builds)
-                    samples[name][1].extend(walls)
-                    samples[name][2].append(statistics.median(walls))
-                progress(f"{case}, round {round_ + 1}: " + ", ".join(
-                    f"{name} {statistics.median(walls) * 1e3:.2f} ms"
-                    for name, (_, walls, _) in stepped.items()))
-            reference = statistics.median(samples["mlx-lm"][1]) if samples["mlx-lm"][1] else None
-            for name, (builds, walls, rounds) in samples.items():
-                if not walls:
-                    lines.append(f"{case:<9} {name:<12} failed: {sides.failure}")
-                    continue
-                wall = statistics.median(walls)
-                speedup = f"{reference / wall:5.2f}x" if reference else "    -"
-                lines.append(f"{case:<9} {name:<12} wall {wall * 1e3:8.3f}  build "
-                             f"{statistics.median(builds) * 1e3:7.3f}  {speedup}  rounds "
-                             + " ".join(f"{w * 1e3:.2f}" for w in rounds))
-    finally:
-        for key, value in defaults.items():
-            setattr(rules, key, value)
+    own = {name: _OwnSide(model, settings, defaults) for name, settings in variants.items()}
+    sides = Sides(_OwnSide(model, ({}, {}, {}), defaults, patch=False), own.pop("patched"),
+                  patched_sides=own)
+    for batch in (int(b) for b in args.batches.split(",")):
+        case = f"batch {batch}"
+        cache, first = fill_context(patched, batch, args.context, config["vocab_size"],
+                                    args.batch_cache)
+        saved = snapshot(cache)
+        # each side a cache of the filled one's kind (a batch cache's too)
+        caches = {name: [copy.copy(layer) for layer in cache] for name in sides.models}
+        samples = {name: ([], [], []) for name in sides.models}
+        for round_ in range(args.rounds):
+            for side_cache in caches.values():
+                restore(side_cache, saved)
+            stepped = decode_interleaved(sides, caches, first, TIMED_STEPS, UNTIMED_STEPS,
+                                         round_, case)
+            for name, (builds, walls, _) in stepped.items():
+                samples[name][0].extend(builds)
+                samples[name][1].extend(walls)
+                samples[name][2].append(statistics.median(walls))
+            progress(f"{case}, round {round_ + 1}: " + ", ".join(
+                f"{name} {statistics.median(walls) * 1e3:.2f} ms"
+                for name, (_, walls, _) in stepped.items()))
+        reference = statistics.median(samples["mlx-lm"][1]) if samples["mlx-lm"][1] else None
+        for name, (builds, walls, rounds) in samples.items():
+            if not walls:
+                lines.append(f"{case:<9} {name:<12} failed: {sides.failure}")
+                continue
+            wall = statistics.median(walls)
+            speedup = f"{reference / wall:5.2f}x" if reference else "    -"
+            lines.append(f"{case:<9} {name:<12} wall {wall * 1e3:8.3f}  build "
+                         f"{statistics.median(builds) * 1e3:7.3f}  {speedup}  rounds "
+                         + " ".join(f"{w * 1e3:.2f}" for w in rounds))
     return "\n".join(lines)
 
 
@@ -412,8 +422,6 @@ def compare_variants(model, patched, config: dict, args) -> str:
                              f"{build * 1e3:7.3f}  {reference / wall:5.2f}x  turns "
                              + " ".join(f"{w * 1e3:.2f}" for w, _ in measured))
     finally:
-        for key, value in defaults.items():
-            setattr(rules, key, value)
         _compiled.forget(patched)
     return "\n".join(lines)
 
@@ -456,8 +464,8 @@ def main(argv=None) -> int:
                              "the model and every side its own cache, their steps "
                              "interleaved one by one, not in turns (default: turns)")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="turns of each side a batch with --variants "
-                             "(default: %(default)s)")
+                        help="turns of each side a batch with --variants, or rounds of "
+                             "interleaved steps with --interleave (default: %(default)s)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="prefills of this many tokens, in generate's chunks, instead "
                              "of decoding steps: with --variants one a turn, else 3 of "
@@ -482,16 +490,28 @@ def without_gradients():
     vjp, jvp and vmap keeping nothing: the package's launches are then made
     without the custom function that carries each one's gradient (two more
     graph nodes a launch, its output's `StopGradient` and the
-    `CustomTransforms`), for a process that only measures steps."""
+    `CustomTransforms`), for a process that only measures steps. Every custom
+    function made in the block is, MLX's and mlx-lm's too; the functions the
+    GPU glue keeps by stream are made anew on entering and on leaving, so
+    none made either way outlives its side of the block."""
+    from mlx_moe_plan import _gpu
+
     def function_itself(function):
         function.vjp = function.jvp = function.vmap = lambda transform: transform
         return function
 
+    def made_anew():
+        for kept in vars(_gpu).values():
+            if hasattr(kept, "fresh"):  # a `cache_by_stream` cache
+                kept.cache_clear()
+
     custom_function, mx.custom_function = mx.custom_function, function_itself
+    made_anew()
     try:
         yield
     finally:
         mx.custom_function = custom_function
+        made_anew()
 
 
 def _run(args) -> int:

@@ -617,9 +617,10 @@ def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
                               "--context", "8", "--dtype", "float32", "--rounds", "2",
                               "--interleave", "--variants", "on:DECODE_ATTENTION_FROM_ROWS=2;"
                               "body:tiles_from_rows=65"]) == 0
-    # three patched sides, each tracing its layers into its own
-    assert len(traces) == 3 and all(traces.values())
-    assert shared not in traces.values()
+    # every side its own traces, the three patched sides' layers traced there
+    # (mlx-lm's unpatched layers trace nothing), none in the process's
+    assert len(traces) == 4 and sum(1 for kept in traces.values() if kept) == 3
+    assert all(kept is not shared for kept in traces.values())
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in lines[1:]] == ["mlx-lm", "patched", "on", "body"]
     assert all(len(line.split("rounds")[1].split()) == 2 for line in lines[1:])
@@ -643,15 +644,25 @@ def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
     assert [line.split()[2] for line in lines[1:]] == ["mlx-lm", "patched", "on"]
     with pytest.raises(SystemExit):
         step_kernels.main(["--models", "small-qwen3-moe", "--interleave"])
+    with pytest.raises(SystemExit, match="every comparison has"):
+        step_kernels.parse_variants("patched:DECODE_ATTENTION_FROM_ROWS=2")
 
 
 def test_step_kernels_without_gradients_drops_the_custom_functions_vjp(monkeypatch):
     """`--without-gradients`: within the run a custom function is the function
-    itself (its vjp not kept: the ops' gradient), afterwards MLX's again."""
+    itself (its vjp not kept: the ops' gradient), afterwards MLX's again, and
+    the GPU glue's kept functions made anew on either side of the block."""
     from benchmarks import step_kernels
+    from mlx_moe_plan import _gpu
 
     custom_function = mx.custom_function
+    stream = mx.default_stream(mx.cpu)
+    # a kept function of the glue (made, not run: no GPU needed)
+    top_k_before = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
+    assert isinstance(top_k_before, mx.custom_function)
     with step_kernels.without_gradients():
+        top_k = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
+        assert top_k is not top_k_before and not isinstance(top_k, custom_function)
         doubled = mx.custom_function(lambda x: 2 * x)
 
         @doubled.vjp
@@ -659,7 +670,14 @@ def test_step_kernels_without_gradients_drops_the_custom_functions_vjp(monkeypat
             return 100 * cotangent
 
         assert mx.grad(doubled)(mx.array(1.0)).item() == 2
+        # the GPU glue's form: a launch's outputs as they are, no gradient attached
+        def launched(*arrays):
+            return arrays[0]
+
+        assert _gpu._gradient_by_ops(launched, None, 1) is launched
     assert mx.custom_function is custom_function
+    assert isinstance(_gpu._argsort_slice_function("cuda", 0, 2, False, stream),
+                      mx.custom_function)
     kept = mx.custom_function(lambda x: 2 * x)
     kept.vjp(ignored)
     assert mx.grad(kept)(mx.array(1.0)).item() == 100
