@@ -757,8 +757,7 @@ if wanted fewer-sums; then
   grouped_qmm_each fewer-sums "qwen3-next 2048 default;$halved" \
     "qwen3-30b-a3b 512 default;$halved"
   if command -v ncu >/dev/null; then
-    for tiling in default block_row_warps=2,block_row_tiles=4 block_column_warps=8,block_tiles=1
-    do
+    for tiling in default ${halved//;/ }; do
       logged "$results/fewer-sums-ncu-${tiling//[=,]/-}.log" ncu \
         --kernel-id "::regex:moe_grouped_qmm:2" --section LaunchStats --section Occupancy \
         --section SpeedOfLight python3 -m benchmarks.grouped_qmm --shapes qwen3-next \
