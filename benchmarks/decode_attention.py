@@ -462,13 +462,57 @@ def sketch_takes(queries: mx.array, keys: mx.array, scale: float, mask,
             and abs(scale * head_dim ** 0.5 - 1) < 1e-6)
 
 
+# The package's launches in the sketch's place, each form with one more layer
+# of their glue: the two bound calls alone (`_gpu._decode_attention_launched`),
+# inside the custom function that carries their gradient
+# (`_gpu._decode_attention_step`), and the backend's method with its checks.
+# What a whole step loses to each layer shows apart from the fused attention's
+# own forward, which the rule's side adds on top.
+PACKAGE_FORMS = ("package-launched", "package-step", "package")
+
+
+def package_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                      sinks: mx.array | None, scale: float, form: str) -> mx.array | None:
+    """The package's decoding attention of one query a sequence, called as
+    `form` (one of PACKAGE_FORMS) says; None where its launch cannot take it
+    (the caller's own attention then runs)."""
+    from mlx_moe_plan import _gpu
+    from mlx_moe_plan.kernels import launch
+
+    batch, heads, queries_count, head_dim = queries.shape
+    kv_heads = keys.shape[1]
+    dtype = queries.dtype
+    if (queries_count != 1 or not keys.dtype == values.dtype == dtype
+            or (sinks is not None and sinks.dtype != dtype)
+            or not launch.decode_attention_computes(head_dim, heads, kv_heads,
+                                                    _gpu._name(dtype))):
+        return None
+    stream = _backend.resolve_stream(None)
+    if form == "package":
+        return _backend.implementation(stream).decode_attention(
+            queries, keys, values, sinks, scale=scale, stream=stream)
+    make = _gpu._decode_attention_step if form == "package-step" else _launched_by_stream()
+    call = make("cuda", batch, heads, kv_heads, head_dim, _gpu._name(dtype), sinks is not None,
+                False, float(scale), _gpu.POISON, stream)
+    return call(queries, keys, values) if sinks is None else call(queries, keys, values, sinks)
+
+
+@cache
+def _launched_by_stream():
+    from mlx_moe_plan import _gpu
+
+    return _gpu.cache_by_stream(_gpu._decode_attention_launched, maxsize=256)
+
+
 @contextmanager
 def sketch_in_models(form: str = "cores"):
     """mlx-lm's models attend through the sketch's `form` wherever it takes
-    their attention (`sketch_takes`), mlx-lm's own call elsewhere, inside the
-    block: what a decoding step would gain, its host's part included. CUDA
-    only; the models' modules call `scaled_dot_product_attention` by the
-    name they imported, so each loaded one is patched, then restored."""
+    their attention (`sketch_takes`), or through the package's launches
+    called as a form of PACKAGE_FORMS says, mlx-lm's own call elsewhere,
+    inside the block: what a decoding step would gain, its host's part
+    included. CUDA only; the models' modules call
+    `scaled_dot_product_attention` by the name they imported, so each loaded
+    one is patched, then restored."""
     from mlx_lm.models import base
 
     if _backend.gpu_backend() != "cuda":
@@ -477,7 +521,13 @@ def sketch_in_models(form: str = "cores"):
     original = base.scaled_dot_product_attention
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if not hasattr(cache, "bits") and sketch_takes(queries, keys, scale, mask, form):
+        if hasattr(cache, "bits") or mask is not None:
+            pass
+        elif form in PACKAGE_FORMS:
+            output = package_attention(queries, keys, values, sinks, scale, form)
+            if output is not None:
+                return output
+        elif sketch_takes(queries, keys, scale, mask, form):
             return sketch_attention(queries, keys, values, sinks, form)
         return original(queries, keys, values, cache, scale, mask, sinks)
 

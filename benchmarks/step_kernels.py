@@ -22,7 +22,9 @@ and the patched one under each variant of the measured rules
 (`mlx_moe_plan.rules` constants, upper case) and of the grouped kernel's
 tiling (`GroupedQmmTiling` fields, lower case), or with an option of
 `VARIANT_OPTIONS` (`attention=sketch` or `sketch-mma`: the decoding attention
-sketch of `benchmarks.decode_attention`, on CUDA), their turns of 20 steps
+sketch of `benchmarks.decode_attention`, on CUDA; `attention=package`,
+`package-step` or `package-launched`: the package's launches in its place,
+through less and less of their glue), their turns of 20 steps
 alternated `--rounds` times at each batch, the median step of each turn,
 then the median turn. A variant's compiled forwards and projection routes
 are dropped when its turn starts, so each traces under its own rules.
@@ -81,6 +83,7 @@ import sys
 
 import mlx.core as mx
 
+from .decode_attention import PACKAGE_FORMS
 from .model import (Sides, build_step, decode_interleaved, decode_step, decode_steps,
                     fill_context, patched_copy, prefill, progress, random_model, restore,
                     snapshot, timed_prefill, warmup_prompt)
@@ -230,9 +233,11 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
 
 
 # `--variants`' settings that are neither rules nor tiling, and what each
-# value means: `attention`, the form of benchmarks.decode_attention's sketch
-# that `sketch_in_models` puts in the side's turns.
-VARIANT_OPTIONS = {"attention": {"sketch": "cores", "sketch-mma": "mma"}}
+# value means: `attention`, the form of benchmarks.decode_attention's sketch,
+# or of the package's launches in its place, that `sketch_in_models` puts in
+# the side's turns.
+VARIANT_OPTIONS = {"attention": {"sketch": "cores", "sketch-mma": "mma",
+                                  **{form: form for form in PACKAGE_FORMS}}}
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:

@@ -563,8 +563,9 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monk
                                        "b:attention=sketch-mma") == {
         "a": ({}, {"tiles_from_rows": 65}, {"attention": "sketch"}),
         "b": ({}, {}, {"attention": "sketch-mma"})}
-    from benchmarks.decode_attention import SKETCH_FORMS
-    assert set(step_kernels.VARIANT_OPTIONS["attention"].values()) == set(SKETCH_FORMS)
+    from benchmarks.decode_attention import PACKAGE_FORMS, SKETCH_FORMS
+    assert (set(step_kernels.VARIANT_OPTIONS["attention"].values())
+            == {*SKETCH_FORMS, *PACKAGE_FORMS})
     # Nsight Compute's CSV: log lines, the table; kernels before the first
     # marker are another step's and not counted; units as the tool gives them.
     header = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"')
@@ -879,12 +880,14 @@ def test_decode_attention_sketch_takes_decoding_steps_only():
     assert takes(kv_heads=2, form="mma") and not takes(kv_heads=1, form="mma")
 
 
-@pytest.mark.parametrize("form", ["cores", "mma"])
+@pytest.mark.parametrize("form", ["cores", "mma", "package-launched", "package-step",
+                                  "package"])
 def test_decode_attention_sketch_in_a_model(monkeypatch, form):
-    """A decoding step of a model attending through the sketch gives mlx-lm's
-    logits within bfloat16's rounding (CUDA); elsewhere the sketch says it
-    needs CUDA, and a stand-in for its kernels (MLX's attention) shows the
-    models' calls go to it inside the block and to mlx-lm's after."""
+    """A decoding step of a model attending through the sketch, or the
+    package's launches in its place, gives mlx-lm's logits within bfloat16's
+    rounding (CUDA); elsewhere the sketch says it needs CUDA, and a stand-in
+    for its kernels (MLX's attention) shows the models' calls go to it inside
+    the block and to mlx-lm's after."""
     from mlx_lm.models import base, qwen3_moe
 
     from benchmarks import decode_attention
@@ -898,12 +901,13 @@ def test_decode_attention_sketch_in_a_model(monkeypatch, form):
             pass
         calls = []
 
-        def stand_in(queries, keys, values, sinks, form):
-            calls.append((keys.shape, form))
+        def stand_in(queries, keys, values, sinks, *scale_form):
+            calls.append((keys.shape, scale_form[-1]))
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=queries.shape[-1] ** -0.5, sinks=sinks)
         monkeypatch.setattr(_backend, "gpu_backend", lambda: "cuda")
         monkeypatch.setattr(decode_attention, "sketch_attention", stand_in)
+        monkeypatch.setattr(decode_attention, "package_attention", stand_in)
     cache, y = bench.fill_context(model, 3, 300, config["vocab_size"])
     _, expected = bench.build_step(model, cache, y)
     mx.eval(expected)
