@@ -155,14 +155,17 @@ def _forward(attention: nn.Module, x: mx.array, mask, cache, entry: FusedAttenti
              code: ModuleType) -> mx.array | None:
     """The entry's forward of `attention` with the launches `_route` gives for
     `x`, the attention's only where mlx-lm would call MLX's attention with
-    no mask or a boolean one (a quantized cache's goes to mlx-lm's own);
+    no mask or a boolean one where the rule takes a masked step's rows (a
+    quantized cache's goes to mlx-lm's own);
     None where it takes neither, or where the forward gives up (the
     attention's own call then runs). `code`: the module of the attention's
     class."""
     route = _route(attention, x, entry)
-    boolean_mask = mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_)
-    launches = Launches(route.head_norm_rope,
-                        route.attention and boolean_mask and not hasattr(cache, "bits"))
+    # The route asked the rule without a mask, whose rows are the fewer.
+    attends = route.attention and not hasattr(cache, "bits") and (
+        mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+                         and rules.decodes_attention(step_rows(x), cuda=True, masked=True)))
+    launches = Launches(route.head_norm_rope, attends)
     if not any(launches):
         return None
     return entry.forward(attention, x, mask, cache, launches, code)

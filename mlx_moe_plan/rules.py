@@ -397,43 +397,44 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
 # decoding query to cuDNN (or, where the cache's length is not a multiple of
 # 256, to a vector kernel that reads the keys once a query head). The same
 # scheme as CUDA text of the benchmark's own (benchmarks.decode_attention's
-# sketch), timed in whole steps on an H200, took Qwen3-30B-A3B (48 layers,
-# context 512) from the patch's 1.41x mlx-lm to 1.75x at batch 8, 1.07x to
-# 1.32x at 4, 2.92x to 3.25x at 32; slower at 2 (1.01x against 1.07x), where
-# its launches' host work outweighs their GPU time (benchmarks/HISTORY.md, "A
-# decoding attention of the package's own in whole steps"). The package's
-# launches, with their glue, have not kept that gain: in whole steps on H100s
-# they ran within the spread of the patch without them at batch 8 and slower
-# at 4, their steps built more slowly than the patch's where the sketch's
-# built faster (benchmarks/HISTORY.md, "The package's decoding attention in
-# whole steps again"). Its glue now binds its launches once a size, and its
-# splits follow the keys' count; its launches take less GPU time than the
-# sketch's, but their glue (the custom function that carries the gradient,
-# the checks) still costs the host more than the sketch's raw calls, and in
-# whole steps they stayed within the patch's spread at 4 and 8 sequences
-# where the sketch passed it (benchmarks/HISTORY.md, "The decoding
-# attention's kernels alone under Nsight Compute"): off
-# (`DECODE_ATTENTION_FROM_ROWS` out of reach) until they win;
-# `benchmarks.step_kernels --variants "on:DECODE_ATTENTION_FROM_ROWS=4"` times
-# it (`tests/gpu_suite.sh R decode-attention`). Elsewhere than CUDA not
-# measured: never.
-DECODE_ATTENTION_FROM_ROWS = 1 << 30
+# sketch), timed in whole steps, shortened them from 4 sequences and
+# lengthened them at 2, where its launches' host work outweighs their GPU
+# time (benchmarks/HISTORY.md, "A decoding attention of the package's own in
+# whole steps"). The package's
+# launches (less GPU time than the sketch's), with their glue, lost part of
+# that to the host: the custom function that carries their gradient and the
+# glue's checks, a few tenths of a millisecond a step of 48 layers. With each
+# side's steps interleaved one by one (whole turns spread too much on these
+# hosts to tell the sides apart), the launches shortened the patch's steps
+# at 8, 16 and 32 sequences in every process, ran level at 64, and at 4 ran
+# within the spread, slower as often as not (benchmarks/HISTORY.md, "The
+# decoding attention's launches in interleaved steps"): from 8 sequences.
+# From mlx-lm's batch cache (a boolean mask every step, as batch generation
+# and the server decode) they were slower in every round at 8 sequences and
+# faster at 32: with a mask from 32. Elsewhere than CUDA not measured: never.
+# `benchmarks.step_kernels --interleave --variants
+# "off:DECODE_ATTENTION_FROM_ROWS=1000000"` times them against the patch
+# without them (`tests/gpu_suite.sh R decode-attention`).
+DECODE_ATTENTION_FROM_ROWS = 8
+DECODE_ATTENTION_MASKED_FROM_ROWS = 32
 
 
-def decodes_attention(rows: int, *, cuda: bool) -> bool:
+def decodes_attention(rows: int, *, cuda: bool, masked: bool = False) -> bool:
     """Whether a decoding step's attention runs in the package's launches.
 
-    On CUDA, from `DECODE_ATTENTION_FROM_ROWS` sequences (never: not yet
-    faster in whole steps). Elsewhere never until measured.
+    On CUDA, from `DECODE_ATTENTION_FROM_ROWS` sequences, or with a mask
+    from `DECODE_ATTENTION_MASKED_FROM_ROWS`. Elsewhere never until measured.
 
     Args:
         rows (int): Rows of the step (sequences decoding together).
         cuda (bool): Whether the attention runs on MLX's CUDA backend.
+        masked (bool): Whether the step has a mask (mlx-lm's batch cache's).
 
     Returns:
         bool: True for the package's launches.
     """
-    return cuda and rows >= DECODE_ATTENTION_FROM_ROWS
+    return cuda and rows >= (DECODE_ATTENTION_MASKED_FROM_ROWS if masked
+                             else DECODE_ATTENTION_FROM_ROWS)
 
 
 # A decoder layer's residual adds and the RMS norms after them, each pair in

@@ -84,8 +84,9 @@
 #               = 4096 and 8192 (80 and 160) in 80, 96 and 160.
 #   decode-attention (not in `bench`) = attention-checks,attention-steps: a
 #               decoding step's attention in the package's launches
-#               (kernels/decode_attention.h, rules.decodes_attention, off until
-#               measured), in two steps that each fit one call of a lent machine:
+#               (kernels/decode_attention.h, rules.decodes_attention: from 8
+#               sequences, 32 with a mask), in two steps that each fit one call
+#               of a lent machine:
 #   attention-checks its GPU tests (against the reference and MLX's attention,
 #               outputs poisoned; whole models against mlx-lm's logits) and the
 #               benchmark's sketch's; the package's kernels under
@@ -96,25 +97,29 @@
 #               Qwen3-30B-A3B's and gpt-oss-20b's shapes, contexts 512 and 2048,
 #               batch 1 to 64;
 #   attention-steps both whole models decoding at batch 1 to 64, the patch
-#               beside its launches from 4 sequences (on), the sketch's
-#               tensor-core form (sketch) and, Qwen3-30B-A3B's, every launch of
-#               a decoding step (launches: the norms' too), their steps
-#               interleaved one by one (whole turns a side spread too much on
-#               these hosts to tell them apart); and
+#               beside itself without the launches (off), with them from 4
+#               sequences (from4), the sketch's tensor-core form (sketch) and,
+#               Qwen3-30B-A3B's, every launch of a decoding step (launches: the
+#               norms' too), their steps interleaved one by one (whole turns a
+#               side spread too much on these hosts to tell them apart); and
 #               Qwen3-30B-A3B from mlx-lm's batch caches (--batch-cache:
 #               left-padded prompts, a mask every step, as batch generation and
-#               the server decode).
+#               the server decode), the patch beside its launches off and
+#               from 8 masked sequences (masked8).
 #   attention-ncu (not in `bench`; ncu on the PATH) each decoding attention
 #               kernel's GPU time alone under Nsight Compute, the package's
 #               launches (moe_decode_attention*) beside the sketch's at
 #               Qwen3-30B-A3B's 4 and 8 sequences, context 512, each kernel's
 #               mean by name: whether the package's launches lose
 #               to the sketch's on the GPU or in the host's evaluation.
-#   gradient-nodes (not in `bench`) what the custom functions that carry the
-#               launches' gradients (two graph nodes a launch) cost a decoding
-#               step: Qwen3-30B-A3B at batch 8 and 4, the patch and its
-#               attention's launches (on) beside mlx-lm, steps interleaved, in
-#               two processes, the second without them
+#   gradient-nodes (not in `bench`) what the attention's glue costs a decoding
+#               step: Qwen3-30B-A3B at batch 8 and 4, the patch (its attention's
+#               launches from 8 sequences) beside them off, the sketch, and the
+#               launches in the sketch's place through less and less of their
+#               glue (method: the backend's, with its checks; step: the custom
+#               function that carries the gradient, two graph nodes a launch;
+#               launched: the bound calls alone), steps interleaved; then a
+#               second process without the custom functions
 #               (benchmarks.step_kernels --without-gradients): the ratios to
 #               mlx-lm's steps of the two processes compared.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
@@ -696,9 +701,10 @@ if wanted attention-checks; then
   logged "$results/decode-attention.log" python3 -m benchmarks.decode_attention
 fi
 if wanted attention-steps; then
-  # Batch 8 first (#33's open target); from 4 sequences the rule's `on` differs
-  # from the patch, batch 1 is the control.
-  attention="on:DECODE_ATTENTION_FROM_ROWS=4;sketch:attention=sketch-mma"
+  # Batch 8 first (#33's open target); at 4 `from4` differs from the patch, at
+  # 8 and more `off`; batch 1 is the control.
+  off="off:DECODE_ATTENTION_FROM_ROWS=1000000"
+  attention="$off;from4:DECODE_ATTENTION_FROM_ROWS=4;sketch:attention=sketch-mma"
   # Qwen3-30B-A3B's step with every launch of the package's decoding step too
   # (the queries' and keys' norms, the residual norms): each was off for its
   # glue's building, all three glues now bound once a size.
@@ -711,14 +717,16 @@ if wanted attention-steps; then
     --variants "$attention"
   logged "$results/decode-attention-batch-cache.log" python3 -m benchmarks.step_kernels \
     --layers 48 --batches 8,32,64 --rounds 5 --batch-cache --interleave \
-    --variants "on:DECODE_ATTENTION_FROM_ROWS=4"
+    --variants "$off;masked8:DECODE_ATTENTION_MASKED_FROM_ROWS=8"
 fi
 if wanted gradient-nodes; then
-  for gradients in "" --without-gradients; do
-    logged "$results/gradient-nodes${gradients}.log" python3 -m benchmarks.step_kernels \
-      --layers 48 --batches 8,4 --rounds 3 --interleave \
-      --variants "on:DECODE_ATTENTION_FROM_ROWS=4" $gradients
-  done
+  glue="off:DECODE_ATTENTION_FROM_ROWS=1000000;sketch:attention=sketch-mma"
+  glue="$glue;launched:attention=package-launched;step:attention=package-step"
+  logged "$results/gradient-nodes.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8,4 --rounds 5 --interleave --variants "$glue;method:attention=package"
+  logged "$results/gradient-nodes--without-gradients.log" python3 -m benchmarks.step_kernels \
+    --layers 48 --batches 8,4 --rounds 5 --interleave --without-gradients \
+    --variants "off:DECODE_ATTENTION_FROM_ROWS=1000000;sketch:attention=sketch-mma"
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \

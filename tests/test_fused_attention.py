@@ -82,10 +82,13 @@ def test_rule_from_its_rows_on_cuda(monkeypatch, rows, cuda, want):
     assert rules.fuses_head_norm_rope(rows, cuda=cuda) is want
 
 
-def test_attention_rule_is_off_until_measured():
-    for rows in (1, 4, 8, 64, 4096):
-        assert rules.decodes_attention(rows, cuda=True) is False
+def test_attention_rule_as_measured():
+    """On CUDA from 8 sequences, with a mask from 32; elsewhere never."""
+    for rows in (1, 4, 7, 8, 16, 31, 32, 64, 4096):
+        assert rules.decodes_attention(rows, cuda=True) is (rows >= 8)
+        assert rules.decodes_attention(rows, cuda=True, masked=True) is (rows >= 32)
         assert rules.decodes_attention(rows, cuda=False) is False
+        assert rules.decodes_attention(rows, cuda=False, masked=True) is False
 
 
 @pytest.mark.parametrize("rows, cuda, want", [(2, True, True), (1, True, False),
@@ -277,6 +280,7 @@ def attention_stood_in(monkeypatch):
     from mlx_moe_plan import _cpu
 
     monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 4)
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_MASKED_FROM_ROWS", 4)
     monkeypatch.setattr(fused_attention, "on_cuda", lambda stream=None: True)
     monkeypatch.setattr(_cpu.CPU, "decode_attention", by_ops, raising=False)
     monkeypatch.setattr(_cpu.CPU, "decode_attention_computes", computes, raising=False)
@@ -413,23 +417,47 @@ def test_attention_launch_refused(attention_stood_in, mirrored, case):
     assert mirrored == [False] * asked
 
 
-def test_attention_launch_refuses_an_additive_mask(attention_stood_in):
-    """A mask the launch does not take (additive) keeps mlx-lm's attention:
-    the same bits as the attention's own call, no launch."""
+def attention_and_its_own_call(mask_of, seed: int) -> tuple[mx.array, mx.array]:
+    """A patched Qwen3-MoE attention's decoding step of 4 sequences over 5
+    cached keys, with the mask `mask_of(rng)` makes, beside the same step by
+    the attention's own call (its class's before the patch), on a cache alike."""
     model = make_model()
     patch_model(model)
     attention = model.layers[0].self_attn
-    rng = np.random.default_rng(17)
+    rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((4, 1, CONFIGS["qwen3_moe"]["hidden_size"])), mx.bfloat16)
     keys = mx.array(rng.standard_normal((4, attention.n_kv_heads, 5, 16)), mx.bfloat16)
     caches_made = make_prompt_cache(model)[:2]
     for cache in caches_made:
         cache.update_and_fetch(keys, keys)
-    additive = mx.array(rng.standard_normal((4, 1, 1, 6)), mx.bfloat16)
-    got = attention(x, mask=additive, cache=caches_made[0])
+    mask = mask_of(rng)
+    got = attention(x, mask=mask, cache=caches_made[0])
     own_call = type(attention).__mro__[1].__call__
-    want = own_call(attention, x, mask=additive, cache=caches_made[1])
+    return got, own_call(attention, x, mask=mask, cache=caches_made[1])
+
+
+def test_attention_launch_refuses_an_additive_mask(attention_stood_in):
+    """A mask the launch does not take (additive) keeps mlx-lm's attention:
+    the same bits as the attention's own call, no launch."""
+    got, want = attention_and_its_own_call(
+        lambda rng: mx.array(rng.standard_normal((4, 1, 1, 6)), mx.bfloat16), seed=17)
     assert attention_stood_in.calls == []
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("masked_from_rows, launched", [(4, True), (5, False)])
+def test_masked_step_launches_from_the_rules_rows(attention_stood_in, monkeypatch,
+                                                  masked_from_rows, launched):
+    """A step with a boolean mask takes the launch from the rule's masked
+    rows, not its unmasked ones: below them the attention's own call runs
+    and no launch; either way the bits of the attention's own call (the
+    launch's stand-in computes with MLX's attention)."""
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_MASKED_FROM_ROWS", masked_from_rows)
+    # every sequence keeps its newest key, as a batch cache's left padding does
+    got, want = attention_and_its_own_call(
+        lambda rng: mx.array((rng.random((4, 1, 1, 6)) < 0.7) | np.eye(1, 6, 5, dtype=bool)),
+        seed=19)
+    assert attention_stood_in.masks == ([(4, 1, 1, 6)] if launched else [])
     assert mx.array_equal(got, want).item()
 
 
