@@ -24,7 +24,8 @@ tiling (`GroupedQmmTiling` fields, lower case), or with an option of
 `VARIANT_OPTIONS` (`attention=sketch` or `sketch-mma`: the decoding attention
 sketch of `benchmarks.decode_attention`, on CUDA; `attention=package`,
 `package-step` or `package-launched`: the package's launches in its place,
-through less and less of their glue), their turns of 20 steps
+through less and less of their glue; `gradients=off`: the launches without
+the custom functions that carry their gradients), their turns of 20 steps
 alternated `--rounds` times at each batch, the median step of each turn,
 then the median turn. A variant's compiled forwards and projection routes
 are dropped when its turn starts, so each traces under its own rules.
@@ -235,9 +236,12 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
 # `--variants`' settings that are neither rules nor tiling, and what each
 # value means: `attention`, the form of benchmarks.decode_attention's sketch,
 # or of the package's launches in its place, that `sketch_in_models` puts in
-# the side's turns.
+# the side's turns; `gradients=off`, the side's launches made without the
+# custom functions that carry their gradients (`without_gradients`, the
+# glue's functions the side's own; `--interleave` only).
 VARIANT_OPTIONS = {"attention": {"sketch": "cores", "sketch-mma": "mma",
-                                  **{form: form for form in PACKAGE_FORMS}}}
+                                  **{form: form for form in PACKAGE_FORMS}},
+                   "gradients": {"off": "off"}}
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
@@ -303,6 +307,8 @@ class _OwnSide:
     def __init__(self, model, settings: tuple[dict, dict, dict], defaults: dict,
                  patch: bool = True):
         self.settings, self.defaults, self.traces = settings, defaults, {}
+        # the glue's functions made without gradients, the side's own
+        self.glue = {} if settings[2].get("gradients") == "off" else None
         with _settings(*settings, defaults):  # what the patch asks the rules at patch time
             self.model = patched_copy(model, tile_m=None, no_compile=False)[0] if patch \
                 else model
@@ -310,7 +316,10 @@ class _OwnSide:
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         from mlx_moe_plan import _compiled
 
-        with _compiled.shared_traces_in(self.traces), _settings(*self.settings, self.defaults):
+        gradients = contextlib.nullcontext() if self.glue is None else \
+            without_gradients(self.glue)
+        with _compiled.shared_traces_in(self.traces), _settings(*self.settings, self.defaults), \
+                gradients:
             return self.model(inputs, cache=cache)
 
 
@@ -378,6 +387,9 @@ def compare_variants(model, patched, config: dict, args) -> str:
     sides = {"mlx-lm": (model, {}, {}, {}), "patched": (patched, {}, {}, {}),
              **{name: (patched, *changes) for name, changes in
                 parse_variants(args.variants).items()}}
+    if any("gradients" in options for *_, options in sides.values()):
+        raise SystemExit("--variants: gradients=off takes --interleave (each side keeps the "
+                         "glue's functions of its own)")
     defaults = {key: getattr(rules, key) for _, constants, _, _ in sides.values()
                 for key in constants}
 
@@ -490,33 +502,42 @@ def main(argv=None) -> int:
 
 
 @contextlib.contextmanager
-def without_gradients():
+def without_gradients(kept: dict | None = None):
     """Within the block, `mx.custom_function` is the function itself, its
     vjp, jvp and vmap keeping nothing: the package's launches are then made
     without the custom function that carries each one's gradient (two more
     graph nodes a launch, its output's `StopGradient` and the
     `CustomTransforms`), for a process that only measures steps. Every custom
-    function made in the block is, MLX's and mlx-lm's too; the functions the
+    function made in the block is, MLX's and mlx-lm's too. The functions the
     GPU glue keeps by stream are made anew on entering and on leaving, so
-    none made either way outlives its side of the block."""
+    none made either way outlives its side of the block; with `kept` (a
+    side's own dictionary, which a side of `--interleave` enters at every
+    step), they are that side's own instead, kept there from block to
+    block."""
     from mlx_moe_plan import _gpu
 
     def function_itself(function):
         function.vjp = function.jvp = function.vmap = lambda transform: transform
         return function
 
-    def made_anew():
-        for kept in vars(_gpu).values():
-            if hasattr(kept, "fresh"):  # a `cache_by_stream` cache
-                kept.cache_clear()
+    glue_caches = {name: kept_cache for name, kept_cache in vars(_gpu).items()
+                   if hasattr(kept_cache, "fresh")}  # `cache_by_stream` caches
+
+    def swap(entering: bool):
+        for name, glue_cache in glue_caches.items():
+            if kept is None:
+                glue_cache.cache_clear()
+            else:  # the glue calls them by their module's names
+                setattr(_gpu, name, kept.setdefault(name, glue_cache.fresh()) if entering
+                        else glue_cache)
 
     custom_function, mx.custom_function = mx.custom_function, function_itself
-    made_anew()
+    swap(entering=True)
     try:
         yield
     finally:
         mx.custom_function = custom_function
-        made_anew()
+        swap(entering=False)
 
 
 def _run(args) -> int:

@@ -688,6 +688,30 @@ def test_step_kernels_without_gradients_drops_the_custom_functions_vjp(monkeypat
     assert seen and seen[0] is not custom_function and mx.custom_function is custom_function
 
 
+def test_step_kernels_without_gradients_kept_by_a_side():
+    """`without_gradients(kept)`, as an `--interleave` side with
+    `gradients=off` enters it at every step: the glue's kept functions inside
+    are the side's own, made once and found again in its next block, and
+    outside the process's, as they were."""
+    from benchmarks import step_kernels
+    from mlx_moe_plan import _gpu
+
+    custom_function = mx.custom_function
+    stream = mx.default_stream(mx.cpu)
+    outside = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
+    kept = {}
+    with step_kernels.without_gradients(kept):
+        first = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
+        assert first is not outside and not isinstance(first, custom_function)
+    assert _gpu._argsort_slice_function("cuda", 0, 2, False, stream) is outside
+    with step_kernels.without_gradients(kept):
+        assert _gpu._argsort_slice_function("cuda", 0, 2, False, stream) is first
+    assert "_argsort_slice_function" in kept
+    with pytest.raises(SystemExit, match="interleave"):
+        step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches", "1",
+                           "--rounds", "1", "--variants", "nograd:gradients=off"])
+
+
 def test_model_benchmark_variant(tmp_path, capsys):
     # --variant-tile-m: the model patched another way decodes with the sides,
     # interleaved; its figures, its ratio and its logits in the row and table.
