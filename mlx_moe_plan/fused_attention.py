@@ -135,14 +135,23 @@ def _asked_route(attention: nn.Module, x: mx.array) -> bool:
             and backend.head_norm_rope_computes(head_dim=head_dim, dtype=x.dtype))
 
 
+def _may_decode_attention(rows: int, *, cuda: bool) -> bool:
+    """Whether `rules.decodes_attention` says yes for `rows` with a mask or
+    without one: the route is kept for a shape of the rows, whatever the
+    mask, and `_forward` asks for the step's own."""
+    return (rules.decodes_attention(rows, cuda=cuda)
+            or rules.decodes_attention(rows, cuda=cuda, masked=True))
+
+
 def _asked_attention_route(attention: nn.Module, x: mx.array,
                            entry: FusedAttentionEntry) -> bool:
-    """Whether `attention` attends by the backend's launch for `x`: a decoding
-    step's rows where `rules.decodes_attention` says so, and a backend that
-    has the launch for the attention's heads in `x`'s dtype. The keys' count
-    grows every step and is not asked: the launch takes any."""
+    """Whether `attention` may attend by the backend's launch for `x`: a
+    decoding step's rows where `rules.decodes_attention` says so with a mask
+    or without, and a backend that has the launch for the attention's heads
+    in `x`'s dtype. The keys' count grows every step and is not asked: the
+    launch takes any."""
     rows = step_rows(x)
-    if rows == 0 or not rules.decodes_attention(rows, cuda=on_cuda()):
+    if rows == 0 or not _may_decode_attention(rows, cuda=on_cuda()):
         return False
     heads, kv_heads, head_dim = entry.sizes(attention)
     backend = _backend.implementation(_backend.resolve_stream(None))
@@ -161,10 +170,10 @@ def _forward(attention: nn.Module, x: mx.array, mask, cache, entry: FusedAttenti
     attention's own call then runs). `code`: the module of the attention's
     class."""
     route = _route(attention, x, entry)
-    # The route asked the rule without a mask, whose rows are the fewer.
-    attends = route.attention and not hasattr(cache, "bits") and (
-        mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
-                         and rules.decodes_attention(step_rows(x), cuda=True, masked=True)))
+    boolean_mask = mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_)
+    # The route said yes with a mask or without: the rule's rows for this one.
+    attends = (route.attention and boolean_mask and not hasattr(cache, "bits")
+               and rules.decodes_attention(step_rows(x), cuda=True, masked=mask is not None))
     launches = Launches(route.head_norm_rope, attends)
     if not any(launches):
         return None
@@ -303,7 +312,7 @@ def _fused_call(attention_class: type) -> Callable:
         if cache is not None:
             rows = step_rows(x)
             if ((entry.head_norm_rope and rules.fuses_head_norm_rope(rows, cuda=True))
-                    or rules.decodes_attention(rows, cuda=True)):
+                    or _may_decode_attention(rows, cuda=True)):
                 y = _forward(self, x, mask, cache, entry, code)
                 if y is not None:
                     return y

@@ -400,18 +400,16 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
 # sketch), timed in whole steps, shortened them from 4 sequences and
 # lengthened them at 2, where its launches' host work outweighs their GPU
 # time (benchmarks/HISTORY.md, "A decoding attention of the package's own in
-# whole steps"). The package's
-# launches (less GPU time than the sketch's), with their glue, lost part of
-# that to the host: the custom function that carries their gradient and the
-# glue's checks, a few tenths of a millisecond a step of 48 layers. With each
-# side's steps interleaved one by one (whole turns spread too much on these
-# hosts to tell the sides apart), the launches shortened the patch's steps
-# at 8, 16 and 32 sequences in every process, ran level at 64, and at 4 ran
-# within the spread, slower as often as not (benchmarks/HISTORY.md, "The
-# decoding attention's launches in interleaved steps"): from 8 sequences.
-# From mlx-lm's batch cache (a boolean mask every step, as batch generation
-# and the server decode) they were slower in every round at 8 sequences and
-# faster at 32: with a mask from 32. Elsewhere than CUDA not measured: never.
+# whole steps"). The package's launches take less GPU time than the
+# sketch's; their glue (the custom function that carries their gradient, the
+# checks) gives back part of the gain to the host. Timed with each side's
+# steps interleaved one by one (whole turns spread too much on these hosts to
+# tell the sides apart), they shortened the patch's steps from 8 sequences
+# and ran within the spread at 4: from 8. With a mask (mlx-lm's batch cache,
+# as batch generation and the server decode) they lost at 8 sequences and
+# won at 32: from 32 (benchmarks/HISTORY.md, "The decoding attention's
+# launches in interleaved steps"). The two are independent: a masked step
+# asks only the masked rows. Elsewhere than CUDA not measured: never.
 # `benchmarks.step_kernels --interleave --variants
 # "off:DECODE_ATTENTION_FROM_ROWS=1000000"` times them against the patch
 # without them (`tests/gpu_suite.sh R decode-attention`).

@@ -601,9 +601,10 @@ def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
     asked = []  # the rule's constant as each attention call of a step finds it
     decodes_attention = rules.decodes_attention
 
-    def recorded(rows, *, cuda):
-        asked.append(rules.DECODE_ATTENTION_FROM_ROWS)
-        return decodes_attention(rows, cuda=cuda)
+    def recorded(rows, *, cuda, masked=False):
+        if not masked:  # a step without a mask asks the unmasked rows
+            asked.append(rules.DECODE_ATTENTION_FROM_ROWS)
+        return decodes_attention(rows, cuda=cuda, masked=masked)
 
     monkeypatch.setattr(rules, "decodes_attention", recorded)
     traces = {}  # the layers' shared traces each side's steps kept, by the dict's id
@@ -915,7 +916,7 @@ def test_decode_attention_sketch_in_a_model(monkeypatch, form):
     from mlx_lm.models import base, qwen3_moe
 
     from benchmarks import decode_attention
-    from mlx_moe_plan import _backend
+    from mlx_moe_plan import _backend, rules
 
     config = with_layers(MODELS["small-qwen3-moe"], 2)
     model, _ = bench.random_model(config, dtype=mx.bfloat16, bits=4, group_size=64)
@@ -940,8 +941,12 @@ def test_decode_attention_sketch_in_a_model(monkeypatch, form):
     original = base.scaled_dot_product_attention
     with decode_attention.sketch_in_models(form):
         assert qwen3_moe.scaled_dot_product_attention is not original
+        # a patched model's own launch is off inside: the form is what it takes
+        assert not rules.decodes_attention(64, cuda=True)
+        assert not rules.decodes_attention(64, cuda=True, masked=True)
         _, got = bench.build_step(model, cache, y)
     assert qwen3_moe.scaled_dot_product_attention is original is base.scaled_dot_product_attention
+    assert rules.decodes_attention(64, cuda=True)
     expected, got = expected.astype(mx.float32), got.astype(mx.float32)
     assert (mx.linalg.norm(got - expected) / mx.linalg.norm(expected)).item() < 2e-2
     if stood_in:  # both layers, the cache's 301 keys

@@ -259,7 +259,7 @@ def test_projections_of_another_dtype_keep_the_attentions_call(launch_stood_in):
 @pytest.fixture
 def attention_stood_in(monkeypatch):
     """The attention's rule saying yes as on CUDA (stood in) from 4
-    sequences, and the CPU backend given a decoding step's attention computed
+    sequences, with a mask or without, and the CPU backend given a decoding step's attention computed
     by MLX's own
     (`_gpu.decode_attention_by_ops`). Yields each call's queries' shape,
     keys' count and whether it had sinks (`calls`), and the sizes the backend
@@ -309,6 +309,7 @@ def launches_off():
     with pytest.MonkeyPatch.context() as off:
         off.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)
         off.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", 1 << 30)
+        off.setattr(rules, "DECODE_ATTENTION_MASKED_FROM_ROWS", 1 << 30)
         yield
 
 
@@ -445,13 +446,15 @@ def test_attention_launch_refuses_an_additive_mask(attention_stood_in):
     assert mx.array_equal(got, want).item()
 
 
-@pytest.mark.parametrize("masked_from_rows, launched", [(4, True), (5, False)])
-def test_masked_step_launches_from_the_rules_rows(attention_stood_in, monkeypatch,
+@pytest.mark.parametrize("from_rows, masked_from_rows, launched",
+                         [(4, 4, True), (4, 5, False), (5, 4, True)])
+def test_masked_step_launches_from_the_rules_rows(attention_stood_in, monkeypatch, from_rows,
                                                   masked_from_rows, launched):
     """A step with a boolean mask takes the launch from the rule's masked
-    rows, not its unmasked ones: below them the attention's own call runs
-    and no launch; either way the bits of the attention's own call (the
-    launch's stand-in computes with MLX's attention)."""
+    rows, not its unmasked ones, fewer or more: below them the attention's
+    own call runs and no launch; either way the bits of the attention's own
+    call (the launch's stand-in computes with MLX's attention)."""
+    monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", from_rows)
     monkeypatch.setattr(rules, "DECODE_ATTENTION_MASKED_FROM_ROWS", masked_from_rows)
     # every sequence keeps its newest key, as a batch cache's left padding does
     got, want = attention_and_its_own_call(
