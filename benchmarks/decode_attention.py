@@ -512,13 +512,18 @@ def sketch_in_models(form: str = "cores"):
     inside the block: what a decoding step would gain, its host's part
     included. CUDA only; the models' modules call
     `scaled_dot_product_attention` by the name they imported, so each loaded
-    one is patched, then restored."""
+    one is patched, then restored. A patched model's fused attention would
+    take its own launches before mlx-lm's call (`rules.decodes_attention`):
+    its rule says no inside the block, so the form is what a step takes."""
     from mlx_lm.models import base
+
+    from mlx_moe_plan import rules
 
     if _backend.gpu_backend() != "cuda":
         raise RuntimeError("the decoding attention sketch is CUDA text: it needs MLX's CUDA "
                            "backend")
     original = base.scaled_dot_product_attention
+    rule = rules.DECODE_ATTENTION_FROM_ROWS, rules.DECODE_ATTENTION_MASKED_FROM_ROWS
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
         if hasattr(cache, "bits") or mask is not None:
@@ -536,11 +541,13 @@ def sketch_in_models(form: str = "cores"):
                and getattr(module, "scaled_dot_product_attention", None) is original]
     for module in modules:
         module.scaled_dot_product_attention = attention
+    rules.DECODE_ATTENTION_FROM_ROWS = rules.DECODE_ATTENTION_MASKED_FROM_ROWS = 1 << 30
     try:
         yield
     finally:
         for module in modules:
             module.scaled_dot_product_attention = original
+        rules.DECODE_ATTENTION_FROM_ROWS, rules.DECODE_ATTENTION_MASKED_FROM_ROWS = rule
 
 
 def attention_shape(model: str) -> tuple[int, int, int, bool]:

@@ -37,7 +37,8 @@ hits every side alike (whole turns a side spread too much on a busy host:
 benchmarks/HISTORY.md, "The decoding attention's kernels alone under Nsight
 Compute"); the median step over `--rounds` rounds. Each step then enters
 its side's settings, mlx-lm's too; the sketch's option also scans the
-loaded modules, which its side's building counts. With
+loaded modules, and `gradients=off` swaps the glue's kept functions for its
+own (a few us), which its side's building counts. With
 `--prefill TOKENS` each turn is one prefill of that many tokens instead, in
 generate's chunks of 2048 (a rule or tiling of prefill sizes, measured on the
 whole model in one process: `--layers 48`), after an untimed one of the same
@@ -307,7 +308,8 @@ class _OwnSide:
     def __init__(self, model, settings: tuple[dict, dict, dict], defaults: dict,
                  patch: bool = True):
         self.settings, self.defaults, self.traces = settings, defaults, {}
-        # the glue's functions made without gradients, the side's own
+        # The glue's functions made without gradients: the side's own, so that
+        # neither the process's nor another side's are made anew each step.
         self.glue = {} if settings[2].get("gradients") == "off" else None
         with _settings(*settings, defaults):  # what the patch asks the rules at patch time
             self.model = patched_copy(model, tile_m=None, no_compile=False)[0] if patch \
@@ -522,14 +524,17 @@ def without_gradients(kept: dict | None = None):
 
     glue_caches = {name: kept_cache for name, kept_cache in vars(_gpu).items()
                    if hasattr(kept_cache, "fresh")}  # `cache_by_stream` caches
+    if kept is not None:
+        for name, glue_cache in glue_caches.items():
+            if name not in kept:
+                kept[name] = glue_cache.fresh()
 
     def swap(entering: bool):
         for name, glue_cache in glue_caches.items():
             if kept is None:
                 glue_cache.cache_clear()
             else:  # the glue calls them by their module's names
-                setattr(_gpu, name, kept.setdefault(name, glue_cache.fresh()) if entering
-                        else glue_cache)
+                setattr(_gpu, name, kept[name] if entering else glue_cache)
 
     custom_function, mx.custom_function = mx.custom_function, function_itself
     swap(entering=True)

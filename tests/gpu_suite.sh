@@ -118,10 +118,10 @@
 #               launches in the sketch's place through less and less of their
 #               glue (method: the backend's, with its checks; step: the custom
 #               function that carries the gradient, two graph nodes a launch;
-#               launched: the bound calls alone), steps interleaved; then a
-#               second process without the custom functions
-#               (benchmarks.step_kernels --without-gradients): the ratios to
-#               mlx-lm's steps of the two processes compared.
+#               launched: the bound calls alone), steps interleaved; then,
+#               at batch 8, 32 and 4, the patch beside itself without the
+#               custom functions that carry every launch's gradient, the MoE
+#               blocks' too (nograd: gradients=off), in the same process.
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -724,9 +724,8 @@ if wanted gradient-nodes; then
   glue="$glue;launched:attention=package-launched;step:attention=package-step"
   logged "$results/gradient-nodes.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,4 --rounds 5 --interleave --variants "$glue;method:attention=package"
-  logged "$results/gradient-nodes--without-gradients.log" python3 -m benchmarks.step_kernels \
-    --layers 48 --batches 8,4 --rounds 5 --interleave --without-gradients \
-    --variants "off:DECODE_ATTENTION_FROM_ROWS=1000000;sketch:attention=sketch-mma"
+  logged "$results/gradient-nodes-nograd.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8,32,4 --rounds 5 --interleave --variants "nograd:gradients=off"
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \
