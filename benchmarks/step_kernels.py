@@ -60,6 +60,10 @@ chunks' graph building in it, during which the GPU waits), and `--timeline
 N` then traces N more prefills: where a prefill's GPU time goes, and how
 long the GPU waits for the host while each chunk's graph is built.
 
+`--graph` counts the operations of one more step's graph on mlx-lm's side and
+the patched one, by primitive: what evaluating a step walks, which on CUDA
+costs the host its encoding.
+
 `--timeline N` runs N more steps under torch's profiler, where torch is
 installed, which records every kernel's start and end on the GPU through
 CUPTI, MLX's too (Nsight Systems would, where it runs), and the host's CUDA
@@ -130,6 +134,39 @@ def profile_builds(build, runs: int, top: int) -> str:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
+
+
+def graph_nodes(outputs) -> collections.Counter:
+    """The operations of the graph that evaluating `outputs` walks, counted by
+    primitive (`mx.export_to_dot`'s nodes; arrays already evaluated, the
+    weights and the cache's buffers among them, are not operations)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, outputs)
+    return collections.Counter(re.findall(r'\[label ="([^"]*)", shape=rectangle\]',
+                                          dot.getvalue()))
+
+
+def step_graphs(sides: dict, cache, y: mx.array, layers: int, top: int) -> str:
+    """One decoding step's graph on each of `sides` (name -> model), built
+    from `cache` and `y` with no block submitted (`rules.submits_block`), so
+    that it is whole, then evaluated: its operations a step and a layer, and
+    the `top` primitives by count. On CUDA each operation costs the host its
+    encoding when the step is evaluated, beside the building."""
+    from mlx_moe_plan import rules
+
+    lines = []
+    for name, side in sides.items():
+        kept, rules.SUBMIT_BLOCKS_FROM_TOKENS = rules.SUBMIT_BLOCKS_FROM_TOKENS, 1 << 30
+        try:
+            outputs = build_step(side, cache, y)
+        finally:
+            rules.SUBMIT_BLOCKS_FROM_TOKENS = kept
+        counts = graph_nodes(outputs)
+        mx.eval(outputs)
+        total = sum(counts.values())
+        lines.append(f"  {name}: {total} operations a step, {total / layers:.1f} a layer; "
+                     + ", ".join(f"{label} {count}" for label, count in counts.most_common(top)))
+    return "\n".join(lines)
 
 
 def _by_name(intervals) -> tuple[collections.Counter, collections.Counter]:
@@ -471,6 +508,9 @@ def main(argv=None) -> int:
     parser.add_argument("--build-profile", type=int, default=0, metavar="N",
                         help="profile N more steps a batch by Python function, own time "
                              "(default: %(default)s, none)")
+    parser.add_argument("--graph", action="store_true",
+                        help="count the operations of one step's graph, mlx-lm's and the "
+                             "patched model's, by primitive (default: off)")
     parser.add_argument("--timeline", type=int, default=0, metavar="N",
                         help="run N more steps a batch under torch's profiler: the GPU's "
                              "busy time against the evaluation's (default: %(default)s, none)")
@@ -570,6 +610,10 @@ def _run(args) -> int:
               f"build {statistics.median(builds) * 1e3:.3f} ms", flush=True)
         if cuda:  # one step more, from the cache as the timed ones left it
             profiled(f"{MARKER}{batch}", lambda: decode_step(side, cache, y))
+        if args.graph:
+            print(f"one step's graph, batch {batch}:\n"
+                  + step_graphs({"mlx-lm": model, "patched": patched}, cache, y, args.layers,
+                                args.top), flush=True)
         if args.build_profile:
             steps = {"y": y}  # each step decodes the token the one before chose
 

@@ -121,7 +121,9 @@
 #               launched: the bound calls alone), steps interleaved; then,
 #               at batch 8, 32 and 4, the patch beside itself without the
 #               custom functions that carry every launch's gradient, the MoE
-#               blocks' too (nograd: gradients=off), in the same process.
+#               blocks' too (nograd: gradients=off), in the same process; and
+#               one step's operations at batch 8, mlx-lm's and the patch's, by
+#               primitive (--graph).
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
 #               at: Qwen3-Next at T = 2048 (40 rows an expert) in made weights
 #               of 64 rows against the warps' own (the default there);
@@ -726,6 +728,8 @@ if wanted gradient-nodes; then
     --batches 8,4 --rounds 5 --interleave --variants "$glue;method:attention=package"
   logged "$results/gradient-nodes-nograd.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,32,4 --rounds 5 --interleave --variants "nograd:gradients=off"
+  logged "$results/gradient-nodes-graph.log" python3 -m benchmarks.step_kernels --layers 48 \
+    --batches 8 --graph --top 30
 fi
 if wanted made-weights-open; then
   grouped_qmm_each made-weights-open "qwen3-next 2048 default;$(made_weights_rows 8)" \

@@ -588,6 +588,52 @@ def test_step_kernels_times_steps_and_sums_marked_kernels(tmp_path, capsys, monk
         "        0.0 us     1x  mlx::rope"]
 
 
+def test_step_kernels_counts_a_steps_operations(monkeypatch, capsys):
+    """`graph_nodes` counts a graph's operations by primitive, not its arrays;
+    `--graph` prints one step's count on both sides, built whole: no block
+    submits while it is built, even where the rule says every block does."""
+    from benchmarks import step_kernels
+    from mlx_moe_plan import rules
+
+    x = mx.array([1.0, 2.0])
+    mx.eval(x)
+    assert step_kernels.graph_nodes(mx.exp(x) + x * x) == {"Exp": 1, "Multiply": 1, "Add": 1}
+    answers, every_answer = [], []  # the rule's, as each block asks it (on any device)
+
+    def submits(rows, position, **_):
+        answers.append(rows >= rules.SUBMIT_BLOCKS_FROM_TOKENS)
+        every_answer.append(answers[-1])
+        return answers[-1]
+
+    monkeypatch.setattr(rules, "SUBMIT_BLOCKS_FROM_TOKENS", 1)
+    monkeypatch.setattr(rules, "submits_block", submits)
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)  # no CUDA stream to hand on
+    graph_answers = []
+    build_step = step_kernels.build_step
+
+    def graph_build(*args):  # step_graphs' builds only: the timed steps call model's
+        answers.clear()
+        outputs = build_step(*args)
+        graph_answers.extend(answers)
+        return outputs
+
+    monkeypatch.setattr(step_kernels, "build_step", graph_build)
+    assert step_kernels.main(["--models", "small-qwen3-moe", "--layers", "2", "--batches", "2",
+                              "--context", "8", "--dtype", "float32", "--graph"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "one step's graph, batch 2:"
+    counts = {}
+    for line in lines[2:4]:
+        name, _, rest = line.strip().partition(": ")
+        total, _, _, _, per_layer = rest.split(";")[0].split()[:5]
+        counts[name] = int(total)
+        assert float(per_layer) == pytest.approx(int(total) / 2)
+    assert set(counts) == {"mlx-lm", "patched"} and min(counts.values()) > 0
+    # the patched side's two blocks asked and were told no; the timed steps, yes
+    assert graph_answers == [False, False] and True in every_answer
+    assert rules.SUBMIT_BLOCKS_FROM_TOKENS == 1
+
+
 def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
     """`--interleave`: each side's steps under its own rules, the sides'
     steps taking turns one by one (not a side's whole turn at once), every
