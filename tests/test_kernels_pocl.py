@@ -788,6 +788,10 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                 # holding half its sums (the `fewer-sums` step of gpu_suite.sh)
                 dict(block_row_warps=2, block_row_tiles=4),
                 dict(block_column_warps=8, block_tiles=1),
+                # blocks of as many 8-row tiles as an expert's rows fill at Qwen3-Next's
+                # 40 rows an expert, not a power of two (the `few-rows` step)
+                dict(block_row_tiles=5, block_gated_row_tiles=5),
+                dict(block_row_tiles=7, block_gated_row_tiles=7),
                 dict(block_max_groups=1),
                 # Hopper's warpgroup multiply-add, emulated (tiles_products.h)
                 dict(block_warpgroup=1), dict(block_warpgroup=1, block_stage_values=192),
