@@ -312,7 +312,7 @@ def _fused_call(attention_class: type) -> Callable:
         if cache is not None:
             rows = step_rows(x)
             if ((entry.head_norm_rope and rules.fuses_head_norm_rope(rows, cuda=True))
-                    or _may_decode_attention(rows, cuda=True)):
+                    or rules.decodes_attention(rows, cuda=True, masked=mask is not None)):
                 y = _forward(self, x, mask, cache, entry, code)
                 if y is not None:
                     return y

@@ -448,12 +448,13 @@ def test_attention_launch_refuses_an_additive_mask(attention_stood_in):
 
 @pytest.mark.parametrize("from_rows, masked_from_rows, launched",
                          [(4, 4, True), (4, 5, False), (5, 4, True)])
-def test_masked_step_launches_from_the_rules_rows(attention_stood_in, monkeypatch, from_rows,
-                                                  masked_from_rows, launched):
+def test_masked_step_launches_from_the_rules_rows(attention_stood_in, mirrored, monkeypatch,
+                                                  from_rows, masked_from_rows, launched):
     """A step with a boolean mask takes the launch from the rule's masked
     rows, not its unmasked ones, fewer or more: below them the attention's
-    own call runs and no launch; either way the bits of the attention's own
-    call (the launch's stand-in computes with MLX's attention)."""
+    own call runs, the fused forward not even asked, and no launch; either
+    way the bits of the attention's own call (the launch's stand-in computes
+    with MLX's attention)."""
     monkeypatch.setattr(rules, "DECODE_ATTENTION_FROM_ROWS", from_rows)
     monkeypatch.setattr(rules, "DECODE_ATTENTION_MASKED_FROM_ROWS", masked_from_rows)
     # every sequence keeps its newest key, as a batch cache's left padding does
@@ -461,6 +462,7 @@ def test_masked_step_launches_from_the_rules_rows(attention_stood_in, monkeypatc
         lambda rng: mx.array((rng.random((4, 1, 1, 6)) < 0.7) | np.eye(1, 6, 5, dtype=bool)),
         seed=19)
     assert attention_stood_in.masks == ([(4, 1, 1, 6)] if launched else [])
+    assert mirrored == ([True] if launched else [])
     assert mx.array_equal(got, want).item()
 
 
