@@ -161,20 +161,19 @@ def _asked_attention_route(attention: nn.Module, x: mx.array,
 
 
 def _forward(attention: nn.Module, x: mx.array, mask, cache, entry: FusedAttentionEntry,
-             code: ModuleType) -> mx.array | None:
+             code: ModuleType, attends: bool) -> mx.array | None:
     """The entry's forward of `attention` with the launches `_route` gives for
-    `x`, the attention's only where mlx-lm would call MLX's attention with
-    no mask or a boolean one where the rule takes a masked step's rows (a
-    quantized cache's goes to mlx-lm's own);
+    `x`, the attention's only where `attends` (the rule's answer for this
+    step's rows and mask) and mlx-lm would call MLX's attention with no mask
+    or a boolean one (a quantized cache's goes to mlx-lm's own);
     None where it takes neither, or where the forward gives up (the
     attention's own call then runs). `code`: the module of the attention's
     class."""
     route = _route(attention, x, entry)
     boolean_mask = mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_)
-    # The route said yes with a mask or without: the rule's rows for this one.
-    attends = (route.attention and boolean_mask and not hasattr(cache, "bits")
-               and rules.decodes_attention(step_rows(x), cuda=True, masked=mask is not None))
-    launches = Launches(route.head_norm_rope, attends)
+    # The route said yes with a mask or without; `attends`, for this step's.
+    launches = Launches(route.head_norm_rope, attends and route.attention and boolean_mask
+                        and not hasattr(cache, "bits"))
     if not any(launches):
         return None
     return entry.forward(attention, x, mask, cache, launches, code)
@@ -311,9 +310,9 @@ def _fused_call(attention_class: type) -> Callable:
         # unpatched.
         if cache is not None:
             rows = step_rows(x)
-            if ((entry.head_norm_rope and rules.fuses_head_norm_rope(rows, cuda=True))
-                    or rules.decodes_attention(rows, cuda=True, masked=mask is not None)):
-                y = _forward(self, x, mask, cache, entry, code)
+            attends = rules.decodes_attention(rows, cuda=True, masked=mask is not None)
+            if attends or (entry.head_norm_rope and rules.fuses_head_norm_rope(rows, cuda=True)):
+                y = _forward(self, x, mask, cache, entry, code, attends)
                 if y is not None:
                     return y
         return attention_class.__call__(self, x, mask, cache)

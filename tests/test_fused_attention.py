@@ -259,8 +259,8 @@ def test_projections_of_another_dtype_keep_the_attentions_call(launch_stood_in):
 @pytest.fixture
 def attention_stood_in(monkeypatch):
     """The attention's rule saying yes as on CUDA (stood in) from 4
-    sequences, with a mask or without, and the CPU backend given a decoding step's attention computed
-    by MLX's own
+    sequences, with a mask or without, and the CPU backend given a decoding
+    step's attention computed by MLX's own
     (`_gpu.decode_attention_by_ops`). Yields each call's queries' shape,
     keys' count and whether it had sinks (`calls`), and the sizes the backend
     was asked about (`asked`)."""
