@@ -477,20 +477,20 @@ def package_attention(queries: mx.array, keys: mx.array, values: mx.array,
     `form` (one of PACKAGE_FORMS) says; None where its launch cannot take it
     (the caller's own attention then runs)."""
     from mlx_moe_plan import _gpu
-    from mlx_moe_plan.kernels import launch
 
     batch, heads, queries_count, head_dim = queries.shape
     kv_heads = keys.shape[1]
     dtype = queries.dtype
+    stream = _backend.resolve_stream(None)
+    backend = _backend.implementation(stream)
     if (queries_count != 1 or not keys.dtype == values.dtype == dtype
             or (sinks is not None and sinks.dtype != dtype)
-            or not launch.decode_attention_computes(head_dim, heads, kv_heads,
-                                                    _gpu._name(dtype))):
+            or not backend.decode_attention_computes(head_dim=head_dim, heads=heads,
+                                                     kv_heads=kv_heads, dtype=dtype)):
         return None
-    stream = _backend.resolve_stream(None)
     if form == "package":
-        return _backend.implementation(stream).decode_attention(
-            queries, keys, values, sinks, scale=scale, stream=stream)
+        return backend.decode_attention(queries, keys, values, sinks, scale=scale,
+                                        stream=stream)
     make = _gpu._decode_attention_step if form == "package-step" else _launched_by_stream()
     call = make("cuda", batch, heads, kv_heads, head_dim, _gpu._name(dtype), sinks is not None,
                 False, float(scale), _gpu.POISON, stream)
@@ -526,15 +526,15 @@ def sketch_in_models(form: str = "cores"):
     rule = rules.DECODE_ATTENTION_FROM_ROWS, rules.DECODE_ATTENTION_MASKED_FROM_ROWS
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if hasattr(cache, "bits") or mask is not None:
-            pass
-        elif form in PACKAGE_FORMS:
-            output = package_attention(queries, keys, values, sinks, scale, form)
-            if output is not None:
-                return output
-        elif sketch_takes(queries, keys, scale, mask, form):
-            return sketch_attention(queries, keys, values, sinks, form)
-        return original(queries, keys, values, cache, scale, mask, sinks)
+        output = None
+        if not hasattr(cache, "bits") and mask is None:
+            if form in PACKAGE_FORMS:
+                output = package_attention(queries, keys, values, sinks, scale, form)
+            elif sketch_takes(queries, keys, scale, mask, form):
+                output = sketch_attention(queries, keys, values, sinks, form)
+        if output is None:
+            return original(queries, keys, values, cache, scale, mask, sinks)
+        return output
 
     modules = [module for name, module in list(sys.modules.items())
                if name.startswith("mlx_lm.models.")

@@ -405,12 +405,19 @@ def interleave_variants(model, patched, config: dict, args) -> str:
             if not walls:
                 lines.append(f"{case:<9} {name:<12} failed: {sides.failure}")
                 continue
-            wall = statistics.median(walls)
-            speedup = f"{reference / wall:5.2f}x" if reference else "    -"
-            lines.append(f"{case:<9} {name:<12} wall {wall * 1e3:8.3f}  build "
-                         f"{statistics.median(builds) * 1e3:7.3f}  {speedup}  rounds "
-                         + " ".join(f"{w * 1e3:.2f}" for w in rounds))
+            lines.append(_side_line(case, name, statistics.median(walls),
+                                    statistics.median(builds), reference, "rounds", rounds))
     return "\n".join(lines)
+
+
+def _side_line(case: str, name: str, wall: float, build: float, reference: float | None,
+               parts: str, part_walls) -> str:
+    """A side's line of a comparison: its median wall and build ms, its
+    speedup over mlx-lm's `reference` wall (none where mlx-lm's side failed),
+    and the wall of each of its turns or rounds (`parts`)."""
+    speedup = f"{reference / wall:5.2f}x" if reference else "    -"
+    return (f"{case:<9} {name:<12} wall {wall * 1e3:8.3f}  build {build * 1e3:7.3f}  "
+            f"{speedup}  {parts} " + " ".join(f"{w * 1e3:.2f}" for w in part_walls))
 
 
 def compare_variants(model, patched, config: dict, args) -> str:
@@ -472,11 +479,9 @@ def compare_variants(model, patched, config: dict, args) -> str:
                              f"{statistics.median(walls) * 1e3:.2f} ms")
             reference = statistics.median(wall for wall, _ in turns["mlx-lm"])
             for name, measured in turns.items():
-                wall = statistics.median(w for w, _ in measured)
-                build = statistics.median(b for _, b in measured)
-                lines.append(f"{case:<9} {name:<12} wall {wall * 1e3:8.3f}  build "
-                             f"{build * 1e3:7.3f}  {reference / wall:5.2f}x  turns "
-                             + " ".join(f"{w * 1e3:.2f}" for w, _ in measured))
+                lines.append(_side_line(case, name, statistics.median(w for w, _ in measured),
+                                        statistics.median(b for _, b in measured), reference,
+                                        "turns", [w for w, _ in measured]))
     finally:
         _compiled.forget(patched)
     return "\n".join(lines)
