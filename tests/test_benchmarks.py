@@ -393,7 +393,8 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
     assert [line["launch"].split(",")[0] for line in lines] == [
         "decode body"] * 4 + ["", "decode body", "decode body"]
     forced = bench_qmm.launch_text(16, 128, 64, 12, {"tiles_from_rows": 0})
-    assert forced.startswith("tiles 64x128, 128 values x ")
+    # an expert's block of the few rows it holds (launch._fitted_row_tiles)
+    assert forced.startswith("tiles 8x128, 128 values x ")
     ring = bench_qmm.launch_text(16, 2048, 768, 12, {"word_stages": 3})
     assert ring == "decode body, 4 steps, words in a ring of 3, 1 sets"
     for line in lines:
@@ -426,7 +427,7 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys):
             projections * active * line["out"] * (in_dims + in_dims // 32 * 4) / 4.8e6)
     assert bench_qmm.column_bytes(2048, 8, 32) == 2048 + 64 * 4
     assert bench_qmm.launch_text(16, 128, 64, 12, {"tiles_from_rows": 0}, form=form) \
-        .startswith("tiles 64x128, 128 values x ")
+        .startswith("tiles 8x128, 128 values x ")
     experts = bench_qmm.quantized_experts(2, 8, 64, form)
     assert experts[0].shape == (2, 8, 64 * 8 // 32) and experts[1].dtype == mx.float16
     assert experts[1].shape == (2, 8, 2)

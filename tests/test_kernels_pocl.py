@@ -983,6 +983,39 @@ def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahe
         launch.GroupedQmmTiling(block_weights_ahead=2).check()
 
 
+def test_fitted_row_tiles_rule():
+    """By default an experts' launch in the warps' own block takes the fewest
+    8-row tiles whose rows reach the rows an expert holds on average plus
+    their square root, at most the tiling's (Qwen3-Next at T = 2048, 40 rows
+    an expert: 48 rows; Qwen3-30B-A3B at 512, 32: 40), gated or not, where
+    the GPU has wgmma or not, on CUDA and OpenCL; a dense projection, the
+    tall gated blocks, Metal and `block_fitted_rows=0` keep the tiling's."""
+    def block_rows(experts, capacity, gated=False, backend="cuda", warpgroup=True,
+                   dense=False):
+        template = dict(launch.grouped_qmm_launch(experts, 2048, 512, capacity, 4, 64,
+                                                  "bfloat16", backend=backend, gated=gated,
+                                                  dense=dense, warpgroup=warpgroup).template)
+        assert not template["SHARED_WEIGHTS"]
+        return template["BLOCK_ROWS"]
+
+    assert launch.GROUPED_QMM_TILING.block_fitted_rows == 1
+    assert block_rows(512, 20480) == block_rows(512, 20480, gated=True) == 48
+    assert block_rows(512, 20480, backend="opencl") == block_rows(512, 20480,
+                                                                  warpgroup=False) == 48
+    assert block_rows(128, 4096) == 40 and block_rows(128, 4096 + 128 * 3) == 48
+    assert [launch._fitted_row_tiles(rows, 8) for rows in (1, 26.8, 26.9, 49, 49.3, 64)] \
+        == [1, 4, 5, 7, 8, 8]
+    assert launch._fitted_row_tiles(40, 5) == 5  # at most the tiling's
+    assert block_rows(512, 20480, backend="metal") == 64
+    with launch.grouped_qmm_tiling(block_fitted_rows=0):
+        assert block_rows(512, 20480) == block_rows(128, 4096) == 64
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0):
+        assert block_rows(512, 20480, gated=True) == 128  # tall: block_gated_row_tiles
+        assert block_rows(1, 40, dense=True) == 32  # halved, not fitted
+    with pytest.raises(ValueError, match="block_fitted_rows"):
+        launch.GroupedQmmTiling(block_fitted_rows=2).check()
+
+
 def test_shared_weights_rule():
     """By default (`block_warpgroup=None`) the experts' launches of 4 bits in
     groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's
@@ -1149,7 +1182,9 @@ def test_grouped_qmm_tiles_halved_blocks():
 
     with launch.grouped_qmm_tiling(tiles_from_rows=0):
         assert block(64) == block(1) == block(64, backend="opencl") == (32, 64)
-        assert block(65) == block(64, dense=False) == block(1, dense=False) == (64, 128)
+        assert block(65) == block(64, dense=False) == (64, 128)
+        # an expert's block of the rows it holds (_fitted_row_tiles), not halved
+        assert block(1, dense=False) == (8, 128)
         # 127 and 128 blocks of 128 columns (151936: Qwen3-30B-A3B's lm_head)
         assert block(1, out_dims=127 * 128 - 5) == (32, 64)
         assert block(1, out_dims=128 * 128) == block(64, out_dims=151936) == (64, 128)

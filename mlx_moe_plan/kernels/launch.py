@@ -154,6 +154,11 @@ class GroupedQmmTiling:
     block_tiles: int = 2
     block_gated_tiles: int = 1
     block_row_tiles: int = 8
+    # 1: an experts' launch in that block (not a dense projection's, not in
+    # tall gated blocks) takes as few of those row tiles as reach the rows an
+    # expert holds on average plus their square root (_fitted_row_tiles); 0:
+    # block_row_tiles at every size
+    block_fitted_rows: int = 1
     # gated blocks of this many 8-row tiles from block_gated_tall_rows rows an
     # expert on average (the plan's capacity over its experts), 4 bits in
     # groups of 64 (_tall_gated_blocks says why only there)
@@ -262,10 +267,11 @@ class GroupedQmmTiling:
                              f"({MAX_EXPERTS}): {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
                 or self.block_warpgroup not in (None, 0, 1, 2) \
-                or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1):
-            raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead, block_weights_ahead "
-                             f"and block_across_items are 0 or 1, block_warpgroup None, 0, 1 or "
-                             f"2: {self}")
+                or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1) \
+                or self.block_fitted_rows not in (0, 1):
+            raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead, block_weights_ahead, "
+                             f"block_across_items and block_fitted_rows are 0 or 1, "
+                             f"block_warpgroup None, 0, 1 or 2: {self}")
         if self.block_shared_row_tiles not in (None, *SHARED_WEIGHTS_ROW_TILES):
             raise ValueError(f"grouped_qmm tiling: block_shared_row_tiles is None or one of "
                              f"{SHARED_WEIGHTS_ROW_TILES}: {self}")
@@ -693,10 +699,39 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
                        <= tiling.block_shared_sized_up_to_rows * num_experts)
     shared_weights = (backend == "cuda" and warpgroup and (bits, quant_group) == (4, 64)
                       and (capacity >= rows * num_experts or sized))
-    row_tiles = (SHARED_WEIGHTS_TILING["block_row_tiles"] if dense or not shared_weights
+    if not shared_weights:
+        fitted = (tiling.block_fitted_rows and not dense and backend != "metal"
+                  and not _tall_gated_blocks(gated, backend, bits, quant_group, capacity,
+                                             num_experts, tiling))
+        return _decided_tiling(tiling, False, _fitted_row_tiles(
+            capacity / num_experts, tiling.block_row_tiles) if fitted else tiling.block_row_tiles)
+    row_tiles = (SHARED_WEIGHTS_TILING["block_row_tiles"] if dense
                  else tiling.block_shared_row_tiles
                  or _shared_weights_row_tiles(capacity / num_experts, gated, in_dims))
-    return _decided_tiling(tiling, shared_weights, row_tiles)
+    return _decided_tiling(tiling, True, row_tiles)
+
+
+def _fitted_row_tiles(rows_per_expert: float, row_tiles: int) -> int:
+    """The warps' own block's 8-row tiles for the experts' launches where an
+    expert holds `rows_per_expert` rows on average: the fewest whose rows
+    reach the average plus its square root, at most `row_tiles` (the
+    tiling's).
+
+    Each warp of the block holds the sums of all the block's rows, so rows
+    no expert fills still cost registers (in 64 rows Qwen3-Next's launches
+    spill), while an expert of more rows than the block takes a second
+    block, nearly empty, whose weights are read and made again. Routed
+    counts spread about the average by about its square root. On an H100,
+    against 64 rows (benchmarks/RESULTS.md, "The warps' own block in fewer
+    rows"), each launch of Qwen3-Next at 40 rows an expert (T = 2048) ran
+    1.06x to 1.09x faster in 48 rows, 1.04x to 1.11x in 56, and 0.92x to
+    0.93x in 40, the average itself; Qwen3-30B-A3B's at 32 (T = 512) 1.11x
+    to 1.17x in 40 rows, 1.10x to 1.15x in 48 and 1.09x to 1.13x in 32.
+    Only 4 bits in groups of 64 and bfloat16 rows were timed; fewer sums a
+    warp cannot spill where more did not, so the other formats take the
+    same block. Metal keeps its blocks (none measured there)."""
+    wanted = rows_per_expert + math.sqrt(rows_per_expert)
+    return max(1, min(row_tiles, math.ceil(wanted / 8)))
 
 
 def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int) -> int:
@@ -763,13 +798,14 @@ def _decided_tiling(tiling: GroupedQmmTiling, shared_weights: bool,
                     row_tiles: int = SHARED_WEIGHTS_TILING["block_row_tiles"]
                     ) -> GroupedQmmTiling:
     """`tiling` in SHARED_WEIGHTS_TILING's block of `row_tiles` 8-row tiles,
-    or else with block_warpgroup 0, made once a tiling: a launch is built at
-    every uncompiled call, where a new dataclass a call would cost several
-    times the rest of the launch."""
+    or else with block_warpgroup 0 and its block of `row_tiles` (the
+    ungated and the not tall gated blocks'), made once a tiling: a launch is
+    built at every uncompiled call, where a new dataclass a call would cost
+    several times the rest of the launch."""
     return replace(tiling, **dict(SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
                                   block_gated_row_tiles=row_tiles,
                                   block_stages=tiling.block_shared_stages)) \
-        if shared_weights else replace(tiling, block_warpgroup=0)
+        if shared_weights else replace(tiling, block_warpgroup=0, block_row_tiles=row_tiles)
 
 
 def _store_template(store: tuple[bool, tuple[float, float] | None]) -> tuple:
