@@ -464,8 +464,9 @@ def sketch_takes(queries: mx.array, keys: mx.array, scale: float, mask,
 
 # The package's launches in the sketch's place, each form with one more layer
 # of their glue: the two bound calls alone (`_gpu._decode_attention_launched`),
-# inside the custom function that carries their gradient
-# (`_gpu._decode_attention_step`), and the backend's method with its checks.
+# the step that carries their gradient where a transform traces them
+# (`_gpu._decode_attention_step`: outside one, its question and the calls),
+# and the backend's method with its checks.
 # What a whole step loses to each layer shows apart from the fused attention's
 # own forward, which the rule's side adds on top.
 PACKAGE_FORMS = ("package-launched", "package-step", "package")

@@ -24,8 +24,9 @@ tiling (`GroupedQmmTiling` fields, lower case), or with an option of
 `VARIANT_OPTIONS` (`attention=sketch` or `sketch-mma`: the decoding attention
 sketch of `benchmarks.decode_attention`, on CUDA; `attention=package`,
 `package-step` or `package-launched`: the package's launches in its place,
-through less and less of their glue; `gradients=off`: the launches without
-the custom functions that carry their gradients), their turns of 20 steps
+through less and less of their glue; `gradients=always`: every launch in
+the custom function that carries its gradient, traced or not, as before the
+glue asked), their turns of 20 steps
 alternated `--rounds` times at each batch, the median step of each turn,
 then the median turn. A variant's compiled forwards and projection routes
 are dropped when its turn starts, so each traces under its own rules.
@@ -37,16 +38,11 @@ hits every side alike (whole turns a side spread too much on a busy host:
 benchmarks/HISTORY.md, "The decoding attention's kernels alone under Nsight
 Compute"); the median step over `--rounds` rounds. Each step then enters
 its side's settings, mlx-lm's too; the sketch's option also scans the
-loaded modules, and `gradients=off` swaps the glue's kept functions for its
-own (a few us), which its side's building counts. With
+loaded modules, which its side's building counts. With
 `--prefill TOKENS` each turn is one prefill of that many tokens instead, in
 generate's chunks of 2048 (a rule or tiling of prefill sizes, measured on the
 whole model in one process: `--layers 48`), after an untimed one of the same
 chunk sizes in the same turn, which traces anew.
-
-`--without-gradients` makes every side's launches without the custom
-function that carries each one's gradient (a process that only measures):
-what those graph nodes cost a step, beside a run without it.
 
 `--build-profile N` builds N more steps under Python's profiler, evaluating
 each outside it, and prints where the building went by function, own time
@@ -274,12 +270,12 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
 # `--variants`' settings that are neither rules nor tiling, and what each
 # value means: `attention`, the form of benchmarks.decode_attention's sketch,
 # or of the package's launches in its place, that `sketch_in_models` puts in
-# the side's turns; `gradients=off`, the side's launches made without the
-# custom functions that carry their gradients (`without_gradients`, the
-# glue's functions the side's own; `--interleave` only).
+# the side's turns; `gradients=always`, the side's launches each in the
+# custom function that carries its gradient, whether a transform traces its
+# arrays or not (`_gpu.traced` answering yes).
 VARIANT_OPTIONS = {"attention": {"sketch": "cores", "sketch-mma": "mma",
                                   **{form: form for form in PACKAGE_FORMS}},
-                   "gradients": {"off": "off"}}
+                   "gradients": {"always": "always"}}
 
 
 def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
@@ -326,7 +322,8 @@ def _settings(constants: dict, tiling: dict, options: dict, defaults: dict):
         if "attention" in options:
             from .decode_attention import sketch_in_models
             attention = sketch_in_models(VARIANT_OPTIONS["attention"][options["attention"]])
-        with launch.grouped_qmm_tiling(**tiling), attention:
+        gradients = gradients_always() if "gradients" in options else contextlib.nullcontext()
+        with launch.grouped_qmm_tiling(**tiling), attention, gradients:
             yield
     finally:
         for key, value in kept.items():
@@ -345,9 +342,6 @@ class _OwnSide:
     def __init__(self, model, settings: tuple[dict, dict, dict], defaults: dict,
                  patch: bool = True):
         self.settings, self.defaults, self.traces = settings, defaults, {}
-        # The glue's functions made without gradients: the side's own, so that
-        # neither the process's nor another side's are made anew each step.
-        self.glue = {} if settings[2].get("gradients") == "off" else None
         with _settings(*settings, defaults):  # what the patch asks the rules at patch time
             self.model = patched_copy(model, tile_m=None, no_compile=False)[0] if patch \
                 else model
@@ -355,10 +349,7 @@ class _OwnSide:
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         from mlx_moe_plan import _compiled
 
-        gradients = contextlib.nullcontext() if self.glue is None else \
-            without_gradients(self.glue)
-        with _compiled.shared_traces_in(self.traces), _settings(*self.settings, self.defaults), \
-                gradients:
+        with _compiled.shared_traces_in(self.traces), _settings(*self.settings, self.defaults):
             return self.model(inputs, cache=cache)
 
 
@@ -433,9 +424,6 @@ def compare_variants(model, patched, config: dict, args) -> str:
     sides = {"mlx-lm": (model, {}, {}, {}), "patched": (patched, {}, {}, {}),
              **{name: (patched, *changes) for name, changes in
                 parse_variants(args.variants).items()}}
-    if any("gradients" in options for *_, options in sides.values()):
-        raise SystemExit("--variants: gradients=off takes --interleave (each side keeps the "
-                         "glue's functions of its own)")
     defaults = {key: getattr(rules, key) for _, constants, _, _ in sides.values()
                 for key in constants}
 
@@ -534,60 +522,28 @@ def main(argv=None) -> int:
                         help="prefills of this many tokens, in generate's chunks, instead "
                              "of decoding steps: with --variants one a turn, else 3 of "
                              "--side and --timeline's (default: %(default)s, decoding)")
-    parser.add_argument("--without-gradients", action="store_true",
-                        help="every side without the package's launches' gradients: MLX's "
-                             "custom_function replaced by the function itself, what the "
-                             "nodes that carry them cost a step (default: kept)")
     args = parser.parse_args(argv)
     if args.interleave and (args.variants is None or args.prefill):
         parser.error("--interleave: decoding steps' --variants only")
     if args.summarize:
         print(summarize(args.summarize, args.top))
         return 0
-    with without_gradients() if args.without_gradients else contextlib.nullcontext():
-        return _run(args)
+    return _run(args)
 
 
 @contextlib.contextmanager
-def without_gradients(kept: dict | None = None):
-    """Within the block, `mx.custom_function` is the function itself, its
-    vjp, jvp and vmap keeping nothing: the package's launches are then made
-    without the custom function that carries each one's gradient (two more
-    graph nodes a launch, its output's `StopGradient` and the
-    `CustomTransforms`), for a process that only measures steps. Every custom
-    function made in the block is, MLX's and mlx-lm's too. The functions the
-    GPU glue keeps by stream are made anew on entering and on leaving, so
-    none made either way outlives its side of the block; with `kept` (a
-    side's own dictionary, which a side of `--interleave` enters at every
-    step), they are that side's own instead, kept there from block to
-    block."""
+def gradients_always():
+    """Within the block, the GPU glue makes every launch in the custom
+    function that carries its gradient, as it did before it asked whether a
+    transform traces the launch's arrays (`_gpu._when_traced`): what those
+    graph nodes and calls cost a step, beside the glue as it is."""
     from mlx_moe_plan import _gpu
 
-    def function_itself(function):
-        function.vjp = function.jvp = function.vmap = lambda transform: transform
-        return function
-
-    glue_caches = {name: kept_cache for name, kept_cache in vars(_gpu).items()
-                   if hasattr(kept_cache, "fresh")}  # `cache_by_stream` caches
-    if kept is not None:
-        for name, glue_cache in glue_caches.items():
-            if name not in kept:
-                kept[name] = glue_cache.fresh()
-
-    def swap(entering: bool):
-        for name, glue_cache in glue_caches.items():
-            if kept is None:
-                glue_cache.cache_clear()
-            else:  # the glue calls them by their module's names
-                setattr(_gpu, name, kept[name] if entering else glue_cache)
-
-    custom_function, mx.custom_function = mx.custom_function, function_itself
-    swap(entering=True)
+    traced, _gpu.traced = _gpu.traced, lambda arrays: True
     try:
         yield
     finally:
-        mx.custom_function = custom_function
-        swap(entering=False)
+        _gpu.traced = traced
 
 
 def _run(args) -> int:

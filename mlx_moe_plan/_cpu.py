@@ -4,25 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-try:
-    from . import _ext
-except ImportError as error:  # a missing build, not a missing symbol deep inside
-    raise ImportError(
-        "mlx_moe_plan's C++ extension is not built. Install the package with "
-        "`pip install --no-build-isolation .` next to the MLX it will run with "
-        "(see the README)."
-    ) from error
-
 import mlx.core as mx
 
+from ._extension import _ext
 from ._sizes import PLAN_FIELDS
-
-if _ext.built_with_mlx != mx.__version__:
-    raise ImportError(
-        f"mlx_moe_plan's C++ extension was built against MLX {_ext.built_with_mlx} but "
-        f"MLX {mx.__version__} is installed: rebuild it with "
-        "`pip install --no-build-isolation --force-reinstall --no-deps .`"
-    )
 
 # The Plan primitive returns the plan's fields in PLAN_FIELDS order (row_weights,
 # the last, only with weights); the extension's plan_outputs is its C++ list

@@ -4,9 +4,9 @@ Each kernel object is built once per backend and name and cached; MLX then
 compiles one instance per template argument set. How each body is run (its
 arguments, sizes, grid and template constants) comes from `kernels/launch.py`,
 shared with the OpenCL tests. Gradients go through `mx.custom_function`,
-with the formulas of `_gradients.py` run on these kernels; the C++
-primitives' vjps (`src/gather.cpp`, `src/combine.cpp`) are the same formulas
-in C++.
+with the formulas of `_gradients.py` run on these kernels, wherever a
+transform traces a launch's inputs (`_when_traced`); the C++ primitives'
+vjps (`src/gather.cpp`, `src/combine.cpp`) are the same formulas in C++.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from . import _gradients, kernels
 from ._checks import decoding_mask_fits
+from ._extension import traced
 from .kernels import launch
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
@@ -46,6 +47,27 @@ def _kernel(backend: str, name: str, shared_bytes: int = 0):
 
 def _mlx_value(value):
     return getattr(mx, value) if isinstance(value, str) else value
+
+
+def _when_traced(differentiable: Callable, launched: Callable) -> Callable:
+    """`differentiable`, an `mx.custom_function` of `launched` that carries its
+    gradient, where a transform traces one of a call's arrays; `launched`
+    itself elsewhere.
+
+    A custom function costs the host its call and two graph nodes an output
+    (the output's `StopGradient` and the `CustomTransforms`), at every
+    launch of every decoding step. Only a transform can ask for a gradient,
+    vmap or trace, and it runs the function on tracers: MLX marks its inputs
+    and every array made from one as tracers while it runs (`traced`). An
+    array made from none depends on nothing the transform varies, so a
+    launch on such arrays needs no rule of its own, and one made outside any
+    transform can never be differentiated: the graph is the same either way
+    where a gradient could be taken.
+    """
+    def call(*arrays):
+        return differentiable(*arrays) if traced(arrays) else launched(*arrays)
+
+    return call
 
 
 def cache_by_stream(make=None, *, maxsize: int | None = None):
@@ -411,9 +433,10 @@ def _argsort_slice(backend, values, start, count, stream, normalize=False):
 
 @cache_by_stream
 def _argsort_slice_function(backend, start, count, normalize, stream):
-    @mx.custom_function
-    def argsort_slice(values):
+    def launched(values):
         return _argsort_slice(backend, values, start, count, stream, normalize)
+
+    argsort_slice = mx.custom_function(launched)
 
     @argsort_slice.vjp
     def argsort_slice_vjp(primals, cotangents, outputs):
@@ -432,7 +455,7 @@ def _argsort_slice_function(backend, start, count, normalize, stream):
         _, (grad,) = mx.vjp(picked, [values], [cotangents[1]])
         return grad
 
-    return argsort_slice
+    return _when_traced(argsort_slice, launched)
 
 
 def _head_norm_rope_computes(head_dim: int, dtype: mx.Dtype) -> bool:
@@ -629,10 +652,11 @@ def _decode_attention_step(backend, batch, heads, kv_heads, head_dim, dtype, has
 
 
 def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) -> Callable:
-    """`launched(*arrays)` (a launch's outputs) as an `mx.custom_function` whose
-    gradient is `by_ops`' (the same computation by MLX's own ops, as the
-    launch's glue states it) with respect to the first `differentiable`
-    arrays; the others (positions, say) get zeros."""
+    """`launched(*arrays)` (a launch's outputs) with the gradient of `by_ops`
+    (the same computation by MLX's own ops, as the launch's glue states it)
+    with respect to the first `differentiable` arrays, the others (positions,
+    say) getting zeros: an `mx.custom_function` where a transform traces the
+    arrays (`_when_traced`)."""
     function = mx.custom_function(launched)
 
     @function.vjp
@@ -645,7 +669,7 @@ def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) 
                           list(primals[:differentiable]), list(cotangents))
         return (*grads, *(mx.zeros_like(array) for array in fixed))
 
-    return function
+    return _when_traced(function, launched)
 
 
 @cache_by_stream(maxsize=256)
@@ -762,9 +786,10 @@ def _combine(backend, src, index, weights, dtype, stream):
 
 @cache_by_stream
 def _gather_function(backend, dtype, stream):
-    @mx.custom_function
-    def gather(src, index, inverse):
+    def launched(src, index, inverse):
         return _gather(backend, src, index, dtype, stream)
+
+    gather = mx.custom_function(launched)
 
     @gather.vjp
     def gather_vjp(primals, cotangent, output):
@@ -774,7 +799,7 @@ def _gather_function(backend, dtype, stream):
                                           stream=stream)
         return grad, mx.zeros_like(index), mx.zeros_like(inverse)
 
-    return gather
+    return _when_traced(gather, launched)
 
 
 @cache_by_stream
@@ -795,7 +820,7 @@ def _combine_function(backend, dtype, has_weights, stream):
             return grad_src, mx.zeros_like(index), mx.zeros_like(inverse)
         return grad_src, mx.zeros_like(index), mx.zeros_like(inverse), grad_weights
 
-    return combine
+    return _when_traced(combine, combine_impl)
 
 
 def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up,
@@ -869,13 +894,14 @@ def gated_activation(gate: mx.array, up: mx.array, clamped: tuple[float, float] 
 @cache_by_stream
 def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias, clamped,
                           dense, stream):
-    @mx.custom_function
-    def grouped_qmm(rows, weight, scales, biases, expert_offsets, row_experts, *extra):
+    def launched(rows, weight, scales, biases, expert_offsets, row_experts, *extra):
         row_tokens = extra[0] if token_rows else None
         up = tuple(extra[token_rows:token_rows + 3]) if gated else None
         out_biases = tuple(extra[token_rows + 3 * gated:]) if out_bias else None
         return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens,
                             up, out_biases, clamped, dense, bits, group_size, stream)
+
+    grouped_qmm = mx.custom_function(launched)
 
     def rows_projection(rows, row_experts, weight, scales, biases):
         # rows[r] @ dequantize(weight[e]).T by MLX's GEMM, each row [1, D]
@@ -928,7 +954,7 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias
         _, grads = mx.vjp(unfused, [rows, *extra[first_bias:]], [cotangent])
         return (grads[0], *zeros[:len(zeros) - (len(grads) - 1)], *grads[1:])
 
-    return grouped_qmm
+    return _when_traced(grouped_qmm, launched)
 
 
 @cache

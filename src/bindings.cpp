@@ -13,7 +13,9 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
-  m.doc() = "CPU primitives of mlx_moe_plan (plan, gather_rows, combine_rows).";
+  m.doc() =
+      "CPU primitives of mlx_moe_plan (plan, gather_rows, combine_rows), and whether a "
+      "transform traces an array (traced).";
   // The MLX this extension was compiled against; it links that libmlx's ABI.
   m.attr("built_with_mlx") = BUILT_WITH_MLX;
   // The names of plan's outputs, in order (kPlanOutputs): the Python side
@@ -23,6 +25,35 @@ NB_MODULE(_ext, m) {
     plan_outputs.append(nb::str(name.data(), name.size()));
   }
   m.attr("plan_outputs") = nb::tuple(plan_outputs);
+
+  // MLX marks a transform's inputs as tracers and every array made from one
+  // as one too, for as long as the transform runs (array::is_tracer); its
+  // Python API does not say. The GPU glue asks, to carry a launch's gradient
+  // only where a transform could ask for it (mlx_moe_plan/_gpu.py).
+  m.def(
+      "traced",
+      [](const std::vector<mlx::core::array>& arrays) {
+        for (const auto& array : arrays) {
+          if (array.is_tracer()) {
+            return true;
+          }
+        }
+        return false;
+      },
+      "arrays"_a,
+      R"(Whether a running transform traces any of ``arrays``.
+
+      ``mx.grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap`` and ``mx.compile``
+      trace their function's inputs and every array made from them while the
+      function runs; nothing else is traced, and no array once its transform
+      has returned.
+
+      Args:
+          arrays (list(array)): The arrays to ask about.
+
+      Returns:
+          bool: True where one of them is traced.
+      )");
 
   m.def(
       "plan",

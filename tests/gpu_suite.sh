@@ -116,12 +116,13 @@
 #               step: Qwen3-30B-A3B at batch 8 and 4, the patch (its attention's
 #               launches from 8 sequences) beside them off, the sketch, and the
 #               launches in the sketch's place through less and less of their
-#               glue (method: the backend's, with its checks; step: the custom
-#               function that carries the gradient, two graph nodes a launch;
-#               launched: the bound calls alone), steps interleaved; then,
-#               at batch 8, 32 and 4, the patch beside itself without the
-#               custom functions that carry every launch's gradient, the MoE
-#               blocks' too (nograd: gradients=off), in the same process; and
+#               glue (method: the backend's, with its checks; step: the
+#               function that carries the gradient where traced; launched:
+#               the bound calls alone), steps interleaved; then,
+#               at batch 8, 32 and 4, the patch beside itself with every
+#               launch in the custom function that carries its gradient, the
+#               MoE blocks' too, traced or not (always: gradients=always), in
+#               the same process; and
 #               one step's operations at batch 8, mlx-lm's and the patch's, by
 #               primitive (--graph).
 #   made-weights-open (not in `bench`) the sizes the rule has not been timed
@@ -735,7 +736,7 @@ if wanted gradient-nodes; then
   logged "$results/gradient-nodes.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,4 --rounds 5 --interleave --variants "$glue;method:attention=package"
   logged "$results/gradient-nodes-nograd.log" python3 -m benchmarks.step_kernels --layers 48 \
-    --batches 8,32,4 --rounds 5 --interleave --variants "nograd:gradients=off"
+    --batches 8,32,4 --rounds 5 --interleave --variants "always:gradients=always"
   logged "$results/gradient-nodes-graph.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8 --graph --top 30
 fi

@@ -697,67 +697,24 @@ def test_step_kernels_interleaves_variants_step_by_step(monkeypatch, capsys):
         step_kernels.parse_variants("patched:DECODE_ATTENTION_FROM_ROWS=2")
 
 
-def test_step_kernels_without_gradients_drops_the_custom_functions_vjp(monkeypatch):
-    """`--without-gradients`: within the run a custom function is the function
-    itself (its vjp not kept: the ops' gradient), afterwards MLX's again, and
-    the GPU glue's kept functions made anew on either side of the block."""
+def test_step_kernels_gradients_always(monkeypatch):
+    """`gradients=always`: within a side's settings the GPU glue makes its
+    custom function at every call, traced or not (its launch stood in on the
+    CPU), and outside as it is, only where traced."""
     from benchmarks import step_kernels
-    from mlx_moe_plan import _gpu
+    from mlx_moe_plan import _extension, _gpu
 
-    custom_function = mx.custom_function
-    stream = mx.default_stream(mx.cpu)
-    # a kept function of the glue (made, not run: no GPU needed)
-    top_k_before = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
-    assert isinstance(top_k_before, mx.custom_function)
-    with step_kernels.without_gradients():
-        top_k = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
-        assert top_k is not top_k_before and not isinstance(top_k, custom_function)
-        doubled = mx.custom_function(lambda x: 2 * x)
-
-        @doubled.vjp
-        def ignored(primals, cotangent, output):
-            return 100 * cotangent
-
-        assert mx.grad(doubled)(mx.array(1.0)).item() == 2
-        # the GPU glue's form: a launch's outputs as they are, no gradient attached
-        def launched(*arrays):
-            return arrays[0]
-
-        assert _gpu._gradient_by_ops(launched, None, 1) is launched
-    assert mx.custom_function is custom_function
-    assert isinstance(_gpu._argsort_slice_function("cuda", 0, 2, False, stream),
-                      mx.custom_function)
-    kept = mx.custom_function(lambda x: 2 * x)
-    kept.vjp(ignored)
-    assert mx.grad(kept)(mx.array(1.0)).item() == 100
-    seen = []
-    monkeypatch.setattr(step_kernels, "_run", lambda args: seen.append(mx.custom_function) or 0)
-    assert step_kernels.main(["--models", "small-qwen3-moe", "--without-gradients"]) == 0
-    assert seen and seen[0] is not custom_function and mx.custom_function is custom_function
-
-
-def test_step_kernels_without_gradients_kept_by_a_side():
-    """`without_gradients(kept)`, as an `--interleave` side with
-    `gradients=off` enters it at every step: the glue's kept functions inside
-    are the side's own, made once and found again in its next block, and
-    outside the process's, as they were."""
-    from benchmarks import step_kernels
-    from mlx_moe_plan import _gpu
-
-    custom_function = mx.custom_function
-    stream = mx.default_stream(mx.cpu)
-    outside = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
-    kept = {}
-    with step_kernels.without_gradients(kept):
-        first = _gpu._argsort_slice_function("cuda", 0, 2, False, stream)
-        assert first is not outside and not isinstance(first, custom_function)
-    assert _gpu._argsort_slice_function("cuda", 0, 2, False, stream) is outside
-    with step_kernels.without_gradients(kept):
-        assert _gpu._argsort_slice_function("cuda", 0, 2, False, stream) is first
-    assert "_argsort_slice_function" in kept
-    with pytest.raises(SystemExit, match="interleave"):
-        step_kernels.main(["--models", "small-qwen3-moe", "--layers", "1", "--batches", "1",
-                           "--rounds", "1", "--variants", "nograd:gradients=off"])
+    monkeypatch.setattr(_gpu, "_argsort_slice", lambda backend, values, start, count, stream,
+                        normalize: (mx.argsort(values)[..., start:start + count],) * 2)
+    top_k = _gpu._argsort_slice_function("cuda", 0, 2, False, mx.default_stream(mx.cpu))
+    values = mx.array([3.0, 1.0, 2.0])
+    constants, tiling, options = step_kernels.parse_variants("always:gradients=always")["always"]
+    assert (constants, tiling, options) == ({}, {}, {"gradients": "always"})
+    with step_kernels._settings(constants, tiling, options, {}):
+        inside = step_kernels.graph_nodes(top_k(values)[0])
+    outside = step_kernels.graph_nodes(top_k(values)[0])
+    assert inside["CustomTransforms"] == 1 and outside["CustomTransforms"] == 0
+    assert _gpu.traced is _extension.traced
 
 
 def test_model_benchmark_variant(tmp_path, capsys):

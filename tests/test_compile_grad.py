@@ -345,3 +345,80 @@ def test_compiled_plan_matches_reference(routing: Routing, device):
              "expert_offsets", "tile_experts", "num_rows", "num_tiles", "num_invalid"]
     for name, value in zip(names, got):
         assert_bitwise(value, np.asarray(getattr(expected, name), np.int32), name)
+
+
+# --- the GPU glue's gradients, where a transform traces ---------------------------
+
+
+def test_traced_is_what_a_transform_runs_on():
+    """`_extension.traced`: a transform's inputs and every array made from
+    one, while it runs; not an array it does not trace (a closure's), and
+    nothing outside a transform, its own arrays once it has returned."""
+    from mlx_moe_plan._extension import traced
+
+    x, constant = mx.array([1.0, 2.0]), mx.array([3.0, -4.0])
+    seen = {}
+
+    def record(name):
+        def function(x):
+            made = x * constant
+            seen[name] = (traced([x]), traced([made]), traced([constant]),
+                          traced([constant * 2]), traced([constant, made]))
+            return made.sum() if name == "grad" else made
+        return function
+
+    mx.grad(record("grad"))(x)
+    mx.vjp(record("vjp"), [x], [x])
+    mx.jvp(record("jvp"), [x], [x])
+    mx.vmap(record("vmap"))(mx.stack([x, x]))
+    mx.compile(record("compile"))(x)
+    assert seen == {name: (True, True, False, False, True)
+                    for name in ("grad", "vjp", "jvp", "vmap", "compile")}
+    assert not traced([x]) and not traced([x * constant]) and not traced([])
+
+
+@pytest.mark.parametrize("transform", [None, "grad", "vjp", "jvp", "vmap", "compile"])
+def test_gpu_glue_carries_its_gradient_only_where_traced(monkeypatch, transform):
+    """The GPU glue (here the router's top k, its launch stood in for by
+    MLX's ops on the CPU) makes its custom function, the `CustomTransforms`
+    that carries the gradient, where a transform traces the call's arrays,
+    and calls the launch alone elsewhere: outside any transform, and inside
+    one on arrays it does not trace. The values are the same either way."""
+    from benchmarks.step_kernels import graph_nodes
+    from mlx_moe_plan import _gpu
+
+    def stand_in(backend, values, start, count, stream, normalize):
+        order = mx.stop_gradient(mx.argsort(values, axis=-1)[..., start:start + count])
+        return order, mx.take_along_axis(values, order, axis=-1)
+
+    monkeypatch.setattr(_gpu, "_argsort_slice", stand_in)
+    glue, stream = _gpu.GpuBackend("cuda"), mx.default_stream(mx.cpu)
+    rng = np.random.default_rng(3)
+    scores, constant = (mx.array(rng.standard_normal((3, 16)).astype(np.float32))
+                        for _ in range(2))
+    nodes = {}
+
+    def top_k(name, values):
+        picked = glue.argsort_slice(values, 12, 4, stream=stream)[1]
+        nodes[name] = graph_nodes(picked)
+        return picked
+
+    def function(values):
+        top_k("constant", constant)
+        picked = top_k("traced", values)
+        return picked.sum() if transform == "grad" else picked
+
+    with mx.stream(mx.cpu):
+        if transform is None:
+            function(scores)
+        elif transform in ("vjp", "jvp"):
+            getattr(mx, transform)(function, [scores], [mx.ones_like(scores if transform == "jvp"
+                                                                     else scores[:, :4])])
+        elif transform == "vmap":
+            mx.vmap(function)(mx.stack([scores, scores]))
+        else:
+            getattr(mx, transform)(function)(scores)
+    assert nodes["traced"]["CustomTransforms"] == (transform is not None)
+    assert nodes["constant"]["CustomTransforms"] == 0 and nodes["constant"]["ArgSort"] == 1
+    want = mx.take_along_axis(scores, mx.argsort(scores, axis=-1)[..., 12:], axis=-1)
+    assert mx.array_equal(glue.argsort_slice(scores, 12, 4, stream=stream)[1], want).item()

@@ -1,0 +1,27 @@
+"""The C++ extension (`src/`), imported once and checked against the MLX it
+runs with: the CPU backend's primitives, and `traced`, which the GPU glue asks.
+"""
+
+from __future__ import annotations
+
+try:
+    from . import _ext
+except ImportError as error:  # a missing build, not a missing symbol deep inside
+    raise ImportError(
+        "mlx_moe_plan's C++ extension is not built. Install the package with "
+        "`pip install --no-build-isolation .` next to the MLX it will run with "
+        "(see the README)."
+    ) from error
+
+import mlx.core as mx
+
+if _ext.built_with_mlx != mx.__version__:
+    raise ImportError(
+        f"mlx_moe_plan's C++ extension was built against MLX {_ext.built_with_mlx} but "
+        f"MLX {mx.__version__} is installed: rebuild it with "
+        "`pip install --no-build-isolation --force-reinstall --no-deps .`"
+    )
+
+# Whether a running transform (mx.grad, vjp, jvp, vmap, compile) traces any
+# of a list of arrays; bound here, called once a launch.
+traced = _ext.traced
