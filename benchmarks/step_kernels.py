@@ -271,8 +271,8 @@ def time_prefills(side, config: dict, args, cuda: bool) -> str:
 # value means: `attention`, the form of benchmarks.decode_attention's sketch,
 # or of the package's launches in its place, that `sketch_in_models` puts in
 # the side's turns; `gradients=always`, the side's launches each in the
-# custom function that carries its gradient, whether a transform traces its
-# arrays or not (`_gpu.traced` answering yes).
+# custom function that carries its gradient, whether a transform could
+# differentiate it or not (`_gpu.carries_gradients` answering yes).
 VARIANT_OPTIONS = {"attention": {"sketch": "cores", "sketch-mma": "mma",
                                   **{form: form for form in PACKAGE_FORMS}},
                    "gradients": {"always": "always"}}
@@ -535,15 +535,16 @@ def main(argv=None) -> int:
 def gradients_always():
     """Within the block, the GPU glue makes every launch in the custom
     function that carries its gradient, as it did before it asked whether a
-    transform traces the launch's arrays (`_gpu._when_traced`): what those
-    graph nodes and calls cost a step, beside the glue as it is."""
+    transform could differentiate the launch (`_gpu._when_traced`): what
+    those graph nodes and calls cost a step, beside the glue as it is. A
+    compiled forward traced in the block keeps them in its tape."""
     from mlx_moe_plan import _gpu
 
-    traced, _gpu.traced = _gpu.traced, lambda arrays: True
+    carries_gradients, _gpu.carries_gradients = _gpu.carries_gradients, lambda arrays: True
     try:
         yield
     finally:
-        _gpu.traced = traced
+        _gpu.carries_gradients = carries_gradients
 
 
 def _run(args) -> int:

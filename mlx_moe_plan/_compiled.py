@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import _backend, rules
+from . import _backend, _tracing, rules
 
 # Batches of up to this many tokens run compiled. Each new token count traces
 # anew (once per kind of layer and count, about a millisecond of host time), so
@@ -105,13 +105,15 @@ class _CompiledForward:
     def __init__(self):
         self._inputs: dict = {}
         self._forward: Callable | None = None
+        self._for_replay = False
         self._lock = threading.RLock()
         self._compiled = mx.compile(self._traced, inputs=self._inputs)
 
     def _traced(self, *arrays):
         _trace_state.active = True
         try:
-            return self._forward(*arrays)
+            with _tracing.for_replay(self._for_replay):
+                return self._forward(*arrays)
         finally:
             _trace_state.active = False
 
@@ -119,6 +121,9 @@ class _CompiledForward:
         with self._lock:
             self._inputs["module"] = module
             self._forward = forward
+            # Asked before MLX's trace begins, inside which a transform always
+            # runs: a call outside every transform traces for replay only.
+            self._for_replay = not _tracing.transforming()
             try:
                 return self._compiled(*arrays)
             finally:

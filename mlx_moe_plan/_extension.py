@@ -1,5 +1,6 @@
 """The C++ extension (`src/`), imported once and checked against the MLX it
-runs with: the CPU backend's primitives, and `traced`, which the GPU glue asks.
+runs with: the CPU backend's primitives (`_cpu`), and what MLX's transforms
+are doing (`_tracing`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,3 @@ if _ext.built_with_mlx != mx.__version__:
         f"MLX {mx.__version__} is installed: rebuild it with "
         "`pip install --no-build-isolation --force-reinstall --no-deps .`"
     )
-
-# Whether a running transform (mx.grad, vjp, jvp, vmap, compile) traces any
-# of a list of arrays; bound here, called once a launch.
-traced = _ext.traced

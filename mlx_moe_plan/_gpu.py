@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from . import _gradients, kernels
 from ._checks import decoding_mask_fits
-from ._extension import traced
+from ._tracing import carries_gradients
 from .kernels import launch
 
 # Tests set this to a value no kernel writes, so unwritten elements show.
@@ -51,21 +51,18 @@ def _mlx_value(value):
 
 def _when_traced(differentiable: Callable, launched: Callable) -> Callable:
     """`differentiable`, an `mx.custom_function` of `launched` that carries its
-    gradient, where a transform traces one of a call's arrays; `launched`
-    itself elsewhere.
+    gradient, where a transform could differentiate a call
+    (`_tracing.carries_gradients`); `launched` itself elsewhere.
 
     A custom function costs the host its call and two graph nodes an output
     (the output's `StopGradient` and the `CustomTransforms`), at every
-    launch of every decoding step. Only a transform can ask for a gradient,
-    vmap or trace, and it runs the function on tracers: MLX marks its inputs
-    and every array made from one as tracers while it runs (`traced`). An
-    array made from none depends on nothing the transform varies, so a
-    launch on such arrays needs no rule of its own, and one made outside any
-    transform can never be differentiated: the graph is the same either way
-    where a gradient could be taken.
+    launch of every decoding step, replayed from a compiled forward's tape
+    too. Only a transform can ask for a gradient or a vmap, on the arrays it
+    traces (`_tracing` says when it cannot), so the graph is the same either
+    way wherever one could be taken.
     """
     def call(*arrays):
-        return differentiable(*arrays) if traced(arrays) else launched(*arrays)
+        return differentiable(*arrays) if carries_gradients(arrays) else launched(*arrays)
 
     return call
 

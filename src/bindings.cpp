@@ -14,8 +14,8 @@ using namespace nb::literals;
 
 NB_MODULE(_ext, m) {
   m.doc() =
-      "CPU primitives of mlx_moe_plan (plan, gather_rows, combine_rows), and whether a "
-      "transform traces an array (traced).";
+      "CPU primitives of mlx_moe_plan (plan, gather_rows, combine_rows), and what MLX's "
+      "transforms are doing (traced, transforming).";
   // The MLX this extension was compiled against; it links that libmlx's ABI.
   m.attr("built_with_mlx") = BUILT_WITH_MLX;
   // The names of plan's outputs, in order (kPlanOutputs): the Python side
@@ -53,6 +53,22 @@ NB_MODULE(_ext, m) {
 
       Returns:
           bool: True where one of them is traced.
+      )");
+
+  // array::is_tracer is its flag and whether a transform runs now: a probe
+  // flagged a tracer answers the second alone.
+  m.def(
+      "transforming",
+      [] {
+        mlx::core::array probe(0);
+        probe.set_tracer(true);
+        return probe.is_tracer();
+      },
+      R"(Whether a transform (``mx.grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap``,
+      ``mx.compile``) runs now, on this thread.
+
+      Returns:
+          bool: True inside one.
       )");
 
   m.def(

@@ -702,7 +702,7 @@ def test_step_kernels_gradients_always(monkeypatch):
     custom function at every call, traced or not (its launch stood in on the
     CPU), and outside as it is, only where traced."""
     from benchmarks import step_kernels
-    from mlx_moe_plan import _extension, _gpu
+    from mlx_moe_plan import _gpu, _tracing
 
     monkeypatch.setattr(_gpu, "_argsort_slice", lambda backend, values, start, count, stream,
                         normalize: (mx.argsort(values)[..., start:start + count],) * 2)
@@ -714,7 +714,7 @@ def test_step_kernels_gradients_always(monkeypatch):
         inside = step_kernels.graph_nodes(top_k(values)[0])
     outside = step_kernels.graph_nodes(top_k(values)[0])
     assert inside["CustomTransforms"] == 1 and outside["CustomTransforms"] == 0
-    assert _gpu.traced is _extension.traced
+    assert _gpu.carries_gradients is _tracing.carries_gradients
 
 
 def test_model_benchmark_variant(tmp_path, capsys):

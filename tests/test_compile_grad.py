@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import (
@@ -351,10 +352,11 @@ def test_compiled_plan_matches_reference(routing: Routing, device):
 
 
 def test_traced_is_what_a_transform_runs_on():
-    """`_extension.traced`: a transform's inputs and every array made from
+    """`_tracing.traced`: a transform's inputs and every array made from
     one, while it runs; not an array it does not trace (a closure's), and
-    nothing outside a transform, its own arrays once it has returned."""
-    from mlx_moe_plan._extension import traced
+    nothing outside a transform, its own arrays once it has returned.
+    `_tracing.transforming`: inside each transform, not outside."""
+    from mlx_moe_plan._tracing import traced, transforming
 
     x, constant = mx.array([1.0, 2.0]), mx.array([3.0, -4.0])
     seen = {}
@@ -363,7 +365,7 @@ def test_traced_is_what_a_transform_runs_on():
         def function(x):
             made = x * constant
             seen[name] = (traced([x]), traced([made]), traced([constant]),
-                          traced([constant * 2]), traced([constant, made]))
+                          traced([constant * 2]), traced([constant, made]), transforming())
             return made.sum() if name == "grad" else made
         return function
 
@@ -372,9 +374,10 @@ def test_traced_is_what_a_transform_runs_on():
     mx.jvp(record("jvp"), [x], [x])
     mx.vmap(record("vmap"))(mx.stack([x, x]))
     mx.compile(record("compile"))(x)
-    assert seen == {name: (True, True, False, False, True)
+    assert seen == {name: (True, True, False, False, True, True)
                     for name in ("grad", "vjp", "jvp", "vmap", "compile")}
     assert not traced([x]) and not traced([x * constant]) and not traced([])
+    assert not transforming()
 
 
 @pytest.mark.parametrize("transform", [None, "grad", "vjp", "jvp", "vmap", "compile"])
@@ -422,3 +425,54 @@ def test_gpu_glue_carries_its_gradient_only_where_traced(monkeypatch, transform)
     assert nodes["constant"]["CustomTransforms"] == 0 and nodes["constant"]["ArgSort"] == 1
     want = mx.take_along_axis(scores, mx.argsort(scores, axis=-1)[..., 12:], axis=-1)
     assert mx.array_equal(glue.argsort_slice(scores, 12, 4, stream=stream)[1], want).item()
+
+
+@pytest.mark.parametrize("outer", [None, "grad", "vmap", "compile"])
+def test_compiled_forward_traced_for_replay_carries_no_gradient(monkeypatch, outer):
+    """A compiled forward of the package's (`_compiled.compiled_call`) that
+    MLX traces to replay, its call made outside every transform, makes its
+    launches alone: MLX replays that tape only on untraced arrays, so its
+    gradient's nodes would be replayed for nothing. Called inside a
+    transform, MLX runs the forward itself on the tracers, and its launches
+    carry their gradient; the gradient through the forward is right."""
+    from benchmarks.step_kernels import graph_nodes
+    from mlx_moe_plan import _compiled, _gpu
+
+    def stand_in(backend, values, start, count, stream, normalize):
+        order = mx.stop_gradient(mx.argsort(values, axis=-1)[..., start:start + count])
+        return order, mx.take_along_axis(values, order, axis=-1)
+
+    monkeypatch.setattr(_gpu, "_argsort_slice", stand_in)
+    glue, stream = _gpu.GpuBackend("cuda"), mx.default_stream(mx.cpu)
+    module = nn.Linear(16, 16)
+    seen = []
+
+    def forward(x):
+        picked = glue.argsort_slice(module(x), 12, 4, stream=stream)[1]
+        seen.append(graph_nodes(picked)["CustomTransforms"])
+        return picked
+
+    def call(x):
+        return _compiled.compiled_call(module, forward, x, key=("replay", outer))
+
+    x = mx.array(np.random.default_rng(8).standard_normal((3, 16)).astype(np.float32))
+    with mx.stream(mx.cpu):
+        want = forward(x)  # uncompiled, outside every transform
+        if outer is None:
+            got = call(x)
+            got_again = call(x)  # replayed: no forward runs
+            assert mx.array_equal(got_again, want).item()
+        elif outer == "grad":
+            got = call(x)
+            grad = mx.grad(lambda x: call(x).sum())(x)
+            want_grad = mx.grad(lambda x: stand_in(None, module(x), 12, 4, None, False)[1]
+                                .sum())(x)
+            assert mx.array_equal(grad, want_grad).item() and mx.abs(grad).max().item() > 0
+        elif outer == "vmap":
+            got = mx.vmap(call)(x[None])[0]
+        else:
+            got = mx.compile(call)(x)
+    assert mx.array_equal(got, want).item()
+    # the uncompiled call, then the compiled ones' forwards as MLX ran them
+    assert seen == {None: [0, 0], "grad": [0, 0, 1], "vmap": [0, 1],
+                    "compile": [0, 1]}[outer]

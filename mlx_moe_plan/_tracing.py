@@ -1,0 +1,58 @@
+"""What MLX's transforms are doing, which its Python API does not say, for
+the GPU glue's one question: whether a launch must carry its gradient.
+
+MLX runs a function under `mx.grad`, `mx.vjp`, `mx.jvp`, `mx.vmap` and
+`mx.compile` on tracers, and marks every array made from one as a tracer too
+while the transform runs (`traced`). A launch on arrays no transform traces
+depends on nothing a transform varies, and one outside every transform can
+never be differentiated: neither needs the custom function that carries its
+gradient (`_gpu._when_traced`).
+
+Nor does a launch traced by the package's own compiled forwards for MLX to
+replay (`_compiled`): MLX traces a compiled function once, on a call made
+outside every transform, and replays that tape only on later calls whose
+arrays no transform traces; on traced arrays it calls the function itself
+(mlx/compile.cpp). So nothing in such a tape is ever differentiated or
+vmapped, and the gradient's graph nodes in it would be replayed at every step
+for nothing. `for_replay` says a trace is one of those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from ._extension import _ext
+
+# Whether a running transform traces any of a list of arrays.
+traced = _ext.traced
+# Whether a transform runs now, on this thread.
+transforming = _ext.transforming
+
+_state = threading.local()
+
+
+def replayed_trace() -> bool:
+    """Whether the package's compiled forward being traced now, on this
+    thread, is traced for MLX to replay only (`for_replay`)."""
+    return getattr(_state, "for_replay", False)
+
+
+@contextlib.contextmanager
+def for_replay(replayed: bool):
+    """Within the block, `replayed_trace()` is `replayed`: a compiled
+    forward's trace, which its call, made before MLX's trace began, found
+    outside every transform (`not transforming()`) or not."""
+    kept = replayed_trace()
+    _state.for_replay = replayed
+    try:
+        yield
+    finally:
+        _state.for_replay = kept
+
+
+def carries_gradients(arrays) -> bool:
+    """Whether a launch on `arrays` must be made in the custom function that
+    carries its gradient: a transform traces one of them, and not only the
+    package's trace of a compiled forward for MLX to replay."""
+    return traced(arrays) and not replayed_trace()
