@@ -721,15 +721,13 @@ def _fitted_row_tiles(rows_per_expert: float, row_tiles: int) -> int:
     no expert fills still cost registers (in 64 rows Qwen3-Next's launches
     spill), while an expert of more rows than the block takes a second
     block, nearly empty, whose weights are read and made again. Routed
-    counts spread about the average by about its square root. On an H100,
-    against 64 rows (benchmarks/RESULTS.md, "The warps' own block in fewer
-    rows"), each launch of Qwen3-Next at 40 rows an expert (T = 2048) ran
-    1.06x to 1.09x faster in 48 rows, 1.04x to 1.11x in 56, and 0.92x to
-    0.93x in 40, the average itself; Qwen3-30B-A3B's at 32 (T = 512) 1.11x
-    to 1.17x in 40 rows, 1.10x to 1.15x in 48 and 1.09x to 1.13x in 32.
-    Only 4 bits in groups of 64 and bfloat16 rows were timed; fewer sums a
-    warp cannot spill where more did not, so the other formats take the
-    same block. Metal keeps its blocks (none measured there)."""
+    counts spread about the average by about its square root, so a block of
+    the average itself leaves many experts a second block, and one of the
+    average plus its square root holds most whole. Measured against 64 rows
+    at 32 and 40 rows an expert, 4 and 8 bits (benchmarks/RESULTS.md, "The
+    warps' own block in fewer rows"); fewer sums a warp cannot spill where
+    more did not, so the formats not timed take the same block. Metal keeps
+    its blocks (none measured there)."""
     wanted = rows_per_expert + math.sqrt(rows_per_expert)
     return max(1, min(row_tiles, math.ceil(wanted / 8)))
 
