@@ -158,13 +158,12 @@
 #               statistics and occupancy (ncu on the PATH): registers, spills
 #               and groups an SM.
 #   few-rows    (not in `bench`) the warps' own block of fewer 8-row tiles,
-#               near the rows an expert holds, not 64: fewer sums a warp (the
-#               default's registers spill, fewer-sums above) and no weight made
-#               twice, the experts past the block's rows a second block;
-#               Qwen3-Next at T = 2048 (40 rows an expert) in 5, 6 and 7 row
-#               tiles and Qwen3-30B-A3B at 512 (32) in 4, 5 and 6, beside the
-#               default; then Qwen3-Next's in 6 under Nsight Compute's launch
-#               statistics (ncu on the PATH): registers and spills.
+#               near the rows an expert holds: the default (the rule's,
+#               launch._fitted_row_tiles) beside 64 rows (block_fitted_rows=0)
+#               and Qwen3-Next at T = 2048 (40 rows an expert) in 5, 6 and 7 row
+#               tiles, Qwen3-30B-A3B at 512 (32) in 4, 5 and 6; then
+#               Qwen3-Next's in 6 under Nsight Compute's launch statistics (ncu
+#               on the PATH): registers and spills.
 #   item-runs (not in `bench`) each group's items one run of stages
 #               (block_across_items=1, ACROSS_ITEMS: an item's first copies in
 #               flight while the item before is multiplied and stored): its GPU
@@ -786,13 +785,15 @@ if wanted fewer-sums; then
   fi
 fi
 if wanted few-rows; then
-  # the block's row tiles, the gated launch's alike
+  # the block's row tiles, the gated launch's alike, the rule's fitting off
   rows_tiles() {
     local n
-    for n in "$@"; do printf ';block_row_tiles=%s,block_gated_row_tiles=%s' "$n" "$n"; done
+    for n in "$@"; do
+      printf ';block_row_tiles=%s,block_gated_row_tiles=%s,block_fitted_rows=0' "$n" "$n"
+    done
   }
-  grouped_qmm_each few-rows "qwen3-next 2048 default$(rows_tiles 5 6 7)" \
-    "qwen3-30b-a3b 512 default$(rows_tiles 4 5 6)"
+  grouped_qmm_each few-rows "qwen3-next 2048 default;block_fitted_rows=0$(rows_tiles 5 6 7)" \
+    "qwen3-30b-a3b 512 default;block_fitted_rows=0$(rows_tiles 4 5 6)"
   if command -v ncu >/dev/null; then
     logged "$results/few-rows-ncu.log" ncu --kernel-id "::regex:moe_grouped_qmm:2" \
       --section LaunchStats --section Occupancy --section SpeedOfLight python3 -m \

@@ -777,7 +777,11 @@ def test_grouped_qmm_tiles_unaligned(name):
                      token_range=(-50, 60))
 
 
-TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles=1),
+# Each block as it says, not fitted to the few rows an expert holds here
+# (test_grouped_qmm_tiles_other_blocks turns _fitted_row_tiles off): the
+# default's 64 rows among them, which the rule takes from 50 rows an expert.
+TILES_BLOCKS = [dict(block_row_tiles=8), dict(block_row_tiles=2),
+                dict(block_row_warps=4, block_row_tiles=1),
                 dict(block_column_warps=1, block_tiles=1, block_gated_tiles=1),
                 dict(block_stages=3), dict(block_stages=4, block_row_tiles=1),
                 dict(block_stage_values=256, block_row_tiles=1),
@@ -806,7 +810,7 @@ TILES_BLOCKS = [dict(block_row_tiles=2), dict(block_row_warps=4, block_row_tiles
                          ids=[",".join(f"{k}={v}" for k, v in t.items()) for t in TILES_BLOCKS])
 def test_grouped_qmm_tiles_other_blocks(changes):
     rng = np.random.default_rng(43)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, **changes):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_fitted_rows=0, **changes):
         check_grouped_qmm(_grouped_qmm, rng, [2, 0, 90, 1, 5], 40, 256, 4, 64, "bfloat16", 3)
         _check_fused(rng, [1, 3, 70], 9, 128, 8, 32, "float16", 0, 5, True, True)
 
