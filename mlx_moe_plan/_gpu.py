@@ -652,8 +652,8 @@ def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) 
     """`launched(*arrays)` (a launch's outputs) with the gradient of `by_ops`
     (the same computation by MLX's own ops, as the launch's glue states it)
     with respect to the first `differentiable` arrays, the others (positions,
-    say) getting zeros: an `mx.custom_function` where a transform traces the
-    arrays (`_when_traced`)."""
+    say) getting zeros: an `mx.custom_function` where a transform could
+    differentiate it (`_when_traced`)."""
     function = mx.custom_function(launched)
 
     @function.vjp

@@ -358,8 +358,9 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # where the projections are one GEMM's parts, whose rows the norms copy
 # first. At batch 8 a step's length follows its launches more than their GPU
 # time (benchmarks/HISTORY.md, "The whole step at batch 8"). But each launch
-# of the package's costs the host more than one of MLX's ops (its glue and
-# `mx.custom_function`), so it pays only where it replaces several. It does
+# of the package's costs the host more than one of MLX's ops (its glue, and
+# then `mx.custom_function`, which a step outside every transform no longer
+# makes: not timed since), so it pays only where it replaces several. It does
 # not: timed alone in a whole step, its step built 2.8 to 5.5 ms more slowly
 # and ran 0.86x to 0.90x at batch 4 and 8, slower at 1 (benchmarks/HISTORY.md,
 # "The fused attention's launch alone in a step"). Bound once a size since, as
@@ -401,8 +402,9 @@ def fuses_head_norm_rope(rows: int, *, cuda: bool) -> bool:
 # lengthened them at 2, where its launches' host work outweighs their GPU
 # time (benchmarks/HISTORY.md, "A decoding attention of the package's own in
 # whole steps"). The package's launches take less GPU time than the
-# sketch's; their glue (the custom function that carries their gradient, the
-# checks) gives back part of the gain to the host. Timed with each side's
+# sketch's; their glue (the checks, and then the custom function that carried
+# their gradient, which a step outside every transform no longer makes: not
+# timed since) gave back part of the gain to the host. Timed with each side's
 # steps interleaved one by one (whole turns spread too much on these hosts to
 # tell the sides apart), they shortened the patch's steps from 8 sequences
 # and ran within the spread at 4: from 8. With a mask (mlx-lm's batch cache,
