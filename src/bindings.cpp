@@ -56,11 +56,12 @@ NB_MODULE(_ext, m) {
       )");
 
   // array::is_tracer is its flag and whether a transform runs now: a probe
-  // flagged a tracer answers the second alone.
+  // flagged a tracer answers the second alone. A placeholder, as MLX's own
+  // tracers are made: no data, nothing allocated.
   m.def(
       "transforming",
       [] {
-        mlx::core::array probe(0);
+        mlx::core::array probe(mlx::core::Shape{}, mlx::core::bool_, nullptr, {});
         probe.set_tracer(true);
         return probe.is_tracer();
       },
