@@ -793,8 +793,11 @@ TILES_BLOCKS = [dict(block_row_tiles=8), dict(block_row_tiles=2),
                 dict(block_row_warps=2, block_row_tiles=4),
                 dict(block_column_warps=8, block_tiles=1),
                 # blocks of as many 8-row tiles as an expert's rows fill at Qwen3-Next's
-                # 40 rows an expert, not a power of two (the `few-rows` step)
+                # 40 rows an expert, not a power of two (the `few-rows` step; 6,
+                # 48 rows, the rule's there)
+                dict(block_row_tiles=3, block_gated_row_tiles=3),
                 dict(block_row_tiles=5, block_gated_row_tiles=5),
+                dict(block_row_tiles=6, block_gated_row_tiles=6),
                 dict(block_row_tiles=7, block_gated_row_tiles=7),
                 dict(block_max_groups=1),
                 # Hopper's warpgroup multiply-add, emulated (tiles_products.h)
@@ -992,8 +995,10 @@ def test_fitted_row_tiles_rule():
     8-row tiles whose rows reach the rows an expert holds on average plus
     their square root, at most the tiling's (Qwen3-Next at T = 2048, 40 rows
     an expert: 48 rows; Qwen3-30B-A3B at 512, 32: 40), gated or not, where
-    the GPU has wgmma or not, on CUDA and OpenCL; a dense projection, the
-    tall gated blocks, Metal and `block_fitted_rows=0` keep the tiling's."""
+    the GPU has wgmma or not, on CUDA and OpenCL, the warps' own block by the
+    rule or named (`block_warpgroup=0`), its rows over its row warps; a dense
+    projection, the tall gated blocks, Metal and `block_fitted_rows=0` keep
+    the tiling's."""
     def block_rows(experts, capacity, gated=False, backend="cuda", warpgroup=True,
                    dense=False):
         template = dict(launch.grouped_qmm_launch(experts, 2048, 512, capacity, 4, 64,
@@ -1010,7 +1015,12 @@ def test_fitted_row_tiles_rule():
     assert [launch._fitted_row_tiles(rows, 8) for rows in (1, 26.8, 26.9, 49, 49.3, 64)] \
         == [1, 4, 5, 7, 8, 8]
     assert launch._fitted_row_tiles(40, 5) == 5  # at most the tiling's
+    assert launch._fitted_row_tiles(40, 4, row_warps=2) == 3  # 48 rows over 2 warps
     assert block_rows(512, 20480, backend="metal") == 64
+    with launch.grouped_qmm_tiling(block_warpgroup=0):
+        assert block_rows(512, 20480) == 48 and block_rows(128, 4096) == 40
+    with launch.grouped_qmm_tiling(block_row_warps=2, block_row_tiles=4):
+        assert block_rows(512, 20480) == 48 and block_rows(128, 128 * 60) == 64
     with launch.grouped_qmm_tiling(block_fitted_rows=0):
         assert block_rows(512, 20480) == block_rows(128, 4096) == 64
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_gated_tall_rows=0):

@@ -154,10 +154,10 @@ class GroupedQmmTiling:
     block_tiles: int = 2
     block_gated_tiles: int = 1
     block_row_tiles: int = 8
-    # 1: an experts' launch in that block (not a dense projection's, not in
-    # tall gated blocks) takes as few of those row tiles as reach the rows an
-    # expert holds on average plus their square root (_fitted_row_tiles); 0:
-    # block_row_tiles at every size
+    # 1: an experts' launch in that block (by the rule, or block_warpgroup 0;
+    # not a dense projection's, not the tall gated blocks) takes as few of
+    # those row tiles as reach the rows an expert holds on average plus their
+    # square root (_fitted_row_tiles); 0: block_row_tiles at every size
     block_fitted_rows: int = 1
     # gated blocks of this many 8-row tiles from block_gated_tall_rows rows an
     # expert on average (the plan's capacity over its experts), 4 bits in
@@ -660,8 +660,9 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     projection is whole blocks (`_whole_blocks`), and there also from
     `block_shared_gated_rows` up to `block_shared_sized_up_to_rows`, and else
     from `block_shared_rows`; a dense projection's (`dense`, one expert) from
-    `block_shared_dense_rows` rows; every other launch the warps' own
-    multiply-adds (0).
+    `block_shared_dense_rows` rows; every other launch, and one whose tiling
+    says 0, the warps' own multiply-adds (0) in the rows `_own_block_tiling`
+    gives them.
 
     On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks,
@@ -688,7 +689,8 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     these blocks, keep theirs until timed in them, and so do Metal and OpenCL
     (no wgmma)."""
     if tiling.block_warpgroup is not None:
-        return tiling
+        return tiling if tiling.block_warpgroup else _own_block_tiling(
+            tiling, backend, capacity / num_experts, dense)
     whole = not dense and not gated and _whole_blocks(_decided_tiling(tiling, True), in_dims,
                                                       out_dims)
     rows = (tiling.block_shared_dense_rows if dense
@@ -700,22 +702,30 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     shared_weights = (backend == "cuda" and warpgroup and (bits, quant_group) == (4, 64)
                       and (capacity >= rows * num_experts or sized))
     if not shared_weights:
-        fitted = (tiling.block_fitted_rows and not dense and backend != "metal"
-                  and not _tall_gated_blocks(gated, backend, bits, quant_group, capacity,
-                                             num_experts, tiling))
-        return _decided_tiling(tiling, False, _fitted_row_tiles(
-            capacity / num_experts, tiling.block_row_tiles) if fitted else tiling.block_row_tiles)
+        return _own_block_tiling(tiling, backend, capacity / num_experts, dense)
     row_tiles = (SHARED_WEIGHTS_TILING["block_row_tiles"] if dense
                  else tiling.block_shared_row_tiles
                  or _shared_weights_row_tiles(capacity / num_experts, gated, in_dims))
     return _decided_tiling(tiling, True, row_tiles)
 
 
-def _fitted_row_tiles(rows_per_expert: float, row_tiles: int) -> int:
-    """The warps' own block's 8-row tiles for the experts' launches where an
-    expert holds `rows_per_expert` rows on average: the fewest whose rows
-    reach the average plus its square root, at most `row_tiles` (the
-    tiling's).
+def _own_block_tiling(tiling: GroupedQmmTiling, backend: str, rows_per_expert: float,
+                      dense: bool) -> GroupedQmmTiling:
+    """`tiling` in the warps' own block (block_warpgroup 0), an experts'
+    launch's (not `dense`, not on Metal) in `_fitted_row_tiles` where
+    `block_fitted_rows` says so. The tall gated blocks take
+    `block_gated_row_tiles`, which this leaves as it is."""
+    fitted = tiling.block_fitted_rows and not dense and backend != "metal"
+    return _decided_tiling(tiling, False, _fitted_row_tiles(
+        rows_per_expert, tiling.block_row_tiles, tiling.block_row_warps)
+        if fitted else tiling.block_row_tiles)
+
+
+def _fitted_row_tiles(rows_per_expert: float, row_tiles: int, row_warps: int = 1) -> int:
+    """The warps' own block's 8-row tiles a warp for the experts' launches
+    where an expert holds `rows_per_expert` rows on average: the fewest
+    whose rows, over the block's `row_warps`, reach the average plus its
+    square root, at most `row_tiles` (the tiling's).
 
     Each warp of the block holds the sums of all the block's rows, so rows
     no expert fills still cost registers (in 64 rows Qwen3-Next's launches
@@ -729,7 +739,7 @@ def _fitted_row_tiles(rows_per_expert: float, row_tiles: int) -> int:
     more did not, so the formats not timed take the same block. Metal keeps
     its blocks (none measured there)."""
     wanted = rows_per_expert + math.sqrt(rows_per_expert)
-    return max(1, min(row_tiles, math.ceil(wanted / 8)))
+    return max(1, min(row_tiles, math.ceil(wanted / (8 * row_warps))))
 
 
 def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int) -> int:
