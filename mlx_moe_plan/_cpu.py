@@ -6,7 +6,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ._extension import _ext
+from ._extension import REBUILD, _ext
 from ._sizes import PLAN_FIELDS
 
 # The Plan primitive returns the plan's fields in PLAN_FIELDS order (row_weights,
@@ -17,8 +17,7 @@ if tuple(_ext.plan_outputs) != PLAN_FIELDS:
     raise ImportError(
         f"mlx_moe_plan's C++ extension returns the plan's fields as {_ext.plan_outputs}, "
         f"not in _sizes.PLAN_FIELDS order {PLAN_FIELDS}: the two lists must agree (after "
-        "a change to src/, rebuild with `pip install --no-build-isolation --force-reinstall "
-        "--no-deps .`)"
+        f"a change to src/, rebuild with {REBUILD})"
     )
 
 

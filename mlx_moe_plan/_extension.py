@@ -16,9 +16,17 @@ except ImportError as error:  # a missing build, not a missing symbol deep insid
 
 import mlx.core as mx
 
+REBUILD = "`pip install --no-build-isolation --force-reinstall --no-deps .`"
+
 if _ext.built_with_mlx != mx.__version__:
     raise ImportError(
         f"mlx_moe_plan's C++ extension was built against MLX {_ext.built_with_mlx} but "
-        f"MLX {mx.__version__} is installed: rebuild it with "
-        "`pip install --no-build-isolation --force-reinstall --no-deps .`"
+        f"MLX {mx.__version__} is installed: rebuild it with {REBUILD}"
+    )
+# An extension built from an older tree for the same MLX lacks what the GPU
+# glue asks (`_tracing`): the same rebuild mends it.
+if not hasattr(_ext, "transforming"):
+    raise ImportError(
+        f"mlx_moe_plan's C++ extension was built from an older version of the package: "
+        f"rebuild it with {REBUILD}"
     )
