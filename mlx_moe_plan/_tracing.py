@@ -9,12 +9,13 @@ never be differentiated: neither needs the custom function that carries its
 gradient (`_gpu._when_traced`).
 
 Nor does a launch traced by the package's own compiled forwards for MLX to
-replay (`_compiled`): MLX traces a compiled function once, on a call made
-outside every transform, and replays that tape only on later calls whose
-arrays no transform traces; on traced arrays it calls the function itself
-(mlx/compile.cpp). So nothing in such a tape is ever differentiated or
-vmapped, and the gradient's graph nodes in it would be replayed at every step
-for nothing. `for_replay` says a trace is one of those.
+replay (`_compiled`): MLX traces a compiled function on a call whose arrays
+no transform traces, and replays that tape only on such calls; on traced
+arrays it calls the function itself (mlx/compile.cpp). So nothing in such a
+tape is ever differentiated or vmapped, and the gradient's graph nodes in it
+would be replayed at every step for nothing. `for_replay` says a trace is
+one of those: one whose call came outside every transform (`transforming`),
+which leaves out, to be safe, the rarer trace on untraced arrays inside one.
 """
 
 from __future__ import annotations

@@ -45,8 +45,10 @@ NB_MODULE(_ext, m) {
 
       ``mx.grad``, ``mx.vjp``, ``mx.jvp``, ``mx.vmap`` and ``mx.compile``
       trace their function's inputs and every array made from them while the
-      function runs; nothing else is traced, and no array once its transform
-      has returned.
+      function runs, and no array once its transform has returned. A yes can
+      be more than that, never less: every array while a vjp's backward pass
+      runs, or one flagged by a transform that has returned while another
+      runs.
 
       Args:
           arrays (list(array)): The arrays to ask about.

@@ -427,20 +427,26 @@ def test_gpu_glue_carries_its_gradient_only_where_traced(monkeypatch, transform)
     assert mx.array_equal(glue.argsort_slice(scores, 12, 4, stream=stream)[1], want).item()
 
 
-@pytest.mark.parametrize("outer", [None, "grad", "vmap", "compile"])
+@pytest.mark.parametrize("outer", [None, "grad", "parameters", "vmap", "compile"])
 def test_compiled_forward_traced_for_replay_carries_no_gradient(monkeypatch, outer):
     """A compiled forward of the package's (`_compiled.compiled_call`) that
     MLX traces to replay, its call made outside every transform, makes its
     launches alone: MLX replays that tape only on untraced arrays, so its
     gradient's nodes would be replayed for nothing. Called inside a
     transform, MLX runs the forward itself on the tracers, and its launches
-    carry their gradient; the gradient through the forward is right."""
+    carry their gradient; the gradient through the forward is right. The
+    launch's stand-in stops the gradient of what it returns, as a kernel has
+    none: only the custom function's gives one."""
     from benchmarks.step_kernels import graph_nodes
-    from mlx_moe_plan import _compiled, _gpu
+    from mlx_moe_plan import _compiled, _gpu, _tracing
+
+    def picked_of(values):
+        order = mx.stop_gradient(mx.argsort(values, axis=-1)[..., 12:])
+        return order, mx.take_along_axis(values, order, axis=-1)
 
     def stand_in(backend, values, start, count, stream, normalize):
-        order = mx.stop_gradient(mx.argsort(values, axis=-1)[..., start:start + count])
-        return order, mx.take_along_axis(values, order, axis=-1)
+        assert (start, count) == (12, 4)
+        return tuple(map(mx.stop_gradient, picked_of(values)))
 
     monkeypatch.setattr(_gpu, "_argsort_slice", stand_in)
     glue, stream = _gpu.GpuBackend("cuda"), mx.default_stream(mx.cpu)
@@ -465,14 +471,20 @@ def test_compiled_forward_traced_for_replay_carries_no_gradient(monkeypatch, out
         elif outer == "grad":
             got = call(x)
             grad = mx.grad(lambda x: call(x).sum())(x)
-            want_grad = mx.grad(lambda x: stand_in(None, module(x), 12, 4, None, False)[1]
-                                .sum())(x)
+            want_grad = mx.grad(lambda x: picked_of(module(x))[1].sum())(x)
             assert mx.array_equal(grad, want_grad).item() and mx.abs(grad).max().item() > 0
+        elif outer == "parameters":  # the module's weights traced, not the input
+            got = call(x)
+            _, grads = nn.value_and_grad(module, lambda x: call(x).sum())(x)
+            _, want_grads = nn.value_and_grad(module, lambda x: picked_of(module(x))[1].sum())(x)
+            assert mx.array_equal(grads["weight"], want_grads["weight"]).item()
+            assert mx.abs(want_grads["weight"]).max().item() > 0
         elif outer == "vmap":
             got = mx.vmap(call)(x[None])[0]
         else:
             got = mx.compile(call)(x)
     assert mx.array_equal(got, want).item()
     # the uncompiled call, then the compiled ones' forwards as MLX ran them
-    assert seen == {None: [0, 0], "grad": [0, 0, 1], "vmap": [0, 1],
+    assert seen == {None: [0, 0], "grad": [0, 0, 1], "parameters": [0, 0, 1], "vmap": [0, 1],
                     "compile": [0, 1]}[outer]
+    assert not _tracing.replayed_trace()  # nothing left set past the calls
