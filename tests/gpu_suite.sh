@@ -734,7 +734,7 @@ if wanted gradient-nodes; then
   glue="$glue;launched:attention=package-launched;step:attention=package-step"
   logged "$results/gradient-nodes.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,4 --rounds 5 --interleave --variants "$glue;method:attention=package"
-  logged "$results/gradient-nodes-nograd.log" python3 -m benchmarks.step_kernels --layers 48 \
+  logged "$results/gradient-nodes-always.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8,32,4 --rounds 5 --interleave --variants "always:gradients=always"
   logged "$results/gradient-nodes-graph.log" python3 -m benchmarks.step_kernels --layers 48 \
     --batches 8 --graph --top 30
