@@ -5,7 +5,7 @@ compiles one instance per template argument set. How each body is run (its
 arguments, sizes, grid and template constants) comes from `kernels/launch.py`,
 shared with the OpenCL tests. Gradients go through `mx.custom_function`,
 with the formulas of `_gradients.py` run on these kernels, wherever a
-transform traces a launch's inputs (`_when_traced`); the C++ primitives'
+transform could differentiate a launch (`_when_traced`); the C++ primitives'
 vjps (`src/gather.cpp`, `src/combine.cpp`) are the same formulas in C++.
 """
 
