@@ -164,6 +164,11 @@
 #               tiles, Qwen3-30B-A3B at 512 (32) in 4, 5 and 6; then
 #               Qwen3-Next's in 6 under Nsight Compute's launch statistics (ncu
 #               on the PATH): registers and spills.
+#   fitted-rows (not in `bench`) the rule's blocks (launch._fitted_row_tiles)
+#               beside 64 rows at 32 rows an expert (DeepSeek-V3 at T = 1024,
+#               Mixtral at 128, Qwen3-30B-A3B at 512) and 40 (Qwen3-Next at
+#               2048), uniform and skewed routing (--skew 1); then the block
+#               tiles' GPU tests under compute-sanitizer's three tools (CUDA).
 #   item-runs (not in `bench`) each group's items one run of stages
 #               (block_across_items=1, ACROSS_ITEMS: an item's first copies in
 #               flight while the item before is multiplied and stored): its GPU
@@ -799,6 +804,27 @@ if wanted few-rows; then
       --section LaunchStats --section Occupancy --section SpeedOfLight python3 -m \
       benchmarks.grouped_qmm --shapes qwen3-next --tokens 2048 --calls 1 --no-sorted \
       --sides kernel --tilings "$(rows_tiles 6 | cut -c2-)"
+  fi
+fi
+if wanted fitted-rows; then
+  # the rule's fitted blocks against 64 rows where the tiles start (32 rows an
+  # expert: DeepSeek-V3's T = 1024, Mixtral's 128, Qwen3-30B-A3B's 512) and at
+  # Qwen3-Next's 40, uniform and skewed; then its blocks under the sanitizers
+  for shape in "deepseek-v3 1024" "mixtral 128" "qwen3-30b-a3b 512" "qwen3-next 2048"; do
+    read -r name tokens <<<"$shape"
+    for skew in 0 1; do
+      logged "$results/fitted-rows-$name-skew$skew.log" python3 -m benchmarks.grouped_qmm \
+        --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --skew "$skew" \
+        --tilings "default;block_fitted_rows=0"
+    done
+  done
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      HYPOTHESIS_PROFILE=sanitize logged "$results/fitted-rows-sanitizer-$tool.log" \
+        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+        python3 -m pytest -q -x -m gpu tests/test_grouped_qmm.py \
+        -k "tiles_match or prefill_shapes" -p no:cacheprovider
+    done
   fi
 fi
 if wanted item-runs; then
