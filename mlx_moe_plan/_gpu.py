@@ -49,10 +49,11 @@ def _mlx_value(value):
     return getattr(mx, value) if isinstance(value, str) else value
 
 
-def _when_traced(differentiable: Callable, launched: Callable) -> Callable:
-    """`differentiable`, an `mx.custom_function` of `launched` that carries its
-    gradient, where a transform could differentiate a call
-    (`_tracing.carries_gradients`); `launched` itself elsewhere.
+def _when_traced(launched: Callable, vjp: Callable) -> Callable:
+    """`launched` as an `mx.custom_function` whose gradient is `vjp` (its
+    `vjp(primals, cotangents, outputs)`), where a transform could
+    differentiate a call (`_tracing.carries_gradients`); `launched` itself
+    elsewhere.
 
     A custom function costs the host its call and two graph nodes an output
     (the output's `StopGradient` and the `CustomTransforms`), at every
@@ -61,6 +62,9 @@ def _when_traced(differentiable: Callable, launched: Callable) -> Callable:
     traces (`_tracing` says when it cannot), so the graph is the same either
     way wherever one could be taken.
     """
+    differentiable = mx.custom_function(launched)
+    differentiable.vjp(vjp)
+
     def call(*arrays):
         return differentiable(*arrays) if carries_gradients(arrays) else launched(*arrays)
 
@@ -433,9 +437,6 @@ def _argsort_slice_function(backend, start, count, normalize, stream):
     def launched(values):
         return _argsort_slice(backend, values, start, count, stream, normalize)
 
-    argsort_slice = mx.custom_function(launched)
-
-    @argsort_slice.vjp
     def argsort_slice_vjp(primals, cotangents, outputs):
         # The gradient of take_along_axis at the same indices (and of the
         # division by their sum, normalized), by MLX's own (one input: MLX
@@ -452,7 +453,7 @@ def _argsort_slice_function(backend, start, count, normalize, stream):
         _, (grad,) = mx.vjp(picked, [values], [cotangents[1]])
         return grad
 
-    return _when_traced(argsort_slice, launched)
+    return _when_traced(launched, argsort_slice_vjp)
 
 
 def _head_norm_rope_computes(head_dim: int, dtype: mx.Dtype) -> bool:
@@ -654,9 +655,6 @@ def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) 
     with respect to the first `differentiable` arrays, the others (positions,
     say) getting zeros: an `mx.custom_function` where a transform could
     differentiate it (`_when_traced`)."""
-    function = mx.custom_function(launched)
-
-    @function.vjp
     def vjp(primals, cotangents, outputs):
         fixed = primals[differentiable:]
         # A launch of one output gets its cotangent alone, not in a list.
@@ -666,7 +664,7 @@ def _gradient_by_ops(launched: Callable, by_ops: Callable, differentiable: int) 
                           list(primals[:differentiable]), list(cotangents))
         return (*grads, *(mx.zeros_like(array) for array in fixed))
 
-    return _when_traced(function, launched)
+    return _when_traced(launched, vjp)
 
 
 @cache_by_stream(maxsize=256)
@@ -786,9 +784,6 @@ def _gather_function(backend, dtype, stream):
     def launched(src, index, inverse):
         return _gather(backend, src, index, dtype, stream)
 
-    gather = mx.custom_function(launched)
-
-    @gather.vjp
     def gather_vjp(primals, cotangent, output):
         src, index, inverse = primals
         # The formula of GatherRows::vjp in src/gather.cpp (tests/test_gradients.py).
@@ -796,7 +791,7 @@ def _gather_function(backend, dtype, stream):
                                           stream=stream)
         return grad, mx.zeros_like(index), mx.zeros_like(inverse)
 
-    return _when_traced(gather, launched)
+    return _when_traced(launched, gather_vjp)
 
 
 @cache_by_stream
@@ -804,9 +799,6 @@ def _combine_function(backend, dtype, has_weights, stream):
     def combine_impl(src, index, inverse, weights=None):
         return _combine(backend, src, index, weights, dtype, stream)
 
-    combine = mx.custom_function(combine_impl)
-
-    @combine.vjp
     def combine_vjp(primals, cotangent, output):
         src, index, inverse = primals[:3]
         weights = primals[3] if has_weights else None
@@ -817,7 +809,7 @@ def _combine_function(backend, dtype, has_weights, stream):
             return grad_src, mx.zeros_like(index), mx.zeros_like(inverse)
         return grad_src, mx.zeros_like(index), mx.zeros_like(inverse), grad_weights
 
-    return _when_traced(combine, combine_impl)
+    return _when_traced(combine_impl, combine_vjp)
 
 
 def _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens, up,
@@ -898,8 +890,6 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias
         return _grouped_qmm(backend, rows, weight, scales, biases, expert_offsets, row_tokens,
                             up, out_biases, clamped, dense, bits, group_size, stream)
 
-    grouped_qmm = mx.custom_function(launched)
-
     def rows_projection(rows, row_experts, weight, scales, biases):
         # rows[r] @ dequantize(weight[e]).T by MLX's GEMM, each row [1, D]
         # against its expert (reshaped, not expand_dims: see
@@ -909,7 +899,6 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias
                             bits=bits, sorted_indices=True, stream=stream)
         return out.reshape(rows.shape[0], out.shape[-1])
 
-    @grouped_qmm.vjp
     def grouped_qmm_vjp(primals, cotangent, output):
         rows, weight, scales, biases, expert_offsets, row_experts, *extra = primals
         zeros = [mx.zeros_like(primal) for primal in primals[1:]]
@@ -951,7 +940,7 @@ def _grouped_qmm_function(backend, bits, group_size, token_rows, gated, out_bias
         _, grads = mx.vjp(unfused, [rows, *extra[first_bias:]], [cotangent])
         return (grads[0], *zeros[:len(zeros) - (len(grads) - 1)], *grads[1:])
 
-    return _when_traced(grouped_qmm, launched)
+    return _when_traced(launched, grouped_qmm_vjp)
 
 
 @cache
