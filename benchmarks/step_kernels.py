@@ -308,6 +308,22 @@ def parse_variants(text: str) -> dict[str, tuple[dict, dict, dict]]:
 
 
 @contextlib.contextmanager
+def gradients_always():
+    """Within the block, the GPU glue makes every launch in the custom
+    function that carries its gradient, as it did before it asked whether a
+    transform could differentiate the launch (`_gpu._when_traced`): what
+    those graph nodes and calls cost a step, beside the glue as it is. A
+    compiled forward traced in the block keeps them in its tape."""
+    from mlx_moe_plan import _gpu
+
+    carries_gradients, _gpu.carries_gradients = _gpu.carries_gradients, lambda arrays: True
+    try:
+        yield
+    finally:
+        _gpu.carries_gradients = carries_gradients
+
+
+@contextlib.contextmanager
 def _settings(constants: dict, tiling: dict, options: dict, defaults: dict):
     """Within the block, a side's rules' constants (`defaults` for those it
     leaves), the grouped kernel's tiling and `VARIANT_OPTIONS`' settings."""
@@ -528,27 +544,6 @@ def main(argv=None) -> int:
     if args.summarize:
         print(summarize(args.summarize, args.top))
         return 0
-    return _run(args)
-
-
-@contextlib.contextmanager
-def gradients_always():
-    """Within the block, the GPU glue makes every launch in the custom
-    function that carries its gradient, as it did before it asked whether a
-    transform could differentiate the launch (`_gpu._when_traced`): what
-    those graph nodes and calls cost a step, beside the glue as it is. A
-    compiled forward traced in the block keeps them in its tape."""
-    from mlx_moe_plan import _gpu
-
-    carries_gradients, _gpu.carries_gradients = _gpu.carries_gradients, lambda arrays: True
-    try:
-        yield
-    finally:
-        _gpu.carries_gradients = carries_gradients
-
-
-def _run(args) -> int:
-    """`main`'s work once its arguments are read."""
     config = with_layers(MODELS[args.models], args.layers)
     model, _ = random_model(config, dtype=getattr(mx, args.dtype), bits=4, group_size=64)
     patched, _ = patched_copy(model, tile_m=None, no_compile=False)
