@@ -351,6 +351,20 @@ def test_compiled_plan_matches_reference(routing: Routing, device):
 # --- the GPU glue's gradients, where a transform traces ---------------------------
 
 
+def _top_k_by_ops(values, start=12, count=4):
+    """The router's top k of `values` by MLX's ops: the indices (no gradient)
+    and their scores."""
+    order = mx.stop_gradient(mx.argsort(values, axis=-1)[..., start:start + count])
+    return order, mx.take_along_axis(values, order, axis=-1)
+
+
+def _top_k_launch(backend, values, start, count, stream, normalize):
+    """`_gpu._argsort_slice`'s launch stood in for on the CPU: `_top_k_by_ops`'
+    arrays, with no gradient of their own, as a kernel's: only the glue's
+    custom function gives one."""
+    return tuple(map(mx.stop_gradient, _top_k_by_ops(values, start, count)))
+
+
 def test_traced_is_what_a_transform_runs_on():
     """`_tracing.traced`: a transform's inputs and every array made from
     one, while it runs; not an array it does not trace (a closure's), and
@@ -390,11 +404,7 @@ def test_gpu_glue_carries_its_gradient_only_where_traced(monkeypatch, transform)
     from benchmarks.step_kernels import graph_nodes
     from mlx_moe_plan import _gpu
 
-    def stand_in(backend, values, start, count, stream, normalize):
-        order = mx.stop_gradient(mx.argsort(values, axis=-1)[..., start:start + count])
-        return order, mx.take_along_axis(values, order, axis=-1)
-
-    monkeypatch.setattr(_gpu, "_argsort_slice", stand_in)
+    monkeypatch.setattr(_gpu, "_argsort_slice", _top_k_launch)
     glue, stream = _gpu.GpuBackend("cuda"), mx.default_stream(mx.cpu)
     rng = np.random.default_rng(3)
     scores, constant = (mx.array(rng.standard_normal((3, 16)).astype(np.float32))
@@ -423,8 +433,8 @@ def test_gpu_glue_carries_its_gradient_only_where_traced(monkeypatch, transform)
             getattr(mx, transform)(function)(scores)
     assert nodes["traced"]["CustomTransforms"] == (transform is not None)
     assert nodes["constant"]["CustomTransforms"] == 0 and nodes["constant"]["ArgSort"] == 1
-    want = mx.take_along_axis(scores, mx.argsort(scores, axis=-1)[..., 12:], axis=-1)
-    assert mx.array_equal(glue.argsort_slice(scores, 12, 4, stream=stream)[1], want).item()
+    assert mx.array_equal(glue.argsort_slice(scores, 12, 4, stream=stream)[1],
+                          _top_k_by_ops(scores)[1]).item()
 
 
 @pytest.mark.parametrize("outer", [None, "grad", "parameters", "vmap", "compile"])
@@ -434,21 +444,11 @@ def test_compiled_forward_traced_for_replay_carries_no_gradient(monkeypatch, out
     launches alone: MLX replays that tape only on untraced arrays, so its
     gradient's nodes would be replayed for nothing. Called inside a
     transform, MLX runs the forward itself on the tracers, and its launches
-    carry their gradient; the gradient through the forward is right. The
-    launch's stand-in stops the gradient of what it returns, as a kernel has
-    none: only the custom function's gives one."""
+    carry their gradient; the gradient through the forward is right."""
     from benchmarks.step_kernels import graph_nodes
     from mlx_moe_plan import _compiled, _gpu, _tracing
 
-    def picked_of(values):
-        order = mx.stop_gradient(mx.argsort(values, axis=-1)[..., 12:])
-        return order, mx.take_along_axis(values, order, axis=-1)
-
-    def stand_in(backend, values, start, count, stream, normalize):
-        assert (start, count) == (12, 4)
-        return tuple(map(mx.stop_gradient, picked_of(values)))
-
-    monkeypatch.setattr(_gpu, "_argsort_slice", stand_in)
+    monkeypatch.setattr(_gpu, "_argsort_slice", _top_k_launch)
     glue, stream = _gpu.GpuBackend("cuda"), mx.default_stream(mx.cpu)
     module = nn.Linear(16, 16)
     seen = []
@@ -461,6 +461,9 @@ def test_compiled_forward_traced_for_replay_carries_no_gradient(monkeypatch, out
     def call(x):
         return _compiled.compiled_call(module, forward, x, key=("replay", outer))
 
+    def loss_by_ops(x):
+        return _top_k_by_ops(module(x))[1].sum()
+
     x = mx.array(np.random.default_rng(8).standard_normal((3, 16)).astype(np.float32))
     with mx.stream(mx.cpu):
         want = forward(x)  # uncompiled, outside every transform
@@ -471,12 +474,12 @@ def test_compiled_forward_traced_for_replay_carries_no_gradient(monkeypatch, out
         elif outer == "grad":
             got = call(x)
             grad = mx.grad(lambda x: call(x).sum())(x)
-            want_grad = mx.grad(lambda x: picked_of(module(x))[1].sum())(x)
+            want_grad = mx.grad(loss_by_ops)(x)
             assert mx.array_equal(grad, want_grad).item() and mx.abs(grad).max().item() > 0
         elif outer == "parameters":  # the module's weights traced, not the input
             got = call(x)
             _, grads = nn.value_and_grad(module, lambda x: call(x).sum())(x)
-            _, want_grads = nn.value_and_grad(module, lambda x: picked_of(module(x))[1].sum())(x)
+            _, want_grads = nn.value_and_grad(module, loss_by_ops)(x)
             assert mx.array_equal(grads["weight"], want_grads["weight"]).item()
             assert mx.abs(want_grads["weight"]).max().item() > 0
         elif outer == "vmap":
