@@ -358,18 +358,21 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # where the projections are one GEMM's parts, whose rows the norms copy
 # first. At batch 8 a step's length follows its launches more than their GPU
 # time (benchmarks/HISTORY.md, "The whole step at batch 8"). But each launch
-# of the package's costs the host more than one of MLX's ops (its glue, and
-# then `mx.custom_function`, which a step outside every transform no longer
-# makes: not timed since), so it pays only where it replaces several. It does
-# not: timed alone in a whole step, its step built 2.8 to 5.5 ms more slowly
-# and ran 0.86x to 0.90x at batch 4 and 8, slower at 1 (benchmarks/HISTORY.md,
-# "The fused attention's launch alone in a step"). Bound once a size since, as
-# the decoding attention's, it and the residual norms' launch beside the
-# decoding attention's still built those steps more slowly than that launch
-# alone, at 4 and 8 sequences ("The decoding attention's kernels alone under
-# Nsight Compute"). Off (`HEAD_NORM_ROPE_FROM_ROWS` out of reach);
-# `benchmarks.step_kernels --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"`
-# times it again.
+# of the package's costs the host more than one of MLX's ops (its glue), so it
+# pays only where it replaces several. It does not: timed alone in a whole
+# step, its step built 2.8 to 5.5 ms more slowly and ran 0.86x to 0.90x at
+# batch 4 and 8, slower at 1 (benchmarks/HISTORY.md, "The fused attention's
+# launch alone in a step"). Bound once a size since, as the decoding
+# attention's, it and the residual norms' launch beside the decoding
+# attention's still built those steps more slowly than that launch alone, at
+# 4 and 8 sequences ("The decoding attention's kernels alone under Nsight
+# Compute"). Without the custom function that carried its gradient (which a
+# step outside every transform no longer makes), it lost every round at 4
+# sequences, and at 8 and 64 a second machine gave back what a first had
+# shown it gain ("Both models decoding, three processes, and the norms'
+# launches without the custom functions"). Off (`HEAD_NORM_ROPE_FROM_ROWS`
+# out of reach); `benchmarks.step_kernels --interleave --variants
+# "fused:HEAD_NORM_ROPE_FROM_ROWS=1"` times it again.
 HEAD_NORM_ROPE_FROM_ROWS = 1 << 30
 
 
@@ -446,7 +449,9 @@ def decodes_attention(rows: int, *, cuda: bool, masked: bool = False) -> bool:
 # a step at batch 8 lost 1.22x (benchmarks/HISTORY.md, "The fused attention's
 # and residual norms' launches in a step"; bound once a size since, it still
 # built slower, with the fused attention's launch, in "The decoding
-# attention's kernels alone under Nsight Compute").
+# attention's kernels alone under Nsight Compute"; without its custom
+# function, it lost at 4, 8 and 32 sequences in "Both models decoding, three
+# processes, and the norms' launches without the custom functions").
 ADD_RMS_NORM_FROM_ROWS = 1 << 30
 
 
