@@ -25,7 +25,7 @@ the grouped kernel costs the host more than one of `quantized_matmul`, so
 it runs compiled and its route is asked once a shape (`_route`). Whole
 models decoded faster with it than without at batches of 8, 32 and 64
 sequences, and within the noise at one (benchmarks/RESULTS.md, "Whole
-models on the H200").
+models on one GPU").
 
 On CUDA, the projections a module calls on one input one after another
 (attention's queries, keys and values; a dense MLP's gate and up) also

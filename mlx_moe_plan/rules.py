@@ -57,7 +57,7 @@ GROUPED_TILES_FROM_ROWS_PER_EXPERT = LARGE_TILES_FROM_ROWS_PER_EXPERT
 # the grouped kernel won from 16 entries (gpt-oss-20b decoding 4 and 8
 # sequences; at 2, 8 entries, MLX's call was still the faster, and below 8
 # it computes matrix-vector products: benchmarks/RESULTS.md, "Whole models
-# on the H200").
+# on one GPU").
 MLX_TENSOR_CORE_COLUMNS = 128
 GROUPED_OFF_TENSOR_CORES_FROM_ENTRIES = 16
 
@@ -235,8 +235,8 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
 # norms and rotary embedding after them copy where they need whole rows: one
 # row (matrix-vector products, short either way) measured slower, and
 # gpt-oss-20b's inputs of 2880 values (the grouped kernel's from 8 rows) no
-# faster at 4, 8 and 32 rows (benchmarks/RESULTS.md, "Whole models on the
-# H200").
+# faster at 4, 8 and 32 rows (benchmarks/RESULTS.md, "Whole models on
+# one GPU").
 SIBLINGS_FROM_ROWS = 8
 SIBLINGS_BELOW_IN_DIMS = 2880
 
@@ -368,11 +368,11 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
 # 4 and 8 sequences ("The decoding attention's kernels alone under Nsight
 # Compute"). Without the custom function that carried its gradient (which a
 # step outside every transform no longer makes), it lost every round at 4
-# sequences, and at 8 and 64 a second machine gave back what a first had
-# shown it gain ("Both models decoding, three processes, and the norms'
-# launches without the custom functions"). Off (`HEAD_NORM_ROPE_FROM_ROWS`
-# out of reach); `benchmarks.step_kernels --interleave --variants
-# "fused:HEAD_NORM_ROPE_FROM_ROWS=1"` times it again.
+# sequences; at 8 a second machine gave back the gain a first had shown, and
+# there it lost at 64 and ran level at 16 ("Both models decoding, three
+# processes, and the norms' launches without the custom functions"). Off
+# (`HEAD_NORM_ROPE_FROM_ROWS` out of reach); `benchmarks.step_kernels
+# --interleave --variants "fused:HEAD_NORM_ROPE_FROM_ROWS=1"` times it again.
 HEAD_NORM_ROPE_FROM_ROWS = 1 << 30
 
 
@@ -480,7 +480,7 @@ def fuses_add_rms_norm(rows: int, *, cuda: bool) -> bool:
 # (benchmarks/RESULTS.md, "A decoding step's kernels"). The whole
 # Qwen3-30B-A3B decoded with it never slower beyond the runs' spread, and
 # faster at batch 1, 4, 32 and 64 (benchmarks/RESULTS.md, "Whole models on
-# the H200"). Its quotients round the sum once, where MLX's CUDA sum of
+# one GPU"). Its quotients round the sum once, where MLX's CUDA sum of
 # 16-bit scores rounds each addition (kernels/argsort_slice.h).
 TOP_K_NORMALIZES_IN_LAUNCH = True
 
