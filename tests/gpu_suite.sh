@@ -336,6 +336,11 @@
 #               bfloat16 and float16, 4 and 8 bits: the rules rules.dense_as_rows
 #               and rules.dense_decoding_expert against the fastest side (long: an hour
 #               and more; name fewer with benchmarks.projections --gemms).
+#   rows-formats (not in `bench`) the wide dense projections (Qwen3-30B-A3B's
+#               and gpt-oss-20b's queries and attention outputs, an lm_head) at
+#               batch 1 to 64 in the formats rules.dense_as_rows has not
+#               measured, 8 bits and float16, beside 4 bits and bfloat16:
+#               MLX's shapes of a decoding batch, built and evaluated.
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
 #               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
 #   ep-tests    the expert-parallel tests over NCCL, one GPU a rank
@@ -877,6 +882,12 @@ if wanted projections; then
   logged "$results/projections.log" python3 -m benchmarks.projections \
     --dtypes bfloat16,float16 --bits 4,8 --max-calls 200 --tilings default \
     --json "$results/projections.json"
+fi
+if wanted rows-formats; then
+  logged "$results/rows-formats.log" python3 -m benchmarks.projections \
+    --dtypes float16,bfloat16 --bits 8,4 --batches 1,4,8,16,32,64 --max-calls 100 \
+    --gemms qwen3-30b-a3b/q,qwen3-30b-a3b/o,qwen3-30b-a3b/lm_head,gpt-oss-20b/q,gpt-oss-20b/o \
+    --json "$results/rows-formats.json"
 fi
 two_gpus() { # two_gpus NAME ARGS...: benchmarks.expert_parallel on 2 ranks, log and JSON NAME
   local name=$1
