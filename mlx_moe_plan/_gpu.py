@@ -27,20 +27,26 @@ POISON: float | None = None
 
 
 @cache
-def _kernel(backend: str, name: str, shared_bytes: int = 0):
+def _kernel(backend: str, name: str, shared_bytes: int = 0,
+            launch_bounds: tuple[int, int] | None = None):
     """Body `name` as MLX's kernel; on CUDA with `shared_bytes` of dynamic
-    shared memory (a kernel object has one size: a kernel a size)."""
+    shared memory (a kernel object has one size: a kernel a size), and with
+    `launch_bounds`, (threads, groups an SM), compiled for them
+    (`kernels.launch_bounds`)."""
     inputs, outputs = launch.INPUTS_OUTPUTS[name]
+    header = kernels.prelude(backend, name)
     if backend == "metal":
         make = mx.fast.metal_kernel
     else:
         make = partial(mx.fast.cuda_kernel, shared_memory=shared_bytes)
+        if launch_bounds is not None:
+            header += kernels.launch_bounds(*launch_bounds)
     return make(
         name=f"moe_{name}",
         input_names=list(inputs),
         output_names=list(outputs),
         source=kernels.body(name, backend),
-        header=kernels.prelude(backend, name),
+        header=header,
         ensure_row_contiguous=name not in launch.STRIDED_BODIES,
     )
 
@@ -122,7 +128,10 @@ def _bound_kernel(backend: str, kernel_launch: launch.Launch, poison: float | No
                   stream) -> Callable:
     """`kernel_launch`'s kernel object with every argument of its call but the
     inputs bound: `call(inputs=[...])`."""
-    shared_bytes = kernel_launch.shared_bytes if backend == "cuda" else 0
+    cuda = backend == "cuda"
+    shared_bytes = kernel_launch.shared_bytes if cuda else 0
+    bounds = (kernel_launch.group_size, kernel_launch.min_groups) \
+        if cuda and kernel_launch.min_groups else None
     arguments = dict(
         template=[(key, _mlx_value(value)) for key, value in kernel_launch.template],
         grid=(kernel_launch.groups * kernel_launch.group_size, 1, 1),
@@ -130,7 +139,7 @@ def _bound_kernel(backend: str, kernel_launch: launch.Launch, poison: float | No
         output_shapes=[shape for shape, _ in kernel_launch.outputs],
         output_dtypes=[_mlx_value(dtype) for _, dtype in kernel_launch.outputs],
         **({} if poison is None else {"init_value": poison}))
-    return partial(_kernel(backend, kernel_launch.body, shared_bytes), stream=stream,
+    return partial(_kernel(backend, kernel_launch.body, shared_bytes, bounds), stream=stream,
                    **arguments)
 
 

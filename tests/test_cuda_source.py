@@ -75,25 +75,33 @@ def cuda_function(launch, function_name: str) -> str:
 
 
 def assert_nvcc_compiles(functions: list[str], path, *, suppress: tuple[str, ...] = (),
-                         body_name: str | None = None) -> None:
+                         body_name: str | None = None, header: str = "",
+                         flags: tuple[str, ...] = ()) -> str:
     """`functions` on the CUDA prelude (the sections body `body_name` takes, as
-    `_gpu.py` gives it; else all of it), in MLX's namespace as its cuda_kernel
-    puts them, written to `path` and compiled by nvcc for sm_90a: no error and,
-    but the `suppress`ed diagnostics, no warning."""
-    path.write_text(HEADER + kernels.prelude("cuda", body_name) + "namespace mlx::core::cu {\n"
-                    "namespace cg = cooperative_groups;\n" + VIEW_TYPES + "\n".join(functions)
-                    + "\n}  // namespace mlx::core::cu\n")
-    flags = [flag for number in suppress for flag in ("-diag-suppress", number)]
+    `_gpu.py` gives it; else all of it) and `header` after it, in MLX's
+    namespace as its cuda_kernel puts them, written to `path` and compiled by
+    nvcc for sm_90a with `flags`: no error and, but the `suppress`ed
+    diagnostics, no warning. Returns nvcc's messages."""
+    path.write_text(HEADER + kernels.prelude("cuda", body_name) + header
+                    + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+                    + VIEW_TYPES + "\n".join(functions) + "\n}  // namespace mlx::core::cu\n")
+    suppressed = [flag for number in suppress for flag in ("-diag-suppress", number)]
     result = subprocess.run(
-        [NVCC, "-arch=sm_90a", "-std=c++17", *flags, "-c", str(path),
+        [NVCC, "-arch=sm_90a", "-std=c++17", *suppressed, *flags, "-c", str(path),
          "-o", str(path.with_suffix(".o"))], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "warning" not in result.stderr.lower(), result.stderr[-6000:]
+    return result.stderr
+
+
+@cache
+def _cuda_launches() -> list:
+    return record_launches("cuda")
 
 
 @cache
 def _every_launch() -> list:
-    return unique_launches(LAUNCHES + record_launches("cuda"))
+    return unique_launches(LAUNCHES + _cuda_launches())
 
 
 @pytest.mark.parametrize("name", INPUTS_OUTPUTS)
@@ -108,6 +116,32 @@ def test_nvcc_compiles_every_launch(name, tmp_path):
     # declares every thread index, and grouped_qmm.h the exchange buffer that
     # only the OpenCL prelude's emulated multiply-add uses.
     assert_nvcc_compiles(functions, tmp_path / f"{name}.cu", suppress=("177",), body_name=name)
+
+
+def test_launch_bounds_hold_the_registers(tmp_path):
+    """The warps' own block compiled for 3 groups an SM (`block_min_groups`,
+    which the glue puts in MLX's header as `kernels.launch_bounds`): nvcc
+    takes the `__global__` it redefines, and gives a thread no more registers
+    than 3 groups of the launch's threads leave of an SM's 65536, allocated
+    8 at a time."""
+    bounded = [launch for launch in _cuda_launches() if launch.launch_bounds is not None]
+    assert bounded, "no launch was recorded with launch bounds"
+    launch = next(launch for launch in bounded if dict(launch.template)["InT"] == mx.bfloat16)
+    threads, groups = launch.launch_bounds
+    assert (threads, groups) == (launch.threadgroup[0], 3)
+
+    def registers(header: str) -> int:
+        messages = assert_nvcc_compiles(
+            [cuda_function(launch, "custom_kernel_moe_bounded")], tmp_path / "bounded.cu",
+            suppress=("177",), body_name=launch.name, header=header, flags=("-Xptxas", "-v"))
+        return int(re.search(r"Used (\d+) registers", messages).group(1))
+
+    def most(groups: int) -> int:
+        return 65536 // (groups * threads) // 8 * 8
+
+    assert registers(kernels.launch_bounds(threads, groups)) <= most(groups)
+    # and a bound below what the compiler takes unbounded holds as well
+    assert registers(kernels.launch_bounds(threads, 4)) <= most(4) < registers("")
 
 
 def test_nvcc_compiles_every_warpgroup_width(tmp_path):

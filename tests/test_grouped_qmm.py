@@ -112,6 +112,16 @@ def test_tiles_match_reference(runs, case):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
+@given(case=grouped_qmm_cases())
+def test_tiles_bounded_match_reference(case):
+    """The warps' own block compiled for 3 groups an SM (`block_min_groups`:
+    on CUDA, launch bounds that leave a thread fewer registers, some of its
+    values then spilled to memory)."""
+    seed, *arguments = case
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_min_groups=3):
+        check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
+
+
 needs_warpgroup = pytest.mark.skipif(
     not _gpu.warpgroup_mma(),
     reason="the GPU has no warpgroup multiply-add (Hopper's wgmma, compute capability 9.0)")

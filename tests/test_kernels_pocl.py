@@ -990,6 +990,28 @@ def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahe
         launch.GroupedQmmTiling(block_weights_ahead=2).check()
 
 
+def test_min_groups_bound_the_warps_own_block():
+    """`block_min_groups` reaches the warps' own block's launches
+    (`Launch.min_groups`, which the GPU glue compiles as CUDA's launch
+    bounds: tests/test_cuda_source.py), gated or not, and no warpgroup's
+    block (4 or 8 warps multiplying as one, their registers wgmma's); off by
+    default."""
+    def min_groups(capacity, gated=False, **tiling):
+        with launch.grouped_qmm_tiling(**tiling):
+            made = launch.grouped_qmm_launch(128, 2048, 768, capacity, 4, 64, "bfloat16",
+                                             backend="cuda", gated=gated, warpgroup=True)
+        assert made.body == "grouped_qmm_tiles"
+        return made.min_groups, dict(made.template)["WARPGROUP"]
+
+    assert launch.GROUPED_QMM_TILING.block_min_groups == 0
+    assert min_groups(4096) == min_groups(4096, gated=True) == (0, False)
+    assert min_groups(4096, block_min_groups=3) == (3, False)  # 32 rows an expert
+    assert min_groups(4096, gated=True, block_min_groups=3) == (3, False)
+    # 128 rows an expert: the made weights' block (wgmma), unbound
+    assert min_groups(16384, gated=True, block_min_groups=3) == (0, True)
+    assert min_groups(4096, block_min_groups=3, block_warpgroup=1) == (0, True)
+
+
 def test_fitted_row_tiles_rule():
     """By default an experts' launch in the warps' own block takes the fewest
     8-row tiles whose rows reach the rows an expert holds on average plus

@@ -47,6 +47,7 @@ class Launch:
     output_dtypes: tuple
     grid: tuple
     threadgroup: tuple
+    launch_bounds: tuple | None = None  # CUDA's (threads, groups an SM), as the glue asks
 
     def source(self, **kwargs) -> str:
         return metal_source(self.name, self.template, self.inputs, self.output_dtypes, **kwargs)
@@ -65,11 +66,11 @@ def record_launches(backend: str = "metal") -> list[Launch]:
     its kernels replaced by a recorder, repeats included."""
     launches = []
 
-    def fake_kernel(backend, name, shared_bytes=0):
+    def fake_kernel(backend, name, shared_bytes=0, launch_bounds=None):
         def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
             metas = tuple((a.dtype, tuple(a.shape)) for a in inputs)
             launches.append(Launch(name, tuple(template), metas, tuple(output_dtypes),
-                                   tuple(grid), tuple(threadgroup)))
+                                   tuple(grid), tuple(threadgroup), launch_bounds))
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return call
 
@@ -159,6 +160,14 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                             for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES),
                           {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1},
                           {**SHARED_WEIGHTS_BLOCK, "block_across_items": 1})
+                # The warps' own block compiled for 3 groups an SM
+                # (`block_min_groups`: CUDA's launch bounds).
+                if warpgroup == 0:
+                    with grouped_qmm_tiling(block_min_groups=3):
+                        gpu.grouped_qmm(mx.zeros((capacity, in_dims), src_dtype), *matrices,
+                                        *prefill_arrays, bits=bits, group_size=group_size,
+                                        stream=None, row_tokens=mx.zeros((capacity,), mx.int32),
+                                        up=matrices)
                 for block in blocks if warpgroup == 2 else ():
                     with (grouped_qmm_tiling(**block),
                           mock.patch.object(_gpu, "warpgroup_mma", lambda: True)):

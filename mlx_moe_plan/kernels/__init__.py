@@ -268,3 +268,18 @@ def prelude(backend: str, body_name: str | None = None) -> str:
 def body(name: str, backend: str) -> str:
     """The kernel body as a backend compiles it: prologue, then the body."""
     return compact(f"prologue_{backend}") + compact(name)
+
+
+def launch_bounds(threads: int, min_groups: int) -> str:
+    """CUDA header lines, after the prelude, that compile the kernel for
+    `min_groups` groups of `threads` an SM at once (`__launch_bounds__`, the
+    compiler then keeping a thread's registers to what they leave).
+
+    MLX's `cuda_kernel` writes the kernel's signature itself, right after the
+    header, and offers no place for the bound: so the header redefines the
+    `__global__` that signature opens with, as CUDA's own headers define it
+    (`__attribute__((global))`) with the bound beside it. Nothing after it
+    but the kernel is compiled (mlx/backend/cuda/custom_kernel.cpp).
+    """
+    return (f"#undef __global__\n#define __global__ __attribute__((global)) "
+            f"__launch_bounds__({threads}, {min_groups})\n")

@@ -234,6 +234,13 @@ class GroupedQmmTiling:
     # apart. 0: each item's stages alone (copies, products, then the store).
     # Off until timed.
     block_across_items: int = 0
+    # CUDA: the warps' own block's launches compiled for this many groups an
+    # SM at once (`__launch_bounds__`' least blocks, `Launch.min_groups`):
+    # the compiler keeps a thread's registers to what they leave. That block
+    # is latency-bound where an expert holds few rows, and its registers, not
+    # its shared memory, hold it to two groups an SM. 0: the compiler's own
+    # choice. Off until timed.
+    block_min_groups: int = 0
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -254,12 +261,13 @@ class GroupedQmmTiling:
                self.block_halved_below_blocks, self.block_split_below_groups,
                self.block_shared_gated_rows, self.block_shared_rows,
                self.block_shared_whole_rows, self.block_shared_sized_up_to_rows,
-               self.block_shared_dense_rows) < 0 \
+               self.block_shared_dense_rows, self.block_min_groups) < 0 \
                 or self.block_stages < 2 or self.block_shared_stages < 3 or (
                     self.block_input_splits is not None and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
-                             f"block_split_below_groups and the block_halved and block_shared "
-                             f"row fields are at least 0, block_input_splits at least 1, "
+                             f"block_split_below_groups, block_min_groups and the block_halved "
+                             f"and block_shared row fields are at least 0, block_input_splits "
+                             f"at least 1, "
                              f"block_stages at least 2 and block_shared_stages at least 3: "
                              f"{self}")
         if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
@@ -431,6 +439,9 @@ class Launch:
     # bytes of the body's SHARED_WORDS, requested at launch where the
     # backend allocates it (CUDA's dynamic shared memory)
     shared_bytes: int = 0
+    # CUDA: groups an SM the compiled kernel must leave registers for
+    # (`kernels.launch_bounds`); 0: the compiler's own choice
+    min_groups: int = 0
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -1105,6 +1116,7 @@ def _grouped_qmm_tiles_launch(
          *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed + ring_bytes, stages * stage_bytes + made_bytes),
+        0 if by_warpgroup else tiling.block_min_groups,
     )
 
 
