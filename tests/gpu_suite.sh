@@ -169,6 +169,12 @@
 #               Mixtral at 128, Qwen3-30B-A3B at 512) and 40 (Qwen3-Next at
 #               2048), uniform and skewed routing (--skew 1); then the block
 #               tiles' GPU tests under compute-sanitizer's three tools (CUDA).
+#   min-groups (not in `bench`) the warps' own block compiled for 3 and 4
+#               groups an SM (block_min_groups: CUDA's launch bounds, fewer
+#               registers a thread) beside the compiler's own choice, where
+#               an expert holds few rows (Qwen3-Next at T = 2048, Qwen3-30B-A3B
+#               at 512, DeepSeek-V3 at 1024, Mixtral at 128); first its GPU test,
+#               alone and under compute-sanitizer's three tools (CUDA).
 #   item-runs (not in `bench`) each group's items one run of stages
 #               (block_across_items=1, ACROSS_ITEMS: an item's first copies in
 #               flight while the item before is multiplied and stored): its GPU
@@ -831,6 +837,15 @@ if wanted fitted-rows; then
         -k "tiles_match or prefill_shapes" -p no:cacheprovider
     done
   fi
+fi
+if wanted min-groups; then
+  kernel_tests min-groups tests/test_grouped_qmm.py bounded
+  for shape in "qwen3-next 2048" "qwen3-30b-a3b 512" "deepseek-v3 1024" "mixtral 128"; do
+    read -r name tokens <<<"$shape"
+    logged "$results/min-groups-$name.log" python3 -m benchmarks.grouped_qmm \
+      --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel \
+      --tilings "default;block_min_groups=3;block_min_groups=4"
+  done
 fi
 if wanted item-runs; then
   logged "$results/item-runs-test.log" python3 -m pytest -q tests/test_grouped_qmm.py -k runs \
