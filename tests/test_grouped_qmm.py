@@ -114,12 +114,23 @@ def test_tiles_match_reference(runs, case):
 
 @given(case=grouped_qmm_cases())
 def test_tiles_bounded_match_reference(case):
-    """The warps' own block compiled for 3 groups an SM (`block_min_groups`:
-    on CUDA, launch bounds that leave a thread fewer registers, some of its
+    """The warps' own block compiled for 4 groups an SM (`block_min_groups`:
+    on CUDA, launch bounds that leave a thread 128 registers, some of its
     values then spilled to memory)."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_min_groups=3):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_min_groups=4):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
+
+
+@pytest.mark.parametrize("groups", [3, 4])
+def test_tiles_bounded_fused_match_reference(groups):
+    """The same for the fused gate and up in blocks of 48 rows (Qwen3-Next's
+    at T = 2048), whose registers the bound spills: experts of 0 to 100 rows,
+    full and part-empty blocks, against the reference."""
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_fitted_rows=0,
+                                   block_row_tiles=6, block_min_groups=groups):
+        _check_fused_from_tokens(np.random.default_rng(groups), [48, 1, 0, 47, 100, 30], 256,
+                                 512, "bfloat16")
 
 
 needs_warpgroup = pytest.mark.skipif(

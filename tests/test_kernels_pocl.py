@@ -993,9 +993,9 @@ def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahe
 def test_min_groups_bound_the_warps_own_block():
     """`block_min_groups` reaches the warps' own block's launches
     (`Launch.min_groups`, which the GPU glue compiles as CUDA's launch
-    bounds: tests/test_cuda_source.py), gated or not, and no warpgroup's
-    block (4 or 8 warps multiplying as one, their registers wgmma's); off by
-    default."""
+    bounds: tests/test_cuda_source.py), gated or not, and neither the tall
+    gated blocks nor a warpgroup's block (4 or 8 warps multiplying as one,
+    their registers wgmma's); off by default."""
     def min_groups(capacity, gated=False, **tiling):
         with launch.grouped_qmm_tiling(**tiling):
             made = launch.grouped_qmm_launch(128, 2048, 768, capacity, 4, 64, "bfloat16",
@@ -1010,6 +1010,10 @@ def test_min_groups_bound_the_warps_own_block():
     # 128 rows an expert: the made weights' block (wgmma), unbound
     assert min_groups(16384, gated=True, block_min_groups=3) == (0, True)
     assert min_groups(4096, block_min_groups=3, block_warpgroup=1) == (0, True)
+    # the tall gated blocks (512 rows an expert, the warps' own), unbound
+    assert min_groups(128 * 512, gated=True, block_min_groups=3, block_warpgroup=0) \
+        == (0, False)
+    assert min_groups(128 * 512, block_min_groups=3, block_warpgroup=0) == (3, False)
 
 
 def test_fitted_row_tiles_rule():

@@ -374,13 +374,35 @@ def test_launch_calls_are_cached_by_the_streams_text_and_bounded():
     assert made == [1, 2, 3, 1, 3]
 
 
+def test_launch_bounds_reach_the_cuda_header(monkeypatch):
+    """A launch's `min_groups` reaches the header MLX compiles on CUDA, after
+    the prelude (`kernels.launch_bounds`); none without it, none on Metal."""
+    from mlx_moe_plan import _gpu, kernels
+
+    headers = {}
+
+    def recorder(backend):
+        return lambda **arguments: headers.__setitem__(backend, arguments["header"])
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recorder("cuda"))
+    monkeypatch.setattr(mx.fast, "metal_kernel", recorder("metal"))
+    prelude = kernels.prelude("cuda", "grouped_qmm_tiles")
+    _gpu._kernel.__wrapped__("cuda", "grouped_qmm_tiles", 1024, (128, 3))
+    assert headers["cuda"] == prelude + kernels.launch_bounds(128, 3)
+    assert "__launch_bounds__(128, 3)" in headers["cuda"]
+    _gpu._kernel.__wrapped__("cuda", "grouped_qmm_tiles", 1024, None)
+    assert headers["cuda"] == prelude
+    _gpu._kernel.__wrapped__("metal", "grouped_qmm_tiles", 0, (128, 3))
+    assert headers["metal"] == kernels.prelude("metal", "grouped_qmm_tiles")
+
+
 def test_grouped_qmm_tilings_are_checked():
     from mlx_moe_plan.kernels import launch
 
     for bad in (dict(threads=48), dict(threads=96), dict(tiles=0), dict(gated_tiles=0),
                 dict(steps=0), dict(row_tiles=0), dict(tiles_from_rows=-1),
                 dict(block_stages=1), dict(block_shared_stages=2), dict(block_row_warps=3),
-                dict(block_row_tiles=0), dict(block_min_groups=-1)):
+                dict(block_row_tiles=0), dict(block_min_groups=-1), dict(block_min_groups=17)):
         with pytest.raises(ValueError, match="grouped_qmm tiling"):
             with launch.grouped_qmm_tiling(**bad):
                 pass

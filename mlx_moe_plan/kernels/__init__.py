@@ -278,8 +278,8 @@ def launch_bounds(threads: int, min_groups: int) -> str:
     MLX's `cuda_kernel` writes the kernel's signature itself, right after the
     header, and offers no place for the bound: so the header redefines the
     `__global__` that signature opens with, as CUDA's own headers define it
-    (`__attribute__((global))`) with the bound beside it. Nothing after it
-    but the kernel is compiled (mlx/backend/cuda/custom_kernel.cpp).
+    (`__location__(global)`) with the bound beside it. Nothing after it but
+    the kernel is compiled (mlx/backend/cuda/custom_kernel.cpp).
     """
-    return (f"#undef __global__\n#define __global__ __attribute__((global)) "
+    return (f"#undef __global__\n#define __global__ __location__(global) "
             f"__launch_bounds__({threads}, {min_groups})\n")

@@ -38,6 +38,9 @@ MAX_GROUPS = 1 << 16
 # Row kernels stay at or under 512 threads a group: heavy register use can
 # lower a Metal pipeline's thread limit below 1024.
 MAX_ROW_GROUP = 512
+# Threads an SM runs at once at most (compute capability 8.0 and 9.0; fewer
+# on others): a launch bound past it, ptxas ignores.
+MAX_SM_THREADS = 2048
 GATHER_ROWS = 4  # rows a gather group copies at a time
 
 # The affine quantizations grouped_qmm.h reads: bits whose values a uint32
@@ -234,12 +237,13 @@ class GroupedQmmTiling:
     # apart. 0: each item's stages alone (copies, products, then the store).
     # Off until timed.
     block_across_items: int = 0
-    # CUDA: the warps' own block's launches compiled for this many groups an
-    # SM at once (`__launch_bounds__`' least blocks, `Launch.min_groups`):
-    # the compiler keeps a thread's registers to what they leave. That block
-    # is latency-bound where an expert holds few rows, and its registers, not
-    # its shared memory, hold it to two groups an SM. 0: the compiler's own
-    # choice. Off until timed.
+    # CUDA: the warps' own block's launches (not the tall gated blocks, whose
+    # sums alone fill half a warp's registers) compiled for this many groups
+    # an SM at once (`__launch_bounds__`' minimum blocks, `Launch.min_groups`):
+    # the compiler keeps a thread's registers to what they leave, at every
+    # size. Where an expert holds few rows that block is latency-bound, and its
+    # registers, not its shared memory, hold it to two groups an SM. 0: the
+    # compiler's own choice. Off until timed; an SM runs 2048 threads at most.
     block_min_groups: int = 0
 
     def check(self) -> None:
@@ -267,12 +271,15 @@ class GroupedQmmTiling:
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
                              f"block_split_below_groups, block_min_groups and the block_halved "
                              f"and block_shared row fields are at least 0, block_input_splits "
-                             f"at least 1, "
-                             f"block_stages at least 2 and block_shared_stages at least 3: "
-                             f"{self}")
-        if MAX_EXPERTS % (32 * self.block_row_warps * self.block_column_warps):
+                             f"at least 1, block_stages at least 2 and block_shared_stages at "
+                             f"least 3: {self}")
+        block_threads = 32 * self.block_row_warps * self.block_column_warps
+        if MAX_EXPERTS % block_threads:
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
+        if self.block_min_groups * block_threads > MAX_SM_THREADS:
+            raise ValueError(f"grouped_qmm tiling: block_min_groups groups of the block's "
+                             f"threads are at most an SM's {MAX_SM_THREADS}: {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
                 or self.block_warpgroup not in (None, 0, 1, 2) \
                 or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1) \
@@ -1116,7 +1123,7 @@ def _grouped_qmm_tiles_launch(
          *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed + ring_bytes, stages * stage_bytes + made_bytes),
-        0 if by_warpgroup else tiling.block_min_groups,
+        0 if by_warpgroup or tall else tiling.block_min_groups,
     )
 
 
