@@ -73,18 +73,9 @@ def module_cache(module: nn.Module, name: str) -> ModuleCache:
 # from layer to layer, which would give each layer a trace of its own.
 UNTRACED_ATTRIBUTES = frozenset({"submit_position", "_siblings"})
 
-# Set while a compiled forward is traced: nothing inside it compiles again.
-_trace_state = threading.local()
-
-
-def tracing() -> bool:
-    """Whether a compiled forward is being traced now (on this thread)."""
-    return getattr(_trace_state, "active", False)
-
-
 def compiles(max_tokens: int, x: mx.array) -> bool:
     """Whether a call on activations `x` `[..., D]` runs compiled."""
-    return 0 < math.prod(x.shape[:-1]) <= max_tokens and not tracing()
+    return 0 < math.prod(x.shape[:-1]) <= max_tokens and not _tracing.compiled_trace()
 
 
 class _CompiledForward:
@@ -110,12 +101,8 @@ class _CompiledForward:
         self._compiled = mx.compile(self._traced, inputs=self._inputs)
 
     def _traced(self, *arrays):
-        _trace_state.active = True
-        try:
-            with _tracing.for_replay(self._for_replay):
-                return self._forward(*arrays)
-        finally:
-            _trace_state.active = False
+        with _tracing.tracing_compiled(self._for_replay):
+            return self._forward(*arrays)
 
     def __call__(self, module: nn.Module, forward: Callable, *arrays: mx.array):
         with self._lock:

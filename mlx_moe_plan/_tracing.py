@@ -1,5 +1,7 @@
-"""What MLX's transforms are doing, which its Python API does not say, for
-the GPU glue's one question: whether a launch must carry its gradient.
+"""What MLX's transforms and the package's compiled forwards are doing, which
+MLX's Python API does not say: for the GPU glue, whether a launch must carry
+its gradient; for the layers, whether a compiled forward is being traced, in
+which nothing compiles again.
 
 MLX runs a function under `mx.grad`, `mx.vjp`, `mx.jvp`, `mx.vmap` and
 `mx.compile` on tracers, and marks every array made from one as a tracer too
@@ -13,9 +15,10 @@ replay (`_compiled`): MLX traces a compiled function on a call whose arrays
 no transform traces, and replays that tape only on such calls; on traced
 arrays it calls the function itself (mlx/compile.cpp). So nothing in such a
 tape is ever differentiated or vmapped, and the gradient's graph nodes in it
-would be replayed at every step for nothing. `for_replay` says a trace is
-one of those: one whose call came outside every transform (`transforming`),
-which leaves out, to be safe, the rarer trace on untraced arrays inside one.
+would be replayed at every step for nothing. `tracing_compiled` says a trace
+is one of those: one whose call came outside every transform
+(`transforming`), which leaves out, to be safe, the rarer trace on untraced
+arrays inside one.
 """
 
 from __future__ import annotations
@@ -33,23 +36,30 @@ transforming = _ext.transforming
 _state = threading.local()
 
 
+def compiled_trace() -> bool:
+    """Whether one of the package's compiled forwards (`_compiled`) is being
+    traced now, on this thread: nothing inside it compiles again."""
+    return getattr(_state, "compiled", False)
+
+
 def replayed_trace() -> bool:
     """Whether the package's compiled forward being traced now, on this
-    thread, is traced for MLX to replay only (`for_replay`)."""
+    thread, is traced for MLX to replay only (`tracing_compiled`)."""
     return getattr(_state, "for_replay", False)
 
 
 @contextlib.contextmanager
-def for_replay(replayed: bool):
-    """Within the block, `replayed_trace()` is `replayed`: a compiled
-    forward's trace, which its call, made before MLX's trace began, found
-    outside every transform (`not transforming()`) or not."""
-    kept = replayed_trace()
-    _state.for_replay = replayed
+def tracing_compiled(for_replay: bool):
+    """Within the block, a compiled forward is traced (`compiled_trace()`),
+    for MLX to replay only or not (`replayed_trace()`): as its call, made
+    before MLX's trace began, found itself outside every transform
+    (`not transforming()`) or not."""
+    kept = compiled_trace(), replayed_trace()
+    _state.compiled, _state.for_replay = True, for_replay
     try:
         yield
     finally:
-        _state.for_replay = kept
+        _state.compiled, _state.for_replay = kept
 
 
 def carries_gradients(arrays) -> bool:

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import _compiled
+from . import _tracing
 
 # An expert-parallel layer routes about 1/N of its entries to its own
 # experts, but a plan's static capacity is all T * K. From this many entries
@@ -241,7 +241,7 @@ class ShardedExperts:
         no sync there) the used rows rounded up to a multiple of an eighth of
         the next power of two, which reads the plan's `num_rows` (a host
         sync)."""
-        if not self._sheds_rows(plan) or _compiled.tracing():
+        if not self._sheds_rows(plan) or _tracing.compiled_trace():
             return plan.capacity
         used = max(int(plan.num_rows.item()), 1)
         # Up to the next multiple of an eighth of the next power of two: at

@@ -44,9 +44,9 @@ import mlx.nn as nn
 
 from . import _backend
 from ._backend import on_cuda
-from ._compiled import (COMPILE_MAX_TOKENS, KeptBeside, compiled_if_small, module_cache,
-                        step_rows, tracing)
+from ._compiled import COMPILE_MAX_TOKENS, KeptBeside, compiled_if_small, module_cache, step_rows
 from ._gpu import cache_by_stream, device_ints
+from ._tracing import compiled_trace
 from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert, dense_joins_siblings
 
 
@@ -306,8 +306,8 @@ class Siblings:
         """The stacked layer on `x`, where the `(index, layer)` members still
         hold their views; None where they compute alone."""
         stacked = self.stacked
-        if stacked is None or tracing() or not all(self._holds_views(index, layer)
-                                                   for index, layer in members):
+        if stacked is None or compiled_trace() or not all(self._holds_views(index, layer)
+                                                          for index, layer in members):
             return None
         stacked.dense_expert = members[0][1].dense_expert  # the members' flags, as they are now
         return stacked(x)
