@@ -20,6 +20,7 @@ import copy
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import (assert_logits_close, check_decode_attention, check_head_norm_rope,
@@ -120,19 +121,26 @@ def test_each_registered_attention_is_tested():
     assert tested == set(fused_attention.FUSED_ATTENTION)
 
 
+def patched_fused(name: str, fused_type: type) -> tuple[nn.Module, list[nn.Module]]:
+    """The layer tests' `name` patched, and the modules of type `fused_type`
+    that `patch_model` swapped into it; checked to keep the model's
+    parameters (checkpoints load as before), and that `fuse=False` swaps in
+    none of them."""
+    model = make_model(name)
+    patch_model(model)
+    unfused = make_model(name)
+    patch_model(unfused, fuse=False)
+    assert not any(isinstance(m, fused_type) for _, m in unfused.named_modules())
+    assert dict(tree_flatten(model.parameters())).keys() == \
+        dict(tree_flatten(make_model(name).parameters())).keys()
+    return model, [m for _, m in model.named_modules() if isinstance(m, fused_type)]
+
+
 @pytest.mark.parametrize("name, fused", [("qwen3_moe", True), ("mixtral", False),
                                          ("gpt_oss", True)])
 def test_patch_model_fuses_the_registered_attention(name, fused):
-    model = make_model(name)
-    patch_model(model)
-    attentions = [m for _, m in model.named_modules() if isinstance(m, FusedAttention)]
+    _, attentions = patched_fused(name, FusedAttention)
     assert len(attentions) == (CONFIGS[name]["num_hidden_layers"] if fused else 0)
-    unfused = make_model(name)
-    patch_model(unfused, fuse=False)
-    assert not any(isinstance(m, FusedAttention) for _, m in unfused.named_modules())
-    # Its parameters are the attention's own: checkpoints load as before.
-    assert dict(tree_flatten(model.parameters())).keys() == \
-        dict(tree_flatten(make_model(name).parameters())).keys()
 
 
 # ------------------------------------------------ the fused forward, on the CPU

@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 from conftest import (assert_logits_close, check_add_rms_norm, glue_launched_by,
                       gpu_glue_on_the_cpu, recording_calls)
-from mlx.utils import tree_flatten
 
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (the test extra brings it)")
 
 import lm_fixtures  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from test_fused_attention import caches, decode, make_model  # noqa: E402
+from test_fused_attention import caches, decode, make_model, patched_fused  # noqa: E402
 from test_fused_attention import launch_stood_in as attention_launch_stood_in  # noqa: E402, F401
 from test_nn import CONFIGS  # noqa: E402
 
@@ -79,17 +78,9 @@ def test_fused_model_matches_mlx_lm(name):
 @pytest.mark.parametrize("name, fused", [("qwen3_moe", True), ("mixtral", False),
                                          ("gpt_oss", False)])
 def test_patch_model_fuses_the_registered_model(name, fused):
-    model = make_model(name)
-    patch_model(model)
-    models = [m for _, m in model.named_modules() if isinstance(m, FusedModel)]
+    model, models = patched_fused(name, FusedModel)
     assert len(models) == int(fused)
     assert not fused or models[0] is model.model
-    unfused = make_model(name)
-    patch_model(unfused, fuse=False)
-    assert not any(isinstance(m, FusedModel) for _, m in unfused.named_modules())
-    # Its parameters are the model's own: checkpoints load as before.
-    assert dict(tree_flatten(model.parameters())).keys() == \
-        dict(tree_flatten(make_model(name).parameters())).keys()
 
 
 # ------------------------------------------------ the fused forward, on the CPU
