@@ -73,6 +73,7 @@ def module_cache(module: nn.Module, name: str) -> ModuleCache:
 # from layer to layer, which would give each layer a trace of its own.
 UNTRACED_ATTRIBUTES = frozenset({"submit_position", "_siblings"})
 
+
 def compiles(max_tokens: int, x: mx.array) -> bool:
     """Whether a call on activations `x` `[..., D]` runs compiled."""
     return 0 < math.prod(x.shape[:-1]) <= max_tokens and not _tracing.compiled_trace()
