@@ -184,16 +184,22 @@ def formulation_for(num_entries: int, num_experts: int, *, cuda: bool,
 # ran no faster as one matrix from 8 rows, and slower at the largest batches;
 # a wide one (queries, the attention's output, the lm_head) faster as one
 # matrix once the batch's outputs fill the GPU (benchmarks/RESULTS.md,
-# "Dense projections of a decoding batch").
+# "Dense projections of a decoding batch"). The same bounds held at 8 bits and
+# in float16 as in 4-bit bfloat16, where this rule was first measured (the
+# same section, "8 bits and float16"), so it takes both widths.
 DENSE_ROWS_FROM_ROWS = 8
 DENSE_ROWS_FROM_OUT_DIMS = 2048
 DENSE_ROWS_FROM_OUTPUTS = 32768
+DENSE_ROWS_BITS = (4, 8)
 
 
-def _dense_measured(in_dims: int, bits: int, dtype_bits: int, mode: str, cuda: bool) -> bool:
+def _dense_measured(in_dims: int, bits: int, dtype_bits: int, mode: str, cuda: bool,
+                    measured_bits: tuple[int, ...] = (4,)) -> bool:
     """The dense projections the dense rules were measured on: on CUDA,
-    16-bit rows against affine 4-bit weights, inputs in whole groups of 64."""
-    return cuda and mode == "affine" and bits == 4 and dtype_bits == 16 and in_dims % 64 == 0
+    16-bit rows against affine weights of `measured_bits` bits, inputs in
+    whole groups of 64."""
+    return (cuda and mode == "affine" and bits in measured_bits and dtype_bits == 16
+            and in_dims % 64 == 0)
 
 
 def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits: int,
@@ -202,11 +208,12 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
 
     The batch's rows `[rows, 1, in_dims]` as rows `[rows, in_dims]` of one
     GEMM, rather than `rows` GEMMs of one row. On CUDA, as measured: 16-bit
-    rows, affine 4 bits, projections of `DENSE_ROWS_FROM_OUT_DIMS` output
-    columns and more, from `DENSE_ROWS_FROM_ROWS` rows and
-    `DENSE_ROWS_FROM_OUTPUTS` outputs (rows times columns). Elsewhere (8
-    bits; the CPU and Metal) never until measured, so a patched model
-    computes there what mlx-lm's does.
+    rows, affine 4 or 8 bits (`DENSE_ROWS_BITS`), projections of
+    `DENSE_ROWS_FROM_OUT_DIMS` output columns and more, from
+    `DENSE_ROWS_FROM_ROWS` rows and `DENSE_ROWS_FROM_OUTPUTS` outputs (rows
+    times columns). Elsewhere (other widths and modes; the CPU and Metal)
+    never until measured, so a patched model computes there what mlx-lm's
+    does.
 
     Args:
         out_dims (int): Output columns N of the projection.
@@ -221,7 +228,7 @@ def dense_as_rows(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bits:
     Returns:
         bool: True for one matrix of rows.
     """
-    return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda)
+    return (_dense_measured(in_dims, bits, dtype_bits, mode, cuda, DENSE_ROWS_BITS)
             and rows >= DENSE_ROWS_FROM_ROWS and out_dims >= DENSE_ROWS_FROM_OUT_DIMS
             and rows * out_dims >= DENSE_ROWS_FROM_OUTPUTS)
 

@@ -70,7 +70,9 @@ def loaded(path, dtype=mx.bfloat16):
 @pytest.mark.parametrize("out_dims, rows, bits, dtype_bits, mode, want", [
     (4096, 8, 4, 16, "affine", True),      # queries: from 8 rows
     (151936, 8, 4, 16, "affine", True),    # an lm_head
-    (151936, 8, 8, 16, "affine", False),   # 8 bits: not measured
+    (151936, 8, 8, 16, "affine", True),    # 8 bits, as 4
+    (2048, 8, 8, 16, "affine", False),
+    (2048, 16, 8, 16, "affine", True),
     (2048, 16, 4, 16, "affine", True),     # the attention's output: from 16 rows
     (2048, 8, 4, 16, "affine", False),
     (2880, 16, 4, 16, "affine", True),     # columns not a multiple of 128
@@ -78,6 +80,7 @@ def loaded(path, dtype=mx.bfloat16):
     (512, 64, 4, 16, "affine", False),     # keys and values: narrow
     (128, 64, 8, 16, "affine", False),     # a router
     (4096, 32, 3, 16, "affine", False),    # not measured
+    (4096, 32, 6, 16, "affine", False),
     (4096, 32, 4, 32, "affine", False),
     (4096, 32, 4, 16, "mxfp4", False),
 ])
