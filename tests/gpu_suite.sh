@@ -344,9 +344,9 @@
 #               and more; name fewer with benchmarks.projections --gemms).
 #   rows-formats (not in `bench`) the wide dense projections (Qwen3-30B-A3B's
 #               and gpt-oss-20b's queries and attention outputs, an lm_head) at
-#               batch 1 to 64 in the formats rules.dense_as_rows has not
-#               measured, 8 bits and float16, beside 4 bits and bfloat16:
-#               MLX's shapes of a decoding batch, built and evaluated.
+#               batch 1 to 64 in 8 bits and float16 beside 4 bits and bfloat16,
+#               the formats rules.dense_as_rows takes (DENSE_ROWS_BITS): MLX's
+#               shapes of a decoding batch, built and evaluated.
 #   expert-parallel  (not in `bench`: needs 2 GPUs and MLX's NCCL backend;
 #               mlx.launch on the PATH) = ep-tests,ep-models,ep-variants:
 #   ep-tests    the expert-parallel tests over NCCL, one GPU a rank

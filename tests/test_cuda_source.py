@@ -128,8 +128,9 @@ def test_launch_bounds_hold_the_registers(tmp_path):
     bounded = [launch for launch in _cuda_launches() if launch.launch_bounds is not None]
     assert bounded, "no launch was recorded with launch bounds"
     launch = next(launch for launch in bounded
-                  if (dict(launch.template)["BITS"], dict(launch.template)["ROW_TILES"],
-                      dict(launch.template)["GATED"]) == (4, 5, True))
+                  if {key: value for key, value in launch.template
+                      if key in ("BITS", "ROW_TILES", "GATED")}
+                  == {"BITS": 4, "ROW_TILES": 5, "GATED": True})
     threads, groups = launch.launch_bounds
     assert (threads, groups) == (launch.threadgroup[0], 3)
 
