@@ -47,7 +47,8 @@ from ._backend import on_cuda
 from ._compiled import COMPILE_MAX_TOKENS, KeptBeside, compiled_if_small, module_cache, step_rows
 from ._gpu import cache_by_stream, device_ints
 from ._tracing import compiled_trace
-from .rules import dense_as_expert, dense_as_rows, dense_decoding_expert, dense_joins_siblings
+from .rules import (dense_as_expert, dense_as_rows, dense_decoding_expert, dense_decoding_from_rows,
+                    dense_joins_siblings)
 
 
 class RowsProjection:
@@ -117,6 +118,14 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _plain_step(layer: nn.Module, x: mx.array) -> bool:
+    """Whether `x` is a decoding step of fewer rows than any rule takes for
+    `layer` (`rules.dense_decoding_from_rows`): its route is "plain", known
+    without asking `_route`, whose key costs the host more than MLX's call."""
+    rows = step_rows(x)
+    return 0 < rows < dense_decoding_from_rows(layer["weight"].shape[0])
+
+
 def _route(layer: nn.Module, x: mx.array, join: bool) -> str:
     """How `layer` computes `x`: "siblings" where `join` (it is one of
     `Siblings` that go on) and `_joins` says so; else "expert" where
@@ -159,31 +168,38 @@ def _joins(layer: nn.Module, x: mx.array) -> bool:
             and on_cuda())
 
 
-def _in_rows(call, layer: nn.Module, x: mx.array) -> mx.array:
-    """`call(layer, x)`: its part of its `Siblings`' GEMM where it says
-    "siblings" or another member made that GEMM on `x`; through the grouped
-    kernel where `_route` says "expert" (compiled for small batches, as the
-    MoE layers are: a call of the kernel costs the host far more than one of
-    `quantized_matmul` to build); with `x` reshaped to rows `[n, D]` where
-    it says "rows"; else as it is."""
-    membership = _membership(layer)
-    if membership is not None:
-        part = membership.siblings.part(membership.index, layer, x)
-        if part is not None:
-            return part
-    route = _route(layer, x, join=membership is not None)
-    if route == "siblings":
-        y = membership.siblings.join(membership.index, layer, x)
-        if y is not None:
-            return y
-        route = _route(layer, x, join=False)
-    if route == "plain":
-        return call(layer, x)
-    if route == "expert":
-        return compiled_if_small(layer, functools.partial(_one_expert, layer), x,
-                                 max_tokens=COMPILE_MAX_TOKENS, key=("dense_expert",))
-    y = call(layer, x.reshape(-1, x.shape[-1]))
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+def _in_rows(call):
+    """The call of a rows projection whose own class calls `call(layer, x)`:
+    its part of its `Siblings`' GEMM where it says "siblings" or another
+    member made that GEMM on `x`; through the grouped kernel where `_route`
+    says "expert" (compiled for small batches, as the MoE layers are: a call
+    of the kernel costs the host far more than one of `quantized_matmul` to
+    build); with `x` reshaped to rows `[n, D]` where it says "rows"; else as
+    it is, and at once for a step that no rule takes (`_plain_step`)."""
+
+    def rows_call(layer: nn.Module, x: mx.array) -> mx.array:
+        membership = _membership(layer)  # first: a member whose weights were replaced ends them
+        if _plain_step(layer, x):
+            return call(layer, x)  # no member joined on it either
+        if membership is not None:
+            part = membership.siblings.part(membership.index, layer, x)
+            if part is not None:
+                return part
+        route = _route(layer, x, join=membership is not None)
+        if route == "siblings":
+            y = membership.siblings.join(membership.index, layer, x)
+            if y is not None:
+                return y
+            route = _route(layer, x, join=False)
+        if route == "plain":
+            return call(layer, x)
+        if route == "expert":
+            return compiled_if_small(layer, functools.partial(_one_expert, layer), x,
+                                     max_tokens=COMPILE_MAX_TOKENS, key=("dense_expert",))
+        y = call(layer, x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    return rows_call
 
 
 _ROWS_CLASSES: dict[type, type] = {}
@@ -193,11 +209,9 @@ def _rows_class(layer_class: type) -> type:
     """A subclass of `layer_class` whose GEMM takes a decoding batch as rows."""
     if layer_class not in _ROWS_CLASSES:
         if issubclass(layer_class, nn.QuantizedEmbedding):
-            as_linear = layer_class.as_linear
-            members = {"as_linear": lambda self, x: _in_rows(as_linear, self, x)}
+            members = {"as_linear": _in_rows(layer_class.as_linear)}
         else:
-            call = layer_class.__call__
-            members = {"__call__": lambda self, x: _in_rows(call, self, x)}
+            members = {"__call__": _in_rows(layer_class.__call__)}
         _ROWS_CLASSES[layer_class] = type(
             f"Rows{layer_class.__name__}", (layer_class, RowsProjection),
             {**members, "__module__": __name__,
@@ -372,6 +386,8 @@ def joined(members: tuple[nn.Module, ...], x: mx.array) -> mx.array | None:
     their calls on `x` would make that GEMM (`_route` "siblings"); else None,
     and each computes alone. For a forward that reads the output whole
     (`fused_attention`)."""
+    if _plain_step(members[0], x):
+        return None  # each member's own call then asks `_membership`
     memberships = [_membership(member) for member in members]
     if any(membership is None for membership in memberships):
         return None

@@ -41,6 +41,7 @@ def rows_always(monkeypatch):
     compiled blocks' traces, which hold the rule's answers, are dropped before
     and after: another answer for the same shapes needs traces of its own."""
     monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: True)
+    monkeypatch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     _compiled._SHARED_FORWARDS.clear()
     yield
@@ -114,6 +115,7 @@ def test_the_route_is_asked_once_a_shape_and_dtype(monkeypatch):
     monkeypatch.setattr(projections, "dense_as_rows",
                         lambda *args, cuda: asked.append(args) or True)
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
+    monkeypatch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
     layer = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
     plain = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
     plain.update(layer.parameters())
@@ -360,6 +362,7 @@ def test_siblings_against_their_members(case):
         patch.setattr(projections, "on_cuda", lambda stream=None: True)
         patch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: True)
         patch.setattr(projections, "dense_joins_siblings", lambda *args, **kwargs: True)
+        patch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
         take_rows(module)
         assert all(module[name]._siblings.index == i for i, name in enumerate(names))
         got = {names[i]: module[names[i]](x) for i in case["order"]}
@@ -586,6 +589,7 @@ def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, fresh_traces, e
     monkeypatch.setattr(projections, "dense_decoding_expert",
                         lambda out_dims, in_dims, rows, *args, cuda: rows >= 2)
     monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: False)
+    monkeypatch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     monkeypatch.setattr(projections._backend, "implementation", lambda stream: backend)
     tree = small_tree()
@@ -655,6 +659,60 @@ def test_dense_decoding_expert_rule(out_dims, in_dims, rows, bits, dtype_bits, m
                                    want):
     assert rules.dense_decoding_expert(out_dims, in_dims, rows, bits, dtype_bits, mode,
                                        cuda=cuda) is want
+
+
+@given(out_dims=st.sampled_from([1, 128, 512, 2048, 4096, rules.DENSE_DECODING_WIDE_OUT_DIMS - 1,
+                                 rules.DENSE_DECODING_WIDE_OUT_DIMS, 151936, 201088]),
+       in_dims=st.sampled_from([64, 2048, 2880, 4096, 7168, 1 << 16]),
+       rows=st.integers(1, 256), bits=st.sampled_from([2, 3, 4, 5, 6, 8]),
+       dtype_bits=st.sampled_from([16, 32]), mode=st.sampled_from(["affine", "mxfp4"]),
+       cuda=st.booleans())
+def test_no_decoding_rule_takes_fewer_rows_than_the_floor(out_dims, in_dims, rows, bits,
+                                                          dtype_bits, mode, cuda):
+    """`dense_decoding_from_rows` bounds every decoding rule from below, so a
+    projection may skip asking them for a step of fewer rows."""
+    sizes = (in_dims, rows, bits, dtype_bits, mode)
+    takes = (rules.dense_as_rows(out_dims, *sizes, cuda=cuda)
+             or rules.dense_decoding_expert(out_dims, *sizes, cuda=cuda)
+             or rules.dense_joins_siblings(*sizes, cuda=cuda))
+    if takes:
+        assert rows >= rules.dense_decoding_from_rows(out_dims)
+
+
+@pytest.mark.parametrize("out_dims, in_dims, rows", [
+    (4096, 2048, rules.DENSE_ROWS_FROM_ROWS),  # as rows and joined, from the same count
+    (151936, 2048, 1),                          # an lm_head through the grouped kernel
+])
+def test_the_floor_is_where_a_rule_takes(out_dims, in_dims, rows):
+    """The floor is the fewest rows a rule takes, not merely below them."""
+    assert rules.dense_decoding_from_rows(out_dims) == rows
+    sizes = (in_dims, rows, 4, 16, "affine")
+    assert (rules.dense_as_rows(out_dims, *sizes, cuda=True)
+            or rules.dense_decoding_expert(out_dims, *sizes, cuda=True))
+
+
+def test_a_step_below_the_floor_asks_no_route(monkeypatch):
+    """A decoding step of fewer rows than any rule takes computes the layer's
+    own call at once, bit for bit, without building a route's key; from the
+    floor, and for a prefill's rows, the route is asked."""
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
+    asked = []
+    route = projections._route
+    monkeypatch.setattr(projections, "_route", lambda *args, **kwargs: asked.append(args[1].shape)
+                        or route(*args, **kwargs))
+    layer = nn.QuantizedLinear(64, 256, group_size=32, bits=4)
+    plain = nn.QuantizedLinear(64, 256, group_size=32, bits=4)
+    plain.update(layer.parameters())
+    take_rows(layer, expert=True)
+    floor = rules.dense_decoding_from_rows(256)
+    rng = np.random.default_rng(4)
+    for shape in [(1, 1, 64), (floor - 1, 1, 64), (2, 3, 1, 64)]:
+        x = mx.array(rng.standard_normal(shape).astype(np.float32))
+        assert mx.array_equal(layer(x), plain(x)).item()
+    assert asked == []
+    for shape in [(floor, 1, 64), (1, 3, 64)]:
+        layer(mx.array(rng.standard_normal(shape).astype(np.float32)))
+    assert asked == [(floor, 1, 64), (1, 3, 64)]
 
 
 # ------------------------------------------------------------------ whole models
