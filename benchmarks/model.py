@@ -554,10 +554,11 @@ def measure_decode(model, patched, batch: int, context: int, steps: int, warmup:
     if variant is not None:
         row["variant_logits_rel_diff"] = relative_difference(
             logits["variant"], logits["mlx-lm"]) if "mlx-lm" in logits else None
-    extras = "".join(f", {extra} {_ms(row.get(f'{extra}_wall_ms'))}" for extra in Sides.EXTRA
-                     if extra in sides.models)
-    progress(f"  decode batch {batch}: mlx-lm {_ms(theirs)} ms/step, patched {_ms(ours)}{extras} "
-             f"(build {_ms(row['mlx-lm_build_ms'])} / {_ms(row['patched_build_ms'])})")
+    extras = [extra for extra in Sides.EXTRA if extra in sides.models]
+    walls = "".join(f", {extra} {_ms(row.get(f'{extra}_wall_ms'))}" for extra in extras)
+    builds = " / ".join(_ms(row[f"{side}_build_ms"]) for side in ("mlx-lm", "patched", *extras))
+    progress(f"  decode batch {batch}: mlx-lm {_ms(theirs)} ms/step, patched {_ms(ours)}{walls} "
+             f"(build {builds})")
     return row
 
 
