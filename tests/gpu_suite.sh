@@ -169,12 +169,15 @@
 #               Mixtral at 128, Qwen3-30B-A3B at 512) and 40 (Qwen3-Next at
 #               2048), uniform and skewed routing (--skew 1); then the block
 #               tiles' GPU tests under compute-sanitizer's three tools (CUDA).
-#   min-groups (not in `bench`) the warps' own block compiled for 3 and 4
-#               groups an SM (block_min_groups: CUDA's launch bounds, fewer
-#               registers a thread) beside the compiler's own choice, where
-#               an expert holds few rows (Qwen3-Next at T = 2048, Qwen3-30B-A3B
-#               at 512, DeepSeek-V3 at 1024, Mixtral at 128); first its GPU test,
-#               alone and under compute-sanitizer's three tools (CUDA).
+#   min-groups (not in `bench`) the warps' own block's launch bounds
+#               (block_min_groups: 3 groups an SM where its blocks have up to
+#               48 rows and its input up to 2048 values) against the compiler's
+#               own choice (block_min_groups=0) and against the bounds at every
+#               size, where an expert holds few rows (Qwen3-Next at T = 2048,
+#               Qwen3-30B-A3B at 512, DeepSeek-V3 at 1024, Mixtral at 128) and
+#               where the bounds leave them (Qwen3-Next at 8192, gpt-oss-20b at
+#               2048); first its GPU test, alone and under compute-sanitizer's
+#               three tools (CUDA).
 #   item-runs (not in `bench`) each group's items one run of stages
 #               (block_across_items=1, ACROSS_ITEMS: an item's first copies in
 #               flight while the item before is multiplied and stored): its GPU
@@ -840,11 +843,13 @@ if wanted fitted-rows; then
 fi
 if wanted min-groups; then
   kernel_tests min-groups tests/test_grouped_qmm.py bounded
-  for shape in "qwen3-next 2048" "qwen3-30b-a3b 512" "deepseek-v3 1024" "mixtral 128"; do
+  everywhere="block_min_groups_up_to_rows=1048576,block_min_groups_up_to_in_dims=1048576"
+  for shape in "qwen3-next 2048,8192" "qwen3-30b-a3b 512" "deepseek-v3 1024" "mixtral 128" \
+      "gpt-oss-20b 2048"; do
     read -r name tokens <<<"$shape"
     logged "$results/min-groups-$name.log" python3 -m benchmarks.grouped_qmm \
       --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel \
-      --tilings "default;block_min_groups=3;block_min_groups=4"
+      --tilings "default;block_min_groups=0;$everywhere"
   done
 fi
 if wanted item-runs; then

@@ -112,13 +112,20 @@ def test_tiles_match_reference(runs, case):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
+# `block_min_groups` at every block's rows and input, not only where the
+# tiling takes it (of 4-bit weights: `launch.MIN_GROUPS_BITS`).
+EVERY_SIZE_MIN_GROUPS = dict(block_min_groups_up_to_rows=1 << 20,
+                             block_min_groups_up_to_in_dims=1 << 20)
+
+
 @given(case=grouped_qmm_cases())
 def test_tiles_bounded_match_reference(case):
     """The warps' own block compiled for 4 groups an SM (`block_min_groups`:
     on CUDA, launch bounds that leave a thread 128 registers, some of its
-    values then spilled to memory)."""
+    values then spilled to memory), at every size (`EVERY_SIZE_MIN_GROUPS`)."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_min_groups=4):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_min_groups=4,
+                                   **EVERY_SIZE_MIN_GROUPS):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
@@ -128,7 +135,8 @@ def test_tiles_bounded_fused_match_reference(groups):
     at T = 2048), whose registers the bound spills: experts of 0 to 100 rows,
     full and part-empty blocks, against the reference."""
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_warpgroup=0, block_fitted_rows=0,
-                                   block_row_tiles=6, block_min_groups=groups):
+                                   block_row_tiles=6, block_min_groups=groups,
+                                   **EVERY_SIZE_MIN_GROUPS):
         _check_fused_from_tokens(np.random.default_rng(groups), [48, 1, 0, 47, 100, 30], 256,
                                  512, "bfloat16")
 

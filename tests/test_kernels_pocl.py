@@ -991,29 +991,48 @@ def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahe
 
 
 def test_min_groups_bound_the_warps_own_block():
-    """`block_min_groups` reaches the warps' own block's launches
+    """`block_min_groups` reaches the warps' own block's launches of experts
     (`Launch.min_groups`, which the GPU glue compiles as CUDA's launch
-    bounds: tests/test_cuda_source.py), gated or not, and neither the tall
-    gated blocks nor a warpgroup's block (4 or 8 warps multiplying as one,
-    their registers wgmma's); off by default."""
-    def min_groups(capacity, gated=False, **tiling):
+    bounds: tests/test_cuda_source.py), gated or not, where their blocks
+    have up to `block_min_groups_up_to_rows` rows and their input up to
+    `block_min_groups_up_to_in_dims` values, at 4 bits; neither the tall
+    gated blocks, nor a warpgroup's block (4 or 8 warps multiplying as one,
+    their registers wgmma's), nor a dense projection's."""
+    def min_groups(capacity, gated=False, in_dims=2048, dense=False, bits=4, **tiling):
         with launch.grouped_qmm_tiling(**tiling):
-            made = launch.grouped_qmm_launch(128, 2048, 768, capacity, 4, 64, "bfloat16",
-                                             backend="cuda", gated=gated, warpgroup=True)
+            made = launch.grouped_qmm_launch(1 if dense else 128, in_dims, 768, capacity, bits, 64,
+                                             "bfloat16", backend="cuda", gated=gated,
+                                             warpgroup=True, dense=dense)
         assert made.body == "grouped_qmm_tiles"
-        return made.min_groups, dict(made.template)["WARPGROUP"]
+        return made.min_groups, dict(made.template)["WARPGROUP"], \
+            dict(made.template)["BLOCK_ROWS"]
 
-    assert launch.GROUPED_QMM_TILING.block_min_groups == 0
-    assert min_groups(4096) == min_groups(4096, gated=True) == (0, False)
-    assert min_groups(4096, block_min_groups=3) == (3, False)  # 32 rows an expert
-    assert min_groups(4096, gated=True, block_min_groups=3) == (3, False)
+    default = launch.GROUPED_QMM_TILING
+    assert (default.block_min_groups, default.block_min_groups_up_to_rows,
+            default.block_min_groups_up_to_in_dims) == (3, 48, 2048)
+    # 32 and 40 rows an expert: blocks of 40 and 48 rows, bound
+    assert min_groups(4096) == min_groups(4096, gated=True) == (3, False, 40)
+    assert min_groups(128 * 40) == (3, False, 48)
+    assert min_groups(4096, block_min_groups=0) == (0, False, 40)
+    assert min_groups(4096, block_min_groups=4) == (4, False, 40)
+    # taller blocks, longer inputs: unbound, unless the bounds are raised
+    assert min_groups(128 * 50) == (0, False, 64)
+    assert min_groups(128 * 50, block_min_groups_up_to_rows=64) == (3, False, 64)
+    assert min_groups(4096, in_dims=2880) == (0, False, 40)
+    assert min_groups(4096, in_dims=2880, block_min_groups_up_to_in_dims=2880) == (3, False, 40)
     # 128 rows an expert: the made weights' block (wgmma), unbound
-    assert min_groups(16384, gated=True, block_min_groups=3) == (0, True)
-    assert min_groups(4096, block_min_groups=3, block_warpgroup=1) == (0, True)
+    assert min_groups(16384, gated=True)[:2] == (0, True)
+    assert min_groups(4096, block_warpgroup=1)[:2] == (0, True)
     # the tall gated blocks (512 rows an expert, the warps' own), unbound
-    assert min_groups(128 * 512, gated=True, block_min_groups=3, block_warpgroup=0) \
-        == (0, False)
-    assert min_groups(128 * 512, block_min_groups=3, block_warpgroup=0) == (3, False)
+    assert min_groups(128 * 512, gated=True, block_warpgroup=0,
+                      block_min_groups_up_to_rows=1 << 20)[:2] == (0, False)
+    assert min_groups(128 * 512, block_warpgroup=0,
+                      block_min_groups_up_to_rows=1 << 20)[:2] == (3, False)
+    # a dense projection's block (32 rows of a decoding batch), unbound
+    assert min_groups(32, dense=True, tiles_from_rows=0)[0] == 0
+    # 8 bits, not timed: unbound
+    assert launch.MIN_GROUPS_BITS == (4,)
+    assert min_groups(4096, bits=8)[0] == 0
 
 
 def test_fitted_row_tiles_rule():

@@ -161,9 +161,12 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                           {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1},
                           {**SHARED_WEIGHTS_BLOCK, "block_across_items": 1})
                 # The warps' own block compiled for 3 groups an SM
-                # (`block_min_groups`: CUDA's launch bounds).
+                # (`block_min_groups`: CUDA's launch bounds) at every size,
+                # not only where the tiling's bounds take it.
                 if warpgroup == 0:
-                    with grouped_qmm_tiling(block_min_groups=3):
+                    with grouped_qmm_tiling(block_min_groups=3,
+                                            block_min_groups_up_to_rows=1 << 20,
+                                            block_min_groups_up_to_in_dims=1 << 20):
                         gpu.grouped_qmm(mx.zeros((capacity, in_dims), src_dtype), *matrices,
                                         *prefill_arrays, bits=bits, group_size=group_size,
                                         stream=None, row_tokens=mx.zeros((capacity,), mx.int32),

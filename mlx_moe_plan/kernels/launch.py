@@ -237,14 +237,21 @@ class GroupedQmmTiling:
     # apart. 0: each item's stages alone (copies, products, then the store).
     # Off until timed.
     block_across_items: int = 0
-    # CUDA: the warps' own block's launches (not the tall gated blocks, whose
-    # sums alone fill half a warp's registers) compiled for this many groups
-    # an SM at once (`__launch_bounds__`' minimum blocks, `Launch.min_groups`):
-    # the compiler keeps a thread's registers to what they leave, at every
-    # size. Where an expert holds few rows that block is latency-bound, and its
-    # registers, not its shared memory, hold it to two groups an SM. 0: the
-    # compiler's own choice. Off until timed; an SM runs 2048 threads at most.
-    block_min_groups: int = 0
+    # CUDA: the warps' own block's launches of experts (not the tall gated
+    # blocks, whose sums alone fill half a warp's registers, nor a dense
+    # projection's, not timed) compiled for this many groups an SM at once
+    # (`__launch_bounds__`' minimum blocks, `Launch.min_groups`) where their
+    # blocks have up to block_min_groups_up_to_rows rows and their input up to
+    # block_min_groups_up_to_in_dims values: the compiler keeps a thread's
+    # registers to what they leave. Where an expert holds few rows that block
+    # is latency-bound, and its registers, not its shared memory, hold it to
+    # two groups an SM; three ran faster there, where the rows are short, at 4
+    # bits (MIN_GROUPS_BITS). Taller blocks and longer inputs ran slower with
+    # three (benchmarks/RESULTS.md, "Launch bounds for the warps' own block").
+    # 0: the compiler's own choice everywhere; an SM runs 2048 threads at most.
+    block_min_groups: int = 3
+    block_min_groups_up_to_rows: int = 48
+    block_min_groups_up_to_in_dims: int = 2048
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -265,12 +272,14 @@ class GroupedQmmTiling:
                self.block_halved_below_blocks, self.block_split_below_groups,
                self.block_shared_gated_rows, self.block_shared_rows,
                self.block_shared_whole_rows, self.block_shared_sized_up_to_rows,
-               self.block_shared_dense_rows, self.block_min_groups) < 0 \
+               self.block_shared_dense_rows, self.block_min_groups,
+               self.block_min_groups_up_to_rows, self.block_min_groups_up_to_in_dims) < 0 \
                 or self.block_stages < 2 or self.block_shared_stages < 3 or (
                     self.block_input_splits is not None and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
-                             f"block_split_below_groups, block_min_groups and the block_halved "
-                             f"and block_shared row fields are at least 0, block_input_splits "
+                             f"block_split_below_groups, the block_min_groups fields and the "
+                             f"block_halved and block_shared row fields are at least 0, "
+                             f"block_input_splits "
                              f"at least 1, block_stages at least 2 and block_shared_stages at "
                              f"least 3: {self}")
         block_threads = 32 * self.block_row_warps * self.block_column_warps
@@ -1123,8 +1132,26 @@ def _grouped_qmm_tiles_launch(
          *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed + ring_bytes, stages * stage_bytes + made_bytes),
-        0 if by_warpgroup or tall else tiling.block_min_groups,
+        _min_groups(tiling, block_rows, in_dims, bits, dense or by_warpgroup or tall),
     )
+
+
+# The weights' bits whose launches `block_min_groups` binds: those it was timed at.
+MIN_GROUPS_BITS = (4,)
+
+
+def _min_groups(tiling: GroupedQmmTiling, block_rows: int, in_dims: int, bits: int,
+                unbound: bool) -> int:
+    """The tiles launch's `Launch.min_groups`: the tiling's `block_min_groups`
+    for the warps' own block of experts (not `unbound`: a dense projection's,
+    a warpgroup's, the tall gated block's) of up to
+    `block_min_groups_up_to_rows` rows and `block_min_groups_up_to_in_dims`
+    input values, at `MIN_GROUPS_BITS`; else 0."""
+    if unbound or bits not in MIN_GROUPS_BITS \
+            or block_rows > tiling.block_min_groups_up_to_rows \
+            or in_dims > tiling.block_min_groups_up_to_in_dims:
+        return 0
+    return tiling.block_min_groups
 
 
 # A split of a block tile's input walks this many stages at least.
