@@ -121,7 +121,8 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
 def _plain_step(layer: nn.Module, x: mx.array) -> bool:
     """Whether `x` is a decoding step of fewer rows than any rule takes for
     `layer` (`rules.dense_decoding_from_rows`): its route is "plain", known
-    without asking `_route`, whose key costs the host more than MLX's call."""
+    without asking `_route`, whose key costs the host about what MLX's call
+    does."""
     rows = step_rows(x)
     return 0 < rows < dense_decoding_from_rows(layer["weight"].shape[0])
 
