@@ -279,9 +279,8 @@ class GroupedQmmTiling:
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
                              f"block_split_below_groups, the block_min_groups fields and the "
                              f"block_halved and block_shared row fields are at least 0, "
-                             f"block_input_splits "
-                             f"at least 1, block_stages at least 2 and block_shared_stages at "
-                             f"least 3: {self}")
+                             f"block_input_splits at least 1, block_stages at least 2 and "
+                             f"block_shared_stages at least 3: {self}")
         block_threads = 32 * self.block_row_warps * self.block_column_warps
         if MAX_EXPERTS % block_threads:
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
