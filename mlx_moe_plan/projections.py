@@ -47,7 +47,7 @@ from ._backend import on_cuda
 from ._compiled import COMPILE_MAX_TOKENS, KeptBeside, compiled_if_small, module_cache, step_rows
 from ._gpu import cache_by_stream, device_ints
 from ._tracing import compiled_trace
-from .rules import (dense_as_expert, dense_as_rows, dense_decoding_expert, dense_decoding_from_rows,
+from .rules import (dense_as_expert, dense_as_rows, dense_decoding_expert, dense_from_rows,
                     dense_joins_siblings)
 
 
@@ -55,10 +55,22 @@ class RowsProjection:
     """Marks a dense quantized layer whose class `patch_model` swapped for one
     that hands a decoding batch's rows to its GEMM as one matrix
     (`decoding_rows`) and rows to the grouped kernel as one expert
-    (`dense_expert`), each where its rule says so."""
+    (`dense_expert`), each where its rule says so.
+
+    An input of fewer values than `plain_below_size` computes MLX's call at
+    once, asking no rule: fewer rows than any rule takes for the layer
+    (`rules.dense_from_rows`, read when the layer took the rows call) times
+    its input's values. A model's projections are called a few hundred times
+    a decoding step, and at batch 1 even the route's cached key cost the
+    step's host more than MLX's call (benchmarks/HISTORY.md, "Batch 1 to 4:
+    the projections' wrapper after the plain step"): the one size compared
+    is the cheapest test of all. 0 asks at every call. Weights replaced by
+    others of other sizes leave it as it was, which changes which route is
+    asked, never what the layer computes."""
 
     decoding_rows: bool = True
     dense_expert: bool = False
+    plain_below_size: int = 0
 
 
 def _as_rows(layer: nn.Module, x: mx.array) -> bool:
@@ -118,15 +130,6 @@ def _one_expert(layer: nn.Module, x: mx.array) -> mx.array:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _plain_step(layer: nn.Module, x: mx.array) -> bool:
-    """Whether `x` is a decoding step of fewer rows than any rule takes for
-    `layer` (`rules.dense_decoding_from_rows`): its route is "plain", known
-    without asking `_route`, whose key costs the host about what MLX's call
-    does."""
-    rows = step_rows(x)
-    return 0 < rows < dense_decoding_from_rows(layer["weight"].shape[0])
-
-
 def _route(layer: nn.Module, x: mx.array, join: bool) -> str:
     """How `layer` computes `x`: "siblings" where `join` (it is one of
     `Siblings` that go on) and `_joins` says so; else "expert" where
@@ -176,11 +179,12 @@ def _in_rows(call):
     says "expert" (compiled for small batches, as the MoE layers are: a call
     of the kernel costs the host far more than one of `quantized_matmul` to
     build); with `x` reshaped to rows `[n, D]` where it says "rows"; else as
-    it is, and at once for a step that no rule takes (`_plain_step`)."""
+    it is, and at once for an input that no rule takes
+    (`RowsProjection.plain_below_size`)."""
 
     def rows_call(layer: nn.Module, x: mx.array) -> mx.array:
         membership = _membership(layer)  # first: a member whose weights were replaced ends them
-        if _plain_step(layer, x):
+        if x.size < layer.plain_below_size:
             return call(layer, x)  # no member joined on it either
         if membership is not None:
             part = membership.siblings.part(membership.index, layer, x)
@@ -387,7 +391,7 @@ def joined(members: tuple[nn.Module, ...], x: mx.array) -> mx.array | None:
     their calls on `x` would make that GEMM (`_route` "siblings"); else None,
     and each computes alone. For a forward that reads the output whole
     (`fused_attention`)."""
-    if _plain_step(members[0], x):
+    if x.size < members[0].plain_below_size:
         return None  # each member's own call then asks `_membership`
     memberships = [_membership(member) for member in members]
     if any(membership is None for membership in memberships):
@@ -482,6 +486,8 @@ def take_rows(model: nn.Module, *, decoding: bool = True, expert: bool = False) 
         module.__class__ = _rows_class(type(module))
         module.decoding_rows = decoding
         module.dense_expert = expert
+        out_dims, packed_in_dims = module["weight"].shape
+        module.plain_below_size = dense_from_rows(out_dims) * packed_in_dims * 32 // module.bits
     if decoding and on_cuda():
         join_siblings(model)
     return len(layers)

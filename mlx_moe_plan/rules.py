@@ -359,16 +359,17 @@ def dense_as_expert(out_dims: int, in_dims: int, rows: int, bits: int, dtype_bit
             and rows >= DENSE_EXPERT_FROM_ROWS and out_dims >= DENSE_EXPERT_FROM_OUT_DIMS)
 
 
-def dense_decoding_from_rows(out_dims: int) -> int:
-    """The fewest rows of a decoding batch that any of the decoding rules
-    (`dense_decoding_expert`, `dense_as_rows`, `dense_joins_siblings`) may
-    take for a dense projection of `out_dims` output columns: below it every
-    one keeps MLX's call, whatever the other sizes, widths and backend.
+def dense_from_rows(out_dims: int) -> int:
+    """The fewest rows of an input, a decoding batch's or a prefill's, that
+    any of the dense rules (`dense_as_rows`, `dense_joins_siblings`,
+    `dense_decoding_expert`, `dense_as_expert`) may take for a dense
+    projection of `out_dims` output columns: below it every one keeps MLX's
+    call, whatever the other sizes, widths and backend.
 
     A model's projections are called several times a layer at every step,
-    and asking the rules (with a cached route) cost a step's host more than
-    it gained where none took the rows (benchmarks/RESULTS.md, "Whole models
-    on one GPU"): a step of fewer rows does not ask.
+    and asking the rules, even with a cached route, cost a step's host more
+    than it gained where none took the rows (benchmarks/RESULTS.md, "Whole
+    models on one GPU"): an input of fewer rows does not ask.
 
     Args:
         out_dims (int): Output columns N of the projection.
@@ -378,7 +379,8 @@ def dense_decoding_from_rows(out_dims: int) -> int:
     """
     if out_dims >= DENSE_DECODING_WIDE_OUT_DIMS:
         return 1
-    return min(DENSE_ROWS_FROM_ROWS, SIBLINGS_FROM_ROWS, DENSE_DECODING_FROM_ROWS)
+    return min(DENSE_ROWS_FROM_ROWS, SIBLINGS_FROM_ROWS, DENSE_DECODING_FROM_ROWS,
+               DENSE_EXPERT_FROM_ROWS)
 
 
 # A Qwen3 attention's queries and keys, normalized and rotated in one launch

@@ -177,7 +177,7 @@ def joined(request, monkeypatch):
     if request.param:
         monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
         monkeypatch.setattr(projections, "dense_joins_siblings", lambda *args, **kwargs: True)
-        monkeypatch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
+        monkeypatch.setattr(projections, "dense_from_rows", lambda out_dims: 1)
     return request.param
 
 

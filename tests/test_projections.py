@@ -41,7 +41,7 @@ def rows_always(monkeypatch):
     compiled blocks' traces, which hold the rule's answers, are dropped before
     and after: another answer for the same shapes needs traces of its own."""
     monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: True)
-    monkeypatch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
+    monkeypatch.setattr(projections, "dense_from_rows", lambda out_dims: 1)
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     _compiled._SHARED_FORWARDS.clear()
     yield
@@ -115,7 +115,7 @@ def test_the_route_is_asked_once_a_shape_and_dtype(monkeypatch):
     monkeypatch.setattr(projections, "dense_as_rows",
                         lambda *args, cuda: asked.append(args) or True)
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
-    monkeypatch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
+    monkeypatch.setattr(projections, "dense_from_rows", lambda out_dims: 1)
     layer = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
     plain = nn.QuantizedLinear(64, 256, group_size=32, bits=8)
     plain.update(layer.parameters())
@@ -362,7 +362,7 @@ def test_siblings_against_their_members(case):
         patch.setattr(projections, "on_cuda", lambda stream=None: True)
         patch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: True)
         patch.setattr(projections, "dense_joins_siblings", lambda *args, **kwargs: True)
-        patch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
+        patch.setattr(projections, "dense_from_rows", lambda out_dims: 1)
         take_rows(module)
         assert all(module[name]._siblings.index == i for i, name in enumerate(names))
         got = {names[i]: module[names[i]](x) for i in case["order"]}
@@ -589,7 +589,7 @@ def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, fresh_traces, e
     monkeypatch.setattr(projections, "dense_decoding_expert",
                         lambda out_dims, in_dims, rows, *args, cuda: rows >= 2)
     monkeypatch.setattr(projections, "dense_as_rows", lambda *args, **kwargs: False)
-    monkeypatch.setattr(projections, "dense_decoding_from_rows", lambda out_dims: 1)
+    monkeypatch.setattr(projections, "dense_from_rows", lambda out_dims: 1)
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     monkeypatch.setattr(projections._backend, "implementation", lambda stream: backend)
     tree = small_tree()
@@ -664,19 +664,21 @@ def test_dense_decoding_expert_rule(out_dims, in_dims, rows, bits, dtype_bits, m
 @given(out_dims=st.sampled_from([1, 128, 512, 2048, 4096, rules.DENSE_DECODING_WIDE_OUT_DIMS - 1,
                                  rules.DENSE_DECODING_WIDE_OUT_DIMS, 151936, 201088]),
        in_dims=st.sampled_from([64, 2048, 2880, 4096, 7168, 1 << 16]),
-       rows=st.integers(1, 256), bits=st.sampled_from([2, 3, 4, 5, 6, 8]),
+       rows=st.integers(1, 1024), bits=st.sampled_from([2, 3, 4, 5, 6, 8]),
        dtype_bits=st.sampled_from([16, 32]), mode=st.sampled_from(["affine", "mxfp4"]),
        cuda=st.booleans())
-def test_no_decoding_rule_takes_fewer_rows_than_the_floor(out_dims, in_dims, rows, bits,
-                                                          dtype_bits, mode, cuda):
-    """`dense_decoding_from_rows` bounds every decoding rule from below, so a
-    projection may skip asking them for a step of fewer rows."""
+def test_no_rule_takes_fewer_rows_than_the_floor(out_dims, in_dims, rows, bits, dtype_bits,
+                                                 mode, cuda):
+    """`dense_from_rows` bounds every dense rule from below, a decoding
+    step's and a prefill's, so a projection may skip asking them for an input
+    of fewer rows."""
     sizes = (in_dims, rows, bits, dtype_bits, mode)
     takes = (rules.dense_as_rows(out_dims, *sizes, cuda=cuda)
              or rules.dense_decoding_expert(out_dims, *sizes, cuda=cuda)
-             or rules.dense_joins_siblings(*sizes, cuda=cuda))
+             or rules.dense_joins_siblings(*sizes, cuda=cuda)
+             or rules.dense_as_expert(out_dims, *sizes, cuda=cuda))
     if takes:
-        assert rows >= rules.dense_decoding_from_rows(out_dims)
+        assert rows >= rules.dense_from_rows(out_dims)
 
 
 @pytest.mark.parametrize("out_dims, in_dims, rows", [
@@ -685,34 +687,49 @@ def test_no_decoding_rule_takes_fewer_rows_than_the_floor(out_dims, in_dims, row
 ])
 def test_the_floor_is_where_a_rule_takes(out_dims, in_dims, rows):
     """The floor is the fewest rows a rule takes, not merely below them."""
-    assert rules.dense_decoding_from_rows(out_dims) == rows
+    assert rules.dense_from_rows(out_dims) == rows
     sizes = (in_dims, rows, 4, 16, "affine")
     assert (rules.dense_as_rows(out_dims, *sizes, cuda=True)
             or rules.dense_decoding_expert(out_dims, *sizes, cuda=True))
 
 
-def test_a_step_below_the_floor_asks_no_route(monkeypatch):
-    """A decoding step of fewer rows than any rule takes computes the layer's
-    own call at once, bit for bit, without building a route's key; from the
-    floor, and for a prefill's rows, the route is asked."""
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_an_input_below_the_floor_asks_no_route(monkeypatch, bits):
+    """An input of fewer rows than any rule takes, a decoding step's or a
+    prefill's, computes the layer's own call at once, bit for bit, without
+    building a route's key; from the floor the route is asked. An lm_head's
+    floor is one row, an embedding's `as_linear` as a linear layer's."""
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     asked = []
     route = projections._route
     monkeypatch.setattr(projections, "_route", lambda *args, **kwargs: asked.append(args[1].shape)
                         or route(*args, **kwargs))
-    layer = nn.QuantizedLinear(64, 256, group_size=32, bits=4)
-    plain = nn.QuantizedLinear(64, 256, group_size=32, bits=4)
+    layer = nn.QuantizedLinear(64, 256, group_size=32, bits=bits)
+    plain = nn.QuantizedLinear(64, 256, group_size=32, bits=bits)
     plain.update(layer.parameters())
-    take_rows(layer, expert=True)
-    floor = rules.dense_decoding_from_rows(256)
+    tied = nn.QuantizedEmbedding(256, 64, group_size=32, bits=bits)
+    tied_plain = nn.QuantizedEmbedding(256, 64, group_size=32, bits=bits)
+    tied_plain.update(tied.parameters())
+    head = nn.QuantizedEmbedding(rules.DENSE_DECODING_WIDE_OUT_DIMS, 64, group_size=32, bits=bits)
+    for module in (layer, tied, head):
+        take_rows(module, expert=True)
+    floor = rules.dense_from_rows(256)
+    assert floor > 1 and rules.dense_from_rows(rules.DENSE_DECODING_WIDE_OUT_DIMS) == 1
     rng = np.random.default_rng(4)
-    for shape in [(1, 1, 64), (floor - 1, 1, 64), (2, 3, 1, 64)]:
+    below = [(1, 1, 64), (floor - 1, 1, 64), (2, 3, 1, 64), (1, floor - 1, 64), (floor - 1, 64)]
+    for shape in below:
         x = mx.array(rng.standard_normal(shape).astype(np.float32))
         assert mx.array_equal(layer(x), plain(x)).item()
+        assert mx.array_equal(tied.as_linear(x), tied_plain.as_linear(x)).item()
     assert asked == []
-    for shape in [(floor, 1, 64), (1, 3, 64)]:
-        layer(mx.array(rng.standard_normal(shape).astype(np.float32)))
-    assert asked == [(floor, 1, 64), (1, 3, 64)]
+    at_floor = [(floor, 1, 64), (1, floor, 64), (floor, 64)]
+    for shape in at_floor:
+        x = mx.array(rng.standard_normal(shape).astype(np.float32))
+        layer(x)
+        tied.as_linear(x)
+    assert asked == [shape for shape in at_floor for _ in range(2)]
+    head.as_linear(mx.array(rng.standard_normal((1, 1, 64)).astype(np.float32)))
+    assert asked[-1] == (1, 1, 64)
 
 
 # ------------------------------------------------------------------ whole models
