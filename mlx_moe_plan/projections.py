@@ -391,6 +391,8 @@ def joined(members: tuple[nn.Module, ...], x: mx.array) -> mx.array | None:
     their calls on `x` would make that GEMM (`_route` "siblings"); else None,
     and each computes alone. For a forward that reads the output whole
     (`fused_attention`)."""
+    if not all(isinstance(member, RowsProjection) for member in members):
+        return None  # projections the patch left as they were: never siblings
     if x.size < members[0].plain_below_size:
         return None  # each member's own call then asks `_membership`
     memberships = [_membership(member) for member in members]

@@ -225,6 +225,28 @@ def test_fused_forward_is_the_attention_op_for_op(launch_stood_in, joined, batch
     assert launch_stood_in == [(0, q_columns if joined else 0, offsets)] * 3 * layers
 
 
+@pytest.mark.parametrize("quantized", [True, False])
+def test_fused_forward_of_projections_left_as_they_are(launch_stood_in, quantized):
+    """Projections the patch leaves as mlx-lm made them (`dense_rows=False`
+    and `dense=False`, or a model not quantized): the fused forward calls
+    them as they are, the logits those of the same patched model without the
+    launch, bit for bit."""
+    model = make_mlx_lm_model("qwen3_moe", quantized=quantized)
+    if quantized:  # MLX's CPU gathers only float32 matrices
+        model.set_dtype(mx.bfloat16)
+    patch_model(model, dense_rows=False, dense=False)
+    assert not isinstance(model.layers[0].self_attn.q_proj, projections.RowsProjection)
+    plain = copy.deepcopy(model)
+    prompt = mx.array(np.random.default_rng(5).integers(0, 40, (3, 6)))
+    with pytest.MonkeyPatch.context() as off:
+        off.setattr(rules, "HEAD_NORM_ROPE_FROM_ROWS", 1 << 30)
+        want = decode(plain, prompt, 3)
+    got = decode(model, prompt, 3)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w).item()
+    assert len(launch_stood_in) == 3 * CONFIGS["qwen3_moe"]["num_hidden_layers"]
+
+
 def test_batch_generate_through_the_fused_forward(launch_stood_in, joined, tmp_path):
     """mlx-lm's batch generation (its batch cache: an offset a sequence,
     prompts of different lengths) gives the same texts through the fused
