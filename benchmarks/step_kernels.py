@@ -435,7 +435,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
     generate's chunks, after an untimed one of its chunk sizes in the turn)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_moe_plan import _compiled, rules
+    from mlx_moe_plan import _compiled, projections, rules
 
     sides = {"mlx-lm": (model, {}, {}, {}), "patched": (patched, {}, {}, {}),
              **{name: (patched, *changes) for name, changes in
@@ -448,6 +448,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
         side, constants, tiling, options = sides[name]
         with _settings(constants, tiling, options, defaults):
             _compiled.forget(patched)  # another side's traces and routes
+            projections.read_floors(patched)  # the dense rules' floors, of this side's rules
             return run(side)
 
     what = (f"one prefill of {args.prefill} tokens" if args.prefill
@@ -488,6 +489,7 @@ def compare_variants(model, patched, config: dict, args) -> str:
                                         "turns", [w for w, _ in measured]))
     finally:
         _compiled.forget(patched)
+        projections.read_floors(patched)
     return "\n".join(lines)
 
 

@@ -59,14 +59,14 @@ class RowsProjection:
 
     An input of fewer values than `plain_below_size` computes MLX's call at
     once, asking no rule: fewer rows than any rule takes for the layer
-    (`rules.dense_from_rows`, read when the layer took the rows call) times
-    its input's values. A model's projections are called a few hundred times
-    a decoding step, and at batch 1 even the route's cached key cost the
-    step's host more than MLX's call (benchmarks/HISTORY.md, "Batch 1 to 4:
-    the projections' wrapper after the plain step"): the one size compared
-    is the cheapest test of all. 0 asks at every call. Weights replaced by
-    others of other sizes leave it as it was, which changes which route is
-    asked, never what the layer computes."""
+    (`rules.dense_from_rows`, read when the layer took the rows call,
+    `read_floors`) times its input's values. A model's projections are
+    called a few hundred times a decoding step, and at batch 1 even the
+    route's cached key cost the step's host more than MLX's call
+    (benchmarks/RESULTS.md, "Whole models on one GPU"): one size compared is
+    the cheapest test. 0 asks at every call. Weights replaced by others of
+    other sizes leave it as it was, which changes which route is asked, never
+    what the layer computes."""
 
     decoding_rows: bool = True
     dense_expert: bool = False
@@ -465,6 +465,22 @@ def join_siblings(model: nn.Module) -> int:
     return groups
 
 
+def read_floors(model: nn.Module) -> None:
+    """Set every rows projection's `plain_below_size` from the rules as they
+    are now (`rules.dense_from_rows`). `take_rows` does at patch time; a
+    benchmark that changes the rules' constants on a patched model calls it
+    after.
+
+    Args:
+        model (Module): A model (or any module tree) after `take_rows`.
+    """
+    for _, module in model.named_modules():
+        if isinstance(module, RowsProjection):
+            out_dims, packed_in_dims = module["weight"].shape
+            module.plain_below_size = \
+                dense_from_rows(out_dims) * packed_in_dims * 32 // module.bits
+
+
 def take_rows(model: nn.Module, *, decoding: bool = True, expert: bool = False) -> int:
     """Give every dense quantized projection of `model` the rows call, in place.
 
@@ -488,8 +504,7 @@ def take_rows(model: nn.Module, *, decoding: bool = True, expert: bool = False) 
         module.__class__ = _rows_class(type(module))
         module.decoding_rows = decoding
         module.dense_expert = expert
-        out_dims, packed_in_dims = module["weight"].shape
-        module.plain_below_size = dense_from_rows(out_dims) * packed_in_dims * 32 // module.bits
+    read_floors(model)
     if decoding and on_cuda():
         join_siblings(model)
     return len(layers)

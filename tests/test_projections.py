@@ -732,6 +732,31 @@ def test_an_input_below_the_floor_asks_no_route(monkeypatch, bits):
     assert asked[-1] == (1, 1, 64)
 
 
+def test_floors_read_anew(monkeypatch):
+    """A patched layer keeps the floor of the rules it was patched under
+    until `read_floors` reads them anew (a benchmark's variant of the rules'
+    constants); a layer the patch left as it was has none."""
+    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
+    asked = []
+    route = projections._route
+    monkeypatch.setattr(projections, "_route", lambda *args, **kwargs: asked.append(args[1].shape)
+                        or route(*args, **kwargs))
+    tree = small_tree()
+    take_rows(tree)
+    assert tree.linear.plain_below_size == rules.dense_from_rows(256) * 64
+    step = mx.array(np.random.default_rng(6).standard_normal((2, 1, 64)).astype(np.float32))
+    tree.linear(step)
+    assert asked == []
+    monkeypatch.setattr(projections, "dense_from_rows", lambda out_dims: 2)
+    tree.linear(step)
+    assert asked == []
+    projections.read_floors(tree)
+    assert (tree.linear.plain_below_size, tree.embedding.plain_below_size) == (2 * 64, 2 * 64)
+    tree.linear(step)
+    assert asked == [(2, 1, 64)]
+    assert "plain_below_size" not in vars(tree.plain)
+
+
 # ------------------------------------------------------------------ whole models
 
 
