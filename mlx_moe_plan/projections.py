@@ -180,12 +180,13 @@ def _in_rows(call):
     of the kernel costs the host far more than one of `quantized_matmul` to
     build); with `x` reshaped to rows `[n, D]` where it says "rows"; else as
     it is, and at once for an input that no rule takes
-    (`RowsProjection.plain_below_size`)."""
+    (`RowsProjection.plain_below_size`): a member's replaced weights ended
+    its siblings when they were set (`_ending_setitem`)."""
 
     def rows_call(layer: nn.Module, x: mx.array) -> mx.array:
-        membership = _membership(layer)  # first: a member whose weights were replaced ends them
         if x.size < layer.plain_below_size:
             return call(layer, x)  # no member joined on it either
+        membership = _membership(layer)
         if membership is not None:
             part = membership.siblings.part(membership.index, layer, x)
             if part is not None:
@@ -210,6 +211,20 @@ def _in_rows(call):
 _ROWS_CLASSES: dict[type, type] = {}
 
 
+def _ending_setitem(own_setitem):
+    """The item assignment of a rows projection whose own class assigns by
+    `own_setitem`: a member of `Siblings` whose weight that replaced ends
+    them at once (`_membership`), so their stacked bytes go whether or not a
+    call asks a route. `load_weights`, `update`, `set_dtype` and attribute
+    assignment all set a module's arrays as items."""
+
+    def setitem(layer: nn.Module, key, value) -> None:
+        own_setitem(layer, key, value)
+        _membership(layer)
+
+    return setitem
+
+
 def _rows_class(layer_class: type) -> type:
     """A subclass of `layer_class` whose GEMM takes a decoding batch as rows."""
     if layer_class not in _ROWS_CLASSES:
@@ -217,6 +232,7 @@ def _rows_class(layer_class: type) -> type:
             members = {"as_linear": _in_rows(layer_class.as_linear)}
         else:
             members = {"__call__": _in_rows(layer_class.__call__)}
+        members["__setitem__"] = _ending_setitem(layer_class.__setitem__)
         _ROWS_CLASSES[layer_class] = type(
             f"Rows{layer_class.__name__}", (layer_class, RowsProjection),
             {**members, "__module__": __name__,
@@ -350,10 +366,11 @@ class Siblings:
 
     def keeps(self, index: int, layer: nn.Module) -> bool:
         """Whether the siblings have not ended and `layer` (member `index`)
-        holds its view of the stacked weight. Asked at every call of a
-        member, so that weights loaded since (`load_weights`) end them at
-        once, and their bytes go, whether or not a join comes; the other
-        arrays are checked where a part is made or taken."""
+        holds its view of the stacked weight. Asked as a member's arrays are
+        set (`_ending_setitem`), so that weights loaded since (`load_weights`)
+        end them at once, and their bytes go, whether or not a join comes,
+        and at every call that asks a route; the other arrays are checked
+        where a part is made or taken."""
         if self.stacked is None:
             return False
         if layer.get("weight") is self._views[index][0]:

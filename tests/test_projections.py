@@ -392,14 +392,22 @@ def test_siblings_keep_the_memory(monkeypatch):
     gc.collect()
     assert all("_siblings" in m.q_proj.__dict__ for m in modules)
     assert abs(mx.get_active_memory() - before) < held / 8
-    # Weights loaded since, and a call that does not join (one row): the
-    # stacked arrays go with the views they replaced.
-    for module in modules:
-        module.load_weights(tree_flatten(Attention().parameters()))
+    # Weights loaded since, before any call: the stacked arrays go with the
+    # views they replaced, as the weights are set (half the modules by
+    # `load_weights`, half by assigning each member's weight).
+    for index, module in enumerate(modules):
+        fresh = Attention()
+        if index % 2:
+            module.load_weights(tree_flatten(fresh.parameters()))
+        else:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                module[name].weight = fresh[name].weight
         mx.eval(module.parameters())
-        module(mx.random.normal((1, 1, 128)))
+        assert module.q_proj._siblings.siblings.ended
     gc.collect()
     assert abs(mx.get_active_memory() - before) < held / 8
+    for module in modules:
+        module(mx.random.normal((1, 1, 128)))  # each member alone, on its own arrays
 
 
 def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
@@ -425,15 +433,16 @@ def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
     seen.clear()
     copied(x)
     assert seen == [256, 64, 64]
-    # The keys' weights replaced: the keys compute alone, and the siblings
-    # end (the queries had joined; the values compute alone).
+    # The keys' weights replaced: the siblings end as they are set, before
+    # any call, and every member computes alone.
     fresh = Attention()
     want = (attention.q_proj(x), fresh.k_proj(x), attention.v_proj(x))
     siblings = attention.q_proj._siblings.siblings
     attention.k_proj.update(fresh.k_proj.parameters())
+    assert siblings.ended
     seen.clear()
     got = attention(x)
-    assert seen == [384, 64, 64] and siblings.ended
+    assert seen == [256, 64, 64]
     for part, wanted in zip(got, want):
         assert mx.array_equal(part, wanted).item()
     seen.clear()
