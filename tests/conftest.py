@@ -498,6 +498,11 @@ SHARED_WEIGHTS_BLOCK = dict(launch.SHARED_WEIGHTS_TILING, block_column_warps=4,
 # from here.
 OTHER_MADE_WEIGHTS_ROW_TILES = tuple(sorted(set(launch.SHARED_WEIGHTS_ROW_TILES)
                                             - set(launch.WARPGROUP_ROW_TILES)))
+# `block_min_groups` at every block's rows and input, not only where the
+# tiling takes it (of 4-bit weights: `launch.MIN_GROUPS_BITS`): the tests and
+# the recorded launches of the bound block take it from here.
+EVERY_SIZE_MIN_GROUPS = dict(block_min_groups_up_to_rows=1 << 20,
+                             block_min_groups_up_to_in_dims=1 << 20)
 
 
 @st.composite

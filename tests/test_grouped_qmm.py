@@ -12,9 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import (_NO_GPU, OTHER_MADE_WEIGHTS_ROW_TILES, SHARED_WEIGHTS_BLOCK,
-                      assert_gemm_close, check_grouped_qmm, grouped_qmm_by_mlx_ops,
-                      grouped_qmm_case, grouped_qmm_cases, quantized_experts, token_rows)
+from conftest import (_NO_GPU, EVERY_SIZE_MIN_GROUPS, OTHER_MADE_WEIGHTS_ROW_TILES,
+                      SHARED_WEIGHTS_BLOCK, assert_gemm_close, check_grouped_qmm,
+                      grouped_qmm_by_mlx_ops, grouped_qmm_case, grouped_qmm_cases,
+                      quantized_experts, token_rows)
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx.utils import tree_map
@@ -110,12 +111,6 @@ def test_tiles_match_reference(runs, case):
     with launch.grouped_qmm_tiling(tiles_from_rows=0, block_across_items=runs,
                                    block_max_groups=3 if runs else 4096):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
-
-
-# `block_min_groups` at every block's rows and input, not only where the
-# tiling takes it (of 4-bit weights: `launch.MIN_GROUPS_BITS`).
-EVERY_SIZE_MIN_GROUPS = dict(block_min_groups_up_to_rows=1 << 20,
-                             block_min_groups_up_to_in_dims=1 << 20)
 
 
 @given(case=grouped_qmm_cases())

@@ -22,7 +22,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from conftest import OTHER_MADE_WEIGHTS_ROW_TILES, SHARED_WEIGHTS_BLOCK
+from conftest import EVERY_SIZE_MIN_GROUPS, OTHER_MADE_WEIGHTS_ROW_TILES, SHARED_WEIGHTS_BLOCK
 from metal_source import THREAD_ATTRIBUTES, TYPE_NAMES, input_location, metal_source
 
 from mlx_moe_plan import MAX_EXPERTS, _gpu, kernels
@@ -164,9 +164,7 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                 # (`block_min_groups`: CUDA's launch bounds) at every size,
                 # not only where the tiling's bounds take it.
                 if warpgroup == 0:
-                    with grouped_qmm_tiling(block_min_groups=3,
-                                            block_min_groups_up_to_rows=1 << 20,
-                                            block_min_groups_up_to_in_dims=1 << 20):
+                    with grouped_qmm_tiling(block_min_groups=3, **EVERY_SIZE_MIN_GROUPS):
                         gpu.grouped_qmm(mx.zeros((capacity, in_dims), src_dtype), *matrices,
                                         *prefill_arrays, bits=bits, group_size=group_size,
                                         stream=None, row_tokens=mx.zeros((capacity,), mx.int32),
