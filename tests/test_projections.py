@@ -702,17 +702,24 @@ def test_the_floor_is_where_a_rule_takes(out_dims, in_dims, rows):
             or rules.dense_decoding_expert(out_dims, *sizes, cuda=True))
 
 
-@pytest.mark.parametrize("bits", [3, 4, 8])
-def test_an_input_below_the_floor_asks_no_route(monkeypatch, bits):
-    """An input of fewer rows than any rule takes, a decoding step's or a
-    prefill's, computes the layer's own call at once, bit for bit, without
-    building a route's key; from the floor the route is asked. An lm_head's
-    floor is one row, an embedding's `as_linear` as a linear layer's."""
+@pytest.fixture
+def asked_routes(monkeypatch) -> list[tuple[int, ...]]:
+    """The shape of each input whose route a layer asks (`_route`), as on a
+    CUDA stream (stood in)."""
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     asked = []
     route = projections._route
     monkeypatch.setattr(projections, "_route", lambda *args, **kwargs: asked.append(args[1].shape)
                         or route(*args, **kwargs))
+    return asked
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_an_input_below_the_floor_asks_no_route(asked_routes, bits):
+    """An input of fewer rows than any rule takes, a decoding step's or a
+    prefill's, computes the layer's own call at once, bit for bit, without
+    building a route's key; from the floor the route is asked. An lm_head's
+    floor is one row, an embedding's `as_linear` as a linear layer's."""
     layer = nn.QuantizedLinear(64, 256, group_size=32, bits=bits)
     plain = nn.QuantizedLinear(64, 256, group_size=32, bits=bits)
     plain.update(layer.parameters())
@@ -730,39 +737,34 @@ def test_an_input_below_the_floor_asks_no_route(monkeypatch, bits):
         x = mx.array(rng.standard_normal(shape).astype(np.float32))
         assert mx.array_equal(layer(x), plain(x)).item()
         assert mx.array_equal(tied.as_linear(x), tied_plain.as_linear(x)).item()
-    assert asked == []
+    assert asked_routes == []
     at_floor = [(floor, 1, 64), (1, floor, 64), (floor, 64)]
     for shape in at_floor:
         x = mx.array(rng.standard_normal(shape).astype(np.float32))
         layer(x)
         tied.as_linear(x)
-    assert asked == [shape for shape in at_floor for _ in range(2)]
+    assert asked_routes == [shape for shape in at_floor for _ in range(2)]
     head.as_linear(mx.array(rng.standard_normal((1, 1, 64)).astype(np.float32)))
-    assert asked[-1] == (1, 1, 64)
+    assert asked_routes[-1] == (1, 1, 64)
 
 
-def test_floors_read_anew(monkeypatch):
+def test_floors_read_anew(asked_routes, monkeypatch):
     """A patched layer keeps the floor of the rules it was patched under
     until `read_floors` reads them anew (a benchmark's variant of the rules'
     constants); a layer the patch left as it was has none."""
-    monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
-    asked = []
-    route = projections._route
-    monkeypatch.setattr(projections, "_route", lambda *args, **kwargs: asked.append(args[1].shape)
-                        or route(*args, **kwargs))
     tree = small_tree()
     take_rows(tree)
     assert tree.linear.plain_below_size == rules.dense_from_rows(256) * 64
     step = mx.array(np.random.default_rng(6).standard_normal((2, 1, 64)).astype(np.float32))
     tree.linear(step)
-    assert asked == []
+    assert asked_routes == []
     monkeypatch.setattr(projections, "dense_from_rows", lambda out_dims: 2)
     tree.linear(step)
-    assert asked == []
+    assert asked_routes == []
     projections.read_floors(tree)
     assert (tree.linear.plain_below_size, tree.embedding.plain_below_size) == (2 * 64, 2 * 64)
     tree.linear(step)
-    assert asked == [(2, 1, 64)]
+    assert asked_routes == [(2, 1, 64)]
     assert "plain_below_size" not in vars(tree.plain)
 
 
