@@ -82,13 +82,27 @@ def device(request) -> mx.Device:
     return mx.Device(request.param)
 
 
+@pytest.fixture
+def on_the_cpu():
+    """MLX's default device the CPU inside the test, then the one before: a
+    test that stands a GPU launch in on the CPU backend (`gpu_glue_on_the_cpu`)
+    runs there on a machine whose MLX has a GPU too, where a GPU default
+    would route past the stand-in."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
+
+
 def gpu_glue_on_the_cpu(monkeypatch, kernel: str, launched, *, module, rule: str,
                         from_rows: int) -> None:
     """The CPU backend given the GPU glue's optional `kernel` (its checks and
     custom function) and its `_computes`, the glue's launches replaced by
     `launched` (`glue_launched_by`); `module`'s `on_cuda` saying yes and the
     rule's constant `rules.<rule>` at `from_rows`, as on CUDA: the fused
-    forwards and the glue, run on a machine without a GPU."""
+    forwards and the glue, run on a machine without a GPU. The test asks
+    for `on_the_cpu`."""
+    assert mx.default_device().type == mx.cpu, "a stand-in on the CPU: request on_the_cpu"
     from mlx_moe_plan import _gpu, rules
     # imported here, not above: the GPU suite runs from a tree without the C++ extension
     from mlx_moe_plan import _cpu

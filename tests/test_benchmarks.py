@@ -852,7 +852,7 @@ def test_decode_attention_sides_attend_to_the_same_keys(capsys):
     assert lines[1].split()[:3] == ["small-qwen3-moe", "8", "1"] and len(lines) == 2
 
 
-def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, capsys):
+def test_decode_attention_package_sides_split_for_their_groups(monkeypatch, on_the_cpu, capsys):
     """The package's sides: the backend's launch through its glue (here on the
     CPU, its launches computed by MLX's attention), `package` splitting the
     keys as the package does and `package@N` for N groups, each as close to

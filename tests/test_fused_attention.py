@@ -147,7 +147,7 @@ def test_patch_model_fuses_the_registered_attention(name, fused):
 
 
 @pytest.fixture
-def launch_stood_in(monkeypatch):
+def launch_stood_in(monkeypatch, on_the_cpu):
     """The rule saying yes from one row, as on CUDA (stood in), and the CPU
     backend given the GPU glue's `head_norm_rope` (its checks and custom
     function) with the launch computed by MLX's ops. Yields each launch's
@@ -288,7 +288,7 @@ def test_projections_of_another_dtype_keep_the_attentions_call(launch_stood_in):
 
 
 @pytest.fixture
-def attention_stood_in(monkeypatch):
+def attention_stood_in(monkeypatch, on_the_cpu):
     """The attention's rule saying yes as on CUDA (stood in) from 4
     sequences, with a mask or without, and the CPU backend given a decoding
     step's attention computed by MLX's own
@@ -403,7 +403,7 @@ def test_both_launches_bit_for_bit(launch_stood_in, attention_stood_in, joined):
 
 
 @pytest.mark.parametrize("name, sizes", KERNEL_HEADS)
-def test_decoding_through_the_glue_bit_for_bit(monkeypatch, name, sizes):
+def test_decoding_through_the_glue_bit_for_bit(monkeypatch, on_the_cpu, name, sizes):
     """The GPU glue's `decode_attention` (its checks and custom function), its
     launches computed by MLX's attention, in decoding steps of heads the
     kernel takes: the fused forwards hand it arrays it accepts (a cache's

@@ -87,7 +87,7 @@ def test_patch_model_fuses_the_registered_model(name, fused):
 
 
 @pytest.fixture
-def launch_stood_in(monkeypatch):
+def launch_stood_in(monkeypatch, on_the_cpu):
     """The rule saying yes from one row, as on CUDA (stood in), and the CPU
     backend given the GPU glue's `add_rms_norm` (its checks and custom
     function) with the launch computed by MLX's ops. Yields each launch's
