@@ -185,6 +185,12 @@
 #               the expert GEMMs of Qwen3-30B-A3B and Qwen3-Next at T = 2048 and
 #               8192 in runs over 132 and 264 groups (one and two an SM of an
 #               H100 or H200) beside the default and the same groups alone.
+#   least-groups (not in `bench`) the block tiles' grid of the fewest items a
+#               plan makes (block_least_groups=1), beside the default's grid of
+#               the most and a grid of 264 groups: its GPU tests, alone and
+#               under compute-sanitizer's three tools (CUDA); then every
+#               shape's expert GEMMs at T = 2048 and 8192, twice, the second
+#               with the tilings in the other order.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -865,6 +871,25 @@ if wanted item-runs; then
   runs="default;block_max_groups=132;block_across_items=1,block_max_groups=132"
   runs="$runs;block_max_groups=264;block_across_items=1,block_max_groups=264"
   grouped_qmm_each item-runs "qwen3-30b-a3b 2048,8192 $runs" "qwen3-next 2048,8192 $runs"
+fi
+if wanted least-groups; then
+  logged "$results/least-groups-test.log" python3 -m pytest -q tests/test_grouped_qmm.py \
+    -k least -p no:cacheprovider
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      HYPOTHESIS_PROFILE=sanitize logged "$results/least-groups-$tool.log" compute-sanitizer \
+        --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_grouped_qmm_tiles \
+        python3 -m pytest -q -x tests/test_grouped_qmm.py -k least -p no:cacheprovider
+    done
+  fi
+  turn=0
+  for tilings in "default;block_least_groups=1;block_max_groups=264" \
+                 "block_max_groups=264;block_least_groups=1;default"; do
+    turn=$((turn + 1))
+    logged "$results/least-groups-$turn.log" python3 -m benchmarks.grouped_qmm \
+      --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
+      --calls 4 --no-sorted --sides kernel --tilings "$tilings"
+  done
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"

@@ -102,14 +102,19 @@ def test_split_rows_match_reference(case, k_splits):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
-@pytest.mark.parametrize("runs", [0, 1], ids=["items", "runs"])
+TILES_GRIDS = {"items": {}, "runs": dict(block_across_items=1, block_max_groups=3),
+               "least": dict(block_least_groups=1)}
+
+
+@pytest.mark.parametrize("grid", list(TILES_GRIDS))
 @given(case=grouped_qmm_cases())
-def test_tiles_match_reference(runs, case):
-    """The block tiles, each item alone and (`runs`) each of 3 groups' items
-    one run of stages (`block_across_items`)."""
+def test_tiles_match_reference(grid, case):
+    """The block tiles, each item alone, (`runs`) each of 3 groups' items one
+    run of stages (`block_across_items`), and (`least`) in the grid of the
+    fewest items a plan makes (`block_least_groups`), its first groups
+    taking the items past it."""
     seed, *arguments = case
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_across_items=runs,
-                                   block_max_groups=3 if runs else 4096):
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **TILES_GRIDS[grid]):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
 
 
@@ -160,7 +165,9 @@ WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                      "registers-runs": dict(block_warpgroup=1, block_across_items=1,
                                             block_max_groups=3),
                      "shared-runs": dict(launch.SHARED_WEIGHTS_TILING, block_across_items=1,
-                                         block_max_groups=3)}
+                                         block_max_groups=3),
+                     # the grid of the fewest items a plan makes (block_least_groups)
+                     "shared-least": dict(launch.SHARED_WEIGHTS_TILING, block_least_groups=1)}
 
 
 @needs_warpgroup

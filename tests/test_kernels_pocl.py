@@ -799,7 +799,7 @@ TILES_BLOCKS = [dict(block_row_tiles=8), dict(block_row_tiles=2),
                 dict(block_row_tiles=5, block_gated_row_tiles=5),
                 dict(block_row_tiles=6, block_gated_row_tiles=6),
                 dict(block_row_tiles=7, block_gated_row_tiles=7),
-                dict(block_max_groups=1),
+                dict(block_max_groups=1), dict(block_least_groups=1),
                 # Hopper's warpgroup multiply-add, emulated (tiles_products.h)
                 dict(block_warpgroup=1), dict(block_warpgroup=1, block_stage_values=192),
                 # the weights made 16-bit in shared memory (SHARED_WEIGHTS): one
@@ -1308,19 +1308,27 @@ def test_grouped_qmm_tiles_grid_holds_every_item(counts, tail, gated):
     """The block tiles' grid has a group for every (row block, column block)
     item of any plan of its capacity (each expert's blocks, then the tail's,
     as grouped_qmm_tiles.h counts them), so no group takes two; for one
-    expert, at most one row block more than the capacity fills."""
+    expert, at most one row block more than the capacity fills. The least
+    grid (`block_least_groups`) has an item for every group: the capacity's
+    rows in whole blocks."""
     capacity = sum(counts) + tail
     assume(capacity > 0)
-    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_max_groups=1 << 30):
-        qmm = launch.grouped_qmm_launch(len(counts), 128, 40, capacity, 4, 64, "bfloat16",
-                                        backend="cuda", gated=gated)
-    template = dict(qmm.template)
-    rows, splits = template["BLOCK_ROWS"], template["INPUT_SPLITS"]
-    row_blocks = qmm.groups // (splits * qmm.params.column_blocks)
+
+    def row_blocks(least: int) -> tuple[int, int]:
+        with launch.grouped_qmm_tiling(tiles_from_rows=0, block_max_groups=1 << 30,
+                                       block_least_groups=least):
+            qmm = launch.grouped_qmm_launch(len(counts), 128, 40, capacity, 4, 64, "bfloat16",
+                                            backend="cuda", gated=gated)
+        template = dict(qmm.template)
+        rows = template["BLOCK_ROWS"]
+        return qmm.groups // (template["INPUT_SPLITS"] * qmm.params.column_blocks), rows
+
+    most, rows = row_blocks(0)
     items = sum(-(-count // rows) for count in counts) + -(-tail // rows)
-    assert items <= row_blocks
+    assert items <= most
     if len(counts) == 1:  # the expert's span and the tail, a block apart at most
-        assert row_blocks == -(-capacity // rows) + (capacity > 1)
+        assert most == -(-capacity // rows) + (capacity > 1)
+    assert row_blocks(1) == (-(-capacity // rows), rows) and row_blocks(1)[0] <= items
 
 
 def test_grouped_qmm_tiles_input_splits():

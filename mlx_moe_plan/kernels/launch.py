@@ -189,6 +189,15 @@ class GroupedQmmTiling:
     # of each column's row read at a time, more memory
     block_stage_values: int = 128
     block_max_groups: int = 4096
+    # 1: as many groups (at most block_max_groups) as the fewest items a plan
+    # of the launch's capacity makes, its rows in whole blocks (any plan
+    # makes at least those, so every group finds one, and the groups from the
+    # first take the items past them); 0: as many as the most, a partial
+    # block an expert, where the groups past a plan's items scan its counts
+    # and exit. Off until timed: where the most are far more than a plan
+    # makes, a grid capped at one or two groups an SM ran faster, once
+    # (benchmarks/RESULTS.md, "Each group's items one run").
+    block_least_groups: int = 0
     # 1: the block's multiply-adds as one warpgroup's (WARPGROUP: Hopper's
     # wgmma), where the block is 4 warps side by side, each of
     # WARPGROUP_ROW_TILES row tiles, on a GPU that has them (the launch's
@@ -235,7 +244,8 @@ class GroupedQmmTiling:
     # is multiplied and stored, with block_max_groups then a group or so an
     # SM, each of many items; a launch whose input is split keeps its items
     # apart. 0: each item's stages alone (copies, products, then the store).
-    # Off until timed.
+    # Off: slower than the same groups each item alone, or level
+    # (benchmarks/RESULTS.md, "Each group's items one run").
     block_across_items: int = 0
     # CUDA: the warps' own block's launches of experts (not the tall gated
     # blocks, whose sums alone fill half a warp's registers, nor a dense
@@ -291,10 +301,10 @@ class GroupedQmmTiling:
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
                 or self.block_warpgroup not in (None, 0, 1, 2) \
                 or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1) \
-                or self.block_fitted_rows not in (0, 1):
+                or self.block_fitted_rows not in (0, 1) or self.block_least_groups not in (0, 1):
             raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead, block_weights_ahead, "
-                             f"block_across_items and block_fitted_rows are 0 or 1, "
-                             f"block_warpgroup None, 0, 1 or 2: {self}")
+                             f"block_across_items, block_fitted_rows and block_least_groups are "
+                             f"0 or 1, block_warpgroup None, 0, 1 or 2: {self}")
         if self.block_shared_row_tiles not in (None, *SHARED_WEIGHTS_ROW_TILES):
             raise ValueError(f"grouped_qmm tiling: block_shared_row_tiles is None or one of "
                              f"{SHARED_WEIGHTS_ROW_TILES}: {self}")
@@ -1104,8 +1114,10 @@ def _grouped_qmm_tiles_launch(
     # past the first adds at most one partial block, a run of a row at least.
     # Groups past the items scan the counts and exit; offsets that are no
     # plan's may make more items, which the groups then take several each.
+    # block_least_groups launches the least: no group without an item.
     least_row_blocks = -(-capacity // block_rows)
-    row_blocks = least_row_blocks + min(num_experts, capacity - 1)
+    row_blocks = least_row_blocks if tiling.block_least_groups else \
+        least_row_blocks + min(num_experts, capacity - 1)
     splits = 1 if not splits_input else _input_splits(
         dense, least_row_blocks * column_blocks, row_groups // stage_groups, tiling)
     out = ((capacity, out_dims), dtype) if splits == 1 else \
