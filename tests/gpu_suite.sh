@@ -859,29 +859,13 @@ if wanted min-groups; then
   done
 fi
 if wanted item-runs; then
-  logged "$results/item-runs-test.log" python3 -m pytest -q tests/test_grouped_qmm.py -k runs \
-    -p no:cacheprovider
-  if command -v compute-sanitizer >/dev/null; then
-    for tool in memcheck racecheck synccheck; do
-      HYPOTHESIS_PROFILE=sanitize logged "$results/item-runs-$tool.log" compute-sanitizer \
-        --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_grouped_qmm_tiles \
-        python3 -m pytest -q -x tests/test_grouped_qmm.py -k runs -p no:cacheprovider
-    done
-  fi
+  kernel_tests item-runs tests/test_grouped_qmm.py runs
   runs="default;block_max_groups=132;block_across_items=1,block_max_groups=132"
   runs="$runs;block_max_groups=264;block_across_items=1,block_max_groups=264"
   grouped_qmm_each item-runs "qwen3-30b-a3b 2048,8192 $runs" "qwen3-next 2048,8192 $runs"
 fi
 if wanted least-groups; then
-  logged "$results/least-groups-test.log" python3 -m pytest -q tests/test_grouped_qmm.py \
-    -k least -p no:cacheprovider
-  if command -v compute-sanitizer >/dev/null; then
-    for tool in memcheck racecheck synccheck; do
-      HYPOTHESIS_PROFILE=sanitize logged "$results/least-groups-$tool.log" compute-sanitizer \
-        --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_grouped_qmm_tiles \
-        python3 -m pytest -q -x tests/test_grouped_qmm.py -k least -p no:cacheprovider
-    done
-  fi
+  kernel_tests least-groups tests/test_grouped_qmm.py least
   turn=0
   for tilings in "default;block_least_groups=1;block_max_groups=264" \
                  "block_max_groups=264;block_least_groups=1;default"; do
