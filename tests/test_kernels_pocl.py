@@ -1328,7 +1328,8 @@ def test_grouped_qmm_tiles_grid_holds_every_item(counts, tail, gated):
     assert items <= most
     if len(counts) == 1:  # the expert's span and the tail, a block apart at most
         assert most == -(-capacity // rows) + (capacity > 1)
-    assert row_blocks(1) == (-(-capacity // rows), rows) and row_blocks(1)[0] <= items
+    least = row_blocks(1)
+    assert least == (-(-capacity // rows), rows) and least[0] <= items
 
 
 def test_grouped_qmm_tiles_input_splits():
