@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 # Float32 matmuls in exact float32, not TensorFloat-32 (MLX's default on CUDA):
@@ -83,13 +84,21 @@ def device(request) -> mx.Device:
 
 
 @pytest.fixture
-def on_the_cpu():
+def on_the_cpu(monkeypatch):
     """MLX's default device the CPU inside the test, then the one before: a
     test that stands a GPU launch in on the CPU backend (`gpu_glue_on_the_cpu`)
     runs there on a machine whose MLX has a GPU too, where a GPU default
-    would route past the stand-in."""
+    would route past the stand-in. mlx-lm's batch generation runs on a stream
+    of the default device as mlx-lm was imported (`generation_stream`): a CPU
+    one inside the test too."""
     before = mx.default_device()
     mx.set_default_device(mx.cpu)
+    try:  # the module: mlx_lm's package binds the name `generate` to its function
+        generate = importlib.import_module("mlx_lm.generate")
+    except ImportError:
+        generate = None
+    if generate is not None:
+        monkeypatch.setattr(generate, "generation_stream", mx.new_stream(mx.cpu))
     yield
     mx.set_default_device(before)
 
