@@ -280,8 +280,11 @@ def dense_joins_siblings(in_dims: int, rows: int, bits: int, dtype_bits: int, mo
 # wide projection (an lm_head) once a row; from 8 rows its GEMM runs each tile
 # of 128 columns through the whole input, a long chain where the input is
 # long; from 64 rows the block tiles pass it on wide projections too
-# (benchmarks/RESULTS.md, "Dense projections of a decoding batch").
+# (benchmarks/RESULTS.md, "Dense projections of a decoding batch"). At one
+# row both read the head once: the kernel's own call was faster, but whole
+# steps were not, so a single row keeps MLX's (RESULTS, "Batch 1 to 4").
 DENSE_DECODING_WIDE_OUT_DIMS = 100_000
+DENSE_DECODING_WIDE_LEAST_ROWS = 2
 DENSE_DECODING_WIDE_BELOW_ROWS = 8
 DENSE_DECODING_WIDE_FROM_ROWS = 64
 DENSE_DECODING_FROM_ROWS = 8
@@ -296,8 +299,9 @@ def dense_decoding_expert(out_dims: int, in_dims: int, rows: int, bits: int, dty
     `[rows, 1, in_dims]` through the grouped kernel as one expert.
 
     On CUDA, as measured (16-bit rows, affine 4 bits): a projection of
-    `DENSE_DECODING_WIDE_OUT_DIMS` columns and more below
-    `DENSE_DECODING_WIDE_BELOW_ROWS` rows and from `DENSE_DECODING_WIDE_FROM_ROWS`;
+    `DENSE_DECODING_WIDE_OUT_DIMS` columns and more from
+    `DENSE_DECODING_WIDE_LEAST_ROWS` rows below `DENSE_DECODING_WIDE_BELOW_ROWS`
+    and from `DENSE_DECODING_WIDE_FROM_ROWS`;
     any other from `DENSE_DECODING_FROM_ROWS` rows where its input has
     `DENSE_DECODING_FROM_IN_DIMS` values and more, and from
     `DENSE_DECODING_TILES_FROM_ROWS` rows (the block tiles) where it has
@@ -318,7 +322,8 @@ def dense_decoding_expert(out_dims: int, in_dims: int, rows: int, bits: int, dty
     if not _dense_measured(in_dims, bits, dtype_bits, mode, cuda) or rows < 1:
         return False
     if out_dims >= DENSE_DECODING_WIDE_OUT_DIMS:
-        return rows < DENSE_DECODING_WIDE_BELOW_ROWS or rows >= DENSE_DECODING_WIDE_FROM_ROWS
+        return (DENSE_DECODING_WIDE_LEAST_ROWS <= rows < DENSE_DECODING_WIDE_BELOW_ROWS
+                or rows >= DENSE_DECODING_WIDE_FROM_ROWS)
     if rows < DENSE_DECODING_FROM_ROWS:
         return False
     if rows < DENSE_DECODING_TILES_FROM_ROWS:
@@ -377,10 +382,11 @@ def dense_from_rows(out_dims: int) -> int:
     Returns:
         int: Rows; 1 where a rule may take a single row.
     """
+    floor = min(DENSE_ROWS_FROM_ROWS, SIBLINGS_FROM_ROWS, DENSE_DECODING_FROM_ROWS,
+                DENSE_EXPERT_FROM_ROWS)
     if out_dims >= DENSE_DECODING_WIDE_OUT_DIMS:
-        return 1
-    return min(DENSE_ROWS_FROM_ROWS, SIBLINGS_FROM_ROWS, DENSE_DECODING_FROM_ROWS,
-               DENSE_EXPERT_FROM_ROWS)
+        return min(floor, DENSE_DECODING_WIDE_LEAST_ROWS)
+    return floor
 
 
 # A Qwen3 attention's queries and keys, normalized and rotated in one launch

@@ -641,8 +641,9 @@ def test_rows_take_the_grouped_kernel_as_one_expert(monkeypatch, fresh_traces, e
 
 
 @pytest.mark.parametrize("out_dims, in_dims, rows, bits, dtype_bits, mode, cuda, want", [
-    # lm_heads: below 8 rows (one too) and from 64
-    (151936, 2048, 1, 4, 16, "affine", True, True),
+    # lm_heads: from 2 rows below 8, and from 64; one row MLX's
+    (151936, 2048, 1, 4, 16, "affine", True, False),
+    (151936, 2048, rules.DENSE_DECODING_WIDE_LEAST_ROWS, 4, 16, "affine", True, True),
     (rules.DENSE_DECODING_WIDE_OUT_DIMS, 2048, rules.DENSE_DECODING_WIDE_BELOW_ROWS - 1, 4, 16,
      "affine", True, True),
     (151936, 2048, rules.DENSE_DECODING_WIDE_BELOW_ROWS, 4, 16, "affine", True, False),
@@ -692,7 +693,7 @@ def test_no_rule_takes_fewer_rows_than_the_floor(out_dims, in_dims, rows, bits, 
 
 @pytest.mark.parametrize("out_dims, in_dims, rows", [
     (4096, 2048, rules.DENSE_ROWS_FROM_ROWS),  # as rows and joined, from the same count
-    (151936, 2048, 1),                          # an lm_head through the grouped kernel
+    (151936, 2048, rules.DENSE_DECODING_WIDE_LEAST_ROWS),  # an lm_head through the grouped kernel
 ])
 def test_the_floor_is_where_a_rule_takes(out_dims, in_dims, rows):
     """The floor is the fewest rows a rule takes, not merely below them."""
@@ -719,7 +720,7 @@ def test_an_input_below_the_floor_asks_no_route(asked_routes, bits):
     """An input of fewer rows than any rule takes, a decoding step's or a
     prefill's, computes the layer's own call at once, bit for bit, without
     building a route's key; from the floor the route is asked. An lm_head's
-    floor is one row, an embedding's `as_linear` as a linear layer's."""
+    floor is lower, an embedding's `as_linear` as a linear layer's."""
     layer = nn.QuantizedLinear(64, 256, group_size=32, bits=bits)
     plain = nn.QuantizedLinear(64, 256, group_size=32, bits=bits)
     plain.update(layer.parameters())
@@ -730,7 +731,8 @@ def test_an_input_below_the_floor_asks_no_route(asked_routes, bits):
     for module in (layer, tied, head):
         take_rows(module, expert=True)
     floor = rules.dense_from_rows(256)
-    assert floor > 1 and rules.dense_from_rows(rules.DENSE_DECODING_WIDE_OUT_DIMS) == 1
+    head_floor = rules.dense_from_rows(rules.DENSE_DECODING_WIDE_OUT_DIMS)
+    assert floor > head_floor == rules.DENSE_DECODING_WIDE_LEAST_ROWS
     rng = np.random.default_rng(4)
     below = [(1, 1, 64), (floor - 1, 1, 64), (2, 3, 1, 64), (1, floor - 1, 64), (floor - 1, 64)]
     for shape in below:
@@ -744,8 +746,10 @@ def test_an_input_below_the_floor_asks_no_route(asked_routes, bits):
         layer(x)
         tied.as_linear(x)
     assert asked_routes == [shape for shape in at_floor for _ in range(2)]
-    head.as_linear(mx.array(rng.standard_normal((1, 1, 64)).astype(np.float32)))
-    assert asked_routes[-1] == (1, 1, 64)
+    asked = len(asked_routes)
+    for rows in (head_floor - 1, head_floor):
+        head.as_linear(mx.array(rng.standard_normal((rows, 1, 64)).astype(np.float32)))
+    assert asked_routes[asked:] == [(head_floor, 1, 64)]
 
 
 def test_floors_read_anew(asked_routes, monkeypatch):
