@@ -194,9 +194,10 @@ class GroupedQmmTiling:
     # makes at least those, so every group finds one, and the groups from the
     # first take the items past them); 0: as many as the most, a partial
     # block an expert, where the groups past a plan's items scan its counts
-    # and exit. Off until timed: where the most are far more than a plan
-    # makes, a grid capped at one or two groups an SM ran faster, once
-    # (benchmarks/RESULTS.md, "Each group's items one run").
+    # and exit. Off: it ran level with the most, within a few percent either
+    # way, at every shape (benchmarks/RESULTS.md, "The grid of the fewest
+    # items, and two groups an SM"), where a grid capped at two groups an SM
+    # helped the made weights' launches more.
     block_least_groups: int = 0
     # 1: the block's multiply-adds as one warpgroup's (WARPGROUP: Hopper's
     # wgmma), where the block is 4 warps side by side, each of
