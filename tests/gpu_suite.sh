@@ -191,6 +191,12 @@
 #               under compute-sanitizer's three tools (CUDA); then every
 #               shape's expert GEMMs at T = 2048 and 8192, twice, the second
 #               with the tilings in the other order.
+#   made-weights-cap (not in `bench`) the experts' launches in the made
+#               weights' block with their grid capped at two groups an SM of an
+#               H100 or H200 (block_shared_max_groups=264) beside the default:
+#               every shape's expert GEMMs at T = 2048 and 8192, twice, the
+#               second in the other order; then both models' whole prefill of
+#               8192 tokens, three alternated turns.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -874,6 +880,21 @@ if wanted least-groups; then
       --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
       --calls 4 --no-sorted --sides kernel --tilings "$tilings"
   done
+fi
+if wanted made-weights-cap; then
+  turn=0
+  for tilings in "default;block_shared_max_groups=264" "block_shared_max_groups=264;default"; do
+    turn=$((turn + 1))
+    logged "$results/made-weights-cap-$turn.log" python3 -m benchmarks.grouped_qmm \
+      --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
+      --calls 4 --no-sorted --sides kernel --tilings "$tilings"
+  done
+  logged "$results/made-weights-cap-qwen.log" python3 -m benchmarks.step_kernels \
+    --models qwen3-30b-a3b --layers 48 --prefill 8192 --rounds 3 \
+    --variants "cap:block_shared_max_groups=264"
+  logged "$results/made-weights-cap-gpt-oss.log" python3 -m benchmarks.step_kernels \
+    --models gpt-oss-20b --layers 24 --prefill 8192 --rounds 3 \
+    --variants "cap:block_shared_max_groups=264"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"

@@ -1133,6 +1133,32 @@ def test_shared_weights_rule():
         assert not shared(6400)
 
 
+def test_shared_weights_max_groups():
+    """`block_shared_max_groups` caps the grid of an experts' launch in the
+    made weights' block where the rule takes it, and only there: a dense
+    projection's launch in that block and a launch in the warps' own keep
+    `block_max_groups`, which caps the rule's block too."""
+    def groups(capacity, dense=False, experts=16, warpgroup=True):
+        made = launch.grouped_qmm_launch(experts, 256, 512, capacity, 4, 64, "bfloat16",
+                                         backend="cuda", gated=True, dense=dense,
+                                         warpgroup=warpgroup)
+        return made.groups, dict(made.template)["SHARED_WEIGHTS"]
+
+    made, dense, own = (groups(64 * 16), groups(2048, dense=True, experts=1),
+                        groups(64 * 16, warpgroup=False))
+    assert made[1] and dense[1] and not own[1]
+    assert min(made[0], dense[0], own[0]) > 7
+    assert launch.GROUPED_QMM_TILING.block_shared_max_groups >= made[0]
+    with launch.grouped_qmm_tiling(block_shared_max_groups=7):
+        assert (groups(64 * 16), groups(2048, dense=True, experts=1),
+                groups(64 * 16, warpgroup=False)) == ((7, True), dense, own)
+    with launch.grouped_qmm_tiling(block_shared_max_groups=7, block_max_groups=5):
+        assert groups(64 * 16) == (5, True)
+    with pytest.raises(ValueError, match="at least 1"):
+        with launch.grouped_qmm_tiling(block_shared_max_groups=0):
+            pass
+
+
 def test_shared_weights_row_tiles_rule():
     """The experts' made-weights block holds the rows an expert has on
     average plus 1.5 of their square root, in the fewest of

@@ -240,6 +240,15 @@ class GroupedQmmTiling:
     # to 3, then its values a stage halve and its stages start again from
     # these (_grouped_qmm_tiles_launch)
     block_shared_stages: int = 3
+    # the groups at most of an experts' launch in that block where the rule
+    # takes it (block_max_groups caps it too; a dense projection's launch
+    # keeps block_max_groups): the grid holds the most items any plan of the
+    # capacity makes, and the groups past a plan's items scan its counts and
+    # exit. Capped at two groups an SM (264 on an H100's or H200's 132) those
+    # launches ran 0.99x to 1.13x the default's, 1.00x or faster in 22 of 23,
+    # but once 0.95x (benchmarks/RESULTS.md, "The grid of the fewest items,
+    # and two groups an SM"): uncapped until timed in whole layers.
+    block_shared_max_groups: int = 4096
     # 1: each group's items of the experts' rows one run of stages
     # (ACROSS_ITEMS): an item's first copies in flight while the item before
     # is multiplied and stored, with block_max_groups then a group or so an
@@ -271,7 +280,7 @@ class GroupedQmmTiling:
                else self.k_splits, self.max_groups, self.block_row_warps,
                self.block_column_warps, self.block_tiles, self.block_gated_tiles,
                self.block_row_tiles, self.block_gated_row_tiles, self.block_max_groups,
-               self.block_stage_values) < 1:
+               self.block_shared_max_groups, self.block_stage_values) < 1:
             raise ValueError(f"grouped_qmm tiling: every field but wide_loads, loads_ahead, "
                              f"tiles_from_rows, block_gated_tall_rows, the block_halved and "
                              f"block_split fields, block_input_splits, block_stages and "
@@ -740,10 +749,12 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
                       and (capacity >= rows * num_experts or sized))
     if not shared_weights:
         return _own_block_tiling(tiling, backend, capacity / num_experts, dense)
-    row_tiles = (SHARED_WEIGHTS_TILING["block_row_tiles"] if dense
-                 else tiling.block_shared_row_tiles
+    if dense:
+        return _decided_tiling(tiling, True)
+    row_tiles = (tiling.block_shared_row_tiles
                  or _shared_weights_row_tiles(capacity / num_experts, gated, in_dims))
-    return _decided_tiling(tiling, True, row_tiles)
+    return _decided_tiling(tiling, True, row_tiles,
+                           min(tiling.block_max_groups, tiling.block_shared_max_groups))
 
 
 def _own_block_tiling(tiling: GroupedQmmTiling, backend: str, rows_per_expert: float,
@@ -840,16 +851,18 @@ def _whole_blocks(shared: GroupedQmmTiling, in_dims: int, out_dims: int) -> bool
 
 @lru_cache(maxsize=64)
 def _decided_tiling(tiling: GroupedQmmTiling, shared_weights: bool,
-                    row_tiles: int = SHARED_WEIGHTS_TILING["block_row_tiles"]
-                    ) -> GroupedQmmTiling:
-    """`tiling` in SHARED_WEIGHTS_TILING's block of `row_tiles` 8-row tiles,
-    or else with block_warpgroup 0 and its block of `row_tiles` (the
-    ungated and the not tall gated blocks'), made once a tiling: a launch is
-    built at every uncompiled call, where a new dataclass a call would cost
-    several times the rest of the launch."""
+                    row_tiles: int = SHARED_WEIGHTS_TILING["block_row_tiles"],
+                    max_groups: int | None = None) -> GroupedQmmTiling:
+    """`tiling` in SHARED_WEIGHTS_TILING's block of `row_tiles` 8-row tiles
+    and `max_groups` groups at most (None: its block_max_groups), or else
+    with block_warpgroup 0 and its block of `row_tiles` (the ungated and the
+    not tall gated blocks'), made once a tiling: a launch is built at every
+    uncompiled call, where a new dataclass a call would cost several times
+    the rest of the launch."""
     return replace(tiling, **dict(SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
                                   block_gated_row_tiles=row_tiles,
-                                  block_stages=tiling.block_shared_stages)) \
+                                  block_stages=tiling.block_shared_stages,
+                                  block_max_groups=max_groups or tiling.block_max_groups)) \
         if shared_weights else replace(tiling, block_warpgroup=0, block_row_tiles=row_tiles)
 
 
