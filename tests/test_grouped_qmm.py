@@ -425,11 +425,13 @@ def test_fused_gate_up_from_tokens(tokens):
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("tokens,tall", [(8, False), (300, False), (300, True)],
-                         ids=["decoding", "prefill", "tall"])
+@pytest.mark.parametrize("tokens,tall", [(8, False), (300, False), (300, True), (2048, False)],
+                         ids=["decoding", "prefill", "tall", "chunk"])
 def test_clamped_swiglu_with_biases(tokens, tall):
     """gpt-oss-20b's fused gate and up (2880 by 2880, 32 experts, 4 of them a
-    token; decoding's body, the block tiles, and their tall blocks forced):
+    token; decoding's body, the block tiles, and their tall blocks forced; a
+    prompt's chunk of 2048 tokens, in the made weights' block where the GPU
+    has wgmma):
     each projection's bias, the clamped SwiGLU (its clamps reached: the
     gate's from above, up's both ways), rows from the tokens; its gradients
     for the rows and both biases (the unfused ops' through MLX) against
@@ -452,6 +454,11 @@ def test_clamped_swiglu_with_biases(tokens, tall):
     x = _as_mlx(values, "bfloat16")
     bias_mx = [_as_mlx(b, "bfloat16") for b in out_biases]
     rows = token_rows(values, row_tokens)
+    if tokens == 2048:
+        made = dict(launch.grouped_qmm_launch(32, 2880, 2880, len(row_tokens), 4, 64,
+                                              "bfloat16", backend="cuda", gated=True,
+                                              warpgroup=_gpu.warpgroup_mma()).template)
+        assert made["SHARED_WEIGHTS"] == _gpu.warpgroup_mma()
     with launch.grouped_qmm_tiling(**(dict(tiles_from_rows=0, block_gated_tall_rows=0)
                                       if tall else {})):
         out = forward(x, *bias_mx)
