@@ -41,7 +41,10 @@ with `submit=False` (a decoding step evaluated once it is built whole).
 runs the whole benchmark in N processes and reports the median of their
 figures and the lowest ratio; `--warm-process` runs a short untimed one
 first, in which a fresh CUDA machine compiles MLX's kernels. The logits of
-both sides are compared (relative L2 difference, float32). Progress goes to
+both sides are compared (relative L2 difference, float32); with
+`--float32-logits`, the prefill's logits of each side also against those of
+a float32 run of the same weights (mlx-lm's model, its floating arrays in
+float32, its quantized ones shared), untimed. Progress goes to
 stderr; the table to stdout; `--json` writes every figure.
 
 On a CPU the run starts with the ops (`--ops`): `benchmarks.moe` at two
@@ -329,7 +332,18 @@ def timed_prefill(model, prompt: mx.array,
     return time.perf_counter() - start, logits
 
 
-def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int) -> dict:
+def float32_copy(model: nn.Module) -> nn.Module:
+    """`model` (mlx-lm's, unpatched) with its floating arrays (scales,
+    biases, norms) cast to float32 and its quantized ones shared: a float32
+    run of the same weights, against which each side's bfloat16 logits are
+    measured."""
+    reference = shared_copy(model)
+    reference.set_dtype(mx.float32)  # floating arrays only: the copy's, not the model's
+    return reference
+
+
+def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int,
+                    float32: bool = False) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.random.randint(0, vocab, (1, tokens))
@@ -356,6 +370,16 @@ def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int) -> dic
     row["speedup"] = (row["mlx-lm_ms"] / row["patched_ms"]) if row["mlx-lm_ms"] else None
     row["logits_rel_diff"] = relative_difference(logits["patched"], logits["mlx-lm"]) \
         if "mlx-lm" in logits else None
+    if float32:
+        reference = float32_copy(model)
+        want = prefill(reference, prompt, make_prompt_cache(reference))
+        del reference
+        mx.clear_cache()
+        for side in times:
+            row[f"{side}_float32_rel_diff"] = relative_difference(logits[side], want) \
+                if side in logits else None
+        progress(f"  against float32: mlx-lm {_fmt(row['mlx-lm_float32_rel_diff'])}, "
+                 f"patched {_fmt(row['patched_float32_rel_diff'])}")
     return row
 
 
@@ -582,7 +606,10 @@ def format_tables(result: dict) -> str:
         if p:
             lines.append(f"  prefill {p['tokens']} tokens (chunks of {PREFILL_STEP}): mlx-lm "
                          f"{_ms(p['mlx-lm_ms'])} ms, patched {_ms(p['patched_ms'])} ms, "
-                         f"{_ratio(p['speedup'])}; logits rel. diff {_fmt(p['logits_rel_diff'])}")
+                         f"{_ratio(p['speedup'])}; logits rel. diff {_fmt(p['logits_rel_diff'])}"
+                         + (f"; against float32: mlx-lm {_fmt(p['mlx-lm_float32_rel_diff'])}, "
+                            f"patched {_fmt(p['patched_float32_rel_diff'])}"
+                            if "patched_float32_rel_diff" in p else ""))
         extras = [extra for extra in Sides.EXTRA
                   if any(f"{extra}_speedup" in d for d in entry["decode"])]
         lines.append(f"  {'batch':>5s} {'mlx-lm ms':>10s} {'build':>7s} {'patched ms':>11s} "
@@ -677,7 +704,8 @@ def run(args) -> dict:
         tokens = prompt if args.prompt is None else args.prompt
         if tokens:
             progress(f"{name}: prefill of {tokens} tokens")
-            entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab)
+            entry["prefill"] = measure_prefill(model, patched, tokens, args.rounds, vocab,
+                                               args.float32_logits)
         control = shared_copy(model) if args.control else None
         variant = None
         if (args.variant_tile_m is not None or args.variant_no_dense_rows
@@ -765,6 +793,9 @@ def parse_args(argv):
     parser.add_argument("--no-compile", action="store_true",
                         help="the patched layers never compiled (compile_max_tokens=0), and "
                              "so no decoding step's block submitted as it is built")
+    parser.add_argument("--float32-logits", action="store_true",
+                        help="the prefill's logits of each side also against a float32 run "
+                        "of the same weights (untimed)")
     parser.add_argument("--processes", type=int, default=1,
                         help="run in N processes; report medians and the lowest ratio "
                              "(default: %(default)s)")

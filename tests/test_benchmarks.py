@@ -52,6 +52,35 @@ def test_shared_copy_shares_weights_and_patches_alone():
     assert all(ours[k] is theirs[k] for k in ours)
 
 
+def test_float32_copy_casts_its_own_floating_arrays():
+    """The float32 run of the same weights: its scales and norms float32, its
+    quantized matrices the model's very arrays; the model keeps its dtypes."""
+    config = with_layers(MODELS["small-qwen3-moe"], 1)
+    model, _ = bench.random_model(config, dtype=mx.bfloat16, bits=4, group_size=64)
+    reference = bench.float32_copy(model)
+    ours = dict(tree_flatten(reference.parameters()))
+    theirs = dict(tree_flatten(model.parameters()))
+    assert ours.keys() == theirs.keys()
+    floating = [k for k, a in theirs.items() if mx.issubdtype(a.dtype, mx.floating)]
+    quantized = [k for k, a in theirs.items() if a.dtype == mx.uint32]
+    assert floating and quantized
+    assert all(theirs[k].dtype == mx.bfloat16 and ours[k].dtype == mx.float32 for k in floating)
+    assert all(ours[k] is theirs[k] for k in quantized)
+
+
+def test_model_benchmark_float32_logits(tmp_path):
+    """`--float32-logits`: each side's prefill logits against the float32 run,
+    bfloat16 sides a little off it."""
+    out = tmp_path / "model.json"
+    assert bench.main(["--layers", "1", "--prompt", "20", "--batches", "1", "--context", "8",
+                       "--steps", "1", "--warmup", "1", "--rounds", "1", "--decode-rounds", "1",
+                       "--ops", "off", "--dtype", "bfloat16", "--float32-logits",
+                       "--json", str(out)]) == 0
+    (entry,) = json.loads(out.read_text())["models"]
+    for side in ("mlx-lm", "patched"):
+        assert 0 < entry["prefill"][f"{side}_float32_rel_diff"] < 1
+
+
 def test_restored_cache_decodes_the_same_step():
     model = small_model()
     cache = make_prompt_cache(model)
