@@ -245,9 +245,10 @@ class GroupedQmmTiling:
     # keeps block_max_groups): the grid holds the most items any plan of the
     # capacity makes, and the groups past a plan's items scan its counts and
     # exit. Capped at two groups an SM (264 on an H100's or H200's 132) those
-    # launches ran 0.99x to 1.13x the default's, 1.00x or faster in 22 of 23,
-    # but once 0.95x (benchmarks/RESULTS.md, "The grid of the fewest items,
-    # and two groups an SM"): uncapped until timed in whole layers.
+    # launches mostly ran faster or level, where the warps' own block lost,
+    # but one of them lost in another run (benchmarks/RESULTS.md, "The grid
+    # of the fewest items, and two groups an SM"): uncapped until timed in
+    # whole layers.
     block_shared_max_groups: int = 4096
     # 1: each group's items of the experts' rows one run of stages
     # (ACROSS_ITEMS): an item's first copies in flight while the item before
