@@ -420,6 +420,18 @@ grouped_qmm_each() {
       --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
   done
 }
+# grouped_qmm_both_orders PREFIX TILINGS: every shape's expert GEMMs at T =
+# 2048 and 8192 in TILINGS (";"-separated), then again in the reverse order,
+# so that drift over the run hits each tiling early once: PREFIX-1.log, -2.log
+grouped_qmm_both_orders() {
+  local prefix=$1 tilings=$2 turn=0 order
+  for order in "$tilings" "$(tr ';' '\n' <<<"$tilings" | tac | paste -sd ';')"; do
+    turn=$((turn + 1))
+    logged "$results/$prefix-$turn.log" python3 -m benchmarks.grouped_qmm \
+      --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
+      --calls 4 --no-sorted --sides kernel --tilings "$order"
+  done
+}
 
 if wanted pytest; then
   logged "$results/pytest-gpu.log" python3 -m pytest -q -m gpu tests -p no:cacheprovider
@@ -872,23 +884,10 @@ if wanted item-runs; then
 fi
 if wanted least-groups; then
   kernel_tests least-groups tests/test_grouped_qmm.py least
-  turn=0
-  for tilings in "default;block_least_groups=1;block_max_groups=264" \
-                 "block_max_groups=264;block_least_groups=1;default"; do
-    turn=$((turn + 1))
-    logged "$results/least-groups-$turn.log" python3 -m benchmarks.grouped_qmm \
-      --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
-      --calls 4 --no-sorted --sides kernel --tilings "$tilings"
-  done
+  grouped_qmm_both_orders least-groups "default;block_least_groups=1;block_max_groups=264"
 fi
 if wanted made-weights-cap; then
-  turn=0
-  for tilings in "default;block_shared_max_groups=264" "block_shared_max_groups=264;default"; do
-    turn=$((turn + 1))
-    logged "$results/made-weights-cap-$turn.log" python3 -m benchmarks.grouped_qmm \
-      --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
-      --calls 4 --no-sorted --sides kernel --tilings "$tilings"
-  done
+  grouped_qmm_both_orders made-weights-cap "default;block_shared_max_groups=264"
   logged "$results/made-weights-cap-qwen.log" python3 -m benchmarks.step_kernels \
     --models qwen3-30b-a3b --layers 48 --prefill 8192 --rounds 3 \
     --variants "cap:block_shared_max_groups=264"
