@@ -533,30 +533,35 @@ def test_grouped_qmm_biases_and_clamped_swiglu_match_reference(
                  clamped_swiglu=(1.702, limit) if form == "clamped" else None)
 
 
-@pytest.mark.parametrize("body", ["grouped_qmm", "grouped_qmm_tiles", "made_weights"])
-def test_grouped_qmm_clamped_swiglu_in_each_body(body):
-    """gpt-oss's fused gate and up, biased, in each body (the block tiles from
-    0 rows an expert, in tall blocks from 16; and in the made weights' block
-    of 160 rows that the rule gives gpt-oss-20b's chunks of 2048 tokens, its
-    down projection's bias too): the clamps reached, the gate's from above
-    and up's both ways."""
+# gpt-oss's fused gate and up in each body: the body, the experts' rows and
+# the tiling that takes it (the block tiles from 0 rows an expert, in tall
+# blocks from 16; the made weights' block of 160 rows, the rule's for
+# gpt-oss-20b's chunks of 2048 tokens).
+CLAMPED_FORMS = {
+    "grouped_qmm": ("grouped_qmm", [3, 0, 5, 1],
+                    dict(tiles_from_rows=10**6, block_gated_tall_rows=16)),
+    "grouped_qmm_tiles": ("grouped_qmm_tiles", [40, 0, 75, 9],
+                          dict(tiles_from_rows=0, block_gated_tall_rows=16)),
+    "made_weights": ("grouped_qmm_tiles", [170, 0, 75, 9],
+                     dict(launch.SHARED_WEIGHTS_TILING, tiles_from_rows=0, block_row_tiles=20,
+                          block_gated_row_tiles=20))}
+
+
+@pytest.mark.parametrize("form", list(CLAMPED_FORMS))
+def test_grouped_qmm_clamped_swiglu_in_each_body(form):
+    """gpt-oss's fused gate and up, biased, in each body (`CLAMPED_FORMS`;
+    in the made weights' block its down projection's bias too): the clamps
+    reached, the gate's from above and up's both ways."""
     rng = np.random.default_rng(53)
-    counts = {"grouped_qmm": [3, 0, 5, 1], "grouped_qmm_tiles": [40, 0, 75, 9],
-              "made_weights": [170, 0, 75, 9]}[body]
-    changes = dict(tiles_from_rows=0 if body != "grouped_qmm" else 10**6,
-                   block_gated_tall_rows=16)
-    if body == "made_weights":
-        changes = dict(launch.SHARED_WEIGHTS_TILING, tiles_from_rows=0, block_row_tiles=20,
-                       block_gated_row_tiles=20)
+    body, counts, changes = CLAMPED_FORMS[form]
     with launch.grouped_qmm_tiling(**changes):
-        assert launch.grouped_qmm_body(sum(counts) + 3, 4) == body.replace(
-            "made_weights", "grouped_qmm_tiles")
+        assert launch.grouped_qmm_body(sum(counts) + 3, 4) == body
         made = dict(launch.grouped_qmm_launch(4, 128, 72, sum(counts) + 3, 4, 64, "bfloat16",
                                               backend="opencl", gated=True).template)
-        assert made.get("SHARED_WEIGHTS", False) == (body == "made_weights")
+        assert made.get("SHARED_WEIGHTS", False) == (form == "made_weights")
         gate, up = _check_fused(rng, counts, 72, 128, 4, 64, "bfloat16", 3, 6, True, True,
                                 biased=True, clamped_swiglu=(1.702, 2.0))
-        if body == "made_weights":
+        if form == "made_weights":
             _check_fused(rng, counts, 72, 128, 4, 64, "bfloat16", 3, 6, False, False,
                          biased=True)
     assert (gate > 2.0).any() and (up > 2.0).any() and (up < -2.0).any()
