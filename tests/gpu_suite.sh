@@ -888,12 +888,7 @@ if wanted least-groups; then
 fi
 if wanted made-weights-cap; then
   grouped_qmm_both_orders made-weights-cap "default;block_shared_max_groups=264"
-  logged "$results/made-weights-cap-qwen.log" python3 -m benchmarks.step_kernels \
-    --models qwen3-30b-a3b --layers 48 --prefill 8192 --rounds 3 \
-    --variants "cap:block_shared_max_groups=264"
-  logged "$results/made-weights-cap-gpt-oss.log" python3 -m benchmarks.step_kernels \
-    --models gpt-oss-20b --layers 24 --prefill 8192 --rounds 3 \
-    --variants "cap:block_shared_max_groups=264"
+  whole_prefills made-weights-cap --rounds 3 --variants "cap:block_shared_max_groups=264"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"
