@@ -1162,14 +1162,16 @@ def test_shared_weights_max_groups():
                                          warpgroup=warpgroup)
         return made.groups, dict(made.template)["SHARED_WEIGHTS"]
 
-    made, dense, own = (groups(64 * 16), groups(2048, dense=True, experts=1),
-                        groups(64 * 16, warpgroup=False))
+    def launches():  # the experts' in the made weights' block, a dense one's, the warps' own
+        return (groups(64 * 16), groups(2048, dense=True, experts=1),
+                groups(64 * 16, warpgroup=False))
+
+    made, dense, own = launches()
     assert made[1] and dense[1] and not own[1]
     assert min(made[0], dense[0], own[0]) > 7
     assert launch.GROUPED_QMM_TILING.block_shared_max_groups >= made[0]
     with launch.grouped_qmm_tiling(block_shared_max_groups=7):
-        assert (groups(64 * 16), groups(2048, dense=True, experts=1),
-                groups(64 * 16, warpgroup=False)) == ((7, True), dense, own)
+        assert launches() == ((7, True), dense, own)
     with launch.grouped_qmm_tiling(block_shared_max_groups=7, block_max_groups=5):
         assert groups(64 * 16) == (5, True)
     with pytest.raises(ValueError, match="at least 1"):
