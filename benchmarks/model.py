@@ -378,8 +378,7 @@ def measure_prefill(model, patched, tokens: int, rounds: int, vocab: int,
         for side in times:
             row[f"{side}_float32_rel_diff"] = relative_difference(logits[side], want) \
                 if side in logits else None
-        progress(f"  against float32: mlx-lm {_fmt(row['mlx-lm_float32_rel_diff'])}, "
-                 f"patched {_fmt(row['patched_float32_rel_diff'])}")
+        progress(f"  {_against_float32(row)}")
     return row
 
 
@@ -607,9 +606,8 @@ def format_tables(result: dict) -> str:
             lines.append(f"  prefill {p['tokens']} tokens (chunks of {PREFILL_STEP}): mlx-lm "
                          f"{_ms(p['mlx-lm_ms'])} ms, patched {_ms(p['patched_ms'])} ms, "
                          f"{_ratio(p['speedup'])}; logits rel. diff {_fmt(p['logits_rel_diff'])}"
-                         + (f"; against float32: mlx-lm {_fmt(p['mlx-lm_float32_rel_diff'])}, "
-                            f"patched {_fmt(p['patched_float32_rel_diff'])}"
-                            if "patched_float32_rel_diff" in p else ""))
+                         + (f"; {_against_float32(p)}" if "patched_float32_rel_diff" in p
+                            else ""))
         extras = [extra for extra in Sides.EXTRA
                   if any(f"{extra}_speedup" in d for d in entry["decode"])]
         lines.append(f"  {'batch':>5s} {'mlx-lm ms':>10s} {'build':>7s} {'patched ms':>11s} "
@@ -635,6 +633,12 @@ def format_tables(result: dict) -> str:
                          f"{'' if describe.get('variant_submit', True) else ', submit=False'}, "
                          "decoded with the others")
     return "\n".join(lines)
+
+
+def _against_float32(prefill: dict) -> str:
+    """A prefill's logits against the float32 run, as the progress and the table say it."""
+    return (f"against float32: mlx-lm {_fmt(prefill['mlx-lm_float32_rel_diff'])}, "
+            f"patched {_fmt(prefill['patched_float32_rel_diff'])}")
 
 
 def _fmt(value) -> str:
