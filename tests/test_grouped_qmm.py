@@ -151,7 +151,7 @@ needs_warpgroup = pytest.mark.skipif(
 # by one warpgroup or two (the rule's block).
 WARPGROUP_BLOCKS = {"registers": dict(block_warpgroup=1), "shared": SHARED_WEIGHTS_BLOCK,
                     "shared-2": launch.SHARED_WEIGHTS_TILING}
-# And the made weights' blocks of 80, 96, 160 and 192 rows (wgmma's N of as
+# And the made weights' blocks of 48, 80, 96, 160 and 192 rows (wgmma's N of as
 # many), and the weights made a step ahead of their multiply-adds
 # (WEIGHTS_AHEAD).
 MADE_WEIGHTS_ROWS = tuple(8 * row_tiles for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES)

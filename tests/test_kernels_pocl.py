@@ -973,15 +973,16 @@ def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
 
 @pytest.mark.parametrize("row_tiles, stages, max_groups, ahead", [
     (24, 3, 4096, 0), (20, 3, 4096, 0), (10, 3, 4096, 0), (12, 4, 2, 0), (8, 3, 4096, 1),
-    (16, 4, 2, 1), (20, 3, 4096, 1), (24, 3, 4096, 1), (10, 6, 4096, 0), (16, 5, 2, 1)])
+    (16, 4, 2, 1), (20, 3, 4096, 1), (24, 3, 4096, 1), (10, 6, 4096, 0), (16, 5, 2, 1),
+    (6, 3, 4096, 0), (6, 4, 2, 1)])
 def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahead):
-    """The made weights' forms no rule takes yet: blocks of 80, 96, 160 and
-    192 rows (10 to 24 row tiles, wgmma's N of as many), WEIGHTS_AHEAD, each
+    """The made weights' forms no rule takes yet: blocks of 48, 80, 96, 160
+    and 192 rows (6 to 24 row tiles, wgmma's N of as many), WEIGHTS_AHEAD, each
     stage's weights made a step before its multiply-adds, and 5 or 6 stages
     (`block_shared_stages`' rings). Over more stages than the buffers (10 of
     64 values, 3 to 6 buffers), a group taking one
     block or several: experts whose last block is part empty (at 8 row
-    tiles, half-empty ones multiply half their row tiles), full ones and an
+    tiles and 6, half-empty ones multiply half their row tiles), full ones and an
     empty one, one projection and the fused gate and up; a block without
     SHARED_WEIGHTS ignores WEIGHTS_AHEAD, and it is 0 or 1."""
     rng = np.random.default_rng(59)

@@ -80,8 +80,8 @@
 // meet no bank conflict either. One fewer stage of copies is in flight
 // (AHEAD): a stage's rows are read until its multiply-adds end, a stage
 // after they were issued. Needs STAGES of 3 or more, STAGE_VALUES a
-// multiple of 64; takes ROW_TILES 10, 12, 20 and 24 too (N of 80, 96, 160
-// and 192: blocks that an expert of about as many rows fills once).
+// multiple of 64; takes ROW_TILES 6, 10, 12, 20 and 24 too (N of 48, 80, 96,
+// 160 and 192: blocks that an expert of about as many rows fills once).
 // include: qmm_params
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
 const int MATRICES = GATED ? 2 : 1;

@@ -675,13 +675,14 @@ def grouped_qmm_launch(
 
 # The row tiles a block through wgmma takes (N = 8 * row tiles: widths the
 # CUDA prelude spells, tests/test_cuda_source.py checks): the warps' A from
-# registers in 8 or 16; the made weights' in 10, 12, 20 and 24 too, blocks
-# that an expert of about as many rows fills once. Their gated sums take a
+# registers in 8 or 16; the made weights' in 6, 10, 12, 20 and 24 too, blocks
+# that an expert of about as many rows fills once (a half-empty block of 6
+# multiplies 3, N of 24, as one of 8 multiplies 4). Their gated sums take a
 # register a row a thread: nvcc 13.0, as the launch builds them (16-byte and
 # plain copies both), spills none up to 20 (255 registers there); at 24, 92
 # bytes, 10 loads of them a stage in the stage loop.
 WARPGROUP_ROW_TILES = (8, 16)
-SHARED_WEIGHTS_ROW_TILES = (8, 10, 12, 16, 20, 24)
+SHARED_WEIGHTS_ROW_TILES = (6, 8, 10, 12, 16, 20, 24)
 
 # SHARED_WEIGHTS' block where the rule takes it (_shared_weights_tiling): two
 # warpgroups side by side (128 columns), each warp one 16-column tile a

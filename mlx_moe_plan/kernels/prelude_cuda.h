@@ -130,7 +130,7 @@ __device__ __forceinline__ void async_wait() {
 // WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane): the group's
 // four warps (a warpgroup: the block tiles that take it have four) together
 // D += A B, Hopper's wgmma.mma_async.m64nNk16 (sm_90a; N = 8 * row_tiles:
-// 32, 64, 80, 96, 128, 160 or 192, a constant). A is 64 x 16, warp w's
+// 24, 32, 48, 64, 80, 96, 128, 160 or 192, a constant). A is 64 x 16, warp w's
 // rows 16 w to 16 w + 15 in its registers a as MMA_16x8x16's A; B is 16 x N
 // in group memory at b, in core matrices of 8 of its columns by 8 of its k
 // (8 rows of 16 bytes, 128 bytes), the next 8 k `lbo` words on and the next
@@ -157,9 +157,11 @@ __device__ __forceinline__ void async_wait() {
 // multiple of 1024 bytes (the swizzle's period).
 #define SHARED_ALIGN1024(p) ((p) + ((256u - ((unsigned)__cvta_generic_to_shared(p) >> 2)) & 255u))
 // The WG_ and WGMMA_ macros spell wgmma's operands; undefined after use.
+#define WG_D0_11 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11"
 #define WG_D0_15 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
 #define WG_D16_31 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
 #define WG_D32_47 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+#define WG_D16_23 "%16,%17,%18,%19,%20,%21,%22,%23"
 #define WG_D32_39 "%32,%33,%34,%35,%36,%37,%38,%39"
 #define WG_D48_63 "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
 #define WG_D64_79 "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79"
@@ -170,14 +172,18 @@ __device__ __forceinline__ void async_wait() {
 #define WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)
 #define WG_SS_IN "l"(desc_a), "l"(desc_b), "r"(1)
 #define WG_OP(n, types) "{.reg .pred p; setp.ne.b32 p, %" n ", 0; wgmma.mma_async.sync.aligned." types
+#define WGMMA_24(types) asm volatile(WG_OP("17", "m64n24k16.f32." types) " {" WG_D0_11 "}, {%12,%13,%14,%15}, %16, p, 1, 1, 0;}" : WG_F8(0), WG_F4(8) : WG_IN)
 #define WGMMA_32(types) asm volatile(WG_OP("21", "m64n32k16.f32." types) " {" WG_D0_15 "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;}" : WG_F16(0) : WG_IN)
+#define WGMMA_48(types) asm volatile(WG_OP("29", "m64n48k16.f32." types) " {" WG_D0_15 "," WG_D16_23 "}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;}" : WG_F16(0), WG_F8(16) : WG_IN)
 #define WGMMA_64(types) asm volatile(WG_OP("37", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16) : WG_IN)
 #define WGMMA_80(types) asm volatile(WG_OP("45", "m64n80k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_39 "}, {%40,%41,%42,%43}, %44, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F8(32) : WG_IN)
 #define WGMMA_96(types) asm volatile(WG_OP("53", "m64n96k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32) : WG_IN)
 #define WGMMA_128(types) asm volatile(WG_OP("69", "m64n128k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48) : WG_IN)
 #define WGMMA_160(types) asm volatile(WG_OP("85", "m64n160k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "}, {%80,%81,%82,%83}, %84, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64) : WG_IN)
 #define WGMMA_192(types) asm volatile(WG_OP("101", "m64n192k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "," WG_D48_63 "," WG_D64_79 "," WG_D80_95 "}, {%96,%97,%98,%99}, %100, p, 1, 1, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32), WG_F16(48), WG_F16(64), WG_F16(80) : WG_IN)
+#define WGMMA_SS_24(types) asm volatile(WG_OP("14", "m64n24k16.f32." types) " {" WG_D0_11 "}, %12, %13, p, 1, 1, 0, 0;}" : WG_F8(0), WG_F4(8) : WG_SS_IN)
 #define WGMMA_SS_32(types) asm volatile(WG_OP("18", "m64n32k16.f32." types) " {" WG_D0_15 "}, %16, %17, p, 1, 1, 0, 0;}" : WG_F16(0) : WG_SS_IN)
+#define WGMMA_SS_48(types) asm volatile(WG_OP("26", "m64n48k16.f32." types) " {" WG_D0_15 "," WG_D16_23 "}, %24, %25, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F8(16) : WG_SS_IN)
 #define WGMMA_SS_64(types) asm volatile(WG_OP("34", "m64n64k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "}, %32, %33, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16) : WG_SS_IN)
 #define WGMMA_SS_80(types) asm volatile(WG_OP("42", "m64n80k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_39 "}, %40, %41, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F8(32) : WG_SS_IN)
 #define WGMMA_SS_96(types) asm volatile(WG_OP("50", "m64n96k16.f32." types) " {" WG_D0_15 "," WG_D16_31 "," WG_D32_47 "}, %48, %49, p, 1, 1, 0, 0;}" : WG_F16(0), WG_F16(16), WG_F16(32) : WG_SS_IN)
@@ -189,7 +195,7 @@ __device__ __forceinline__ void async_wait() {
 // N trap (a body's text for other blocks, never run: the launch says
 // WARPGROUP 0).
 #define WG_BY_KIND(FORM, N) if (KIND == 2) { FORM##N("bf16.bf16"); } else { FORM##N("f16.f16"); }
-#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 4) { WG_BY_KIND(FORM, 32) } else if (ROW_TILES_N == 8) { WG_BY_KIND(FORM, 64) } else if (ROW_TILES_N == 10) { WG_BY_KIND(FORM, 80) } else if (ROW_TILES_N == 12) { WG_BY_KIND(FORM, 96) } else if (ROW_TILES_N == 16) { WG_BY_KIND(FORM, 128) } else if (ROW_TILES_N == 20) { WG_BY_KIND(FORM, 160) } else if (ROW_TILES_N == 24) { WG_BY_KIND(FORM, 192) } else { __trap(); }
+#define WGMMA_BY_N(FORM) if (ROW_TILES_N == 3) { WG_BY_KIND(FORM, 24) } else if (ROW_TILES_N == 4) { WG_BY_KIND(FORM, 32) } else if (ROW_TILES_N == 6) { WG_BY_KIND(FORM, 48) } else if (ROW_TILES_N == 8) { WG_BY_KIND(FORM, 64) } else if (ROW_TILES_N == 10) { WG_BY_KIND(FORM, 80) } else if (ROW_TILES_N == 12) { WG_BY_KIND(FORM, 96) } else if (ROW_TILES_N == 16) { WG_BY_KIND(FORM, 128) } else if (ROW_TILES_N == 20) { WG_BY_KIND(FORM, 160) } else if (ROW_TILES_N == 24) { WG_BY_KIND(FORM, 192) } else { __trap(); }
 // A shared-memory matrix descriptor of the matrix `at` words past `base` (a
 // multiple of 4; both 16-byte aligned): its address, lbo and sbo (words) in
 // bytes over 16; no swizzle, or (swizzled) the 128-byte swizzle (layout 1), 8
@@ -228,7 +234,9 @@ __device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a, in
   __trap();  // no wgmma before sm_90a: the launch takes it only there
 #endif
 }
+#undef WG_D0_11
 #undef WG_D0_15
+#undef WG_D16_23
 #undef WG_D16_31
 #undef WG_D32_39
 #undef WG_D32_47
@@ -241,14 +249,18 @@ __device__ __forceinline__ void warpgroup_mma_ss(float* d, const unsigned* a, in
 #undef WG_IN
 #undef WG_SS_IN
 #undef WG_OP
+#undef WGMMA_24
 #undef WGMMA_32
+#undef WGMMA_48
 #undef WGMMA_64
 #undef WGMMA_80
 #undef WGMMA_96
 #undef WGMMA_128
 #undef WGMMA_160
 #undef WGMMA_192
+#undef WGMMA_SS_24
 #undef WGMMA_SS_32
+#undef WGMMA_SS_48
 #undef WGMMA_SS_64
 #undef WGMMA_SS_80
 #undef WGMMA_SS_96
