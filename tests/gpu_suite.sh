@@ -197,6 +197,13 @@
 #               every shape's expert GEMMs at T = 2048 and 8192, twice, the
 #               second in the other order; then both models' whole prefill of
 #               8192 tokens, three alternated turns.
+#   made-weights-48 (not in `bench`) the made weights in blocks of 48 rows
+#               (block_row_tiles 6: wgmma's N of 48, and 24 in half-empty
+#               blocks): their GPU tests, alone and under compute-sanitizer's
+#               three tools (CUDA); then, against the warps' own (the default
+#               there), the expert GEMMs of Qwen3-Next at T = 2048 (40 rows an
+#               expert), its weights made a step ahead too, of Qwen3-30B-A3B
+#               at 512 and of DeepSeek-V3 at 1024 (32 rows).
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -889,6 +896,12 @@ fi
 if wanted made-weights-cap; then
   grouped_qmm_both_orders made-weights-cap "default;block_shared_max_groups=264"
   whole_prefills made-weights-cap --rounds 3 --variants "cap:block_shared_max_groups=264"
+fi
+if wanted made-weights-48; then
+  kernel_tests made-weights-48 tests/test_grouped_qmm.py shared-48
+  grouped_qmm_each made-weights-48 \
+    "qwen3-next 2048 default;$(made_weights_rows 6);$(made_weights_rows 6),block_weights_ahead=1" \
+    "qwen3-30b-a3b 512 default;$(made_weights_rows 6)" "deepseek-v3 1024 default;$(made_weights_rows 6)"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"
