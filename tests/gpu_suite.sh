@@ -899,9 +899,10 @@ if wanted made-weights-cap; then
 fi
 if wanted made-weights-48; then
   kernel_tests made-weights-48 tests/test_grouped_qmm.py shared-48
+  made48=$(made_weights_rows 6)
   grouped_qmm_each made-weights-48 \
-    "qwen3-next 2048 default;$(made_weights_rows 6);$(made_weights_rows 6),block_weights_ahead=1" \
-    "qwen3-30b-a3b 512 default;$(made_weights_rows 6)" "deepseek-v3 1024 default;$(made_weights_rows 6)"
+    "qwen3-next 2048 default;$made48;$made48,block_weights_ahead=1" \
+    "qwen3-30b-a3b 512 default;$made48" "deepseek-v3 1024 default;$made48"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"
