@@ -677,7 +677,9 @@ def grouped_qmm_launch(
 # CUDA prelude spells, tests/test_cuda_source.py checks): the warps' A from
 # registers in 8 or 16; the made weights' in 6, 10, 12, 20 and 24 too, blocks
 # that an expert of about as many rows fills once (a half-empty block of 6
-# multiplies 3, N of 24, as one of 8 multiplies 4). Their gated sums take a
+# multiplies 3, N of 24, as one of 8 multiplies 4; at 32 to 40 rows an expert
+# 48 rows ran 0.62x to 0.80x the warps' own, so no rule takes them:
+# benchmarks/RESULTS.md, "The made weights in 48 rows"). Their gated sums take a
 # register a row a thread: nvcc 13.0, as the launch builds them (16-byte and
 # plain copies both), spills none up to 20 (255 registers there); at 24, 92
 # bytes, 10 loads of them a stage in the stage loop.
