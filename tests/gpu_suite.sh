@@ -192,11 +192,11 @@
 #               shape's expert GEMMs at T = 2048 and 8192, twice, the second
 #               with the tilings in the other order.
 #   made-weights-cap (not in `bench`) the experts' launches in the made
-#               weights' block with their grid capped at two groups an SM of an
-#               H100 or H200 (block_shared_max_groups=264) beside the default:
-#               every shape's expert GEMMs at T = 2048 and 8192, twice, the
-#               second in the other order; then both models' whole prefill of
-#               8192 tokens, three alternated turns.
+#               weights' block, their grid capped at two groups an SM of an
+#               H100 or H200 (the default, block_shared_max_groups=264), beside
+#               it uncapped (4096): every shape's expert GEMMs at T = 2048 and
+#               8192, twice, the second in the other order; then both models'
+#               whole prefill of 8192 tokens, three alternated turns.
 #   made-weights-48 (not in `bench`) the made weights in blocks of 48 rows
 #               (block_row_tiles 6: wgmma's N of 48, and 24 in half-empty
 #               blocks): their GPU tests, alone and under compute-sanitizer's
@@ -894,8 +894,8 @@ if wanted least-groups; then
   grouped_qmm_both_orders least-groups "default;block_least_groups=1;block_max_groups=264"
 fi
 if wanted made-weights-cap; then
-  grouped_qmm_both_orders made-weights-cap "default;block_shared_max_groups=264"
-  whole_prefills made-weights-cap --rounds 3 --variants "cap:block_shared_max_groups=264"
+  grouped_qmm_both_orders made-weights-cap "default;block_shared_max_groups=4096"
+  whole_prefills made-weights-cap --rounds 3 --variants "uncapped:block_shared_max_groups=4096"
 fi
 if wanted made-weights-48; then
   kernel_tests made-weights-48 tests/test_grouped_qmm.py shared-48

@@ -161,6 +161,9 @@ WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                                                block_gated_row_tiles=rows // 8)
                         for rows in MADE_WEIGHTS_ROWS},
                      "shared-ahead": dict(launch.SHARED_WEIGHTS_TILING, block_weights_ahead=1),
+                     # 3 groups taking every item in turn, as the rule's capped
+                     # grid (block_shared_max_groups) takes a prefill's
+                     "shared-capped": dict(launch.SHARED_WEIGHTS_TILING, block_max_groups=3),
                      # each of 3 groups' items one run of stages (ACROSS_ITEMS)
                      "registers-runs": dict(block_warpgroup=1, block_across_items=1,
                                             block_max_groups=3),

@@ -1154,7 +1154,7 @@ def test_shared_weights_rule():
 
 def test_shared_weights_max_groups():
     """`block_shared_max_groups` caps the grid of an experts' launch in the
-    made weights' block where the rule takes it, and only there: a dense
+    made weights' block where the rule takes it (264 by default), and only there: a dense
     projection's launch in that block and a launch in the warps' own keep
     `block_max_groups`, which caps the rule's block too."""
     def groups(capacity, dense=False, experts=16, warpgroup=True):
@@ -1171,6 +1171,9 @@ def test_shared_weights_max_groups():
     assert made[1] and dense[1] and not own[1]
     assert min(made[0], dense[0], own[0]) > 7
     assert launch.GROUPED_QMM_TILING.block_shared_max_groups >= made[0]
+    # a prefill's chunk routed as Qwen3-30B-A3B's (2048 tokens, 8 of 128
+    # experts): more items than two groups an SM of an H100 or H200, the cap
+    assert groups(2048 * 8, experts=128) == (264, True)
     with launch.grouped_qmm_tiling(block_shared_max_groups=7):
         assert launches() == ((7, True), dense, own)
     with launch.grouped_qmm_tiling(block_shared_max_groups=7, block_max_groups=5):

@@ -242,14 +242,17 @@ class GroupedQmmTiling:
     block_shared_stages: int = 3
     # the groups at most of an experts' launch in that block where the rule
     # takes it (block_max_groups caps it too; a dense projection's launch
-    # keeps block_max_groups): the grid holds the most items any plan of the
-    # capacity makes, and the groups past a plan's items scan its counts and
-    # exit. Capped at two groups an SM (264 on an H100's or H200's 132) those
-    # launches mostly ran faster or level, where the warps' own block lost,
-    # but one of them lost in another run (benchmarks/RESULTS.md, "The grid
-    # of the fewest items, and two groups an SM"): uncapped until timed in
-    # whole layers.
-    block_shared_max_groups: int = 4096
+    # keeps block_max_groups). Uncapped, the grid holds the most items any plan
+    # of the capacity makes, and the groups past a plan's items scan its
+    # counts and exit; capped, each group takes several items in turn. Two
+    # groups an SM of a GPU of 132 (an H100's or H200's, the GPUs with wgmma
+    # timed; DECODE_ATTENTION_GROUPS likewise): on the H200 Qwen3-30B-A3B's
+    # made weights' launches ran 1.02x to 1.18x faster at T = 2048, its and
+    # Qwen3-Next's 0.97x to 1.05x at 8192, and Qwen3-30B-A3B's whole prefill
+    # 1.01x to 1.02x in each of three turns (benchmarks/RESULTS.md, "The
+    # made weights' grid at two groups an SM"); the warps' own block, 0.96x
+    # to 1.01x under the same cap on an H100, keeps block_max_groups.
+    block_shared_max_groups: int = 264
     # 1: each group's items of the experts' rows one run of stages
     # (ACROSS_ITEMS): an item's first copies in flight while the item before
     # is multiplied and stored, with block_max_groups then a group or so an
