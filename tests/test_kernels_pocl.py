@@ -1154,9 +1154,9 @@ def test_shared_weights_rule():
 
 def test_shared_weights_max_groups():
     """`block_shared_max_groups` caps the grid of an experts' launch in the
-    made weights' block where the rule takes it (264 by default), and only there: a dense
-    projection's launch in that block and a launch in the warps' own keep
-    `block_max_groups`, which caps the rule's block too."""
+    made weights' block where the rule takes it (264 by default), and only
+    there: a dense projection's launch in that block and a launch in the
+    warps' own keep `block_max_groups`, which caps the rule's block too."""
     def groups(capacity, dense=False, experts=16, warpgroup=True):
         made = launch.grouped_qmm_launch(experts, 256, 512, capacity, 4, 64, "bfloat16",
                                          backend="cuda", gated=True, dense=dense,

@@ -41,6 +41,9 @@ MAX_ROW_GROUP = 512
 # Threads an SM runs at once at most (compute capability 8.0 and 9.0; fewer
 # on others): a launch bound past it, ptxas ignores.
 MAX_SM_THREADS = 2048
+# SMs of the GPUs the bounds in groups an SM were timed on (an H100's or
+# H200's): a GPU of other SMs takes the same groups, not timed there.
+TIMED_GPU_SMS = 132
 GATHER_ROWS = 4  # rows a gather group copies at a time
 
 # The affine quantizations grouped_qmm.h reads: bits whose values a uint32
@@ -245,14 +248,13 @@ class GroupedQmmTiling:
     # keeps block_max_groups). Uncapped, the grid holds the most items any plan
     # of the capacity makes, and the groups past a plan's items scan its
     # counts and exit; capped, each group takes several items in turn. Two
-    # groups an SM of a GPU of 132 (an H100's or H200's, the GPUs with wgmma
-    # timed; DECODE_ATTENTION_GROUPS likewise): on the H200 Qwen3-30B-A3B's
-    # made weights' launches ran 1.02x to 1.18x faster at T = 2048, its and
-    # Qwen3-Next's 0.97x to 1.05x at 8192, and Qwen3-30B-A3B's whole prefill
-    # 1.01x to 1.02x in each of three turns (benchmarks/RESULTS.md, "The
-    # made weights' grid at two groups an SM"); the warps' own block, 0.96x
-    # to 1.01x under the same cap on an H100, keeps block_max_groups.
-    block_shared_max_groups: int = 264
+    # groups an SM (TIMED_GPU_SMS): on the H200 Qwen3-30B-A3B's made weights'
+    # launches ran 1.02x to 1.18x faster at T = 2048, its and Qwen3-Next's
+    # 0.97x to 1.05x at 8192, and Qwen3-30B-A3B's whole prefill 1.01x to
+    # 1.02x in each of three turns (benchmarks/RESULTS.md, "The made weights'
+    # grid at two groups an SM"); the warps' own block, 0.96x to 1.01x under
+    # the same cap on an H100, keeps block_max_groups.
+    block_shared_max_groups: int = 2 * TIMED_GPU_SMS
     # 1: each group's items of the experts' rows one run of stages
     # (ACROSS_ITEMS): an item's first copies in flight while the item before
     # is multiplied and stored, with block_max_groups then a group or so an
@@ -1368,12 +1370,11 @@ DECODE_ATTENTION_HEAD_DIMS = (64, 128)
 DECODE_ATTENTION_MAX_ROWS = 1024
 DECODE_ATTENTION_DTYPES = ("float16", "bfloat16")
 DECODE_ATTENTION_WARPS = 4
-# Groups the keys' splits aim at: four an SM of a GPU of 132 (an H100's or
-# H200's) at heads of 64, so that a step of few sequences keeps enough loads
-# in flight to meet the memory's latency (at heads of 128 three fit an SM, 168
-# registers a thread: 528 groups are then a wave and a third, as the
-# benchmark's sketch ran them).
-DECODE_ATTENTION_GROUPS = 528
+# Groups the keys' splits aim at: four an SM (TIMED_GPU_SMS) at heads of 64,
+# so that a step of few sequences keeps enough loads in flight to meet the
+# memory's latency (at heads of 128 three fit an SM, 168 registers a thread:
+# 528 groups are then a wave and a third, as the benchmark's sketch ran them).
+DECODE_ATTENTION_GROUPS = 4 * TIMED_GPU_SMS
 
 
 def decode_attention_computes(head_dim: int, heads: int, kv_heads: int, dtype: str) -> bool:
