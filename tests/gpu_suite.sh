@@ -11,8 +11,8 @@
 #               same tests with fewer examples, this package's kernels (CUDA);
 #   nn          the mlx-lm model and layer tests on the default device (the GPU):
 #               the layer, installing it, the dense projections' rows;
-#               GPU_TEST_PROCESSES=N runs pytest's and nn's tests in N processes
-#               at once (a machine of 16 cores: 6 to 10);
+#               GPU_TEST_PROCESSES=N runs the tests of these three steps in N
+#               processes at once (a machine of 16 cores: 6 to 10);
 #   model       whole models, patched against mlx-lm (benchmarks.model):
 #               Qwen3-30B-A3B and gpt-oss-20b, prefill of 8192 tokens and
 #               decode at batch 1 to 64, three processes after an untimed one
@@ -442,42 +442,42 @@ grouped_qmm_both_orders() {
   done
 }
 
-# tests_at_once LOG OPTS PATHS...: the tests PATHS hold (OPTS filtering them) in
+# tests_at_once LOG "RUNNER" "OPTS" PATHS...: the tests PATHS hold (OPTS
+# filtering them), under RUNNER's command words if any (compute-sanitizer), in
 # $GPU_TEST_PROCESSES pytest processes at once (1 by default), dealt round-robin,
 # since the collection ends with the slowest (the grouped GEMM's large shapes);
-# each process's log LOG.N, their last lines in LOG
+# each process's log LOG.N, their summaries and failures in LOG
 tests_at_once() {
-  local log=$1 opts=$2 processes=${GPU_TEST_PROCESSES:-1} part ids pid pids=() rc=0
-  shift 2
+  local log=$1 runner=$2 opts=$3 processes=${GPU_TEST_PROCESSES:-1} part ids pid pids=() rc=0
+  shift 3
   [ "$processes" -gt 1 ] || {
-    logged "$log" python3 -m pytest -q -rf $opts "$@" -p no:cacheprovider
+    logged "$log" $runner python3 -m pytest -q -rf $opts "$@" -p no:cacheprovider
     return
   }
   python3 -m pytest --collect-only -q $opts "$@" -p no:cacheprovider | grep '::' >"$log.ids"
   split -n "r/$processes" -a 2 -d "$log.ids" "$log.ids."
-  echo "+ $(wc -l <"$log.ids") tests of $* in $processes processes"
+  echo "+ $runner pytest $opts: $(wc -l <"$log.ids") tests of $* in $processes processes"
   for part in "$log".ids.??; do
     mapfile -t ids <"$part"
-    python3 -m pytest -q -rf --durations=5 $opts "${ids[@]}" -p no:cacheprovider \
+    $runner python3 -m pytest -q -rf --durations=5 $opts "${ids[@]}" -p no:cacheprovider \
       >"$log.${part##*.}" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-  tail -n 3 "$log".?? | tee "$log"
+  grep -E "^(FAILED|ERROR)|(passed|failed|skipped|error).* in [0-9.]+s|SUMMARY" "$log".?? | tee "$log"
   [ "$rc" -eq 0 ] || { echo "FAILED: $log"; status=1; }
 }
 if wanted pytest; then
-  tests_at_once "$results/pytest-gpu.log" "-m gpu" tests
+  tests_at_once "$results/pytest-gpu.log" "" "-m gpu" tests
 fi
 if wanted sanitizers && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck; do
-    HYPOTHESIS_PROFILE=sanitize logged "$results/sanitizer-$tool.log" \
-      compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
-      python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
+    HYPOTHESIS_PROFILE=sanitize tests_at_once "$results/sanitizer-$tool.log" \
+      "compute-sanitizer --tool $tool --error-exitcode 9 --kernel-name kns=moe_" "-x -m gpu" tests
   done
 fi
 if wanted nn; then
-  tests_at_once "$results/pytest-nn.log" "" tests/test_nn.py tests/test_install.py \
+  tests_at_once "$results/pytest-nn.log" "" "" tests/test_nn.py tests/test_install.py \
     tests/test_projections.py
 fi
 if wanted model; then
