@@ -26,7 +26,10 @@ unfused kernels (gathered rows, two launches, MLX's activation), against MLX's
 (gathered rows, two `gather_qmm`, the activation). GPU only.
 
 Each line's TFLOP/s is of the routed entries' work, 2 * T*K * out * in a
-projection (padding is not work), the side's and MLX's sorted gather_qmm's.
+projection (padding is not work), the side's and MLX's sorted gather_qmm's. The
+"layer" lines add up a side's gate and up then down, the layer's GEMMs
+(`layer_rows`): the fused launch and the down projection for the kernel, the
+gate's twice and the down's for a ceiling.
 At prefill sizes (T = 512 to 16384) MLX's layer runs tiles: `--mlx-tiles 16,64`
 times MLX's tiled `gather_qmm` of `moe_plan(..., tile_m=m)`, rows
 `[max_tiles, m, D]` against the tiles' experts, in each projection and gate+up.
@@ -468,6 +471,41 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
                        touched / (bandwidth * 1e3), busiest, launches, form)
 
 
+def layer_rows(lines: list[dict]) -> list[dict]:
+    """The layer's GEMMs, one shape and T's `measure` lines summed: gate and up
+    then down, as each side runs them ("layer" lines, TFLOP/s of the three
+    projections' work). A kernel tiling's is its fused launch ("fused", or
+    "fused,TILING") and its down ("default", or TILING), "unfused" the unfused
+    kernels and the default's down, MLX's tiles their gate+up and down; a
+    ceiling's, its gate's twice and its down, the same work in dense GEMMs.
+    The reference, floor and busiest share add up alike."""
+    by_side = {(line["projection"], line["tiling"]): line for line in lines}
+    first_halves = {}
+    for (projection, side), line in by_side.items():
+        if projection == "gate+up":
+            down = "default" if side in ("fused", "unfused") else side.removeprefix("fused,")
+            first_halves[side] = ([line], down)
+    for (projection, side), line in by_side.items():
+        if projection == "gate" and (side == "qmm_dense" or side.startswith("matmul_")):
+            first_halves[side] = ([line, line], side)
+    layers = []
+    for side, (halves, down_side) in first_halves.items():
+        down = by_side.get(("down", down_side))
+        if down is None:
+            continue
+        parts = [*halves, down]
+        ours_us = sum(part["ours_us"] for part in parts)
+        reference_us = sum(part["gather_qmm_us"] for part in parts)
+        # each line's TFLOP/s over its own time gives back its work
+        flops = sum(part["tflops"] * part["ours_us"] * 1e6 for part in parts)
+        layers.append({**down, "projection": "layer", "tiling": side, "ours_us": ours_us,
+                       "gather_qmm_us": reference_us,
+                       "floor_us": sum(part["floor_us"] for part in parts),
+                       "tflops": flops / ours_us / 1e6,
+                       "gather_qmm_tflops": flops / reference_us / 1e6, "launch": ""})
+    return layers
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grouped_qmm",
                                      description=__doc__.split("\n\n")[0])
@@ -538,11 +576,10 @@ def main(argv=None) -> int:
                   f"groups of {form.group_size}: not measured", flush=True)
             continue
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for row in measure(name, tokens, args.calls, args.bandwidth, tilings,
-                               mlx_tiles=mlx_tiles, skew=args.skew,
-                               sorted_rows=args.sorted_rows,
-                               kernel="kernel" in sides, ceilings="ceilings" in sides,
-                               form=form):
+            lines = measure(name, tokens, args.calls, args.bandwidth, tilings,
+                            mlx_tiles=mlx_tiles, skew=args.skew, sorted_rows=args.sorted_rows,
+                            kernel="kernel" in sides, ceilings="ceilings" in sides, form=form)
+            for row in lines + layer_rows(lines):
                 print(f"{name:15s} {tokens:4d} {row['projection']:7s} {row['tiling']:18s} "
                       f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
                       f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "

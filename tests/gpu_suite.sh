@@ -66,6 +66,11 @@
 #               makes the weights in shared memory (launch.SHARED_WEIGHTS_TILING,
 #               which the default takes at 4 bits in groups of 64 only), MLX's
 #               tiles of 64 and the dense ceilings of the same format.
+#   layer-targets (not in `bench`) the layer's GEMMs as the default runs them,
+#               every shape at T = 2048 and 8192, beside MLX's tiles and the dense
+#               ceilings of the same work (the "layer" lines: TFLOP/s, and
+#               against MLX's dense 4-bit matmul), uniform routing and skewed
+#               (--skew 1), a log each: the expert GEMM's targets in one table.
 #   stage-groups (not in `bench`) the block tiles on gpt-oss-20b's rows of 45
 #               quantization groups, T = 2048 and 8192, the warps' own
 #               multiply-adds: the default (3 groups a stage in 2 stages,
@@ -750,6 +755,13 @@ if wanted grouped-qmm-formats; then
     logged "$results/grouped-qmm-formats-${name// /}.log" python3 -m benchmarks.grouped_qmm \
       --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048,8192 --calls 4 --no-sorted $format \
       --tilings "default;$made"
+  done
+fi
+if wanted layer-targets; then
+  for skew in 0 1; do
+    logged "$results/layer-targets-skew$skew.log" python3 -m benchmarks.grouped_qmm \
+      --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
+      --calls 4 --no-sorted --skew "$skew"
   done
 fi
 if wanted stage-groups; then

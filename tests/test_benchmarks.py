@@ -454,6 +454,21 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys):
         in_dims = shape.intermediate if line["projection"] == "down" else shape.hidden
         assert line["floor_us"] == pytest.approx(
             projections * active * line["out"] * (in_dims + in_dims // 32 * 4) / 4.8e6)
+    # the layer's GEMMs, each side's gate and up then down, its work three projections'
+    layers = {line["tiling"]: line for line in bench_qmm.layer_rows(lines)}
+    assert set(layers) == {"mlx,tile_m=4", "unfused", "fused", "matmul_fp16", "qmm_dense"}
+    by_side = {(line["projection"], line["tiling"]): line for line in lines}
+    for side, halves, down in (("fused", [("gate+up", "fused")], "default"),
+                               ("unfused", [("gate+up", "unfused")], "default"),
+                               ("mlx,tile_m=4", [("gate+up", "mlx,tile_m=4")], "mlx,tile_m=4"),
+                               ("qmm_dense", [("gate", "qmm_dense")] * 2, "qmm_dense")):
+        parts = [by_side[key] for key in halves] + [by_side[("down", down)]]
+        layer = layers[side]
+        assert layer["projection"] == "layer"
+        for key in ("ours_us", "gather_qmm_us", "floor_us"):
+            assert layer[key] == pytest.approx(sum(part[key] for part in parts))
+        assert layer["tflops"] == pytest.approx(
+            2 * 5 * shape.top_k * 3 * shape.hidden * shape.intermediate / layer["ours_us"] / 1e6)
     assert bench_qmm.column_bytes(2048, 8, 32) == 2048 + 64 * 4
     assert bench_qmm.launch_text(16, 128, 64, 12, {"tiles_from_rows": 0}, form=form) \
         .startswith("tiles 8x128, 128 values x ")
@@ -469,6 +484,14 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys):
     assert bench_qmm.main(["--shapes", "gpt-oss-20b", "--tokens", "8", "--group-size", "128"]) == 0
     assert "gpt-oss-20b: rows of 2880 values are not whole groups of 128: not measured" \
         in capsys.readouterr().out
+    # the table prints each side's layer line after the projections' lines
+    assert bench_qmm.main(["--shapes", "small", "--tokens", "5", "--calls", "2",
+                           "--bits", "8", "--group-size", "32", "--dtype", "float16"]) == 0
+    printed = [line.split() for line in capsys.readouterr().out.splitlines()
+               if line.startswith("small")]
+    assert [line[2] for line in printed][-4:] == ["layer"] * 4
+    assert [line[3] for line in printed if line[2] == "layer"] == \
+        ["unfused", "fused", "matmul_fp16", "qmm_dense"]
 
 
 def test_step_kernels_timeline_of_prefills(monkeypatch, capsys):
