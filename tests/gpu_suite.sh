@@ -469,7 +469,8 @@ tests_at_once() {
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-  grep -E "^(FAILED|ERROR)|(passed|failed|skipped|error).* in [0-9.]+s|SUMMARY" "$log".?? | tee "$log"
+  grep -E "^(FAILED|ERROR)|(passed|failed|skipped|error).* in [0-9.]+s|SUMMARY" "$log".?? |
+    tee "$log"
   [ "$rc" -eq 0 ] || { echo "FAILED: $log"; status=1; }
 }
 if wanted pytest; then
