@@ -478,7 +478,8 @@ def layer_rows(lines: list[dict]) -> list[dict]:
     "fused,TILING") and its down ("default", or TILING), "unfused" the unfused
     kernels and the default's down, MLX's tiles their gate+up and down; a
     ceiling's, its gate's twice and its down, the same work in dense GEMMs.
-    The reference, floor and busiest share add up alike."""
+    The reference's times and the floors add up alike; the rest is the down's
+    line's (the shape's routing)."""
     by_side = {(line["projection"], line["tiling"]): line for line in lines}
     first_halves = {}
     for (projection, side), line in by_side.items():
