@@ -443,3 +443,39 @@ def test_design_doc_cites_what_exists():
             source = (REPOSITORY / path).read_text()
             for part in re.split(r"::|\.", name.strip(":.")):
                 assert re.search(rf"\b{re.escape(part)}\b", source), f"{path}{name}: {part}"
+
+
+# --- the docs' links reach their headings ------------------------------------------
+
+DOCS = [REPOSITORY / "README.md", DESIGN, REPOSITORY / "benchmarks" / "RESULTS.md",
+        REPOSITORY / "benchmarks" / "HISTORY.md"]
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives `path`'s headings: lower case, all but word
+    characters, hyphens and spaces dropped, spaces as hyphens, a repeated
+    heading's anchor suffixed -1, -2, ... (fenced code is not headings)."""
+    anchors, seen, fenced = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"#{1,6}\s+(.*)", line)
+        if heading:
+            anchor = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{anchor}-{seen[anchor]}" if anchor in seen else anchor)
+            seen[anchor] = seen.get(anchor, 0) + 1
+    return anchors
+
+
+@pytest.mark.skipif(not DESIGN.exists(), reason="not a source checkout")
+def test_doc_links_reach_their_headings():
+    # The README's figures link to RESULTS' entries, and RESULTS to HISTORY's:
+    # a renamed heading must take its links along.
+    links = [(doc, target, anchor) for doc in DOCS
+             for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", doc.read_text())]
+    assert len(links) > 100
+    for doc, target, anchor in links:
+        linked = (doc.parent / target).resolve() if target else doc
+        assert anchor in heading_anchors(linked), f"{doc.name}: {target}#{anchor}"
+    assert heading_anchors(REPOSITORY / "benchmarks" / "RESULTS.md") >= {
+        "tests-on-the-gpu", "whole-models-on-one-gpu"}
