@@ -407,6 +407,15 @@ logged() { # logged LOG COMMAND...: run, keep the whole log, show its end
   tail -n 15 "$log"
   [ "$rc" -eq 0 ] || { echo "FAILED ($rc): $*"; status=1; }
 }
+# sanitized TOOL COMMAND...: COMMAND under compute-sanitizer's TOOL over this
+# package's kernels (moe_*), failing on any error it reports, with Hypothesis'
+# few examples (the kernels run about 100x slower there)
+sanitized() {
+  local tool=$1
+  shift
+  HYPOTHESIS_PROFILE=sanitize compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    --kernel-name kns=moe_ "$@"
+}
 
 [ "$steps" = all ] && steps=tests,bench
 steps=${steps//tests/pytest,sanitizers,nn}
@@ -448,7 +457,7 @@ grouped_qmm_both_orders() {
 }
 
 # tests_at_once LOG "RUNNER" "OPTS" PATHS...: the tests PATHS hold (OPTS
-# filtering them), under RUNNER's command words if any (compute-sanitizer), in
+# filtering them), under RUNNER's command words if any (sanitized TOOL), in
 # $GPU_TEST_PROCESSES pytest processes at once (1 by default), dealt round-robin,
 # since the collection ends with the slowest (the grouped GEMM's large shapes);
 # each process's log LOG.N, their summaries and failures in LOG
@@ -478,8 +487,7 @@ if wanted pytest; then
 fi
 if wanted sanitizers && command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck; do
-    HYPOTHESIS_PROFILE=sanitize tests_at_once "$results/sanitizer-$tool.log" \
-      "compute-sanitizer --tool $tool --error-exitcode 9 --kernel-name kns=moe_" "-x -m gpu" tests
+    tests_at_once "$results/sanitizer-$tool.log" "sanitized $tool" "-x -m gpu" tests
   done
 fi
 if wanted nn; then
@@ -605,8 +613,7 @@ if wanted warpgroup; then
     tests/test_grouped_qmm.py -p no:cacheprovider
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck synccheck; do
-      HYPOTHESIS_PROFILE=sanitize logged "$results/warpgroup-sanitizer-$tool.log" \
-        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+      logged "$results/warpgroup-sanitizer-$tool.log" sanitized "$tool" \
         python3 -m pytest -q -x -m gpu -k warpgroup tests/test_grouped_qmm.py \
         -p no:cacheprovider
     done
@@ -679,8 +686,7 @@ kernel_tests() {
     -p no:cacheprovider
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck synccheck; do
-      HYPOTHESIS_PROFILE=sanitize logged "$results/$step-$tool.log" \
-        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+      logged "$results/$step-$tool.log" sanitized "$tool" \
         python3 -m pytest -q -x -m gpu "$file" -k "$filter" -p no:cacheprovider
     done
   fi
@@ -904,8 +910,7 @@ if wanted fitted-rows; then
   done
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck synccheck; do
-      HYPOTHESIS_PROFILE=sanitize logged "$results/fitted-rows-sanitizer-$tool.log" \
-        compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=moe_ \
+      logged "$results/fitted-rows-sanitizer-$tool.log" sanitized "$tool" \
         python3 -m pytest -q -x -m gpu tests/test_grouped_qmm.py \
         -k "tiles_match or prefill_shapes" -p no:cacheprovider
     done
