@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import inspect
 import re
@@ -451,6 +452,7 @@ DOCS = [REPOSITORY / "README.md", DESIGN, REPOSITORY / "benchmarks" / "RESULTS.m
         REPOSITORY / "benchmarks" / "HISTORY.md"]
 
 
+@functools.cache  # every link asks its file's anchors: each file read once
 def heading_anchors(path: Path) -> set[str]:
     """The anchors GitHub gives `path`'s headings: lower case, all but word
     characters, hyphens and spaces dropped, spaces as hyphens, a repeated
