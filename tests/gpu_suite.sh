@@ -211,6 +211,13 @@
 #               there), the expert GEMMs of Qwen3-Next at T = 2048 (40 rows an
 #               expert), its weights made a step ahead too, of Qwen3-30B-A3B
 #               at 512 and of DeepSeek-V3 at 1024 (32 rows).
+#   made-weights-one-warpgroup (not in `bench`) the made weights in one
+#               warpgroup's block (4 warps, 64 columns, stages of 64 values)
+#               compiled for 3 groups an SM (block_shared_min_groups=3), beside
+#               the default: blocks of 96 and of 48 rows, the expert GEMMs of
+#               Qwen3-Next at T = 2048 and 8192 (40 and 160 rows an expert) and
+#               of Qwen3-30B-A3B at 4096 and 8192 (256 and 512), twice, the
+#               second in the other order.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -947,6 +954,16 @@ if wanted made-weights-48; then
   grouped_qmm_each made-weights-48 \
     "qwen3-next 2048 default;$made48;$made48,block_weights_ahead=1" \
     "qwen3-30b-a3b 512 default;$made48" "deepseek-v3 1024 default;$made48"
+fi
+if wanted made-weights-one-warpgroup; then
+  one="block_warpgroup=2,block_column_warps=4,block_tiles=1,block_gated_tiles=1"
+  one="$one,block_stage_values=64,block_stages=3,block_shared_min_groups=3"
+  one96="$one,block_row_tiles=12,block_gated_row_tiles=12"
+  one48="$one,block_row_tiles=6,block_gated_row_tiles=6"
+  grouped_qmm_each made-weights-one-warpgroup-1 "qwen3-next 2048,8192 default;$one96;$one48" \
+    "qwen3-30b-a3b 4096,8192 default;$one96"
+  grouped_qmm_each made-weights-one-warpgroup-2 "qwen3-next 2048,8192 $one48;$one96;default" \
+    "qwen3-30b-a3b 4096,8192 $one96;default"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"

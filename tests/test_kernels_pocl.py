@@ -1054,6 +1054,36 @@ def test_min_groups_bound_the_warps_own_block():
     assert min_groups(4096, bits=8)[0] == 0
 
 
+def test_shared_min_groups_bound_the_made_weights():
+    """`block_shared_min_groups` binds the made weights' launches (SHARED_WEIGHTS)
+    alone, whatever their rows, the rule's block of two warpgroups or a
+    tiling's of one; the warps' own keep `block_min_groups`'. It is at most
+    what an SM's threads allow the rule's block of 256."""
+    def bound(capacity, gated=False, **tiling):
+        with launch.grouped_qmm_tiling(**tiling):
+            made = launch.grouped_qmm_launch(128, 2048, 768, capacity, 4, 64, "bfloat16",
+                                             backend="cuda", gated=gated, warpgroup=True)
+        template = dict(made.template)
+        return made.min_groups, template["SHARED_WEIGHTS"], made.group_size
+
+    assert launch.GROUPED_QMM_TILING.block_shared_min_groups == 0
+    assert bound(128 * 128) == bound(128 * 128, gated=True) == (0, True, 256)
+    assert bound(128 * 128, block_shared_min_groups=2) == (2, True, 256)
+    one_warpgroup = dict(block_warpgroup=2, block_column_warps=4, block_tiles=1,
+                         block_gated_tiles=1, block_row_tiles=12, block_gated_row_tiles=12,
+                         block_stage_values=64, block_stages=3)
+    for gated in (False, True):
+        assert bound(128 * 160, gated, block_shared_min_groups=3, **one_warpgroup) \
+            == (3, True, 128)
+    # the warps' own block (40 rows an expert) keeps block_min_groups'
+    assert bound(128 * 32, block_shared_min_groups=2) == (3, False, 128)
+    launch.GroupedQmmTiling(block_shared_min_groups=8).check()
+    with pytest.raises(ValueError, match="block_shared_min_groups"):
+        launch.GroupedQmmTiling(block_shared_min_groups=9).check()
+    with pytest.raises(ValueError, match="min_groups"):
+        launch.GroupedQmmTiling(block_shared_min_groups=-1).check()
+
+
 def test_fitted_row_tiles_rule():
     """By default an experts' launch in the warps' own block takes the fewest
     8-row tiles whose rows reach the rows an expert holds on average plus

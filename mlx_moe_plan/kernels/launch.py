@@ -278,6 +278,18 @@ class GroupedQmmTiling:
     block_min_groups: int = 3
     block_min_groups_up_to_rows: int = 48
     block_min_groups_up_to_in_dims: int = 2048
+    # CUDA: the made weights' launches (SHARED_WEIGHTS, any rows, gated or
+    # not, the experts' and a dense projection's) compiled for this many groups
+    # an SM at once, as block_min_groups does the warps' own; 0: the compiler's
+    # choice. The rule's block, two warpgroups in up to 227 KB, runs one group
+    # an SM. One warpgroup's block (block_column_warps=4) in stages of 64 values
+    # fits three to four in an SM's memory where its registers allow: on an
+    # H100, one run, its 96-row blocks bound to 3 ran Qwen3-Next's single
+    # projections at T = 8192 (160 rows an expert) 1.10x and 1.14x faster than
+    # the default, its 48-row blocks 0.80x to 0.90x at 40 rows an expert
+    # (benchmarks/RESULTS.md, "The made weights in one warpgroup"). Opt-in
+    # until timed in turns.
+    block_shared_min_groups: int = 0
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -299,11 +311,12 @@ class GroupedQmmTiling:
                self.block_shared_gated_rows, self.block_shared_rows,
                self.block_shared_whole_rows, self.block_shared_sized_up_to_rows,
                self.block_shared_dense_rows, self.block_min_groups,
-               self.block_min_groups_up_to_rows, self.block_min_groups_up_to_in_dims) < 0 \
+               self.block_min_groups_up_to_rows, self.block_min_groups_up_to_in_dims,
+               self.block_shared_min_groups) < 0 \
                 or self.block_stages < 2 or self.block_shared_stages < 3 or (
                     self.block_input_splits is not None and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
-                             f"block_split_below_groups, the block_min_groups fields and the "
+                             f"block_split_below_groups, the min_groups fields and the "
                              f"block_halved and block_shared row fields are at least 0, "
                              f"block_input_splits at least 1, block_stages at least 2 and "
                              f"block_shared_stages at least 3: {self}")
@@ -311,9 +324,14 @@ class GroupedQmmTiling:
         if MAX_EXPERTS % block_threads:
             raise ValueError(f"grouped_qmm tiling: the block's threads must divide MAX_EXPERTS "
                              f"({MAX_EXPERTS}): {self}")
-        if self.block_min_groups * block_threads > MAX_SM_THREADS:
+        # the made weights' groups bound at the rule's block's threads, which
+        # the rule may give a tiling of fewer
+        made_threads = max(block_threads, 32 * SHARED_WEIGHTS_TILING["block_column_warps"])
+        if self.block_min_groups * block_threads > MAX_SM_THREADS \
+                or self.block_shared_min_groups * made_threads > MAX_SM_THREADS:
             raise ValueError(f"grouped_qmm tiling: block_min_groups groups of the block's "
-                             f"threads are at most an SM's {MAX_SM_THREADS}: {self}")
+                             f"threads, and block_shared_min_groups of the made weights' "
+                             f"block's, are at most an SM's {MAX_SM_THREADS}: {self}")
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
                 or self.block_warpgroup not in (None, 0, 1, 2) \
                 or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1) \
@@ -1166,6 +1184,7 @@ def _grouped_qmm_tiles_launch(
          *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed + ring_bytes, stages * stage_bytes + made_bytes),
+        tiling.block_shared_min_groups if shared_weights else
         _min_groups(tiling, block_rows, in_dims, bits, dense or by_warpgroup or tall),
     )
 
