@@ -840,6 +840,8 @@ def test_rows_keep_the_logits(model_dirs, joined, monkeypatch, name):
         assert relative_error(got, reference) <= 1.1 * mlx_lms + 1e-3, batch
 
 
+@pytest.mark.skipif(mx.default_device().type != mx.cpu,
+                    reason="on a GPU the rule takes the rows, whose sums differ in order")
 def test_rule_keeps_the_bits_on_the_cpu(model_dirs):
     """Where the rule keeps mlx-lm's shape (everywhere on the CPU), the
     projections compute what they compute unpatched, bit for bit."""
