@@ -27,7 +27,7 @@ from mlx_lm.generate import batch_generate  # noqa: E402
 from mlx_lm.utils import load  # noqa: E402
 
 import lm_fixtures  # noqa: E402
-from mlx_moe_plan import _compiled, projections, rules  # noqa: E402
+from mlx_moe_plan import _compiled, projections, reference, rules  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
 from mlx_moe_plan.projections import RowsProjection, take_rows  # noqa: E402
 
@@ -372,8 +372,27 @@ def test_siblings_against_their_members(case):
             assert mx.array_equal(got[name], want[name]).item(), name
         elif want[name].size:
             tolerance = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}[case["dtype"]]
-            assert relative_error(got[name].astype(mx.float32),
-                                  want[name].astype(mx.float32)) < tolerance, name
+            error = relative_error(got[name].astype(mx.float32), want[name].astype(mx.float32))
+            assert error < tolerance, (name, error, exact_errors(module[name], x, got[name],
+                                                                 want[name]))
+
+
+def exact_errors(linear: nn.QuantizedLinear, x: mx.array, got: mx.array,
+                 want: mx.array) -> str:
+    """How far the members' output (`got`) and MLX's own GEMM's (`want`) lie
+    from the exact product of the dequantized weights, in float64: where the
+    two disagree, which of them is off."""
+    weights = reference.dequantize(np.array(linear.weight),
+                                   np.array(linear.scales.astype(mx.float32)),
+                                   np.array(linear.biases.astype(mx.float32)),
+                                   linear.bits, linear.group_size)
+    exact = np.array(x.astype(mx.float32)).astype(np.float64) @ weights.T
+    if "bias" in linear:
+        exact = exact + np.array(linear.bias.astype(mx.float32))
+    norm = np.linalg.norm(exact)
+    errors = [np.linalg.norm(np.array(out.astype(mx.float32)) - exact) / norm
+              for out in (got, want)]
+    return f"from the exact product: the members' {errors[0]:.3g}, MLX's own {errors[1]:.3g}"
 
 
 def test_siblings_keep_the_memory(monkeypatch):
