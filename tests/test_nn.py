@@ -529,9 +529,19 @@ def test_fused_model_gradients_match(name):
     router_keys = [k for k in want if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
                                                    "mlp.router.weight"))]
     assert router_keys and all(np.any(np.array(want[k]) != 0) for k in router_keys)
+    # On a GPU, the unpatched model's gradient on the CPU too: a mismatch says
+    # which side lies off it.
+    on_cpu = None
+    if mx.default_device().type != mx.cpu:
+        with mx.stream(mx.cpu):
+            on_cpu = grads(model)
     for key in want:
+        note = key if on_cpu is None else (
+            f"{key}: largest gap to the CPU's gradient, patched "
+            f"{np.abs(np.array(got[key]) - np.array(on_cpu[key])).max():.3g}, mlx-lm's "
+            f"{np.abs(np.array(want[key]) - np.array(on_cpu[key])).max():.3g}")
         np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), rtol=1e-4,
-                                   atol=1e-5, err_msg=key)
+                                   atol=1e-5, err_msg=note)
 
 
 @pytest.mark.parametrize("tile_m", [None, 0, 8])
