@@ -918,6 +918,11 @@ def first_difference(model, patched, tokenizer, prompts, want, got) -> str:
                      f"{best - second:.3g} of {best:.3g}, logits apart by at most "
                      f"{np.abs(ours - theirs).max():.3g}, argmax {theirs.argmax()} and "
                      f"{ours.argmax()}")
+        if mx.default_device().type != mx.cpu:  # a third opinion: which side lies off it
+            with mx.stream(mx.cpu):
+                on_cpu = np.array(model(sequence)[0, position].astype(mx.float32))
+            lines[-1] += (f", from mlx-lm's on the CPU by {np.abs(theirs - on_cpu).max():.3g} "
+                          f"(mlx-lm's) and {np.abs(ours - on_cpu).max():.3g} (patched)")
     return "; ".join(lines)
 
 
