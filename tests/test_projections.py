@@ -403,6 +403,12 @@ def test_siblings_keep_the_memory(monkeypatch):
     modules = [Attention() for _ in range(8)]
     mx.eval([m.parameters() for m in modules])
     held = sum(a.nbytes for m in modules for _, a in tree_flatten(m.parameters()))
+    # MLX's CUDA allocator rounds a buffer up to a power of two below 16 KB
+    # and to whole 16 KB pages above: the stacked words, 24 KB a module, take
+    # 32, and its scales and biases 4 KB each for 3, a third more than the
+    # members' arrays, a power of two each, took. Twice the bytes would add
+    # all of `held`.
+    slack = held / 8 if mx.default_device().type == mx.cpu else held / 2
     gc.collect()
     before = mx.get_active_memory()
     for module in modules:
@@ -410,7 +416,7 @@ def test_siblings_keep_the_memory(monkeypatch):
     mx.eval([m.parameters() for m in modules])
     gc.collect()
     assert all("_siblings" in m.q_proj.__dict__ for m in modules)
-    assert abs(mx.get_active_memory() - before) < held / 8
+    assert abs(mx.get_active_memory() - before) < slack
     # Weights loaded since, before any call: the stacked arrays go with the
     # views they replaced, as the weights are set (half the modules by
     # `load_weights`, half by assigning each member's weight).
@@ -424,7 +430,7 @@ def test_siblings_keep_the_memory(monkeypatch):
         mx.eval(module.parameters())
         assert module.q_proj._siblings.siblings.ended
     gc.collect()
-    assert abs(mx.get_active_memory() - before) < held / 8
+    assert abs(mx.get_active_memory() - before) < slack
     for module in modules:
         module(mx.random.normal((1, 1, 128)))  # each member alone, on its own arrays
 
