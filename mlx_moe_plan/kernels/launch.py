@@ -286,7 +286,7 @@ class GroupedQmmTiling:
     # fits three to four in an SM's memory where its registers allow: on an
     # H100, one run, its 96-row blocks bound to 3 ran Qwen3-Next's single
     # projections at T = 8192 (160 rows an expert) 1.10x and 1.14x faster than
-    # the default, its 48-row blocks 0.80x to 0.90x at 40 rows an expert
+    # the default, its 48-row blocks 0.64x to 0.90x at 40 rows an expert
     # (benchmarks/RESULTS.md, "The made weights in one warpgroup"). Opt-in
     # until timed in turns.
     block_shared_min_groups: int = 0
