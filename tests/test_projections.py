@@ -859,15 +859,15 @@ def test_rows_keep_the_logits(model_dirs, joined, monkeypatch, name):
         # The step's projections took the batch as rows (the CPU computes
         # both shapes alike, so only the shapes show it).
         assert ((batch, 64) in shapes) is (batch > 1), batch
-        reference = decode_logits(exact, batch, vocab)
-        mlx_lms = relative_error(finite_or_skip(decode_logits(model, batch, vocab)), reference)
+        float32_logits = decode_logits(exact, batch, vocab)
+        mlx_lms = relative_error(finite_or_skip(decode_logits(model, batch, vocab)), float32_logits)
         without_rows = decode_logits(without, batch, vocab)
         # each one's distance from the float32 run, should the two part
-        apart = (f"batch {batch}, from the float32 run: {relative_error(got, reference):.3g} "
-                 f"with the rows, {relative_error(without_rows, reference):.3g} without, "
+        apart = (f"batch {batch}, from the float32 run: {relative_error(got, float32_logits):.3g} "
+                 f"with the rows, {relative_error(without_rows, float32_logits):.3g} without, "
                  f"{mlx_lms:.3g} mlx-lm's")
         assert relative_error(got, without_rows) < 1e-2, apart
-        assert relative_error(got, reference) <= 1.1 * mlx_lms + 1e-3, apart
+        assert relative_error(got, float32_logits) <= 1.1 * mlx_lms + 1e-3, apart
 
 
 @pytest.mark.skipif(mx.default_device().type != mx.cpu,
