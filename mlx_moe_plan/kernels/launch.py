@@ -1184,8 +1184,8 @@ def _grouped_qmm_tiles_launch(
          *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed + ring_bytes, stages * stage_bytes + made_bytes),
-        tiling.block_shared_min_groups if shared_weights else
-        _min_groups(tiling, block_rows, in_dims, bits, dense or by_warpgroup or tall),
+        _min_groups(tiling, block_rows, in_dims, bits, shared_weights,
+                    dense or by_warpgroup or tall),
     )
 
 
@@ -1194,12 +1194,15 @@ MIN_GROUPS_BITS = (4,)
 
 
 def _min_groups(tiling: GroupedQmmTiling, block_rows: int, in_dims: int, bits: int,
-                unbound: bool) -> int:
-    """The tiles launch's `Launch.min_groups`: the tiling's `block_min_groups`
-    for the warps' own block of experts (not `unbound`: a dense projection's,
-    a warpgroup's, the tall gated block's) of up to
-    `block_min_groups_up_to_rows` rows and `block_min_groups_up_to_in_dims`
-    input values, at `MIN_GROUPS_BITS`; else 0."""
+                shared_weights: bool, unbound: bool) -> int:
+    """The tiles launch's `Launch.min_groups`: the tiling's
+    `block_shared_min_groups` for the made weights' block (`shared_weights`);
+    else its `block_min_groups` for the warps' own block of experts (not
+    `unbound`: a dense projection's, a warpgroup's, the tall gated block's) of
+    up to `block_min_groups_up_to_rows` rows and
+    `block_min_groups_up_to_in_dims` input values, at `MIN_GROUPS_BITS`; else 0."""
+    if shared_weights:
+        return tiling.block_shared_min_groups
     if unbound or bits not in MIN_GROUPS_BITS \
             or block_rows > tiling.block_min_groups_up_to_rows \
             or in_dims > tiling.block_min_groups_up_to_in_dims:
