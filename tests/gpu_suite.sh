@@ -218,6 +218,12 @@
 #               Qwen3-Next at T = 2048 and 8192 (40 and 160 rows an expert) and
 #               of Qwen3-30B-A3B at 4096 and 8192 (256 and 512), twice, the
 #               second in the other order.
+#   one-warpgroup-rule (not in `bench`) the rule's one-warpgroup block
+#               (launch.ONE_WARPGROUP_TILING, block_one_warpgroup) against the
+#               warps' own block it replaced (block_one_warpgroup=0): the
+#               expert GEMMs of Qwen3-Next at T = 8192 and of Qwen3-30B-A3B at
+#               3000 (160 and 187.5 rows an expert), twice, the second in the
+#               other order.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -964,6 +970,12 @@ if wanted made-weights-one-warpgroup; then
     "qwen3-30b-a3b 4096,8192 default;$one96"
   grouped_qmm_each made-weights-one-warpgroup-2 "qwen3-next 2048,8192 $one48;$one96;default" \
     "qwen3-30b-a3b 4096,8192 $one96;default"
+fi
+if wanted one-warpgroup-rule; then
+  grouped_qmm_each one-warpgroup-rule-1 "qwen3-next 8192 default;block_one_warpgroup=0" \
+    "qwen3-30b-a3b 3000 default;block_one_warpgroup=0"
+  grouped_qmm_each one-warpgroup-rule-2 "qwen3-next 8192 block_one_warpgroup=0;default" \
+    "qwen3-30b-a3b 3000 block_one_warpgroup=0;default"
 fi
 if wanted made-weights-rule; then
   before="block_shared_row_tiles=16,block_shared_sized_up_to_rows=0"

@@ -170,7 +170,9 @@ WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                      "shared-runs": dict(launch.SHARED_WEIGHTS_TILING, block_across_items=1,
                                          block_max_groups=3),
                      # the grid of the fewest items a plan makes (block_least_groups)
-                     "shared-least": dict(launch.SHARED_WEIGHTS_TILING, block_least_groups=1)}
+                     "shared-least": dict(launch.SHARED_WEIGHTS_TILING, block_least_groups=1),
+                     # the rule's one-warpgroup block, bound to 3 groups an SM
+                     "one-warpgroup": launch.ONE_WARPGROUP_TILING}
 
 
 @needs_warpgroup

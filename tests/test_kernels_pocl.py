@@ -971,6 +971,23 @@ def test_grouped_qmm_tiles_shared_weights_part_empty(row_tiles):
         _check_fused(rng, [33, 70, 0, 100, 1, 128], 24, 128, 4, 64, "float16", 2, 5, True, True)
 
 
+def test_grouped_qmm_tiles_one_warpgroup_block():
+    """The rule's one-warpgroup block (ONE_WARPGROUP_TILING: 4 warps, 96 rows,
+    3 stages of 64 values), over more stages than its buffers: experts whose
+    last block holds 1 to 48 rows (half-empty: half its row tiles multiplied)
+    and 49 to 95, full ones and an empty one, a whole block of columns and a
+    part-empty one."""
+    rng = np.random.default_rng(83)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **launch.ONE_WARPGROUP_TILING):
+        template = dict(launch.grouped_qmm_launch(6, 640, 72, 900, 4, 64, "bfloat16",
+                                                  backend="opencl").template)
+        assert template["SHARED_WEIGHTS"] and template["STAGES"] == 3
+        assert (template["THREADS"], template["BLOCK_ROWS"], template["BLOCK_COLUMNS"]) == \
+            (128, 96, 64)
+        check_grouped_qmm(_grouped_qmm, rng, [96 + 20, 0, 48, 96 + 60, 1, 192], 72, 640, 4, 64,
+                          "bfloat16", 3)
+
+
 @pytest.mark.parametrize("row_tiles, stages, max_groups, ahead", [
     (24, 3, 4096, 0), (20, 3, 4096, 0), (10, 3, 4096, 0), (12, 4, 2, 0), (8, 3, 4096, 1),
     (16, 4, 2, 1), (20, 3, 4096, 1), (24, 3, 4096, 1), (10, 6, 4096, 0), (16, 5, 2, 1),
@@ -1127,59 +1144,83 @@ def test_fitted_row_tiles_rule():
 def test_shared_weights_rule():
     """By default (`block_warpgroup=None`) the experts' launches of 4 bits in
     groups of 64 on CUDA where the GPU has wgmma take SHARED_WEIGHTS_TILING's
-    block, gated from `block_shared_gated_rows` rows an expert and ungated
-    from `block_shared_whole_rows` where the projection is whole stages of
-    128 values and blocks of 128 columns (and there from
-    `block_shared_gated_rows` up to `block_shared_sized_up_to_rows` too),
-    else from `block_shared_rows`, a
-    dense projection's from `block_shared_dense_rows` whatever its shape;
-    fewer rows, another format or backend, no wgmma or a tiling that says 0
-    keep the warps' own multiply-adds."""
-    def shared(capacity, gated=False, backend="cuda", warpgroup=True, dense=False, experts=4,
-               bits=4, group_size=64, in_dims=256, out_dims=40):
-        template = dict(launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, bits,
-                                                  group_size, "bfloat16", backend=backend,
-                                                  gated=gated, dense=dense,
-                                                  warpgroup=warpgroup).template)
+    block ("made"), gated from `block_shared_gated_rows` rows an expert and
+    ungated from `block_shared_whole_rows` where the projection is whole
+    stages of 128 values and blocks of 128 columns (and there from
+    `block_shared_gated_rows` up to `block_shared_sized_up_to_rows` too,
+    and past that ONE_WARPGROUP_TILING's block, "one", while an expert's
+    rows fill ONE_WARPGROUP_EXPERT_BLOCKS of its blocks, unless
+    `block_one_warpgroup` is 0), else from `block_shared_rows`, a dense
+    projection's from `block_shared_dense_rows` whatever its shape; fewer
+    rows, another format or backend, no wgmma or a tiling that says 0 keep
+    the warps' own multiply-adds ("own")."""
+    def block(capacity, gated=False, backend="cuda", warpgroup=True, dense=False, experts=4,
+              bits=4, group_size=64, in_dims=256, out_dims=40):
+        made = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, bits,
+                                         group_size, "bfloat16", backend=backend, gated=gated,
+                                         dense=dense, warpgroup=warpgroup)
+        template = dict(made.template)
         assert template["WARPGROUP"] == template["SHARED_WEIGHTS"]
-        if template["SHARED_WEIGHTS"]:
-            rows = 128 if dense else 8 * launch._shared_weights_row_tiles(capacity / experts,
-                                                                          gated, in_dims)
-            assert (template["THREADS"], template["BLOCK_ROWS"]) == (256, rows)
-        return template["SHARED_WEIGHTS"]
+        if not template["SHARED_WEIGHTS"]:
+            return "own"
+        if template["THREADS"] == 128:
+            assert template["BLOCK_ROWS"] == 8 * launch.ONE_WARPGROUP_TILING["block_row_tiles"]
+            assert template["STAGE_GROUPS"] == 1 and made.min_groups == 3
+            return "one"
+        rows = 128 if dense else 8 * launch._shared_weights_row_tiles(capacity / experts, gated,
+                                                                      in_dims)
+        assert (template["THREADS"], template["BLOCK_ROWS"]) == (256, rows)
+        return "made"
 
     tiling = launch.GROUPED_QMM_TILING
-    assert tiling.block_warpgroup is None
-    assert shared(4 * tiling.block_shared_rows) and not shared(4 * tiling.block_shared_rows - 1)
+    assert tiling.block_warpgroup is None and tiling.block_one_warpgroup == 1
+    assert block(4 * tiling.block_shared_rows) == "made"
+    assert block(4 * tiling.block_shared_rows - 1) == "own"
     assert tiling.block_shared_whole_rows < tiling.block_shared_rows
     whole = 4 * tiling.block_shared_whole_rows
-    assert shared(whole, out_dims=256) and not shared(whole - 1, out_dims=256)
+    assert block(whole, out_dims=256) == "made" and block(whole - 1, out_dims=256) == "own"
     # Part of a stage (3 groups of 64 values) or of a block's 128 columns.
-    assert not shared(whole, in_dims=192, out_dims=256) and not shared(whole, out_dims=192)
+    assert block(whole, in_dims=192, out_dims=256) == block(whole, out_dims=192) == "own"
     # Whole blocks also from block_shared_gated_rows up to
-    # block_shared_sized_up_to_rows rows an expert, in the block sized to them.
+    # block_shared_sized_up_to_rows rows an expert, in the block sized to them,
+    # and past that in one warpgroup's while an expert's rows fill two of them.
     low, high = tiling.block_shared_gated_rows, tiling.block_shared_sized_up_to_rows
     assert low < high < tiling.block_shared_whole_rows
-    assert shared(4 * low, out_dims=256) and shared(4 * high, out_dims=256)
-    assert not shared(4 * low - 1, out_dims=256) and not shared(4 * high + 1, out_dims=256)
-    assert not shared(4 * high, out_dims=192) and not shared(4 * high, in_dims=192,
-                                                              out_dims=256)
-    assert shared(4 * tiling.block_shared_rows, in_dims=192, out_dims=192)
-    assert shared(4 * tiling.block_shared_gated_rows, gated=True)
-    assert not shared(4 * tiling.block_shared_gated_rows - 1, gated=True)
-    assert not shared(6400, backend="opencl") and not shared(6400, warpgroup=False)
+    assert block(4 * low, out_dims=256) == block(4 * high, out_dims=256) == "made"
+    assert block(4 * low - 1, out_dims=256) == "own"
+    assert block(4 * high + 1, out_dims=256) == "one"
+    two_blocks = launch.ONE_WARPGROUP_EXPERT_BLOCKS * 8 * launch.ONE_WARPGROUP_TILING[
+        "block_row_tiles"]
+    most = max(c for c in range(4 * high, 4 * tiling.block_shared_whole_rows)
+               if launch._held_rows(c / 4) <= two_blocks)
+    assert 4 * high < most < 4 * tiling.block_shared_whole_rows - 1
+    assert block(most, out_dims=256) == "one" and block(most + 1, out_dims=256) == "own"
+    assert block(4 * high, out_dims=192) == "own"
+    assert block(4 * high + 1, out_dims=192) == block(4 * high + 1, in_dims=192,
+                                                      out_dims=256) == "own"
+    assert block(4 * high + 1, gated=True, in_dims=256, out_dims=256) == "made"
+    assert block(4 * high + 1, out_dims=256, bits=8) == "own"
+    assert block(4 * high + 1, out_dims=256, backend="opencl") == "own"
+    with launch.grouped_qmm_tiling(block_one_warpgroup=0):
+        assert block(4 * high + 1, out_dims=256) == block(most, out_dims=256) == "own"
+    assert block(4 * tiling.block_shared_rows, in_dims=192, out_dims=192) == "made"
+    assert block(4 * tiling.block_shared_gated_rows, gated=True) == "made"
+    assert block(4 * tiling.block_shared_gated_rows - 1, gated=True) == "own"
+    assert block(6400, backend="opencl") == block(6400, warpgroup=False) == "own"
     # Whole blocks, where one expert's launch takes them from fewer rows.
     dense = tiling.block_shared_dense_rows
     assert dense > tiling.block_shared_whole_rows
-    assert shared(dense, dense=True, experts=1, out_dims=256)
-    assert not shared(dense - 1, dense=True, experts=1, out_dims=256)
-    assert shared(dense - 1, experts=1, out_dims=256)
-    assert shared(dense, dense=True, experts=1, in_dims=192, out_dims=192)
-    assert not shared(6400, dense=True, experts=1, bits=8)
-    assert not shared(6400, dense=True, experts=1, backend="opencl")
-    assert not shared(6400, bits=8) and not shared(6400, group_size=32)
+    assert block(dense, dense=True, experts=1, out_dims=256) == "made"
+    assert block(dense - 1, dense=True, experts=1, out_dims=256) == "own"
+    assert block(dense - 1, experts=1, out_dims=256) == "made"
+    assert block(dense, dense=True, experts=1, in_dims=192, out_dims=192) == "made"
+    assert block(6400, dense=True, experts=1, bits=8) == "own"
+    assert block(6400, dense=True, experts=1, backend="opencl") == "own"
+    assert block(6400, bits=8) == block(6400, group_size=32) == "own"
     with launch.grouped_qmm_tiling(block_warpgroup=0):
-        assert not shared(6400)
+        assert block(6400) == "own"
+    with pytest.raises(ValueError, match="block_one_warpgroup"):
+        launch.GroupedQmmTiling(block_one_warpgroup=2).check()
 
 
 def test_shared_weights_max_groups():

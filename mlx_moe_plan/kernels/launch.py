@@ -221,7 +221,9 @@ class GroupedQmmTiling:
     # their ungated ones from block_shared_rows, or from block_shared_whole_rows
     # where the projection is whole blocks (_whole_blocks) and then also from
     # block_shared_gated_rows up to block_shared_sized_up_to_rows, and a dense
-    # projection's (one expert) from block_shared_dense_rows rows; else 0.
+    # projection's (one expert) from block_shared_dense_rows rows; 2 in
+    # ONE_WARPGROUP_TILING's block between those ranges (block_one_warpgroup);
+    # else 0.
     block_warpgroup: int | None = None
     # 1: with SHARED_WEIGHTS, a stage's weights made a step before its
     # multiply-adds, one barrier a stage instead of two (WEIGHTS_AHEAD, which
@@ -281,15 +283,19 @@ class GroupedQmmTiling:
     # CUDA: the made weights' launches (SHARED_WEIGHTS, any rows, gated or
     # not, the experts' and a dense projection's) compiled for this many groups
     # an SM at once, as block_min_groups does the warps' own; 0: the compiler's
-    # choice. The rule's block, two warpgroups in up to 227 KB, runs one group
-    # an SM. One warpgroup's block (block_column_warps=4) in stages of 64 values
-    # fits three to four in an SM's memory where its registers allow: on an
-    # H100, one run, its 96-row blocks bound to 3 ran Qwen3-Next's single
-    # projections at T = 8192 (160 rows an expert) 1.10x and 1.14x faster than
-    # the default, its 48-row blocks 0.64x to 0.90x at 40 rows an expert
-    # (benchmarks/RESULTS.md, "The made weights in one warpgroup"). Opt-in
-    # until timed in turns.
+    # choice. The rule's two-warpgroup block, in up to 227 KB, runs one group
+    # an SM; one warpgroup's block in stages of 64 values fits three to four
+    # in an SM's memory where its registers allow, and the rule's
+    # (ONE_WARPGROUP_TILING, which says where it was timed) asks for 3.
     block_shared_min_groups: int = 0
+    # 1: the experts' ungated launches of whole blocks (_whole_blocks) from
+    # more than block_shared_sized_up_to_rows to fewer than
+    # block_shared_whole_rows rows an expert on average, between the made
+    # weights' two ranges, where the warps' own block ran otherwise, take
+    # ONE_WARPGROUP_TILING's block (4 bits, groups of 64, CUDA with wgmma)
+    # where an expert's rows fill at most ONE_WARPGROUP_EXPERT_BLOCKS of its
+    # blocks; 0: the warps' own block there.
+    block_one_warpgroup: int = 1
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -335,10 +341,12 @@ class GroupedQmmTiling:
         if self.wide_loads not in (0, 1) or self.loads_ahead not in (None, 0, 1) \
                 or self.block_warpgroup not in (None, 0, 1, 2) \
                 or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1) \
-                or self.block_fitted_rows not in (0, 1) or self.block_least_groups not in (0, 1):
+                or self.block_fitted_rows not in (0, 1) or self.block_least_groups not in (0, 1) \
+                or self.block_one_warpgroup not in (0, 1):
             raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead, block_weights_ahead, "
-                             f"block_across_items, block_fitted_rows and block_least_groups are "
-                             f"0 or 1, block_warpgroup None, 0, 1 or 2: {self}")
+                             f"block_across_items, block_fitted_rows, block_least_groups and "
+                             f"block_one_warpgroup are 0 or 1, block_warpgroup None, 0, 1 or 2: "
+                             f"{self}")
         if self.block_shared_row_tiles not in (None, *SHARED_WEIGHTS_ROW_TILES):
             raise ValueError(f"grouped_qmm tiling: block_shared_row_tiles is None or one of "
                              f"{SHARED_WEIGHTS_ROW_TILES}: {self}")
@@ -720,6 +728,27 @@ SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tile
                              block_stage_values=128, block_stages=3)
 
 
+# The made weights in one warpgroup (4 warps, 64 columns, 96 rows, stages of
+# 64 values, 3 in flight), compiled for 3 groups an SM (block_shared_min_groups)
+# where the rule takes it (_shared_weights_tiling, block_one_warpgroup): the
+# two-warpgroup block runs one group an SM, latency-bound, and this one's
+# memory and registers leave room for three. Where an expert's rows
+# (_held_rows) fill at most ONE_WARPGROUP_EXPERT_BLOCKS of its blocks: on an
+# H100, in four turns (two orders each of two runs), at Qwen3-Next's T = 8192
+# (160 rows an expert, whole blocks) it ran the down projection 1.13x to
+# 1.16x faster than the warps' own 64-row block the rule gave it, the gate
+# alone 1.08x to 1.11x, and the layer 1.07x; at 187.5 rows an expert
+# (Qwen3-30B-A3B's T = 3000), whose experts often take a third block, the
+# gate 0.93x and the down projection 0.99x to 1.01x. At 256 and 512 rows an
+# expert it ran 0.70x to 0.87x the two-warpgroup block, in 48-row blocks at
+# 40 rows an expert 0.75x to 0.90x the warps' own, and the fused gate and
+# up 0.78x at 160 (benchmarks/RESULTS.md, "The made weights in one
+# warpgroup"): gated launches keep theirs.
+ONE_WARPGROUP_TILING = dict(block_warpgroup=2, block_column_warps=4, block_tiles=1,
+                            block_gated_tiles=1, block_row_tiles=12, block_gated_row_tiles=12,
+                            block_stage_values=64, block_stages=3, block_shared_min_groups=3)
+ONE_WARPGROUP_EXPERT_BLOCKS = 2
+
 def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
                            warpgroup: bool, bits: int, quant_group: int, capacity: int,
                            num_experts: int, dense: bool, in_dims: int,
@@ -733,9 +762,13 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     projection is whole blocks (`_whole_blocks`), and there also from
     `block_shared_gated_rows` up to `block_shared_sized_up_to_rows`, and else
     from `block_shared_rows`; a dense projection's (`dense`, one expert) from
-    `block_shared_dense_rows` rows; every other launch, and one whose tiling
-    says 0, the warps' own multiply-adds (0) in the rows `_own_block_tiling`
-    gives them.
+    `block_shared_dense_rows` rows. The ungated launches of whole blocks
+    between those two ranges of theirs take ONE_WARPGROUP_TILING's block
+    (`block_one_warpgroup`) where an expert's rows fill at most
+    ONE_WARPGROUP_EXPERT_BLOCKS of its blocks. Every other launch, and one
+    whose tiling says 0,
+    the warps' own multiply-adds (0) in the rows `_own_block_tiling` gives
+    them.
 
     On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks,
@@ -772,9 +805,15 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
             else tiling.block_shared_rows)
     sized = whole and (tiling.block_shared_gated_rows * num_experts <= capacity
                        <= tiling.block_shared_sized_up_to_rows * num_experts)
-    shared_weights = (backend == "cuda" and warpgroup and (bits, quant_group) == (4, 64)
-                      and (capacity >= rows * num_experts or sized))
-    if not shared_weights:
+    made = backend == "cuda" and warpgroup and (bits, quant_group) == (4, 64)
+    if not (made and (capacity >= rows * num_experts or sized)):
+        # whole here: below block_shared_whole_rows, so between the ranges
+        one_rows = 8 * ONE_WARPGROUP_TILING["block_row_tiles"]
+        if (made and whole and tiling.block_one_warpgroup
+                and capacity > tiling.block_shared_sized_up_to_rows * num_experts
+                and _held_rows(capacity / num_experts)
+                <= ONE_WARPGROUP_EXPERT_BLOCKS * one_rows):
+            return _one_warpgroup_tiling(tiling)
         return _own_block_tiling(tiling, backend, capacity / num_experts, dense)
     if dense:
         return _decided_tiling(tiling, True)
@@ -783,6 +822,12 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     return _decided_tiling(tiling, True, row_tiles,
                            min(tiling.block_max_groups, tiling.block_shared_max_groups))
 
+
+@lru_cache(maxsize=64)
+def _one_warpgroup_tiling(tiling: GroupedQmmTiling) -> GroupedQmmTiling:
+    """`tiling` in ONE_WARPGROUP_TILING's block, made once a tiling (as
+    `_decided_tiling` says why)."""
+    return replace(tiling, **ONE_WARPGROUP_TILING)
 
 def _own_block_tiling(tiling: GroupedQmmTiling, backend: str, rows_per_expert: float,
                       dense: bool) -> GroupedQmmTiling:
@@ -817,11 +862,17 @@ def _fitted_row_tiles(rows_per_expert: float, row_tiles: int, row_warps: int = 1
     return max(1, min(row_tiles, math.ceil(wanted / (8 * row_warps))))
 
 
+def _held_rows(rows_per_expert: float) -> float:
+    """The rows that hold most experts' whole where an expert holds
+    `rows_per_expert` on average: the average plus 1.5 of its square root,
+    about how far routed counts spread above it."""
+    return rows_per_expert + 1.5 * math.sqrt(rows_per_expert)
+
 def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int) -> int:
     """The made weights' block's 8-row tiles for the experts' launches where
     an expert holds `rows_per_expert` rows on average: the fewest of
-    SHARED_WEIGHTS_ROW_TILES whose rows reach the average plus 1.5 of its
-    square root; where none does, the tallest from
+    SHARED_WEIGHTS_ROW_TILES whose rows reach `_held_rows`; where none does,
+    the tallest from
     TALLEST_MADE_WEIGHTS_FROM_ROWS rows an expert, else
     OVERFULL_MADE_WEIGHTS_ROW_TILES. A gated launch takes the tallest only
     for inputs of at most TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values
@@ -847,7 +898,7 @@ def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int)
     spill (SHARED_WEIGHTS_ROW_TILES' comment), which the shorter rows
     outweighed; not taken apart. A dense projection's block keeps its 128
     rows (not timed in others)."""
-    wanted = rows_per_expert + 1.5 * math.sqrt(rows_per_expert)
+    wanted = _held_rows(rows_per_expert)
     fitting = [row_tiles for row_tiles in SHARED_WEIGHTS_ROW_TILES if 8 * row_tiles >= wanted]
     tallest = SHARED_WEIGHTS_ROW_TILES[-1]
     row_tiles = fitting[0] if fitting else (
