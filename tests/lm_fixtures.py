@@ -31,7 +31,10 @@ WORDS = (
 VOCABULARY = SPECIAL_TOKENS + WORDS
 VOCAB_SIZE = len(VOCABULARY)
 
-_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
+# The models' width, and the quantization group of the 4-bit ones.
+HIDDEN_SIZE = 64
+GROUP_SIZE = 32
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, num_attention_heads=4,
                num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
                eos_token_id=VOCABULARY.index(EOS_TOKEN), tie_word_embeddings=False)
 # Two layers each, every one an MoE layer; widths of 32 and more, so 4-bit
@@ -84,7 +87,7 @@ def write_model(path: Path, name: str, *, bits: int | None = None,
         lambda p: mx.array(rng.standard_normal(p.shape).astype(np.float32) * 0.2)
         if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
     if bits is not None:
-        model, config = quantize_model(model, config, group_size=32, bits=bits)
+        model, config = quantize_model(model, config, group_size=GROUP_SIZE, bits=bits)
     mx.eval(model.parameters())
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
