@@ -27,7 +27,7 @@ from mlx_lm.generate import batch_generate  # noqa: E402
 from mlx_lm.utils import load  # noqa: E402
 
 import lm_fixtures  # noqa: E402
-from conftest import mlx_multiplies_rows  # noqa: E402
+from conftest import mlx_multiplies_rows, mlx_product_is_right  # noqa: E402
 from mlx_moe_plan import _compiled, projections, reference, rules  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
 from mlx_moe_plan.projections import RowsProjection, take_rows  # noqa: E402
@@ -449,6 +449,21 @@ def test_siblings_keep_the_memory(monkeypatch):
     assert abs(mx.get_active_memory() - before) < slack
     for module in modules:
         module(mx.random.normal((1, 1, 128)))  # each member alone, on its own arrays
+
+
+def test_mlx_products_are_checked(monkeypatch):
+    """The check that skips tests where MLX's own quantized_matmul is wrong
+    (`conftest.mlx_multiplies_rows`) passes MLX's right products, at the test
+    models' width and others, and fails a wrong one. (After the memory test:
+    its arrays would move that test's count.)"""
+    for case in ((lm_fixtures.HIDDEN_SIZE, 4, lm_fixtures.GROUP_SIZE, mx.float32, 16),
+                 (128, 8, 64, mx.bfloat16, 5), (96, 3, 32, mx.float16, 2)):
+        assert mlx_product_is_right(*case), case
+    original = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *args, **kwargs: 0 * original(
+        *args, **kwargs))
+    assert not mlx_product_is_right(64, 4, 32, mx.float32, 16)
+    assert not mlx_product_is_right(64, 4, 32, mx.bfloat16, 16)
 
 
 def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
