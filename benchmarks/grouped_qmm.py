@@ -7,6 +7,8 @@
         --tokens 2048,8192 --mlx-tiles 16,64 --skew 0.5        # prefill sizes
     python -m benchmarks.grouped_qmm --shapes mixtral --tokens 8192 --no-sorted \
         --tilings "default;block_row_tiles=2"                  # the block tiles
+    ncu --profile-from-start off --set full -o qmm python -m benchmarks.grouped_qmm \
+        --ncu --shapes qwen3-30b-a3b --tokens 2048 --no-sorted --sides kernel
 
 One expert projection of a layer shape (`benchmarks/workloads.py`), weights of
 `--bits` in groups of `--group-size` (4 and 64 unless told) and rows in `--dtype`
@@ -46,7 +48,9 @@ out, and MLX's tiles (64 unless `--mlx-tiles`) are the reference then, as past
 that row count. `--skew S` draws experts with probability
 proportional to 1 / (rank + 1) ** S (Zipf; 0 is uniform), the "busiest" column
 the busiest expert's entries over the average's. Graphs take fewer calls where
-their outputs would pass GRAPH_BYTES.
+their outputs would pass GRAPH_BYTES. `--ncu` times nothing: after the check,
+each side's calls run under Nsight Compute's collection, after a marker kernel
+named MARKER, the shape, T, projection, side's place and side.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import statistics
 import mlx.core as mx
 import numpy as np
 
-from .timing import time_calls
+from .timing import marker_name, profile_marked, time_calls
 from .workloads import LAYER_SHAPES, MODELS, layer_shape
 
 
@@ -148,18 +152,26 @@ def check_sides(sides: dict, what: str, views: dict | None = None,
                              f"(max |y| {scale})")
 
 
-def checked_medians(sides: dict, calls: int, what: str,
-                    views: dict | None = None) -> dict[str, float]:
+def checked_medians(sides: dict, calls: int, what: str, views: dict | None = None,
+                    ncu: bool = False) -> dict[str, float] | None:
     """Each side's output checked against the first side's (MLX's), as
     `check_sides` with `views`, then every side timed twice, in turns:
-    side -> median us of a call."""
+    side -> median us of a call. With `ncu`, each side's calls under Nsight
+    Compute instead (`timing.profile_marked`, markers MARKER and `what`),
+    and None."""
     check_sides(sides, what, views)
+    if ncu:
+        profile_marked(MARKER + marker_name(what), sides)
+        return None
     samples = {side: [] for side in sides}
     for _ in range(2):  # each side twice, in turns
         for side, call in sides.items():
             samples[side].append(time_calls(call, calls).median_s * 1e6)
     return {side: statistics.median(values) for side, values in samples.items()}
 
+
+# The start of the kernels `--ncu` runs before each side's calls.
+MARKER = "qmm_mark_"
 
 # MLX's CUDA gather_qmm of single sorted rows fails from this many rows (a
 # launch error): past it, the reference side is MLX's tiled gather_qmm.
@@ -313,13 +325,15 @@ def shape_of(name: str):
 def measure(name: str, tokens: int, calls: int, bandwidth: float,
             tilings: list[dict[str, int]], *, mlx_tiles=(), skew: float = 0.0,
             sorted_rows: bool = True, kernel: bool = True, ceilings: bool = False,
-            form: WeightFormat = WeightFormat()) -> list[dict]:
+            form: WeightFormat = WeightFormat(), ncu: bool = False) -> list[dict]:
     """Each projection's lines, then gate+up's: the package's kernel in each
     tiling (`kernel`), MLX's tiled gather_qmm at each `mlx_tiles` tile_m, and
     (`ceilings`) MLX's dense GEMMs of the same work, all against MLX's sorted
     gather_qmm (`sorted_rows`, where it launches), else against its first
     tiles (64 where none are given); routing skewed by `skew`
-    (`routed_experts`); weights and rows as `form` says."""
+    (`routed_experts`); weights and rows as `form` says. With `ncu`, the
+    sides' calls under Nsight Compute instead of timed (`checked_medians`),
+    and no lines."""
     from mlx_moe_plan import _backend, _gpu, moe_gather, moe_plan
     from mlx_moe_plan.kernels import launch
 
@@ -392,25 +406,30 @@ def measure(name: str, tokens: int, calls: int, bandwidth: float,
             for side, call in ceiling_sides(entries, out_dims, in_dims, graph_calls,
                                             what, form).items():
                 sides[side], views[side] = call, None
-        medians = checked_medians(sides, graph_calls, what, views)
+        medians = checked_medians(sides, graph_calls, what, views, ncu)
+        if medians is None:
+            continue
         rows_out += result_rows(name, tokens, projection, out_dims, in_dims, shape, active,
                                 medians, touched / (bandwidth * 1e3), busiest, launches,
                                 form)
     rows_out.extend(measure_gate_up(shape, name, tokens, plan, active, calls, bandwidth,
                                     tilings if kernel else [], tiles, busiest,
-                                    unfused=kernel, sorted_rows=sorted_rows, form=form))
+                                    unfused=kernel, sorted_rows=sorted_rows, form=form,
+                                    ncu=ncu))
     return rows_out
 
 
 def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int,
                     bandwidth: float, tilings: list[dict[str, int]], tiles=None,
                     busiest: float = 1.0, unfused: bool = True,
-                    sorted_rows: bool = True, form: WeightFormat = WeightFormat()) -> list[dict]:
+                    sorted_rows: bool = True, form: WeightFormat = WeightFormat(),
+                    ncu: bool = False) -> list[dict]:
     """The layer's gate, up and activation from the tokens: the fused launch in
     each tiling (lines "fused" for the default, "fused,gated_tiles=1" ...), the
     unfused kernels ("unfused", default tiling) and MLX's tiled gather_qmm at
     each of `tiles` (`tile_plans`), against MLX's sorted `gather_qmm`
-    (`sorted_rows`, as `measure` decides it; else the first of `tiles`)."""
+    (`sorted_rows`, as `measure` decides it; else the first of `tiles`); with
+    `ncu` under Nsight Compute, no lines."""
     from mlx_moe_plan import _backend, _gpu, moe_gather
     from mlx_moe_plan.kernels import launch
 
@@ -466,7 +485,9 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
         views[side] = in_entry_order(plan)
         launches[side] = launch_text(shape.experts, in_dims, out_dims, plan.capacity, changes,
                                      num_rows=tokens, gated=True, form=form)
-    medians = checked_medians(sides, graph_calls, f"{name} T={tokens} gate+up", views)
+    medians = checked_medians(sides, graph_calls, f"{name} T={tokens} gate+up", views, ncu)
+    if medians is None:
+        return []
     return result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
                        touched / (bandwidth * 1e3), busiest, launches, form)
 
@@ -541,6 +562,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16",
                         help="the rows', scales' and biases' dtype: bfloat16 or float16 "
                              "(default: %(default)s)")
+    parser.add_argument("--ncu", action="store_true",
+                        help="the sides' calls under Nsight Compute instead of timed: each "
+                             "side's after a marker kernel of its own (run under ncu "
+                             "--profile-from-start off)")
     parser.add_argument("--sides", default="kernel,ceilings",
                         help="comma list of the sides timed beside MLX's gather_qmm: kernel "
                              "(the package's, each tiling, and gate+up unfused), ceilings "
@@ -579,7 +604,8 @@ def main(argv=None) -> int:
         for tokens in (int(t) for t in args.tokens.split(",")):
             lines = measure(name, tokens, args.calls, args.bandwidth, tilings,
                             mlx_tiles=mlx_tiles, skew=args.skew, sorted_rows=args.sorted_rows,
-                            kernel="kernel" in sides, ceilings="ceilings" in sides, form=form)
+                            kernel="kernel" in sides, ceilings="ceilings" in sides, form=form,
+                            ncu=args.ncu)
             for row in lines + layer_rows(lines):
                 print(f"{name:15s} {tokens:4d} {row['projection']:7s} {row['tiling']:18s} "
                       f"{row['active_experts']:7d} {row['ours_us']:8.1f} "

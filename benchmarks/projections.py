@@ -52,14 +52,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .grouped_qmm import CACHE_BYTES, check_sides, column_bytes, parse_tilings, tiling_name
-from .timing import marked_kernels, profiled, time_calls
+from .timing import NCU_CALLS, marked_kernels, marker_name, profile_marked, time_calls
 
 # (out N, in D, bits) of each model's dense projections: attention's, the
 # MoE block's router (8 bits, as mlx-lm's quantize predicates set routers)
@@ -177,25 +176,11 @@ def chained(call, x: mx.array):
     return link
 
 
-# A side's calls under Nsight Compute (--ncu), each evaluated alone.
-NCU_CALLS = 3
-
-
-def marker_name(text: str) -> str:
-    """`text` as part of a kernel's name, an identifier: no "/", "-", ":"
-    (qwen3-30b-a3b/q, grouped:default)."""
-    return re.sub(r"\W", "_", text)
-
-
-def profile_marked(name: str, sides: dict, x: mx.array) -> None:
-    """Each side's NCU_CALLS calls, each evaluated alone, after a marker
-    naming the projection, batch, side's index and side, profiled."""
-    for index, (side, call) in enumerate(sides.items()):
-        mx.eval([call(i, x) for i in range(NCU_CALLS)])  # compiled, warm
-        marker = f"{MARKER}{name}_{index}_{marker_name(side)}"
-        profiled(marker, lambda: [mx.eval(call(i, x))
-                                  for i in range(NCU_CALLS, 2 * NCU_CALLS)])
-        print(f"{marker}: {side}", flush=True)
+def profile_sides(name: str, sides: dict, x: mx.array) -> None:
+    """Each side's calls on `x` under Nsight Compute (`timing.profile_marked`),
+    after markers naming the projection, batch, side's index and side."""
+    profile_marked(f"{MARKER}{name}", {side: lambda i, call=call: call(i, x)
+                                       for side, call in sides.items()})
 
 
 def summarize(path: str, top: int = 3) -> str:
@@ -242,7 +227,7 @@ def measure(gemm: str, batch: int, dtype: mx.Dtype, bits: int, tilings: list[dic
         rule = ("expert" if projections._as_expert(layer, step) and "dense" in sides
                 else "rows" if projections._as_rows(layer, step) else "batched")
     if ncu:
-        profile_marked(marker_name(f"{gemm}_{batch}"), sides, x)
+        profile_sides(marker_name(f"{gemm}_{batch}"), sides, x)
         return {}, rule
     sides = {"none": lambda i, x: x[:, :out_dims] * 1, **sides}
     samples = {side: [] for side in sides}

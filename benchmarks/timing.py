@@ -10,7 +10,8 @@ eval, what a step of generation pays (it rebuilds its graph every step), the
 figure for decode sizes; `eval_s` alone is the throughput of graphs built
 ahead, the figure for prefill sizes, where building is a rounding error.
 `profiled` marks a region for Nsight Compute, for the benchmarks that read
-kernel durations, and `marked_kernels` reads them back from its CSV.
+kernel durations (`profile_marked`: each side's calls after a marker of its
+own), and `marked_kernels` reads them back from its CSV.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import collections
 import csv
 import ctypes
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -152,6 +154,27 @@ def profiled(marker: str, run: Callable[[], object]) -> None:
     finally:
         cuda.cuProfilerStop()
 
+
+# A side's calls under Nsight Compute (`profile_marked`), each evaluated alone.
+NCU_CALLS = 3
+
+
+def marker_name(text: str) -> str:
+    """`text` as part of a kernel's name, an identifier: no "/", "-", ":"
+    (qwen3-30b-a3b/q, grouped:default)."""
+    return re.sub(r"\W", "_", text)
+
+
+def profile_marked(marker: str, sides: dict[str, Callable[[int], object]]) -> None:
+    """Each side's NCU_CALLS calls (`call(i)`, i from NCU_CALLS on, after as
+    many unprofiled: compiled and warm), each evaluated alone, `profiled`
+    after a marker `{marker}_{index}_{side}` (index: the side's place in
+    `sides`), which it prints."""
+    for index, (side, call) in enumerate(sides.items()):
+        mx.eval([call(i) for i in range(NCU_CALLS)])
+        name = f"{marker}_{index}_{marker_name(side)}"
+        profiled(name, lambda: [mx.eval(call(i)) for i in range(NCU_CALLS, 2 * NCU_CALLS)])
+        print(f"{name}: {side}", flush=True)
 
 UNIT_SECONDS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
                 "msecond": 1e-3}

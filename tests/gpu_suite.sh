@@ -218,6 +218,13 @@
 #               Qwen3-Next at T = 2048 and 8192 (40 and 160 rows an expert) and
 #               of Qwen3-30B-A3B at 4096 and 8192 (256 and 512), twice, the
 #               second in the other order.
+#   made-weights-ncu (not in `bench`; needs Nsight Compute's ncu) the default's
+#               expert GEMMs under `ncu --set full` (benchmarks.grouped_qmm --ncu:
+#               each side's calls after a marker kernel), the package's tiles
+#               launches only: Qwen3-30B-A3B at T = 2048 uniform and skewed (the
+#               made weights' block) and Qwen3-Next at 2048 (the warps' own);
+#               each report's details page and its warps' stall reasons
+#               (the raw page's issue_stalled metrics), a file each.
 #   one-warpgroup-rule (not in `bench`) the rule's one-warpgroup block
 #               (launch.ONE_WARPGROUP_TILING, block_one_warpgroup) against the
 #               warps' own block it replaced (block_one_warpgroup=0): the
@@ -970,6 +977,22 @@ if wanted made-weights-one-warpgroup; then
     "qwen3-30b-a3b 4096,8192 default;$one96"
   grouped_qmm_each made-weights-one-warpgroup-2 "qwen3-next 2048,8192 $one48;$one96;default" \
     "qwen3-30b-a3b 4096,8192 $one96;default"
+fi
+if wanted made-weights-ncu; then
+  if command -v ncu >/dev/null; then
+    for case in "qwen3-30b-a3b 2048 0" "qwen3-30b-a3b 2048 1" "qwen3-next 2048 0"; do
+      read -r name tokens skew <<<"$case"
+      report="$results/made-weights-ncu-$name-$tokens-skew$skew"
+      logged "$report.log" ncu --profile-from-start off --set full -f -o "$report" \
+        -k "regex:grouped_qmm_tiles|qmm_mark_" python3 -m benchmarks.grouped_qmm --ncu \
+        --shapes "$name" --tokens "$tokens" --skew "$skew" --calls 4 --no-sorted --sides kernel
+      logged "$report-details.txt" ncu --import "$report.ncu-rep" --page details
+      ncu --import "$report.ncu-rep" --page raw | grep -E "qmm_mark_|grouped_qmm_tiles|stalled" \
+        >"$report-stalls.txt"
+    done
+  else
+    echo "made-weights-ncu: no ncu on the PATH"
+  fi
 fi
 if wanted one-warpgroup-rule; then
   grouped_qmm_each one-warpgroup-rule-1 "qwen3-next 8192 default;block_one_warpgroup=0" \

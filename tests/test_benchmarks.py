@@ -434,6 +434,35 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
             projections * active * line["out"] * bench_qmm.column_bytes(in_dims) / 4.8e6)
 
 
+def test_grouped_qmm_ncu_profiles_each_side_after_its_marker(monkeypatch, capsys):
+    """--ncu times nothing: after each projection's check, each side's calls
+    run evaluated alone inside `timing.profiled` (stood in for here), after a
+    marker naming the shape, T, projection, side's place and side; no lines."""
+    bench_qmm, _ = grouped_qmm_on_cpu(monkeypatch)
+    regions = []
+
+    def profiled(marker, run):
+        before = len(calls)
+        run()
+        regions.append((marker, len(calls) - before))
+
+    calls = []
+    original_eval = mx.eval
+    monkeypatch.setattr(timing, "profiled", profiled)
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (calls.append(1), original_eval(*arrays)))
+    assert bench_qmm.measure("small", 3, 4, 4800.0, [{}, {"tiles": 1}], ncu=True) == []
+    markers = [marker for marker, _ in regions]
+    assert markers == [bench_qmm.MARKER + f"small_T_3_{projection}_{index}_{side}"
+                       for projection, sides in (
+                           ("gate", ("gather_qmm", "default", "tiles_1")),
+                           ("down", ("gather_qmm", "default", "tiles_1")),
+                           ("gate_up", ("gather_qmm", "unfused", "fused", "fused_tiles_1")))
+                       for index, side in enumerate(sides)]
+    assert all(count == timing.NCU_CALLS for _, count in regions)  # each call alone
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed] == markers
+
+
 def test_grouped_qmm_weight_formats(monkeypatch, capsys):
     """--bits, --group-size and --dtype reach every side: the experts, the
     ceilings (the 16-bit matmul named by its dtype), the floors and the lines;
