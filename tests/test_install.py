@@ -191,10 +191,10 @@ def test_replaced_switch_glu_gives_mlx_lms_logits(name, monkeypatch):
         if length == 5 and mx.default_device().type == mx.cpu:  # mlx-lm's own call: its bits
             np.testing.assert_array_equal(np.array(got), np.array(want), err_msg=name)
         elif length == 5:
-            # On CUDA the compiled graphs fuse their elementwise operations into
-            # kernels of their own, whose rounding can differ from the same
-            # operations run one by one: gemma4_text's (GeGLU, a compiled tanh
-            # GELU) came 1.8e-7 apart on an H100, its bits equal with
+            # On a GPU MLX's compiled graphs fuse their elementwise operations
+            # into kernels of their own, whose rounding can differ from the
+            # same operations run one by one: gemma4_text's (GeGLU, a compiled
+            # tanh GELU) came 1.8e-7 apart on an H100, its bits equal with
             # MLX_DISABLE_COMPILE=1. Within float32's rounding there.
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6,
                                        err_msg=name)

@@ -749,6 +749,7 @@ ONE_WARPGROUP_TILING = dict(block_warpgroup=2, block_column_warps=4, block_tiles
                             block_stage_values=64, block_stages=3, block_shared_min_groups=3)
 ONE_WARPGROUP_EXPERT_BLOCKS = 2
 
+
 def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
                            warpgroup: bool, bits: int, quant_group: int, capacity: int,
                            num_experts: int, dense: bool, in_dims: int,
@@ -766,9 +767,8 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
     between those two ranges of theirs take ONE_WARPGROUP_TILING's block
     (`block_one_warpgroup`) where an expert's rows fill at most
     ONE_WARPGROUP_EXPERT_BLOCKS of its blocks. Every other launch, and one
-    whose tiling says 0,
-    the warps' own multiply-adds (0) in the rows `_own_block_tiling` gives
-    them.
+    whose tiling says 0, the warps' own multiply-adds (0) in the rows
+    `_own_block_tiling` gives them.
 
     On the H200, against the warps' own at every shape's T = 512 to 8192
     (benchmarks/RESULTS.md, "The expert GEMM at prefill sizes"), those blocks,
@@ -807,7 +807,8 @@ def _shared_weights_tiling(tiling: GroupedQmmTiling, gated: bool, backend: str,
                        <= tiling.block_shared_sized_up_to_rows * num_experts)
     made = backend == "cuda" and warpgroup and (bits, quant_group) == (4, 64)
     if not (made and (capacity >= rows * num_experts or sized)):
-        # whole here: below block_shared_whole_rows, so between the ranges
+        # A whole launch not in the made weights holds fewer than
+        # block_shared_whole_rows rows an expert: between their two ranges.
         one_rows = 8 * ONE_WARPGROUP_TILING["block_row_tiles"]
         if (made and whole and tiling.block_one_warpgroup
                 and capacity > tiling.block_shared_sized_up_to_rows * num_experts
@@ -828,6 +829,7 @@ def _one_warpgroup_tiling(tiling: GroupedQmmTiling) -> GroupedQmmTiling:
     """`tiling` in ONE_WARPGROUP_TILING's block, made once a tiling (as
     `_decided_tiling` says why)."""
     return replace(tiling, **ONE_WARPGROUP_TILING)
+
 
 def _own_block_tiling(tiling: GroupedQmmTiling, backend: str, rows_per_expert: float,
                       dense: bool) -> GroupedQmmTiling:
@@ -868,12 +870,12 @@ def _held_rows(rows_per_expert: float) -> float:
     about how far routed counts spread above it."""
     return rows_per_expert + 1.5 * math.sqrt(rows_per_expert)
 
+
 def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int) -> int:
     """The made weights' block's 8-row tiles for the experts' launches where
     an expert holds `rows_per_expert` rows on average: the fewest of
     SHARED_WEIGHTS_ROW_TILES whose rows reach `_held_rows`; where none does,
-    the tallest from
-    TALLEST_MADE_WEIGHTS_FROM_ROWS rows an expert, else
+    the tallest from TALLEST_MADE_WEIGHTS_FROM_ROWS rows an expert, else
     OVERFULL_MADE_WEIGHTS_ROW_TILES. A gated launch takes the tallest only
     for inputs of at most TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS values
     (else 16, 128 rows).
