@@ -443,10 +443,11 @@ steps=${steps//expert-parallel/ep-tests,ep-models,ep-variants}
 steps=${steps//decode-attention/attention-checks,attention-steps}
 steps=${steps//bench/model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm,projections}
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
-# launch.SHARED_WEIGHTS_TILING, the made weights' block, as --tilings text
+# launch.SHARED_WEIGHTS_TILING, the made weights' block, or the block launch's
+# constant NAME names (ONE_WARPGROUP_TILING), as --tilings text
 made_weights_tiling() {
-  python3 -c 'from mlx_moe_plan.kernels import launch
-print(",".join(f"{key}={value}" for key, value in launch.SHARED_WEIGHTS_TILING.items()))'
+  python3 -c "from mlx_moe_plan.kernels import launch
+print(','.join(f'{key}={value}' for key, value in launch.${1:-SHARED_WEIGHTS_TILING}.items()))"
 }
 # the same block of ROWS 8-row tiles (--tilings keeps the last value of a key)
 made_weights_rows() {
@@ -969,10 +970,8 @@ if wanted made-weights-48; then
     "qwen3-30b-a3b 512 default;$made48" "deepseek-v3 1024 default;$made48"
 fi
 if wanted made-weights-one-warpgroup; then
-  one="block_warpgroup=2,block_column_warps=4,block_tiles=1,block_gated_tiles=1"
-  one="$one,block_stage_values=64,block_stages=3,block_shared_min_groups=3"
-  one96="$one,block_row_tiles=12,block_gated_row_tiles=12"
-  one48="$one,block_row_tiles=6,block_gated_row_tiles=6"
+  one96=$(made_weights_tiling ONE_WARPGROUP_TILING)  # 96 rows
+  one48="$one96,block_row_tiles=6,block_gated_row_tiles=6"
   grouped_qmm_each made-weights-one-warpgroup-1 "qwen3-next 2048,8192 default;$one96;$one48" \
     "qwen3-30b-a3b 4096,8192 default;$one96"
   grouped_qmm_each made-weights-one-warpgroup-2 "qwen3-next 2048,8192 $one48;$one96;default" \
