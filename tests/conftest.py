@@ -237,6 +237,15 @@ def mlx_multiplies_rows(in_dims: int, bits: int, group_size: int, dtype: mx.Dtyp
     return mlx_product_is_right(in_dims, bits, group_size, dtype, out_dims)
 
 
+def exact_product(rows: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
+                  bits: int, group_size: int) -> np.ndarray:
+    """`rows @ dequantize(weight).T` in float64 (`reference.dequantize`, bits
+    that divide 32): what a quantized matmul of `rows` rounds."""
+    weights = ref.dequantize(np.array(weight), as_float32(scales), as_float32(biases), bits,
+                             group_size)
+    return as_float32(rows).astype(np.float64) @ weights.T
+
+
 def mlx_product_is_right(in_dims: int, bits: int, group_size: int, dtype: mx.Dtype,
                          out_dims: int) -> bool:
     """`mlx_multiplies_rows`' check itself, on the default device."""
@@ -245,12 +254,9 @@ def mlx_product_is_right(in_dims: int, bits: int, group_size: int, dtype: mx.Dty
     packed, scales, biases = mx.quantize(weight, group_size=group_size, bits=bits)
     scales, biases = scales.astype(dtype), biases.astype(dtype)
     rows = mx.array(rng.standard_normal((2, in_dims)).astype(np.float32)).astype(dtype)
-    got = np.array(mx.quantized_matmul(rows, packed, scales, biases, transpose=True,
-                                       group_size=group_size, bits=bits).astype(mx.float32))
-    with mx.stream(mx.cpu):  # the weights in float32, which holds scale * q + bias closely
-        weights = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
-                                group_size=group_size, bits=bits)
-    exact = as_float32(rows).astype(np.float64) @ as_float32(weights).astype(np.float64).T
+    got = as_float32(mx.quantized_matmul(rows, packed, scales, biases, transpose=True,
+                                         group_size=group_size, bits=bits))
+    exact = exact_product(rows, packed, scales, biases, bits, group_size)
     # Far above either format's rounding at any width, far below an unrelated product's 1.
     bound = 1e-4 if dtype == mx.float32 else 0.5
     return bool(np.linalg.norm(got - exact) <= bound * np.linalg.norm(exact))
