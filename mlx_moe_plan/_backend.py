@@ -364,7 +364,8 @@ def resolve_stream(stream: mx.Stream | mx.Device | None) -> mx.Stream:
         return mx.default_stream(stream)
     if isinstance(stream, mx.Stream):
         return stream
-    raise TypeError(f"stream: expected a Stream, Device, DeviceType or None, got {type(stream).__name__}")
+    raise TypeError(f"stream: expected a Stream, Device, DeviceType or None, "
+                    f"got {type(stream).__name__}")
 
 
 @functools.cache  # what MLX was built with does not change while it runs

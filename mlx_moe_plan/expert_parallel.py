@@ -7,9 +7,10 @@ computes only the routed entries of its own experts (the plan skips the
 others) and one `all_sum` of the block's `[T, D]` output adds the ranks' parts.
 The layer (`nn.SwitchGLU`) does the shifting, skipping and summing once it
 has an `expert_group`, by `ShardedExperts`, its runtime here; `shard_layers`
-cuts its projections and sets it. `nn.shard_experts` is the entry point. With `tensor_parallel=True` the rest of
-the model (attention, dense layers) is cut by mlx-lm's own `model.shard()`
-first, while stand-ins hold the MoE blocks' places (`shard_all_but`).
+cuts its projections and sets it. `nn.shard_experts` is the entry point.
+With `tensor_parallel=True` the rest of the model (attention, dense layers)
+is cut by mlx-lm's own `model.shard()` first, while stand-ins hold the MoE
+blocks' places (`shard_all_but`).
 """
 
 from __future__ import annotations

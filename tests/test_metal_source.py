@@ -572,7 +572,8 @@ def test_declared_names_are_free(launch):
     MLX's utils.h."""
     body = _body(launch)
     typenames = [name for name, value in launch.template if isinstance(value, mx.Dtype)]
-    types = "|".join(["unsigned", "int", "bool", "float", "uint4", "i64", "atomic_uint", *typenames])
+    types = "|".join(["unsigned", "int", "bool", "float", "uint4", "i64", "atomic_uint",
+                      *typenames])
     declared = set(re.findall(rf"\b(?:{types})\s*\*?\s+(\w+)\s*[=;\[,)]", body))
     assert declared, "no declaration found: every body declares variables"
     signature = "\n".join(_signature(launch.source()))
@@ -629,7 +630,8 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
     place; a name not in kernels.INCLUDED is an error, not a silent comment."""
     texts = {"body": "a;\n  // include: qmm_fields\nb; // include: qmm_fields\n",
              "qmm_fields": "c;\n", "other": "x;\n  // include: missing\n",
-             "outer": "d;\n// include: tiles_products\n", "tiles_products": "// include: qmm_fields\n"}
+             "outer": "d;\n// include: tiles_products\n",
+             "tiles_products": "// include: qmm_fields\n"}
     monkeypatch.setattr(kernels, "text", lambda name: texts[name])
     assert kernels.source("body") == "a;\nc;\n\nb; // include: qmm_fields\n"
     assert kernels.source("outer") == "d;\nc;\n\n\n"  # an included text's own, in turn

@@ -990,6 +990,7 @@ def test_dense_prefill_keeps_the_bits_of_narrow_projections(model_dirs):
     assert marked and all(m.dense_expert and not m.decoding_rows for m in marked)
     assert not any(m.dense_expert for _, m in without.named_modules()
                    if isinstance(m, RowsProjection))
-    tokens = mx.array(np.random.default_rng(2).integers(0, lm_fixtures.VOCAB_SIZE, (1, 512)).astype(np.int32))
+    tokens = mx.array(np.random.default_rng(2).integers(0, lm_fixtures.VOCAB_SIZE, (1, 512))
+                      .astype(np.int32))
     finite_or_skip(loaded(model_dirs["qwen3_moe"])[0](tokens))
     assert mx.array_equal(patched(tokens), without(tokens))

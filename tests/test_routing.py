@@ -87,7 +87,8 @@ def test_top_k_scores_are_take_along_axis(device):
     assert picked.dtype == mx.bfloat16
     np.testing.assert_array_equal(np.array(picked.view(mx.uint16)), np.array(want.view(mx.uint16)))
     assert np.abs(np.array(want_grad.astype(mx.float32))).max() > 0
-    np.testing.assert_array_equal(np.array(grad.view(mx.uint16)), np.array(want_grad.view(mx.uint16)))
+    np.testing.assert_array_equal(np.array(grad.view(mx.uint16)),
+                                  np.array(want_grad.view(mx.uint16)))
 
 
 def test_normalized_top_k_scores_are_the_ops(device, monkeypatch):
