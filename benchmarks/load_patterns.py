@@ -42,7 +42,8 @@ THREADS = 128
 FRAGMENTS = r"""
   const int lane = threadIdx.x % 32;
   const long long warp_index = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const unsigned char* region = (const unsigned char*)weights + (warp_index % regions[0]) * (32ll * ROW);
+  const unsigned char* region =
+      (const unsigned char*)weights + (warp_index % regions[0]) * (32ll * ROW);
   unsigned folded = 0;
   for (int group0 = 0; group0 < ROW / 32; group0 += STEPS) {
     uint2 words[STEPS][4];
@@ -50,7 +51,8 @@ FRAGMENTS = r"""
     for (int s = 0; s < STEPS; ++s)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        words[s][c] = *(const uint2*)(region + (lane / 4 + 8 * c) * ROW + (group0 + s) * 32 + lane % 4 * 8);
+        words[s][c] = *(const uint2*)(region + (lane / 4 + 8 * c) * ROW + (group0 + s) * 32
+                                      + lane % 4 * 8);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s)
 #pragma unroll
@@ -64,7 +66,8 @@ FRAGMENTS = r"""
 RUNS = r"""
   const int lane = threadIdx.x % 32;
   const long long warp_index = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const unsigned char* region = (const unsigned char*)weights + (warp_index % regions[0]) * (32ll * ROW);
+  const unsigned char* region =
+      (const unsigned char*)weights + (warp_index % regions[0]) * (32ll * ROW);
   const int COLUMNS = 32 / RUN_LANES;  // columns an instruction
   unsigned folded = 0;
   for (int i0 = 0; i0 < ROW / 16; i0 += IN_FLIGHT) {  // 32 lanes x 16 B an instruction
@@ -73,7 +76,8 @@ RUNS = r"""
     for (int j = 0; j < IN_FLIGHT; ++j) {
       const int pass = (i0 + j) / RUN_LANES, column_set = (i0 + j) % RUN_LANES;
       const int column = column_set * COLUMNS + lane / RUN_LANES;
-      chunk[j] = *(const uint4*)(region + column * ROW + pass * RUN_LANES * 16 + lane % RUN_LANES * 16);
+      chunk[j] = *(const uint4*)(region + column * ROW + pass * RUN_LANES * 16
+                                 + lane % RUN_LANES * 16);
     }
 #pragma unroll
     for (int j = 0; j < IN_FLIGHT; ++j) folded += chunk[j].x ^ chunk[j].y ^ chunk[j].z ^ chunk[j].w;
@@ -87,7 +91,8 @@ RUNS = r"""
 STAGED = r"""
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const long long warp_index = (long long)blockIdx.x * (blockDim.x / 32) + warp;
-  const unsigned char* region = (const unsigned char*)weights + (warp_index % regions[0]) * (32ll * ROW);
+  const unsigned char* region =
+      (const unsigned char*)weights + (warp_index % regions[0]) * (32ll * ROW);
   const int STRIDE = RUN + 32;  // a column's bytes a stage, padded off the banks of the next
   const int STAGE_BYTES = 32 * STRIDE, CHUNKS = RUN / 16, RUN_COUNT = ROW / RUN;
   extern __shared__ __align__(16) unsigned char ring_memory[];
@@ -102,7 +107,8 @@ STAGED = r"""
       for (int g = 0; g < RUN / 32; ++g)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const uint2 words = *(const uint2*)(stage + (lane / 4 + 8 * c) * STRIDE + g * 32 + lane % 4 * 8);
+          const uint2 words = *(const uint2*)(stage + (lane / 4 + 8 * c) * STRIDE + g * 32
+                                              + lane % 4 * 8);
           folded += words.x ^ words.y;
         }
       __syncwarp();  // read before the copies below overwrite the stage
@@ -174,7 +180,8 @@ def main(argv=None) -> int:
 
                 timing = time_calls(call, 24, repeats=5)
                 samples.setdefault((warps, name), []).append(timing.median_s)
-    print(f"{'warps':>6s}  {'pattern':34s} {'in flight':>9s} {'shared':>7s} {'us':>7s} {'GB/s':>6s}")
+    print(f"{'warps':>6s}  {'pattern':34s} {'in flight':>9s} {'shared':>7s} {'us':>7s} "
+          f"{'GB/s':>6s}")
     for warps in warps_list:
         for name, _, _, flight, shared in PATTERNS:
             seconds = statistics.median(samples[warps, name])

@@ -60,7 +60,8 @@ class Progress:
         self.done += 1
         if not self.enabled:
             return
-        text = f"[{self.done:>{len(str(self.total))}}/{self.total}] {time.perf_counter() - self.start:6.1f}s  {label}"
+        elapsed = time.perf_counter() - self.start
+        text = f"[{self.done:>{len(str(self.total))}}/{self.total}] {elapsed:6.1f}s  {label}"
         if self.tty:
             sys.stderr.write("\r" + text.ljust(self.width))
             self.width = len(text)
@@ -203,7 +204,8 @@ def main(argv=None) -> int:
                                           dtype, progress.step))
         except CheckError as error:
             progress.close()
-            print(f"CHECK FAILED on {mx.default_device()}: {error}\nNothing was timed.", file=sys.stderr)
+            print(f"CHECK FAILED on {mx.default_device()}: {error}\nNothing was timed.",
+                  file=sys.stderr)
             return 1
         except ImportError as error:  # the extension is not built
             progress.close()

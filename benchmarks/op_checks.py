@@ -72,7 +72,8 @@ def check_case(name: str, shape: LayerShape, tokens: int, hidden: int, *, tile_m
             want = reference.moe_combine(rows_np, ref, rows_dtype=dtype_name(dtype))
         else:  # as timed: the plan carries no weights, combine gets the router's
             got = mlx_moe_plan.moe_combine(rows, plan, weights=scores)
-            want = reference.moe_combine(rows_np, ref, weights=weights_np, rows_dtype=dtype_name(dtype))
+            want = reference.moe_combine(rows_np, ref, weights=weights_np,
+                                         rows_dtype=dtype_name(dtype))
         expect_bitwise(f"{what} combine {dtype_name(dtype)}", got, want)
         expect_bitwise(f"{what} unsort {dtype_name(dtype)}", mlx_moe_plan.moe_unsort(rows, plan),
                        reference.moe_unsort(rows_np, ref))

@@ -19,9 +19,9 @@ GPU_PLAN_US_TARGET = 15.0
 GPU_GATHER_COPY_TARGET = 0.80
 
 LEGEND = {
-    "MB, GB/s": "bytes read once + written once, the same count for ours and mlx-lm: plan 16*T*K "
-                "(int32 ids in; order, inverse, sorted ids out), gather, unsort, copy 2*T*K*H*size, "
-                "combine (T*K + T)*H*size",
+    "MB, GB/s": "bytes read once + written once, the same count for ours and mlx-lm: "
+                "plan 16*T*K (int32 ids in; order, inverse, sorted ids out), gather, unsort, "
+                "copy 2*T*K*H*size, combine (T*K + T)*H*size",
     "mlx-lm": "plan = argsort, argsort, take of ids (_gather_sort's index ops); "
               "gather = its row take x[order // K]; combine = _scatter_unsort + "
               "(y * scores[..., None]).sum(-2); unsort = _scatter_unsort",
@@ -72,7 +72,8 @@ def format_mb(nbytes: int) -> str:
 def format_table(rows: list[dict]) -> str:
     """`summarize`'s rows as a text table, a blank line between shapes."""
     head = (f"{'model':<14}{'E':>4}{'K':>4}{'H':>6}{'T':>7}  {'op':<8}"
-            f"{'us/call':>11}{'MB':>9}{'GB/s':>8}{'mlx-lm us':>12}{'GB/s':>8}{'speedup':>9}{'%copy':>7}")
+            f"{'us/call':>11}{'MB':>9}{'GB/s':>8}{'mlx-lm us':>12}{'GB/s':>8}{'speedup':>9}"
+            f"{'%copy':>7}")
     lines = [head, "-" * len(head)]
     last = None
     for r in rows:
@@ -110,8 +111,10 @@ def targets(rows: list[dict], on_gpu: bool) -> tuple[list[dict], str]:
     found = []
     if on_gpu:
         plan, gather = row("plan"), row("gather")
-        found.append({"name": "plan us/call", "value": plan["ours_us"], "target": f"<= {GPU_PLAN_US_TARGET:g} us",
-                      "pass": plan["ours_us"] <= GPU_PLAN_US_TARGET, "text": f"{plan['ours_us']:.1f} us"})
+        found.append({"name": "plan us/call", "value": plan["ours_us"],
+                      "target": f"<= {GPU_PLAN_US_TARGET:g} us",
+                      "pass": plan["ours_us"] <= GPU_PLAN_US_TARGET,
+                      "text": f"{plan['ours_us']:.1f} us"})
         if gather and gather["of_copy"] is not None:
             found.append({"name": "gather GB/s / copy GB/s", "value": gather["of_copy"],
                           "target": f">= {100 * GPU_GATHER_COPY_TARGET:.0f}%",
@@ -133,8 +136,8 @@ def targets(rows: list[dict], on_gpu: bool) -> tuple[list[dict], str]:
                           "target": f">= {goal:g}x", "pass": ok, "text": text})
         gather = row("gather")
         if gather and gather["of_copy"] is not None:
-            found.append({"name": "gather GB/s / copy GB/s", "value": gather["of_copy"], "target": None,
-                          "pass": None, "text": f"{100 * gather['of_copy']:.0f}%"})
+            found.append({"name": "gather GB/s / copy GB/s", "value": gather["of_copy"],
+                          "target": None, "pass": None, "text": f"{100 * gather['of_copy']:.0f}%"})
     lines = [title]
     for t in found:
         verdict = "" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
@@ -157,8 +160,9 @@ def page_fault_note(results: list[dict], on_gpu: bool) -> str | None:
     if big["page_faults"] < 0.5 * out_pages:
         return None
     return (f"the copy at T={big['tokens']} takes {big['page_faults']:.0f} page faults a call "
-            f"({big['page_faults'] / out_pages:.0%} of its output's pages): MLX's CPU allocator hands "
-            f"large outputs fresh memory, so first-touch faults bound ours, mlx-lm and the copy alike")
+            f"({big['page_faults'] / out_pages:.0%} of its output's pages): MLX's CPU allocator "
+            f"hands large outputs fresh memory, so first-touch faults bound ours, mlx-lm and the "
+            f"copy alike")
 
 
 def device_description() -> dict:
@@ -181,10 +185,12 @@ def header(device: dict, dtype: str, hidden_rule: str, checks_passed: int, elaps
         f"mlx_moe_plan benchmark on {device['device']} ({device['name']}), mlx {mx.__version__}, "
         f"mlx-lm {mlx_lm.__version__ if mlx_lm else 'not installed'}",
         f"{dtype} activations, {hidden_rule}, random top-K routing; "
-        f"{checks_passed} checks bit for bit against mlx_moe_plan.reference passed; {elapsed_s:.0f} s",
+        f"{checks_passed} checks bit for bit against mlx_moe_plan.reference passed; "
+        f"{elapsed_s:.0f} s",
         "us/call, GB/s: ours (the copy's on copy rows); mlx-lm us, GB/s: the peer; "
         "speedup = mlx-lm us / ours us",
-        "  each time: the median over repeats of one mx.eval of a graph of many calls on distinct inputs",
+        "  each time: the median over repeats of one mx.eval of a graph of many calls on "
+        "distinct inputs",
         *(f"{key}: {text}" for key, text in LEGEND.items()),
     ]
     lines.extend(f"note: {note}" for note in notes)
