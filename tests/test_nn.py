@@ -530,15 +530,22 @@ def test_fused_model_gradients_match(name):
                                                    "mlp.router.weight"))]
     assert router_keys and all(np.any(np.array(want[k]) != 0) for k in router_keys)
     tolerance = dict(rtol=1e-4, atol=1e-5)
-    off = [key for key in want
-           if not np.allclose(np.array(got[key]), np.array(want[key]), equal_nan=True, **tolerance)]
-    # On a GPU, a mismatch is measured against the unpatched model's gradient
-    # on the CPU too, which says which side lies off it (computed only then:
-    # the CPU's pass costs more than the rest of the test).
+
+    def close(a, b):
+        return np.allclose(np.array(a), np.array(b), equal_nan=True, **tolerance)
+
+    off = [key for key in want if not close(got[key], want[key])]
+    # On a GPU, where the patched gradient lies off mlx-lm's, mlx-lm's on the
+    # CPU says which side is off, and stands as the reference: MLX 0.32.4's
+    # CUDA backend computed mlx-lm's own gradient of gpt_oss's embedding 4.4
+    # off its CPU's (the patched one 2.9e-6 off; benchmarks/RESULTS.md, "Tests
+    # on the GPU"). Computed only then: the CPU's pass costs more than the
+    # rest of the test.
     on_cpu = None
     if off and mx.default_device().type != mx.cpu:
         with mx.stream(mx.cpu):
             on_cpu = grads(model)
+        off = [key for key in off if not close(got[key], on_cpu[key])]
     for key in off:
         note = key if on_cpu is None else (
             f"{key}: largest gap to the CPU's gradient, patched "
