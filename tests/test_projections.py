@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import types
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,7 +29,7 @@ from mlx_lm.utils import load  # noqa: E402
 import conftest  # noqa: E402
 import lm_fixtures  # noqa: E402
 from conftest import exact_product, mlx_multiplies_rows  # noqa: E402
-from mlx_moe_plan import _compiled, projections, rules  # noqa: E402
+from mlx_moe_plan import _backend, _compiled, projections, rules  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
 from mlx_moe_plan.projections import RowsProjection, take_rows  # noqa: E402
 
@@ -451,17 +450,20 @@ def test_siblings_keep_the_memory(monkeypatch):
 
 def test_mlx_products_are_trusted_by_the_width(monkeypatch):
     """The rule that skips tests where MLX's own quantized_matmul is wrong
-    (`conftest.mlx_multiplies_rows`): on the CPU always trusted; on a GPU not
+    (`conftest.mlx_multiplies_rows`): off CUDA always trusted; on CUDA not
     below MLX_SHORT_ROWS values in the MLX releases it names, trusted from
     that width and in any newer release (whose tests then show whether the
     fault is gone)."""
-    assert mlx_multiplies_rows(lm_fixtures.HIDDEN_SIZE) is (mx.default_device().type == mx.cpu)
-    monkeypatch.setattr(mx, "default_device", lambda: types.SimpleNamespace(type=mx.gpu))
-    for version, short, long in (("0.32.4", False, True), ("0.32.3", False, True),
-                                 ("0.32.5", True, True), ("0.33.0.dev20261201", True, True)):
+    if not _backend.on_cuda():
+        assert mlx_multiplies_rows(lm_fixtures.HIDDEN_SIZE)
+    monkeypatch.setattr(_backend, "on_cuda", lambda stream=None: True)
+    for version, short in (("0.32.4", False), ("0.32.3", False), ("0.31.10", False),
+                           ("0.32.5", True), ("0.32.10", True), ("1.0.0", True),
+                           ("0.33.0.dev20261201", True)):
         monkeypatch.setattr(mx, "__version__", version)
-        assert mlx_multiplies_rows(conftest.MLX_SHORT_ROWS - 64) is short, version
-        assert mlx_multiplies_rows(conftest.MLX_SHORT_ROWS) is long, version
+        assert mlx_multiplies_rows(conftest.MLX_SHORT_ROWS - 1) is short, version
+        assert mlx_multiplies_rows(lm_fixtures.HIDDEN_SIZE) is short, version
+        assert mlx_multiplies_rows(conftest.MLX_SHORT_ROWS), version
 
 
 def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
