@@ -183,15 +183,21 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
                 gated: bool = False, form: WeightFormat = WeightFormat()) -> str:
     """What a tiling launches at these sizes in `form`: the decode body, or
     the block tiles and their block and stages as they fit the shared memory,
-    so that a tiling the launch falls back from shows."""
+    so that a tiling the launch falls back from shows; "the default's launch"
+    where `changes` launch exactly what the default does (a field this launch
+    does not take), whose two lines then differ only by the run's noise."""
     from mlx_moe_plan import _backend, _gpu
     from mlx_moe_plan.kernels import launch
 
-    with launch.grouped_qmm_tiling(**changes):
-        run = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, form.bits,
-                                        form.group_size, form.dtype,
-                                        backend=_backend.gpu_backend(), num_rows=num_rows,
-                                        gated=gated, warpgroup=_gpu.warpgroup_mma())
+    def launched(tiling_changes: dict[str, int]):
+        with launch.grouped_qmm_tiling(**tiling_changes):
+            return launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, form.bits,
+                                             form.group_size, form.dtype,
+                                             backend=_backend.gpu_backend(), num_rows=num_rows,
+                                             gated=gated, warpgroup=_gpu.warpgroup_mma())
+
+    run = launched(changes)
+    default = ", the default's launch" if changes and run == launched({}) else ""
     template = dict(run.template)
     if run.body == "grouped_qmm_tiles":
         multiply_adds = (", weights made in shared memory" if template["SHARED_WEIGHTS"]
@@ -199,10 +205,11 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
         runs = f", each of {run.groups} groups' items one run" if template["ACROSS_ITEMS"] else ""
         return (f"tiles {template['BLOCK_ROWS']}x{template['BLOCK_COLUMNS']}, "
                 f"{template['STAGE_GROUPS'] * form.group_size} values x "
-                f"{template['STAGES']} stages{multiply_adds}{runs}")
+                f"{template['STAGES']} stages{multiply_adds}{runs}{default}")
     ahead = ", loads ahead" if template["LOADS_AHEAD"] else ""
     ring = f", words in a ring of {template['WORD_STAGES']}" if template["WORD_STAGES"] else ""
-    return f"decode body, {template['STEPS']} steps{ahead}{ring}, {template['K_SPLITS']} sets"
+    return (f"decode body, {template['STEPS']} steps{ahead}{ring}, {template['K_SPLITS']} "
+            f"sets{default}")
 
 
 def result_rows(name: str, tokens: int, projection: str, out_dims: int, in_dims: int, shape,

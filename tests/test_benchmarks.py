@@ -426,6 +426,11 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
     assert forced.startswith("tiles 8x128, 128 values x ")
     ring = bench_qmm.launch_text(16, 2048, 768, 12, {"word_stages": 3})
     assert ring == "decode body, 4 steps, words in a ring of 3, 1 sets"
+    # a field the launch does not take launches the default's kernel, and says so
+    assert bench_qmm.launch_text(16, 2048, 768, 12, {"block_tiles": 4}) \
+        == "decode body, 4 steps, 4 sets, the default's launch"
+    assert bench_qmm.launch_text(16, 128, 64, 12, {"tiles_from_rows": 0, "block_tiles": 2}) \
+        == forced
     for line in lines:
         assert line["ours_us"] > 0 and line["gather_qmm_us"] > 0
         projections = 2 if line["projection"] == "gate+up" else 1
