@@ -250,15 +250,6 @@ def mlx_multiplies_rows(in_dims: int) -> bool:
             or mlx_version() > MLX_SHORT_ROWS_WRONG_UP_TO)
 
 
-def exact_product(rows: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
-                  bits: int, group_size: int) -> np.ndarray:
-    """`rows @ dequantize(weight).T` in float64 (`reference.dequantize`, bits
-    that divide 32): what a quantized matmul of `rows` rounds."""
-    weights = ref.dequantize(np.array(weight), as_float32(scales), as_float32(biases), bits,
-                             group_size)
-    return as_float32(rows).astype(np.float64) @ weights.T
-
-
 def assert_bitwise(actual, expected, what: str) -> None:
     """`actual` (MLX array) holds exactly the bits of `expected` (NumPy array).
 

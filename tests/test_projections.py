@@ -28,8 +28,8 @@ from mlx_lm.utils import load  # noqa: E402
 
 import conftest  # noqa: E402
 import lm_fixtures  # noqa: E402
-from conftest import exact_product, mlx_multiplies_rows  # noqa: E402
-from mlx_moe_plan import _backend, _compiled, projections, rules  # noqa: E402
+from conftest import as_float32, mlx_multiplies_rows  # noqa: E402
+from mlx_moe_plan import _backend, _compiled, projections, reference, rules  # noqa: E402
 from mlx_moe_plan.nn import SwitchGLU, patch_model  # noqa: E402
 from mlx_moe_plan.projections import RowsProjection, take_rows  # noqa: E402
 
@@ -398,8 +398,9 @@ def exact_errors(linear: nn.QuantizedLinear, x: mx.array, got: mx.array,
     """How far the members' output (`got`) and MLX's own GEMM's (`want`) lie
     from the exact product of the dequantized weights, in float64: where the
     two disagree, which of them is off."""
-    exact = exact_product(x, linear.weight, linear.scales, linear.biases, linear.bits,
-                          linear.group_size)
+    weights = reference.dequantize(np.array(linear.weight), as_float32(linear.scales),
+                                   as_float32(linear.biases), linear.bits, linear.group_size)
+    exact = as_float32(x).astype(np.float64) @ weights.T
     if "bias" in linear:
         exact = exact + np.array(linear.bias.astype(mx.float32))
     norm = np.linalg.norm(exact)
