@@ -520,7 +520,7 @@ def test_fused_model_gradients_match(name):
 
     def grads(m):
         loss = nn.value_and_grad(m, lambda t: (m(t) * direction).sum())
-        return dict(tree_flatten(loss(tokens)[1]))
+        return {key: np.array(value) for key, value in tree_flatten(loss(tokens)[1])}
 
     want, got = grads(model), grads(patched)
     assert want.keys() == got.keys()
@@ -528,11 +528,11 @@ def test_fused_model_gradients_match(name):
     # `gate_proj` does not count).
     router_keys = [k for k in want if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
                                                    "mlp.router.weight"))]
-    assert router_keys and all(np.any(np.array(want[k]) != 0) for k in router_keys)
+    assert router_keys and all(np.any(want[k] != 0) for k in router_keys)
     tolerance = dict(rtol=1e-4, atol=1e-5)
 
     def close(a, b):
-        return np.allclose(np.array(a), np.array(b), equal_nan=True, **tolerance)
+        return np.allclose(a, b, equal_nan=True, **tolerance)
 
     off = [key for key in want if not close(got[key], want[key])]
     # On a GPU, where the patched gradient lies off mlx-lm's, mlx-lm's on the
@@ -549,10 +549,9 @@ def test_fused_model_gradients_match(name):
     for key in off:
         note = key if on_cpu is None else (
             f"{key}: largest gap to the CPU's gradient, patched "
-            f"{np.abs(np.array(got[key]) - np.array(on_cpu[key])).max():.3g}, mlx-lm's "
-            f"{np.abs(np.array(want[key]) - np.array(on_cpu[key])).max():.3g}")
-        np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), err_msg=note,
-                                   **tolerance)
+            f"{np.abs(got[key] - on_cpu[key]).max():.3g}, mlx-lm's "
+            f"{np.abs(want[key] - on_cpu[key]).max():.3g}")
+        np.testing.assert_allclose(got[key], want[key], err_msg=note, **tolerance)
 
 
 @pytest.mark.parametrize("tile_m", [None, 0, 8])
