@@ -176,6 +176,7 @@ def profile_marked(marker: str, sides: dict[str, Callable[[int], object]]) -> No
         profiled(name, lambda: [mx.eval(call(i)) for i in range(NCU_CALLS, 2 * NCU_CALLS)])
         print(f"{name}: {side}", flush=True)
 
+
 UNIT_SECONDS = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
                 "msecond": 1e-3}
 
