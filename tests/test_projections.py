@@ -67,7 +67,7 @@ def skip_where_mlx_multiplies_wrong() -> None:
     device (`conftest.mlx_multiplies_rows`), mlx-lm's model, the reference of
     the test that calls this, is wrong too, and so are the patched model's
     projections that MLX computes: the test skips."""
-    if not mlx_multiplies_rows(lm_fixtures.HIDDEN_SIZE):
+    if not mlx_multiplies_rows(lm_fixtures.HIDDEN_SIZE, lm_fixtures.GROUP_SIZE):
         pytest.skip(f"MLX {mx.__version__}'s quantized_matmul on {mx.default_device()} gets "
                     f"rows of {lm_fixtures.HIDDEN_SIZE} values wrong, so mlx-lm's model too")
 
@@ -362,7 +362,7 @@ def test_siblings_against_their_members(case):
     the rounding of another order of summation."""
     # The joined GEMM multiplies the rows as one matrix: where MLX's own
     # kernel gets such rows wrong on this device, the case would test MLX.
-    assume(mlx_multiplies_rows(case["in_dims"]))
+    assume(mlx_multiplies_rows(case["in_dims"], case["group_size"]))
     mx.random.seed(case["seed"])
     module = nn.Module()
     names = projections.SIBLING_NAMES[len(case["outs"]) == 2]  # q, k, v; or gate, up
@@ -449,22 +449,26 @@ def test_siblings_keep_the_memory(monkeypatch):
         module(mx.random.normal((1, 1, 128)))  # each member alone, on its own arrays
 
 
-def test_mlx_products_are_trusted_by_the_width(monkeypatch):
+def test_mlx_products_are_trusted_by_the_shape(monkeypatch):
     """The rule that skips tests where MLX's own quantized_matmul is wrong
-    (`conftest.mlx_multiplies_rows`): off CUDA always trusted; on CUDA not
-    below MLX_SHORT_ROWS values in the MLX releases it names, trusted from
-    that width and in any newer release (whose tests then show whether the
+    (`conftest.mlx_multiplies_rows`): off CUDA always trusted; on CUDA, in
+    the MLX releases it names, not below MLX_SHORT_ROWS values nor for rows
+    of one quantization group, trusted from that width in two groups or
+    more; in any newer release trusted (whose tests then show whether the
     fault is gone)."""
+    models = (lm_fixtures.HIDDEN_SIZE, lm_fixtures.GROUP_SIZE)
     if not _backend.on_cuda():
-        assert mlx_multiplies_rows(lm_fixtures.HIDDEN_SIZE)
+        assert mlx_multiplies_rows(*models)
     monkeypatch.setattr(_backend, "on_cuda", lambda stream=None: True)
-    for version, short in (("0.32.4", False), ("0.32.3", False), ("0.31.10", False),
+    short = conftest.MLX_SHORT_ROWS
+    for version, newer in (("0.32.4", False), ("0.32.3", False), ("0.31.10", False),
                            ("0.32.5", True), ("0.32.10", True), ("1.0.0", True),
                            ("0.33.0.dev20261201", True)):
         monkeypatch.setattr(mx, "__version__", version)
-        assert mlx_multiplies_rows(conftest.MLX_SHORT_ROWS - 1) is short, version
-        assert mlx_multiplies_rows(lm_fixtures.HIDDEN_SIZE) is short, version
-        assert mlx_multiplies_rows(conftest.MLX_SHORT_ROWS), version
+        for in_dims, group_size in (models, (short - 32, 32), (short, short), (2 * short, 256)):
+            assert mlx_multiplies_rows(in_dims, group_size) is newer, (version, in_dims)
+        for in_dims, group_size in ((short, 64), (short, 32), (2 * short, 128), (3 * 64, 64)):
+            assert mlx_multiplies_rows(in_dims, group_size), (version, in_dims, group_size)
 
 
 def test_siblings_on_other_inputs_and_after_new_weights(joined, monkeypatch):
