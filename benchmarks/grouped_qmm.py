@@ -49,8 +49,8 @@ that row count. `--skew S` draws experts with probability
 proportional to 1 / (rank + 1) ** S (Zipf; 0 is uniform), the "busiest" column
 the busiest expert's entries over the average's. Graphs take fewer calls where
 their outputs would pass GRAPH_BYTES. `--ncu` times nothing: after the check,
-each side's calls run under Nsight Compute's collection, after a marker kernel
-named MARKER, the shape, T, projection, side's place and side.
+each side's one call runs under Nsight Compute's collection, after a marker
+kernel named MARKER, the shape, T, projection, side's place and side.
 """
 
 from __future__ import annotations
@@ -156,12 +156,13 @@ def checked_medians(sides: dict, calls: int, what: str, views: dict | None = Non
                     ncu: bool = False) -> dict[str, float] | None:
     """Each side's output checked against the first side's (MLX's), as
     `check_sides` with `views`, then every side timed twice, in turns:
-    side -> median us of a call. With `ncu`, each side's calls under Nsight
-    Compute instead (`timing.profile_marked`, markers MARKER and `what`),
-    and None."""
+    side -> median us of a call. With `ncu`, each side's one call under
+    Nsight Compute instead (`timing.profile_marked`, markers MARKER and
+    `what`: a launch's every metric is what a profile of it needs, its
+    replays the time it costs), and None."""
     check_sides(sides, what, views)
     if ncu:
-        profile_marked(MARKER + marker_name(what), sides)
+        profile_marked(MARKER + marker_name(what), sides, calls=1)
         return None
     samples = {side: [] for side in sides}
     for _ in range(2):  # each side twice, in turns
@@ -570,8 +571,8 @@ def main(argv=None) -> int:
                         help="the rows', scales' and biases' dtype: bfloat16 or float16 "
                              "(default: %(default)s)")
     parser.add_argument("--ncu", action="store_true",
-                        help="the sides' calls under Nsight Compute instead of timed: each "
-                             "side's after a marker kernel of its own (run under ncu "
+                        help="the sides under Nsight Compute instead of timed: each "
+                             "side's one call after a marker kernel of its own (run under ncu "
                              "--profile-from-start off)")
     parser.add_argument("--sides", default="kernel,ceilings",
                         help="comma list of the sides timed beside MLX's gather_qmm: kernel "

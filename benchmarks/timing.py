@@ -165,15 +165,16 @@ def marker_name(text: str) -> str:
     return re.sub(r"\W", "_", text)
 
 
-def profile_marked(marker: str, sides: dict[str, Callable[[int], object]]) -> None:
-    """Each side's NCU_CALLS calls (`call(i)`, i from NCU_CALLS on, after as
-    many unprofiled: compiled and warm), each evaluated alone, `profiled`
-    after a marker `{marker}_{index}_{side}` (index: the side's place in
-    `sides`), which it prints."""
+def profile_marked(marker: str, sides: dict[str, Callable[[int], object]],
+                   calls: int = NCU_CALLS) -> None:
+    """Each side's `calls` calls (`call(i)`, i from `calls` on, after as many
+    unprofiled: compiled and warm), each evaluated alone, `profiled` after a
+    marker `{marker}_{index}_{side}` (index: the side's place in `sides`),
+    which it prints."""
     for index, (side, call) in enumerate(sides.items()):
-        mx.eval([call(i) for i in range(NCU_CALLS)])
+        mx.eval([call(i) for i in range(calls)])
         name = f"{marker}_{index}_{marker_name(side)}"
-        profiled(name, lambda: [mx.eval(call(i)) for i in range(NCU_CALLS, 2 * NCU_CALLS)])
+        profiled(name, lambda: [mx.eval(call(i)) for i in range(calls, 2 * calls)])
         print(f"{name}: {side}", flush=True)
 
 

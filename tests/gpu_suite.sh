@@ -220,7 +220,7 @@
 #               second in the other order.
 #   made-weights-ncu (not in `bench`; needs Nsight Compute's ncu) the default's
 #               expert GEMMs under `ncu --set full` (benchmarks.grouped_qmm --ncu:
-#               each side's calls after a marker kernel), the package's tiles
+#               each side's one call after a marker kernel), the package's tiles
 #               launches only: Qwen3-30B-A3B at T = 2048 uniform and skewed (the
 #               made weights' block) and Qwen3-Next at 2048 (the warps' own);
 #               each report's details page and its warps' stall reasons
@@ -231,6 +231,14 @@
 #               expert GEMMs of Qwen3-Next at T = 8192 and of Qwen3-30B-A3B at
 #               3000 (160 and 187.5 rows an expert), twice, the second in the
 #               other order.
+#   made-weights-stages (not in `bench`) the made weights' block in 5 stages
+#               (block_shared_stages=5: 4 copies in flight where memory allows)
+#               beside the default's 3, where its single projections' stages
+#               are 64 values (blocks of 192 rows): Qwen3-30B-A3B at T = 8192,
+#               uniform and skewed (--skew 1), gpt-oss-20b at 8192 and Mixtral
+#               at 2048, twice, the second in the other order. The single
+#               projections' lines are the question; the fused launch lost at
+#               4 and 5 stages.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -992,6 +1000,17 @@ if wanted made-weights-ncu; then
   else
     echo "made-weights-ncu: no ncu on the PATH"
   fi
+fi
+if wanted made-weights-stages; then
+  for order in "default;block_shared_stages=5" "block_shared_stages=5;default"; do
+    turn=$([ "${order%%;*}" = default ] && echo 1 || echo 2)
+    for skew in 0 1; do
+      logged "$results/made-weights-stages-$turn-qwen3-30b-a3b-skew$skew.log" python3 -m benchmarks.grouped_qmm \
+        --shapes qwen3-30b-a3b --tokens 8192 --skew "$skew" --calls 4 --no-sorted --sides kernel \
+        --tilings "$order"
+    done
+    grouped_qmm_each "made-weights-stages-$turn" "gpt-oss-20b 8192 $order" "mixtral 2048 $order"
+  done
 fi
 if wanted one-warpgroup-rule; then
   grouped_qmm_each one-warpgroup-rule-1 "qwen3-next 8192 default;block_one_warpgroup=0" \
