@@ -1005,9 +1005,9 @@ if wanted made-weights-stages; then
   for order in "default;block_shared_stages=5" "block_shared_stages=5;default"; do
     turn=$([ "${order%%;*}" = default ] && echo 1 || echo 2)
     for skew in 0 1; do
-      logged "$results/made-weights-stages-$turn-qwen3-30b-a3b-skew$skew.log" python3 -m benchmarks.grouped_qmm \
-        --shapes qwen3-30b-a3b --tokens 8192 --skew "$skew" --calls 4 --no-sorted --sides kernel \
-        --tilings "$order"
+      logged "$results/made-weights-stages-$turn-qwen3-30b-a3b-skew$skew.log" \
+        python3 -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b --tokens 8192 --skew "$skew" \
+        --calls 4 --no-sorted --sides kernel --tilings "$order"
     done
     grouped_qmm_each "made-weights-stages-$turn" "gpt-oss-20b 8192 $order" "mixtral 2048 $order"
   done
