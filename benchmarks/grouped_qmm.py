@@ -158,8 +158,8 @@ def checked_medians(sides: dict, calls: int, what: str, views: dict | None = Non
     `check_sides` with `views`, then every side timed twice, in turns:
     side -> median us of a call. With `ncu`, each side's one call under
     Nsight Compute instead (`timing.profile_marked`, markers MARKER and
-    `what`: a launch's every metric is what a profile of it needs, its
-    replays the time it costs), and None."""
+    `what`; one, since the profiler replays each launch it collects), and
+    None."""
     check_sides(sides, what, views)
     if ncu:
         profile_marked(MARKER + marker_name(what), sides, calls=1)

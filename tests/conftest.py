@@ -249,9 +249,8 @@ def mlx_multiplies_rows(in_dims: int, group_size: int) -> bool:
     wrong too: on an H100, two rows of 128 values in one group of 128, by 4
     columns, came out 1.1 from the exact product (float32): MLX's CUDA
     backend (its sources of the 0.32 series) has a kernel of its own for rows
-    of one group. A test whose
-    reference, or whose own path, is MLX's product at such a shape has
-    nothing to compare there, and skips."""
+    of one group. A test whose reference, or whose own path, is MLX's product
+    at such a shape has nothing to compare there, and skips."""
     return (not _backend.on_cuda() or mlx_version() > MLX_ROWS_WRONG_UP_TO
             or (in_dims >= MLX_SHORT_ROWS and in_dims >= 2 * group_size))
 
