@@ -411,8 +411,8 @@ def exact_errors(linear: nn.QuantizedLinear, x: mx.array, got: mx.array,
 
 def test_siblings_keep_the_memory(monkeypatch):
     """The members' arrays are views of the stacked ones: once evaluated, the
-    modules hold the bytes they held before, not twice them (other tests'
-    arrays freed meanwhile move MLX's count by a little either way)."""
+    modules hold no more bytes than before (within the allocator's rounding),
+    not twice them."""
     monkeypatch.setattr(projections, "on_cuda", lambda stream=None: True)
     modules = [Attention() for _ in range(8)]
     mx.eval([m.parameters() for m in modules])
@@ -430,7 +430,11 @@ def test_siblings_keep_the_memory(monkeypatch):
     mx.eval([m.parameters() for m in modules])
     gc.collect()
     assert all("_siblings" in m.q_proj.__dict__ for m in modules)
-    assert abs(mx.get_active_memory() - before) < slack
+    # Bounded above only, here and below: an evaluation can free other tests'
+    # arrays too (after some of the benchmarks' tests MLX's count fell by 31 to
+    # 42 KB here), and a doubling adds all of `held`, twice the slack or more,
+    # which no such freeing hides.
+    assert mx.get_active_memory() - before < slack
     # Weights loaded since, before any call: the stacked arrays go with the
     # views they replaced, as the weights are set (half the modules by
     # `load_weights`, half by assigning each member's weight).
@@ -444,7 +448,7 @@ def test_siblings_keep_the_memory(monkeypatch):
         mx.eval(module.parameters())
         assert module.q_proj._siblings.siblings.ended
     gc.collect()
-    assert abs(mx.get_active_memory() - before) < slack
+    assert mx.get_active_memory() - before < slack
     for module in modules:
         module(mx.random.normal((1, 1, 128)))  # each member alone, on its own arrays
 
