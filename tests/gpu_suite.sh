@@ -485,11 +485,16 @@ grouped_qmm_both_orders() {
   done
 }
 
+# The tests that take a process of their own when tests_at_once runs several:
+# a Hypothesis search over MLX's GPU products, minutes alone (the nn step's
+# slowest process held it and 30 others: 379 s, against 159 to 245).
+ALONE_TESTS='::test_siblings_against_their_members$'
 # tests_at_once LOG "RUNNER" "OPTS" PATHS...: the tests PATHS hold (OPTS
 # filtering them), under RUNNER's command words if any (sanitized TOOL), in
-# $GPU_TEST_PROCESSES pytest processes at once (1 by default), dealt round-robin,
-# since the collection ends with the slowest (the grouped GEMM's large shapes);
-# each process's log LOG.N, their summaries and failures in LOG
+# $GPU_TEST_PROCESSES pytest processes at once (1 by default): ALONE_TESTS in
+# the first, the rest dealt round-robin among the others, since the collection
+# ends with the slowest (the grouped GEMM's large shapes); each process's log
+# LOG.N, their summaries and failures in LOG
 tests_at_once() {
   local log=$1 runner=$2 opts=$3 processes=${GPU_TEST_PROCESSES:-1} part ids pid pids=() rc=0
   shift 3
@@ -498,7 +503,14 @@ tests_at_once() {
     return
   }
   python3 -m pytest --collect-only -q $opts "$@" -p no:cacheprovider | grep '::' >"$log.ids"
-  split -n "r/$processes" -a 2 -d "$log.ids" "$log.ids."
+  rm -f "$log".ids.?? "$log".??  # an earlier run's parts and their logs
+  if grep -q -E "$ALONE_TESTS" "$log.ids"; then
+    grep -E "$ALONE_TESTS" "$log.ids" >"$log.ids.00"
+    grep -v -E "$ALONE_TESTS" "$log.ids" >"$log.rest"
+    split -n "r/$((processes - 1))" -a 2 --numeric-suffixes=1 "$log.rest" "$log.ids."
+  else
+    split -n "r/$processes" -a 2 -d "$log.ids" "$log.ids."
+  fi
   echo "+ $runner pytest $opts: $(wc -l <"$log.ids") tests of $* in $processes processes"
   for part in "$log".ids.??; do
     mapfile -t ids <"$part"
