@@ -1014,8 +1014,9 @@ if wanted made-weights-ncu; then
   fi
 fi
 if wanted made-weights-stages; then
+  turn=0
   for order in "default;block_shared_stages=5" "block_shared_stages=5;default"; do
-    turn=$([ "${order%%;*}" = default ] && echo 1 || echo 2)
+    turn=$((turn + 1))
     for skew in 0 1; do
       logged "$results/made-weights-stages-$turn-qwen3-30b-a3b-skew$skew.log" \
         python3 -m benchmarks.grouped_qmm --shapes qwen3-30b-a3b --tokens 8192 --skew "$skew" \
