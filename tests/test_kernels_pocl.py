@@ -1305,12 +1305,13 @@ def test_shared_weights_row_tiles_rule():
 
 def test_shared_weights_stages_rule():
     """The made weights' block keeps `block_shared_stages` stages in flight at
-    most (3 by default): where memory is short they fall to 3 at the values
+    most (by the rule 3): where memory is short they fall to 3 at the values
     wanted a stage, then the values halve and the stages start again from
-    the count, as many as fit; other blocks keep `block_stages`. Qwen3-30B-A3B
-    at T = 8192: its down projection (768 values a row) and fused gate and up
-    in blocks of 192 rows, 64 values a stage; DeepSeek-V3's down (128 values,
-    memory full at 3)."""
+    the count, as many as fit, by the rule an ungated launch's from
+    HALVED_UNGATED_MADE_STAGES; other blocks keep `block_stages`.
+    Qwen3-30B-A3B at T = 8192: its down projection (768 values a row) and
+    fused gate and up in blocks of 192 rows, 64 values a stage; DeepSeek-V3's
+    down (128 values, memory full at 3)."""
     def block(experts, in_dims, out_dims, capacity, gated, **tiling):
         with launch.grouped_qmm_tiling(**tiling):
             made = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, 4, 64,
@@ -1323,8 +1324,11 @@ def test_shared_weights_stages_rule():
 
     down, fused, deepseek = (128, 768, 2048, 65536, False), (128, 2048, 768, 65536, True), \
         (256, 2048, 7168, 65536, False)
-    assert block(*down) == (3, 64) == block(*fused) and block(*deepseek) == (3, 128)
-    assert block(*down, block_stages=6) == (3, 64)  # the other blocks' count
+    assert launch.HALVED_UNGATED_MADE_STAGES == 5
+    assert block(*down) == (5, 64) and block(*fused) == (3, 64)
+    assert block(*deepseek) == (3, 128)
+    assert block(*down, block_shared_stages=3) == (3, 64)  # named, for every launch
+    assert block(*down, block_stages=6) == (5, 64)  # the other blocks' count
     assert [block(*down, block_shared_stages=n) for n in (4, 5, 6, 8)] == \
         [(4, 64), (5, 64), (6, 64), (6, 64)]
     assert block(*fused, block_shared_stages=6) == (4, 64)

@@ -402,7 +402,8 @@ def test_grouped_qmm_tilings_are_checked():
 
     for bad in (dict(threads=48), dict(threads=96), dict(tiles=0), dict(gated_tiles=0),
                 dict(steps=0), dict(row_tiles=0), dict(tiles_from_rows=-1),
-                dict(block_stages=1), dict(block_shared_stages=2), dict(block_row_warps=3),
+                dict(block_stages=1), dict(block_shared_stages=2), dict(block_shared_stages=0),
+                dict(block_row_warps=3),
                 dict(block_row_tiles=0), dict(block_min_groups=-1), dict(block_min_groups=17),
                 dict(block_min_groups_up_to_rows=-1), dict(block_min_groups_up_to_in_dims=-1)):
         with pytest.raises(ValueError, match="grouped_qmm tiling"):

@@ -243,8 +243,9 @@ class GroupedQmmTiling:
     # the stages that block keeps in flight at most where the rule takes it
     # (its block_stages; at least 3): where memory is short its stages fall
     # to 3, then its values a stage halve and its stages start again from
-    # these (_grouped_qmm_tiles_launch)
-    block_shared_stages: int = 3
+    # these (_grouped_qmm_tiles_launch). None: by the rule, 3, and an ungated
+    # launch's halved stages start again from HALVED_UNGATED_MADE_STAGES.
+    block_shared_stages: int | None = None
     # the groups at most of an experts' launch in that block where the rule
     # takes it (block_max_groups caps it too; a dense projection's launch
     # keeps block_max_groups). Uncapped, the grid holds the most items any plan
@@ -319,7 +320,8 @@ class GroupedQmmTiling:
                self.block_shared_dense_rows, self.block_min_groups,
                self.block_min_groups_up_to_rows, self.block_min_groups_up_to_in_dims,
                self.block_shared_min_groups) < 0 \
-                or self.block_stages < 2 or self.block_shared_stages < 3 or (
+                or self.block_stages < 2 or (self.block_shared_stages is not None
+                                              and self.block_shared_stages < 3) or (
                     self.block_input_splits is not None and self.block_input_splits < 1):
             raise ValueError(f"grouped_qmm tiling: tiles_from_rows, block_gated_tall_rows, "
                              f"block_split_below_groups, the min_groups fields and the "
@@ -727,6 +729,16 @@ SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tile
                              block_gated_tiles=1, block_row_tiles=16, block_gated_row_tiles=16,
                              block_stage_values=128, block_stages=3)
 
+# The stages an ungated launch of that block starts again from by the rule
+# (block_shared_stages None) where its values a stage halve to fit: 5, 4
+# copies in flight. On an H100, in both orders, one process each, 5 against
+# 3 ran its launches in stages of 64 values 1.01x to 1.14x faster (blocks of
+# 192 rows: Qwen3-30B-A3B's and gpt-oss-20b's T = 8192, uniform and skewed,
+# Mixtral's 2048), where the fused gate and up lost 0.74x to 0.80x in the 4
+# that fit it, and launches of 128 values a stage gained nothing
+# (benchmarks/RESULTS.md, "Five stages for one projection's made weights").
+HALVED_UNGATED_MADE_STAGES = 5
+
 
 # The made weights in one warpgroup (4 warps, 64 columns, 96 rows, stages of
 # 64 values, 3 in flight), compiled for 3 groups an SM (block_shared_min_groups)
@@ -941,7 +953,8 @@ def _decided_tiling(tiling: GroupedQmmTiling, shared_weights: bool,
     the rest of the launch."""
     return replace(tiling, **dict(SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
                                   block_gated_row_tiles=row_tiles,
-                                  block_stages=tiling.block_shared_stages,
+                                  block_stages=tiling.block_shared_stages
+                                  or SHARED_WEIGHTS_TILING["block_stages"],
                                   block_max_groups=max_groups or tiling.block_max_groups)) \
         if shared_weights else replace(tiling, block_warpgroup=0, block_row_tiles=row_tiles)
 
@@ -1193,9 +1206,11 @@ def _grouped_qmm_tiles_launch(
             # The made weights' smaller stages start again from the stages
             # wanted: with one fewer in flight than the others (AHEAD), the
             # 3 they fell to keep one stage of copies in flight, which at 64
-            # values a row leaves much of the memory unused.
+            # values a row leaves much of the memory unused; by the rule an
+            # ungated launch's from more (HALVED_UNGATED_MADE_STAGES).
             if shared_weights:
-                stages = tiling.block_stages
+                stages = HALVED_UNGATED_MADE_STAGES if (
+                    tiling.block_shared_stages is None and not gated) else tiling.block_stages
         elif column_tiles > 1:
             column_tiles //= 2
         elif row_tiles > 1:
