@@ -141,7 +141,7 @@
 #               gpt-oss-20b at T = 2048 and DeepSeek-V3 at 8192 (256) in blocks
 #               of 96 and 160 rows against the default's 128.
 #   made-stages (not in `bench`) the made weights' stages in flight
-#               (block_shared_stages 4 to 6 beside the default 3), where their
+#               (block_shared_stages 3 to 6 beside the rule's), where their
 #               blocks fall to 64 values a stage with memory to spare:
 #               Qwen3-30B-A3B at T = 2048 and 8192 and Qwen3-Next at 8192, and
 #               every launch of theirs in 160-row made weights of 64-value
@@ -150,8 +150,9 @@
 #   prefill-ncu (not in `bench`; ncu on the PATH) the expert GEMMs short of
 #               #31's targets under Nsight Compute, each distinct launch once (its
 #               second call): Qwen3-Next at T = 2048 (40 rows an expert, the
-#               warps' own) and Qwen3-30B-A3B at T = 8192 (192-row made weights,
-#               3 stages of 64 values, and 5 with block_shared_stages=5):
+#               warps' own) and Qwen3-30B-A3B at T = 8192 (192-row made weights
+#               of 64-value stages, the rule's, 5 for one projection, and 3
+#               with block_shared_stages=3):
 #               throughput, occupancy, the warps' stall reasons, the schedulers.
 #   fewer-sums  (not in `bench`) the warps' own block over twice its warps,
 #               each holding half its sums, where the default's registers
@@ -231,14 +232,13 @@
 #               expert GEMMs of Qwen3-Next at T = 8192 and of Qwen3-30B-A3B at
 #               3000 (160 and 187.5 rows an expert), twice, the second in the
 #               other order.
-#   made-weights-stages (not in `bench`) the made weights' block in 5 stages
-#               (block_shared_stages=5: 4 copies in flight where memory allows)
-#               beside the default's 3, where its single projections' stages
-#               are 64 values (blocks of 192 rows): Qwen3-30B-A3B at T = 8192,
+#   made-weights-stages (not in `bench`) the rule's stages of the made
+#               weights (launch.HALVED_UNGATED_MADE_STAGES: 5 for a single
+#               projection's stages halved to 64 values, the fused launch's 3)
+#               beside 3 for every launch (block_shared_stages=3, the rule
+#               before it), in blocks of 192 rows: Qwen3-30B-A3B at T = 8192,
 #               uniform and skewed (--skew 1), gpt-oss-20b at 8192 and Mixtral
-#               at 2048, twice, the second in the other order. The single
-#               projections' lines are the question; the fused launch lost at
-#               4 and 5 stages.
+#               at 2048, twice, the second in the other order.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -883,7 +883,8 @@ if wanted made-weights-open; then
     "deepseek-v3 8192 default;$(made_weights_rows 12);$(made_weights_rows 20)"
 fi
 if wanted made-stages; then
-  stages="default;block_shared_stages=4;block_shared_stages=5;block_shared_stages=6"
+  stages="default;block_shared_stages=3;block_shared_stages=4;block_shared_stages=5"
+  stages+=";block_shared_stages=6"
   grouped_qmm_each made-stages \
     "qwen3-30b-a3b 2048,8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=5" \
     "qwen3-next 8192 $stages;$(made_weights_rows 20),block_stage_values=64,block_stages=6" \
@@ -898,7 +899,7 @@ if wanted attention-ncu && command -v ncu >/dev/null; then
   done
 fi
 if wanted prefill-ncu && command -v ncu >/dev/null; then
-  for shape in "qwen3-next 2048 default" "qwen3-30b-a3b 8192 default;block_shared_stages=5"; do
+  for shape in "qwen3-next 2048 default" "qwen3-30b-a3b 8192 default;block_shared_stages=3"; do
     read -r name tokens tilings <<<"$shape"
     logged "$results/prefill-ncu-$name.log" ncu --kernel-id "::regex:moe_grouped_qmm:2" \
       --section SpeedOfLight --section Occupancy --section LaunchStats \
@@ -1015,7 +1016,7 @@ if wanted made-weights-ncu; then
 fi
 if wanted made-weights-stages; then
   turn=0
-  for order in "default;block_shared_stages=5" "block_shared_stages=5;default"; do
+  for order in "default;block_shared_stages=3" "block_shared_stages=3;default"; do
     turn=$((turn + 1))
     for skew in 0 1; do
       logged "$results/made-weights-stages-$turn-qwen3-30b-a3b-skew$skew.log" \
