@@ -233,8 +233,8 @@
 #               3000 (160 and 187.5 rows an expert), twice, the second in the
 #               other order.
 #   made-weights-stages (not in `bench`) the rule's stages of the made
-#               weights (launch.HALVED_UNGATED_MADE_STAGES: 5 for a single
-#               projection's stages halved to 64 values, the fused launch's 3)
+#               weights (launch.UNGATED_MADE_SMALLER_STAGES: 5 for a single
+#               projection's stages fallen to 64 values, the fused launch's 3)
 #               beside 3 for every launch (block_shared_stages=3, the rule
 #               before it), in blocks of 192 rows: Qwen3-30B-A3B at T = 8192,
 #               uniform and skewed (--skew 1), gpt-oss-20b at 8192 and Mixtral

@@ -1308,10 +1308,11 @@ def test_shared_weights_stages_rule():
     most (by the rule 3): where memory is short they fall to 3 at the values
     wanted a stage, then the values halve and the stages start again from
     the count, as many as fit, by the rule an ungated launch's from
-    HALVED_UNGATED_MADE_STAGES; other blocks keep `block_stages`.
+    UNGATED_MADE_SMALLER_STAGES; other blocks keep `block_stages`.
     Qwen3-30B-A3B at T = 8192: its down projection (768 values a row) and
-    fused gate and up in blocks of 192 rows, 64 values a stage; DeepSeek-V3's
-    down (128 values, memory full at 3)."""
+    fused gate and up in blocks of 192 rows, 64 values a stage; gpt-oss-20b's
+    down at 8192 (192 values wanted, then 64); DeepSeek-V3's down (128
+    values, memory full at 3)."""
     def block(experts, in_dims, out_dims, capacity, gated, **tiling):
         with launch.grouped_qmm_tiling(**tiling):
             made = launch.grouped_qmm_launch(experts, in_dims, out_dims, capacity, 4, 64,
@@ -1324,8 +1325,9 @@ def test_shared_weights_stages_rule():
 
     down, fused, deepseek = (128, 768, 2048, 65536, False), (128, 2048, 768, 65536, True), \
         (256, 2048, 7168, 65536, False)
-    assert launch.HALVED_UNGATED_MADE_STAGES == 5
-    assert block(*down) == (5, 64) and block(*fused) == (3, 64)
+    gpt_oss = (32, 2880, 2880, 32768, False)  # 3 groups a stage wanted (45 a row), then 1
+    assert launch.UNGATED_MADE_SMALLER_STAGES == 5
+    assert block(*down) == (5, 64) == block(*gpt_oss) and block(*fused) == (3, 64)
     assert block(*deepseek) == (3, 128)
     assert block(*down, block_shared_stages=3) == (3, 64)  # named, for every launch
     assert block(*down, block_stages=6) == (5, 64)  # the other blocks' count

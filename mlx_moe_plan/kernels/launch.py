@@ -244,7 +244,7 @@ class GroupedQmmTiling:
     # (its block_stages; at least 3): where memory is short its stages fall
     # to 3, then its values a stage halve and its stages start again from
     # these (_grouped_qmm_tiles_launch). None: by the rule, 3, and an ungated
-    # launch's halved stages start again from HALVED_UNGATED_MADE_STAGES.
+    # launch's smaller stages start again from UNGATED_MADE_SMALLER_STAGES.
     block_shared_stages: int | None = None
     # the groups at most of an experts' launch in that block where the rule
     # takes it (block_max_groups caps it too; a dense projection's launch
@@ -730,14 +730,14 @@ SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tile
                              block_stage_values=128, block_stages=3)
 
 # The stages an ungated launch of that block starts again from by the rule
-# (block_shared_stages None) where its values a stage halve to fit: 5, 4
-# copies in flight. On an H100, in both orders, one process each, 5 against
+# (block_shared_stages None) where its values a stage fall below those wanted
+# to fit: 5, 4 copies in flight. On an H100, in both orders, one process each, 5 against
 # 3 ran its launches in stages of 64 values 1.01x to 1.14x faster (blocks of
 # 192 rows: Qwen3-30B-A3B's and gpt-oss-20b's T = 8192, uniform and skewed,
 # Mixtral's 2048), where the fused gate and up lost 0.74x to 0.80x in the 4
 # that fit it, and launches of 128 values a stage gained nothing
 # (benchmarks/RESULTS.md, "Five stages for one projection's made weights").
-HALVED_UNGATED_MADE_STAGES = 5
+UNGATED_MADE_SMALLER_STAGES = 5
 
 
 # The made weights in one warpgroup (4 warps, 64 columns, 96 rows, stages of
@@ -1196,21 +1196,23 @@ def _grouped_qmm_tiles_launch(
         ring_bytes = 4 * 3 * (stages + 1)
         if fixed + ring_bytes + stages * stage_bytes + made_bytes <= shared_bytes:
             break
+        # The made weights' smaller stages start again from the stages
+        # wanted: with one fewer in flight than the others (AHEAD), the 3
+        # they fell to keep one stage of copies in flight, which at 64 values
+        # a row leaves much of the memory unused; by the rule an ungated
+        # launch's from more (UNGATED_MADE_SMALLER_STAGES).
+        smaller_stages = UNGATED_MADE_SMALLER_STAGES if (
+            shared_weights and tiling.block_shared_stages is None and not gated) \
+            else tiling.block_stages
         if stages > (3 if shared_weights else 2):
             stages -= 1
         elif stage_groups > groups_up_to_wanted:  # above the values wanted: those, all stages
-            stage_groups, stages = groups_up_to_wanted, tiling.block_stages
+            stage_groups, stages = groups_up_to_wanted, smaller_stages
         elif stage_groups > 1:  # the next smaller count that divides the row
             stage_groups = stage_groups // 2 if stage_groups % 2 == 0 else \
                 _most_groups_dividing(row_groups, stage_groups - 1)
-            # The made weights' smaller stages start again from the stages
-            # wanted: with one fewer in flight than the others (AHEAD), the
-            # 3 they fell to keep one stage of copies in flight, which at 64
-            # values a row leaves much of the memory unused; by the rule an
-            # ungated launch's from more (HALVED_UNGATED_MADE_STAGES).
             if shared_weights:
-                stages = HALVED_UNGATED_MADE_STAGES if (
-                    tiling.block_shared_stages is None and not gated) else tiling.block_stages
+                stages = smaller_stages
         elif column_tiles > 1:
             column_tiles //= 2
         elif row_tiles > 1:
