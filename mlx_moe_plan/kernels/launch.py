@@ -731,11 +731,11 @@ SHARED_WEIGHTS_TILING = dict(block_warpgroup=2, block_column_warps=8, block_tile
 
 # The stages an ungated launch of that block starts again from by the rule
 # (block_shared_stages None) where its values a stage fall below those wanted
-# to fit: 5, 4 copies in flight. On an H100, in both orders, one process each, 5 against
-# 3 ran its launches in stages of 64 values 1.01x to 1.14x faster (blocks of
-# 192 rows: Qwen3-30B-A3B's and gpt-oss-20b's T = 8192, uniform and skewed,
-# Mixtral's 2048), where the fused gate and up lost 0.74x to 0.80x in the 4
-# that fit it, and launches of 128 values a stage gained nothing
+# to fit: 5, four of copies in flight. On an H100, in both orders, one process
+# each, 5 against 3 ran those launches (blocks of 192 rows, 64 values a stage:
+# Qwen3-30B-A3B's and gpt-oss-20b's T = 8192, uniform and skewed, Mixtral's
+# 2048) 1.01x to 1.14x faster, where the fused gate and up lost 0.68x to 0.84x
+# in the 4 or 5 that fit it, and launches of 128 values a stage gained nothing
 # (benchmarks/RESULTS.md, "Five stages for one projection's made weights").
 UNGATED_MADE_SMALLER_STAGES = 5
 
