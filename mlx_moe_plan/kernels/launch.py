@@ -242,7 +242,7 @@ class GroupedQmmTiling:
     block_shared_row_tiles: int | None = None
     # the stages that block keeps in flight at most where the rule takes it
     # (its block_stages; at least 3): where memory is short its stages fall
-    # to 3, then its values a stage halve and its stages start again from
+    # to 3, then its values a stage fall and its stages start again from
     # these (_grouped_qmm_tiles_launch). None: by the rule, 3, and an ungated
     # launch's smaller stages start again from UNGATED_MADE_SMALLER_STAGES.
     block_shared_stages: int | None = None
