@@ -51,14 +51,23 @@ the busiest expert's entries over the average's. Graphs take fewer calls where
 their outputs would pass GRAPH_BYTES. `--ncu` times nothing: after the check,
 each side's one call runs under Nsight Compute's collection, after a marker
 kernel named MARKER, the shape, T, projection, side's place and side.
+`--processes N` runs the command in N processes, one after another, the shapes'
+order turned by one each (a GPU's speed can drift over a process's first
+minutes), and prints each line's medians (`median_rows`); `--json` writes the
+lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 
 import mlx.core as mx
 import numpy as np
@@ -536,7 +545,82 @@ def layer_rows(lines: list[dict]) -> list[dict]:
     return layers
 
 
+def median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Lines of several processes' runs -> each line's medians, in the first
+    run's order: a line is its shape, T, projection and tiling; its times the
+    medians over the runs that have it, its TFLOP/s its work over them, and
+    `spread` its slowest run's time over its fastest."""
+    def key(row):
+        return row["shape"], row["tokens"], row["projection"], row["tiling"]
+
+    by_key = {}
+    for rows in runs:
+        for row in rows:
+            by_key.setdefault(key(row), []).append(row)
+    merged = []
+    for row in runs[0]:
+        alike = by_key[key(row)]
+        ours = [line["ours_us"] for line in alike]
+        line = {**row, "processes": len(alike), "spread": max(ours) / min(ours)}
+        for time_key, tflops_key in (("ours_us", "tflops"),
+                                     ("gather_qmm_us", "gather_qmm_tflops")):
+            work = row[tflops_key] * row[time_key]
+            line[time_key] = statistics.median(other[time_key] for other in alike)
+            line[tflops_key] = work / line[time_key]
+        line["floor_us"] = statistics.median(other["floor_us"] for other in alike)
+        merged.append(line)
+    return merged
+
+
+def turned(names: list[str], turn: int) -> list[str]:
+    """`names` begun `turn` places on, the ones before after them."""
+    turn %= len(names)
+    return names[turn:] + names[:turn]
+
+
+def run_processes(argv: list[str], shapes: list[str], processes: int) -> list[list[dict]]:
+    """This command (`argv`, less --processes and --json) in `processes`
+    processes one after another, process p's shapes `turned` by p; each one's
+    lines."""
+    child, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--processes", "--json", "--shapes"):
+            skip = True
+        elif not arg.startswith(("--processes=", "--json=", "--shapes=")):
+            child.append(arg)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in range(processes):
+            out = os.path.join(tmp, f"{p}.json")
+            order = ",".join(turned(shapes, p))
+            print(f"# process {p + 1} of {processes}: --shapes {order}", flush=True)
+            subprocess.run([sys.executable, "-m", "benchmarks.grouped_qmm", *child,
+                            "--shapes", order, "--json", out], check=True)
+            with open(out) as f:
+                runs.append(json.load(f)["rows"])
+    return runs
+
+
+def format_row(row: dict) -> str:
+    """A line of the table `main` prints."""
+    return (f"{row['shape']:15s} {row['tokens']:4d} {row['projection']:7s} {row['tiling']:18s} "
+            f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
+            f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "
+            f"{row['gather_qmm_us'] / row['ours_us']:8.2f}x "
+            f"{row['ours_us'] / row['floor_us']:7.1f}x "
+            f"{row['tflops']:7.2f} {row['gather_qmm_tflops']:9.2f} "
+            f"{row['busiest']:6.2f}x  {row['launch']}")
+
+
+TABLE_HEADER = (f"{'shape':15s} {'T':>4s} {'proj':7s} {'tiling':18s} {'experts':>7s} "
+                f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} "
+                f"{'vs floor':>8s} {'TFLOP/s':>7s} {'gather TF':>9s} {'busiest':>7s}  launch")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grouped_qmm",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b",
@@ -579,7 +663,17 @@ def main(argv=None) -> int:
                              "(the package's, each tiling, and gate+up unfused), ceilings "
                              "(MLX's dense matmul_bf16 and qmm_dense of the same work) "
                              "(default: %(default)s)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run in N processes, the shapes' order turned by one each, and "
+                             "print each line's medians (default: %(default)s)")
+    parser.add_argument("--json", default=None,
+                        help="write the lines (with --processes, their medians and each "
+                             "process's) to this file (default: none)")
     args = parser.parse_args(argv)
+    if args.processes < 1:
+        parser.error(f"--processes: at least 1, got {args.processes}")
+    if args.processes > 1 and args.ncu:
+        parser.error("--processes: times the sides, which --ncu does not")
     tilings = parse_tilings(args.tilings)
     mlx_tiles = [int(m) for m in args.mlx_tiles.split(",") if m.strip()]
     sides = {side.strip() for side in args.sides.split(",") if side.strip()}
@@ -595,12 +689,29 @@ def main(argv=None) -> int:
     if args.dtype not in launch.GROUPED_QMM_DTYPES:
         parser.error(f"--dtype: one of {launch.GROUPED_QMM_DTYPES}, got {args.dtype}")
     form = WeightFormat(args.bits, args.group_size, args.dtype)
+    if args.processes > 1:  # this process only starts the others and merges their lines
+        runs = run_processes(argv, args.shapes.split(","), args.processes)
+        rows = median_rows(runs)
+        print(f"# {form.bits}-bit weights in groups of {form.group_size}, {form.dtype} rows; "
+              f"medians of {args.processes} processes")
+        print(TABLE_HEADER)
+        for row in rows:
+            print(format_row(row))
+        widest = max(rows, key=lambda row: row["spread"], default=None)
+        if widest is not None:
+            print(f"# the widest spread of a line's processes: {widest['spread']:.2f}x "
+                  f"({widest['shape']} T = {widest['tokens']} {widest['projection']} "
+                  f"{widest['tiling']})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"command": "python -m benchmarks.grouped_qmm " + " ".join(argv),
+                           "rows": rows, "per_process": runs}, f, indent=1)
+        return 0
     if mx.default_device().type != mx.gpu:
         raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
     print(f"# {form.bits}-bit weights in groups of {form.group_size}, {form.dtype} rows")
-    print(f"{'shape':15s} {'T':>4s} {'proj':7s} {'tiling':18s} {'experts':>7s} "
-          f"{'ours us':>8s} {'gather_qmm':>10s} {'floor':>6s} {'vs gather':>9s} {'vs floor':>8s} "
-          f"{'TFLOP/s':>7s} {'gather TF':>9s} {'busiest':>7s}  launch")
+    print(TABLE_HEADER)
+    rows = []
     for name in args.shapes.split(","):
         # MLX quantizes whole groups of a row only (gpt-oss-20b's 2880 in 128s)
         uneven = sorted({in_dims for _, in_dims in projections(shape_of(name)).values()
@@ -615,13 +726,12 @@ def main(argv=None) -> int:
                             kernel="kernel" in sides, ceilings="ceilings" in sides, form=form,
                             ncu=args.ncu)
             for row in lines + layer_rows(lines):
-                print(f"{name:15s} {tokens:4d} {row['projection']:7s} {row['tiling']:18s} "
-                      f"{row['active_experts']:7d} {row['ours_us']:8.1f} "
-                      f"{row['gather_qmm_us']:10.1f} {row['floor_us']:6.1f} "
-                      f"{row['gather_qmm_us'] / row['ours_us']:8.2f}x "
-                      f"{row['ours_us'] / row['floor_us']:7.1f}x "
-                      f"{row['tflops']:7.2f} {row['gather_qmm_tflops']:9.2f} "
-                      f"{row['busiest']:6.2f}x  {row['launch']}", flush=True)
+                print(format_row(row), flush=True)
+                rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python -m benchmarks.grouped_qmm " + " ".join(argv),
+                       "rows": rows}, f, indent=1)
     return 0
 
 

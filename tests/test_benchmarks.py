@@ -296,6 +296,58 @@ def test_grouped_qmm_tilings_parse():
     assert [tiling_name(t) for t in tilings] == ["default", "tiles=1", "steps=4,tiles=2"]
 
 
+def test_grouped_qmm_medians_of_processes(monkeypatch, tmp_path, capsys):
+    """--processes N runs the rest of the command in N processes one after
+    another, process p's shapes turned by p places, each writing its lines
+    (--json); the parent prints and writes each line's medians, its TFLOP/s
+    its work over them, and its spread, the slowest process over the
+    fastest."""
+    from benchmarks import grouped_qmm as bench_qmm
+
+    times = {"a": ([100.0, 130.0, 110.0], [200.0, 180.0, 260.0]),
+             "b": ([50.0, 40.0, 45.0], [90.0, 90.0, 80.0])}
+    commands = []
+
+    def run(command, check):
+        assert check
+        process = len(commands)
+        commands.append(command)
+        order = command[command.index("--shapes") + 1].split(",")
+        rows = [{"shape": name, "tokens": 8, "projection": "gate", "tiling": "default",
+                 "active_experts": 5, "ours_us": times[name][0][process],
+                 "gather_qmm_us": times[name][1][process], "floor_us": 10.0,
+                 "tflops": 1000.0 / times[name][0][process],
+                 "gather_qmm_tflops": 1000.0 / times[name][1][process], "busiest": 1.0,
+                 "launch": "tiles"} for name in order]
+        with open(command[command.index("--json") + 1], "w") as f:
+            json.dump({"rows": rows}, f)
+
+    monkeypatch.setattr(bench_qmm.subprocess, "run", run)
+    out = tmp_path / "medians.json"
+    assert bench_qmm.main(["--shapes", "a,b", "--tokens", "8", "--processes", "3",
+                           "--sides", "kernel", "--json", str(out)]) == 0
+    assert [command[command.index("--shapes") + 1] for command in commands] == \
+        ["a,b", "b,a", "a,b"]
+    for command in commands:
+        assert command[1:3] == ["-m", "benchmarks.grouped_qmm"]
+        assert "--processes" not in command and command.count("--shapes") == 1
+        assert command[command.index("--sides") + 1] == "kernel"
+    written = json.loads(out.read_text())
+    assert len(written["per_process"]) == 3
+    medians = {row["shape"]: row for row in written["rows"]}
+    assert list(medians) == ["a", "b"]  # the first process's order
+    assert (medians["a"]["ours_us"], medians["a"]["gather_qmm_us"]) == (110.0, 200.0)
+    assert medians["a"]["tflops"] == pytest.approx(1000.0 / 110.0)
+    assert medians["a"]["gather_qmm_tflops"] == pytest.approx(1000.0 / 200.0)
+    assert medians["a"]["spread"] == pytest.approx(1.3)
+    assert medians["b"]["ours_us"] == 45.0 and medians["b"]["processes"] == 3
+    printed = capsys.readouterr().out
+    assert bench_qmm.format_row(medians["a"]) in printed
+    assert "widest spread of a line's processes: 1.30x (a T = 8 gate default)" in printed
+    with pytest.raises(SystemExit):
+        bench_qmm.main(["--processes", "2", "--ncu"])
+
+
 def test_grouped_qmm_weight_sets_outgrow_the_cache():
     from benchmarks.grouped_qmm import CACHE_BYTES, weight_sets_for
 
@@ -468,7 +520,7 @@ def test_grouped_qmm_ncu_profiles_each_side_after_its_marker(monkeypatch, capsys
     assert [line.split(":")[0] for line in printed] == markers
 
 
-def test_grouped_qmm_weight_formats(monkeypatch, capsys):
+def test_grouped_qmm_weight_formats(monkeypatch, capsys, tmp_path):
     """--bits, --group-size and --dtype reach every side: the experts, the
     ceilings (the 16-bit matmul named by its dtype), the floors and the lines;
     main refuses a format the kernel has not, by name, and names a shape whose
@@ -518,14 +570,19 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys):
     assert bench_qmm.main(["--shapes", "gpt-oss-20b", "--tokens", "8", "--group-size", "128"]) == 0
     assert "gpt-oss-20b: rows of 2880 values are not whole groups of 128: not measured" \
         in capsys.readouterr().out
-    # the table prints each side's layer line after the projections' lines
+    # the table prints each side's layer line after the projections' lines,
+    # and --json writes the same lines
+    written = tmp_path / "lines.json"
     assert bench_qmm.main(["--shapes", "small", "--tokens", "5", "--calls", "2",
-                           "--bits", "8", "--group-size", "32", "--dtype", "float16"]) == 0
+                           "--bits", "8", "--group-size", "32", "--dtype", "float16",
+                           "--json", str(written)]) == 0
     printed = [line.split() for line in capsys.readouterr().out.splitlines()
                if line.startswith("small")]
     assert [line[2] for line in printed][-4:] == ["layer"] * 4
     assert [line[3] for line in printed if line[2] == "layer"] == \
         ["unfused", "fused", "matmul_fp16", "qmm_dense"]
+    rows = json.loads(written.read_text())["rows"]
+    assert [bench_qmm.format_row(row).split() for row in rows] == printed
 
 
 def test_step_kernels_timeline_of_prefills(monkeypatch, capsys):
