@@ -66,11 +66,14 @@
 #               makes the weights in shared memory (launch.SHARED_WEIGHTS_TILING,
 #               which the default takes at 4 bits in groups of 64 only), MLX's
 #               tiles of 64 and the dense ceilings of the same format.
-#   layer-targets (not in `bench`) the layer's GEMMs as the default runs them,
-#               every shape at T = 2048 and 8192, beside MLX's tiles and the dense
-#               ceilings of the same work (the "layer" lines: TFLOP/s, and
-#               against MLX's dense 4-bit matmul), uniform routing and skewed
-#               (--skew 1), a log each: the expert GEMM's targets in one table.
+#   layer-targets (not in `bench`) = layer-targets-uniform,layer-targets-skewed:
+#               the layer's GEMMs as the default runs them, every shape at T =
+#               2048 and 8192, beside MLX's tiles and the dense ceilings of the
+#               same work (the "layer" lines: TFLOP/s, and against MLX's dense
+#               4-bit matmul), medians of three processes whose shapes' order
+#               turns (--processes 3), uniform routing and skewed (--skew 1), a
+#               step, a log and a JSON file each: the expert GEMM's targets in
+#               one table.
 #   stage-groups (not in `bench`) the block tiles on gpt-oss-20b's rows of 45
 #               quantization groups, T = 2048 and 8192, the warps' own
 #               multiply-adds: the default (3 groups a stage in 2 stages,
@@ -446,11 +449,15 @@ sanitized() {
 }
 
 [ "$steps" = all ] && steps=tests,bench
-steps=${steps//tests/pytest,sanitizers,nn}
-steps=${steps//expert-parallel/ep-tests,ep-models,ep-variants}
-steps=${steps//decode-attention/attention-checks,attention-steps}
-steps=${steps//bench/model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm,projections}
-wanted() { [[ ",$steps," == *",$1,"* ]]; }
+# The names of several steps, each replaced where it is a whole item of the
+# list (ep-tests and layer-targets-uniform hold others' names).
+steps=",$steps,"
+steps=${steps//,tests,/,pytest,sanitizers,nn,}
+steps=${steps//,expert-parallel,/,ep-tests,ep-models,ep-variants,}
+steps=${steps//,decode-attention,/,attention-checks,attention-steps,}
+steps=${steps//,layer-targets,/,layer-targets-uniform,layer-targets-skewed,}
+steps=${steps//,bench,/,model,decode,decode-forms,lm,kernels,dispatch,ops,plan-groups,layer,layer-small,layer-large,grouped-qmm,projections,}
+wanted() { [[ "$steps" == *",$1,"* ]]; }
 # launch.SHARED_WEIGHTS_TILING, the made weights' block, or the block launch's
 # constant NAME names (ONE_WARPGROUP_TILING), as --tilings text
 made_weights_tiling() {
@@ -805,13 +812,15 @@ if wanted grouped-qmm-formats; then
       --tilings "default;$made"
   done
 fi
-if wanted layer-targets; then
-  for skew in 0 1; do
+for routing in "uniform 0" "skewed 1"; do
+  read -r name skew <<<"$routing"
+  if wanted "layer-targets-$name"; then
     logged "$results/layer-targets-skew$skew.log" python3 -m benchmarks.grouped_qmm \
       --shapes qwen3-30b-a3b,qwen3-next,gpt-oss-20b,mixtral,deepseek-v3 --tokens 2048,8192 \
-      --calls 4 --no-sorted --skew "$skew"
-  done
-fi
+      --calls 4 --no-sorted --skew "$skew" --processes 3 \
+      --json "$results/layer-targets-skew$skew.json"
+  fi
+done
 if wanted stage-groups; then
   logged "$results/stage-groups.log" python3 -m benchmarks.grouped_qmm \
     --shapes gpt-oss-20b,qwen3-30b-a3b --tokens 2048,8192 --calls 4 --no-sorted --sides kernel \
