@@ -195,9 +195,10 @@ def test_warpgroup_tiles_made_weights_forms(form, name):
     expert's rows (launch._shared_weights_row_tiles), and the weights made a
     step ahead of their multiply-adds, which no rule takes (6 and 32 stages),
     at Qwen3-30B-A3B's shapes. Its down projection (768 values in, 2048
-    out) and its fused gate and up (rows from tokens, silu(gate) * up),
-    experts of 1 to 400 rows, full and part-empty blocks, against the
-    reference."""
+    out; in blocks of 192 rows the rule's 5 stages of 64 values,
+    UNGATED_MADE_SMALLER_STAGES) and its fused gate and up (rows from
+    tokens, silu(gate) * up), experts of 1 to 400 rows, full and part-empty
+    blocks, against the reference."""
     block_rows = 128 if form == "shared-ahead" else int(form.removeprefix("shared-"))
     rng = np.random.default_rng(71)
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_FORMS[form]):
@@ -207,6 +208,8 @@ def test_warpgroup_tiles_made_weights_forms(form, name):
                                                       warpgroup=True).template)
             assert template["SHARED_WEIGHTS"] and template["BLOCK_ROWS"] == block_rows
             assert template["WEIGHTS_AHEAD"] == (form == "shared-ahead")
+            if block_rows == 192:
+                assert template["STAGES"] == (3 if gated else launch.UNGATED_MADE_SMALLER_STAGES)
         counts = [block_rows, 1, 0, block_rows - 1, 400, 130]
         check_grouped_qmm(_run, rng, counts, 2048, 768, 4, 64, name, 3)
         _check_fused_from_tokens(rng, counts, 768, 2048, name)
