@@ -580,8 +580,8 @@ def turned(names: list[str], turn: int) -> list[str]:
 
 def run_processes(argv: list[str], shapes: list[str], processes: int) -> list[list[dict]]:
     """This command (`argv`, less --processes and --json) in `processes`
-    processes one after another, process p's shapes `turned` by p; each one's
-    lines."""
+    processes one after another, process p's `shapes` `turned` by p (its
+    --shapes); each one's lines."""
     child, skip = [], False
     for arg in argv:
         if skip:
@@ -612,6 +612,13 @@ def format_row(row: dict) -> str:
             f"{row['ours_us'] / row['floor_us']:7.1f}x "
             f"{row['tflops']:7.2f} {row['gather_qmm_tflops']:9.2f} "
             f"{row['busiest']:6.2f}x  {row['launch']}")
+
+
+def write_lines(path: str, argv: list[str], rows: list[dict], **more) -> None:
+    """The command (`argv`) and its lines as a JSON file, and `more`."""
+    with open(path, "w") as f:
+        json.dump({"command": "python -m benchmarks.grouped_qmm " + " ".join(argv),
+                   "rows": rows, **more}, f, indent=1)
 
 
 TABLE_HEADER = (f"{'shape':15s} {'T':>4s} {'proj':7s} {'tiling':18s} {'experts':>7s} "
@@ -703,9 +710,7 @@ def main(argv=None) -> int:
                   f"({widest['shape']} T = {widest['tokens']} {widest['projection']} "
                   f"{widest['tiling']})")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"command": "python -m benchmarks.grouped_qmm " + " ".join(argv),
-                           "rows": rows, "per_process": runs}, f, indent=1)
+            write_lines(args.json, argv, rows, per_process=runs)
         return 0
     if mx.default_device().type != mx.gpu:
         raise SystemExit("benchmarks.grouped_qmm times a GPU kernel: this MLX has no GPU device")
@@ -729,9 +734,7 @@ def main(argv=None) -> int:
                 print(format_row(row), flush=True)
                 rows.append(row)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "python -m benchmarks.grouped_qmm " + " ".join(argv),
-                       "rows": rows}, f, indent=1)
+        write_lines(args.json, argv, rows)
     return 0
 
 
