@@ -72,7 +72,7 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
-from .timing import marker_name, profile_marked, time_calls
+from .timing import marker_name, profile_marked, time_calls, without_options
 from .workloads import LAYER_SHAPES, MODELS, layer_shape
 
 
@@ -582,14 +582,7 @@ def run_processes(argv: list[str], shapes: list[str], processes: int) -> list[li
     """This command (`argv`, less --processes and --json) in `processes`
     processes one after another, process p's `shapes` `turned` by p (its
     --shapes); each one's lines."""
-    child, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--processes", "--json", "--shapes"):
-            skip = True
-        elif not arg.startswith(("--processes=", "--json=", "--shapes=")):
-            child.append(arg)
+    child = without_options(argv, ("--processes", "--json", "--shapes"))
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(processes):

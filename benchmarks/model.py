@@ -74,6 +74,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .timing import without_options
 from .workloads import DEFAULT_LAYERS, MODELS, with_layers
 
 PREFILL_STEP = 2048  # mlx-lm's generate and server prefill in chunks of this many tokens
@@ -829,9 +830,8 @@ def main(argv=None) -> int:
         results = []
         # What each process runs: this command but for --processes, --json and
         # --warm-process, without the ops, run here once.
-        child = [a for a in _without_json(argv) if a != "--warm-process"] + ["--ops", "off"]
-        i = child.index("--processes")
-        del child[i : i + 2]
+        child = [a for a in without_options(argv, ("--json", "--processes"))
+                 if a != "--warm-process"] + ["--ops", "off"]
         with tempfile.TemporaryDirectory() as tmp:
             if args.warm_process:
                 # MLX's CUDA backend compiles each kernel at its first use and
@@ -866,19 +866,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
-
-
-def _without_json(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--json":
-            skip = True
-            continue
-        out.append(a)
-    return out
 
 
 def _lowest_ratios(result: dict) -> str:

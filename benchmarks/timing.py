@@ -11,7 +11,9 @@ figure for decode sizes; `eval_s` alone is the throughput of graphs built
 ahead, the figure for prefill sizes, where building is a rounding error.
 `profiled` marks a region for Nsight Compute, for the benchmarks that read
 kernel durations (`profile_marked`: each side's calls after a marker of its
-own), and `marked_kernels` reads them back from its CSV.
+own), and `marked_kernels` reads them back from its CSV. A benchmark that
+reports medians of several processes runs its own command in each, less the
+options `without_options` drops.
 """
 
 from __future__ import annotations
@@ -157,6 +159,20 @@ def profiled(marker: str, run: Callable[[], object]) -> None:
 
 # A side's calls under Nsight Compute (`profile_marked`), each evaluated alone.
 NCU_CALLS = 3
+
+
+def without_options(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """`argv` less each of `options` and its value, given as `--name value` or
+    `--name=value`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(f"{option}=" for option in options)):
+            kept.append(arg)
+    return kept
 
 
 def marker_name(text: str) -> str:

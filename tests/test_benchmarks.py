@@ -346,6 +346,10 @@ def test_grouped_qmm_medians_of_processes(monkeypatch, tmp_path, capsys):
     assert "widest spread of a line's processes: 1.30x (a T = 8 gate default)" in printed
     with pytest.raises(SystemExit):
         bench_qmm.main(["--processes", "2", "--ncu"])
+    # the options a child leaves out, in either form
+    assert timing.without_options(["--json", "x", "--tokens", "8", "--processes=3", "--shapes",
+                                   "a"], ("--json", "--processes", "--shapes")) \
+        == ["--tokens", "8"]
 
 
 def test_grouped_qmm_weight_sets_outgrow_the_cache():
