@@ -236,6 +236,14 @@ class Backend(Protocol):
         and `group_size` on rows of `dtype`; False where there is none."""
         ...
 
+    def grouped_qmm_fuses(self, *, num_experts: int, in_dims: int, out_dims: int,
+                          capacity: int, bits: int, group_size: int) -> bool:
+        """Whether `grouped_qmm` should compute a layer's gate and up projections
+        (each `num_experts` experts of `out_dims` by `in_dims`, over a plan of
+        `capacity` rows) in one call, its `up`, rather than each apart; False
+        where there is none."""
+        ...
+
     def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
         """Whether `argsort_slice` sorts rows of `row_size` values of `dtype`;
         False where there is none."""

@@ -40,6 +40,10 @@ class CpuBackend:
     def grouped_qmm_computes(self, *, bits: int, group_size: int, dtype: mx.Dtype) -> bool:
         return False
 
+    def grouped_qmm_fuses(self, *, num_experts: int, in_dims: int, out_dims: int,
+                          capacity: int, bits: int, group_size: int) -> bool:
+        return False
+
     def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
         return False
 

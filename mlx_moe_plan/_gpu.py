@@ -284,6 +284,12 @@ class GpuBackend:
         return (bits in launch.GROUPED_QMM_BITS and group_size in launch.GROUPED_QMM_QUANT_GROUPS
                 and _name(dtype) in launch.GROUPED_QMM_DTYPES)
 
+    def grouped_qmm_fuses(self, *, num_experts: int, in_dims: int, out_dims: int,
+                          capacity: int, bits: int, group_size: int) -> bool:
+        """By the launches' rule, `launch.fuses_gate_up`."""
+        return launch.fuses_gate_up(num_experts, in_dims, out_dims, capacity, bits, group_size,
+                                    backend=self.backend, warpgroup=warpgroup_mma())
+
     def argsort_slice_computes(self, *, row_size: int, dtype: mx.Dtype) -> bool:
         return _name(dtype) in launch.ROW_KINDS and row_size <= launch.ARGSORT_SLICE_MAX_ROW
 

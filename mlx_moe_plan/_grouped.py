@@ -107,6 +107,16 @@ class GroupedExperts:
                 and (gate.bits, gate.group_size, gate.weight.shape)
                 == (up.bits, up.group_size, up.weight.shape))
 
+    def _fuses_gate_up(self, in_dims: int, capacity: int) -> bool:
+        """Whether the backend's rule computes the gate and up projections of
+        rows of `in_dims` values over `capacity` plan rows in one launch
+        (`_backend.Backend.grouped_qmm_fuses`), where `_gates_in_kernel` says it can."""
+        gate = self.gate_proj
+        num_experts, out_dims, _ = gate.weight.shape
+        return _backend.implementation(_backend.resolve_stream(None)).grouped_qmm_fuses(
+            num_experts=num_experts, in_dims=in_dims, out_dims=out_dims, capacity=capacity,
+            bits=gate.bits, group_size=gate.group_size)
+
     def _grouped_projection(self, projection: nn.Module, rows: mx.array,
                             plan_rows: _PlanRows) -> mx.array:
         """`projection` of `rows` `[plan_rows.count, D]` by the grouped kernel,
@@ -131,7 +141,7 @@ class GroupedExperts:
         sync either. `rows`: those rows gathered already (given where
         `first_row` is past the first row). `[capacity - first_row, D]`."""
         plan_rows = _PlanRows(plan, first_row)
-        if self._gates_in_kernel(x.dtype):
+        if self._gates_in_kernel(x.dtype) and self._fuses_gate_up(x.shape[-1], plan_rows.count):
             # One launch reads the tokens through the plan and gives the
             # activation of gate and up: no gathered rows, no separate
             # activation, no biases added apart.

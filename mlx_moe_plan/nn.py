@@ -41,10 +41,10 @@ code is the code their fused forward was written against.
 The layer's parts, each in the module that changes with it: the formulation
 and its rule in `rules.py`; mlx-lm's classes and the mirror of its call in
 `_mlx_lm.py`; the grouped path in `_grouped.py` (`GroupedExperts`:
-`_grouped_mlp`, `_grouped_projection`, `_gates_in_kernel`, over `_PlanRows`);
-expert parallelism's runtime in `expert_parallel.py` (`ShardedExperts`); the
-compile gate in `_compiled.py`. Here: the layer's dispatch among them, and
-the installing (`patch_model`, `shard_experts`).
+`_grouped_mlp`, `_grouped_projection`, `_gates_in_kernel`, `_fuses_gate_up`,
+over `_PlanRows`); expert parallelism's runtime in `expert_parallel.py`
+(`ShardedExperts`); the compile gate in `_compiled.py`. Here: the layer's
+dispatch among them, and the installing (`patch_model`, `shard_experts`).
 """
 
 from __future__ import annotations

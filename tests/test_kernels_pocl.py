@@ -1341,6 +1341,43 @@ def test_shared_weights_stages_rule():
             == launch.GroupedQmmTiling().block_stages
 
 
+def test_gate_up_apart_rule():
+    """A layer's gate and up run apart (`launch.fuses_gate_up` False) where the
+    fused launch's made weights take a shorter block than one projection's:
+    rows too long for the tallest gated block (Mixtral's 4096 values) from
+    512 rows an expert, where one projection takes it; fused at every other
+    workload shape and size, under `block_gated_apart=0`, and wherever no
+    made weights run (Metal, a GPU without wgmma, other formats)."""
+    # (hidden, intermediate, experts, top-K): the benchmarks' layer shapes
+    shapes = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3-next": (2048, 512, 512, 10),
+              "gpt-oss-20b": (2880, 2880, 32, 4), "mixtral": (4096, 14336, 8, 2),
+              "deepseek-v3": (7168, 2048, 256, 8)}
+
+    def apart(shape, tokens, backend="cuda", warpgroup=True, bits=4, quant_group=64):
+        hidden, intermediate, experts, top_k = shape
+        return not launch.fuses_gate_up(experts, hidden, intermediate, tokens * top_k, bits,
+                                        quant_group, backend=backend, warpgroup=warpgroup)
+
+    sizes = (1, 64, 512, 1024, 2048, 4096, 8192, 16384)
+    taken = {(name, tokens) for name, shape in shapes.items() for tokens in sizes
+             if apart(shape, tokens)}
+    assert taken == {("mixtral", 2048), ("mixtral", 4096), ("mixtral", 8192),
+                     ("mixtral", 16384), ("deepseek-v3", 16384)}
+    mixtral = shapes["mixtral"]
+    assert launch.TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS < mixtral[0]
+    for backend, warpgroup, bits, quant_group in (("metal", False, 4, 64),
+                                                  ("opencl", False, 4, 64),
+                                                  ("cuda", False, 4, 64), ("cuda", True, 8, 64),
+                                                  ("cuda", True, 4, 32)):
+        assert not apart(mixtral, 8192, backend, warpgroup, bits, quant_group)
+    with launch.grouped_qmm_tiling(block_gated_apart=0):
+        assert not apart(mixtral, 8192)
+    with launch.grouped_qmm_tiling(block_shared_row_tiles=24):  # one block for both
+        assert not apart(mixtral, 8192)
+    with pytest.raises(ValueError, match="block_gated_apart"):
+        launch.GroupedQmmTiling(block_gated_apart=2).check()
+
+
 @pytest.mark.parametrize("name", launch.GROUPED_QMM_DTYPES)
 def test_grouped_qmm_tiles_tall_part_empty(name):
     """The tall gated blocks (128 rows) forced at any size: experts that end a

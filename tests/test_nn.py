@@ -933,6 +933,49 @@ def test_grouped_kernel_computes_the_layer_where_the_backend_says(monkeypatch):
     assert ours._can_group(mx.bfloat16) and not ours._can_group(mx.float16)
 
 
+def test_gate_and_up_apart_where_the_rule_says(monkeypatch):
+    # Rows of 4096 values at 512 an expert: where the GPU has wgmma, the fused
+    # launch's made weights would take a shorter block than one projection's
+    # (launch.fuses_gate_up), so the layer runs gate and up apart. First the
+    # layer's question on a stand-in CUDA stream, on any machine; then, on
+    # CUDA, the layer itself against mlx-lm's, and which launches it made.
+    from mlx_moe_plan import _gpu
+    from mlx_moe_plan.kernels import launch
+
+    mx.random.seed(6)
+    theirs = switch_layers.SwitchGLU(4096, 128, 2)
+    theirs.update(tree_map_random(theirs.parameters()))
+    nn.quantize(theirs, group_size=64, bits=4)
+    theirs.set_dtype(mx.bfloat16)
+    ours = SwitchGLU.from_mlx_lm(theirs, tile_m=moe_nn.GROUPED)
+    with monkeypatch.context() as stand_in:
+        cuda_stream = types.SimpleNamespace(device=types.SimpleNamespace(type=mx.gpu))
+        stand_in.setattr(moe_nn._backend, "resolve_stream", lambda stream: cuda_stream)
+        stand_in.setattr(moe_nn._backend, "implementation",
+                         lambda stream: _gpu.GpuBackend("cuda"))
+        stand_in.setattr(_gpu, "warpgroup_mma", lambda: True)
+        assert not ours._fuses_gate_up(4096, 2 * 512) and ours._fuses_gate_up(4096, 2 * 256)
+        with launch.grouped_qmm_tiling(block_gated_apart=0):
+            assert ours._fuses_gate_up(4096, 2 * 512)
+        stand_in.setattr(_gpu, "warpgroup_mma", lambda: False)
+        assert ours._fuses_gate_up(4096, 2 * 512)
+    if not (mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda"):
+        return  # (the grouped path is the GPU's; mlx-lm's CPU GEMMs take minutes here)
+    gated_calls = []
+    grouped_qmm = _gpu.GpuBackend.grouped_qmm
+
+    def recorded(self, *args, up=None, **kwargs):
+        gated_calls.append(up is not None)
+        return grouped_qmm(self, *args, up=up, **kwargs)
+
+    monkeypatch.setattr(_gpu.GpuBackend, "grouped_qmm", recorded)
+    x = (mx.random.normal((512, 4096)) * 0.5).astype(mx.bfloat16)
+    indices = mx.broadcast_to(mx.array([[0, 1]], dtype=mx.uint32), (512, 2))
+    got, want = (np.array(layer(x, indices).astype(mx.float32)) for layer in (ours, theirs))
+    assert gated_calls == ([False, False, False] if _gpu.warpgroup_mma() else [True, False])
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("hidden_dims,tile_m", [(128, 0), (96, -1)])
 def test_layer_formulation_sees_its_projections_columns(monkeypatch, hidden_dims, tile_m):
     # The rule's out_dims from the layer itself, on a stand-in CUDA stream: 16

@@ -297,6 +297,10 @@ class GroupedQmmTiling:
     # where an expert's rows fill at most ONE_WARPGROUP_EXPERT_BLOCKS of its
     # blocks; 0: the warps' own block there.
     block_one_warpgroup: int = 1
+    # 1: a layer's gate and up as two launches of one projection each where
+    # the fused launch's made weights take a block of fewer rows than one
+    # projection's (`fuses_gate_up`); 0: fused wherever the layer can be.
+    block_gated_apart: int = 1
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -344,11 +348,11 @@ class GroupedQmmTiling:
                 or self.block_warpgroup not in (None, 0, 1, 2) \
                 or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1) \
                 or self.block_fitted_rows not in (0, 1) or self.block_least_groups not in (0, 1) \
-                or self.block_one_warpgroup not in (0, 1):
+                or self.block_one_warpgroup not in (0, 1) or self.block_gated_apart not in (0, 1):
             raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead, block_weights_ahead, "
-                             f"block_across_items, block_fitted_rows, block_least_groups and "
-                             f"block_one_warpgroup are 0 or 1, block_warpgroup None, 0, 1 or 2: "
-                             f"{self}")
+                             f"block_across_items, block_fitted_rows, block_least_groups, "
+                             f"block_one_warpgroup and block_gated_apart are 0 or 1, "
+                             f"block_warpgroup None, 0, 1 or 2: {self}")
         if self.block_shared_row_tiles not in (None, *SHARED_WEIGHTS_ROW_TILES):
             raise ValueError(f"grouped_qmm tiling: block_shared_row_tiles is None or one of "
                              f"{SHARED_WEIGHTS_ROW_TILES}: {self}")
@@ -929,6 +933,42 @@ def _shared_weights_row_tiles(rows_per_expert: float, gated: bool, in_dims: int)
 TALLEST_MADE_WEIGHTS_FROM_ROWS = 512
 OVERFULL_MADE_WEIGHTS_ROW_TILES = 20
 TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS = 2880
+
+
+def fuses_gate_up(num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
+                  quant_group: int, *, backend: str, warpgroup: bool = False) -> bool:
+    """Whether a layer's gate and up projections, each `num_experts` experts of
+    `out_dims` by `in_dims`, over a plan of `capacity` rows, run as one gated
+    launch (`grouped_qmm_launch`'s `gated`), in the tiling of an enclosing
+    `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`: False, two
+    launches over the gathered rows and the activation apart, where the
+    gated launch's made weights take a block of fewer rows than one
+    projection's (`block_gated_apart`): where an expert holds enough rows
+    for the tallest block but the gated launch's inputs are too long for it
+    (TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS), Mixtral's from T = 2048.
+
+    There, on an H100, medians of three processes, the pair apart (gate and
+    up each in 192-row blocks of the rule's five stages, the gather, MLX's
+    activation) with the down projection ran 1.08x faster than the fused
+    launch's 128-row blocks at Mixtral's T = 2048 and 8192 under uniform
+    routing, 1.02x and 1.08x under skewed, faster in each of the twelve
+    processes (1.01x to 1.09x); where both take the same block (DeepSeek-V3's
+    160 rows at T = 8192, Qwen3-30B-A3B's and gpt-oss-20b's 192) the fused
+    launch ran 1.13x to 1.19x faster (benchmarks/RESULTS.md, "Every shape's
+    layer, medians of three processes")."""
+    tiling = _grouped_qmm_tiling.get()
+    # A layer asks at every call, and the tilings below cost it about 10 us:
+    # first what they need, the gated launch in the made weights, and its
+    # inputs long enough for a shorter block (_shared_weights_row_tiles).
+    if (not tiling.block_gated_apart or capacity < tiling.block_shared_gated_rows * num_experts
+            or in_dims <= TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS):
+        return True
+    gated, single = (_shared_weights_tiling(tiling, is_gated, backend, warpgroup, bits,
+                                            quant_group, capacity, num_experts, False,
+                                            in_dims, out_dims)
+                     for is_gated in (True, False))
+    return not (gated.block_warpgroup == single.block_warpgroup == 2
+                and gated.block_row_tiles < single.block_row_tiles)
 
 
 def _whole_blocks(shared: GroupedQmmTiling, in_dims: int, out_dims: int) -> bool:
