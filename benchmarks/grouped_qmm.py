@@ -31,7 +31,9 @@ Each line's TFLOP/s is of the routed entries' work, 2 * T*K * out * in a
 projection (padding is not work), the side's and MLX's sorted gather_qmm's. The
 "layer" lines add up a side's gate and up then down, the layer's GEMMs
 (`layer_rows`): the fused launch and the down projection for the kernel, the
-gate's twice and the down's for a ceiling.
+gate's twice and the down's for a ceiling; "layer default" is the kernel's
+side the layer runs (fused, or unfused where the backend's rule leaves the
+gate and up apart).
 At prefill sizes (T = 512 to 16384) MLX's layer runs tiles: `--mlx-tiles 16,64`
 times MLX's tiled `gather_qmm` of `moe_plan(..., tile_m=m)`, rows
 `[max_tiles, m, D]` against the tiles' experts, in each projection and gate+up.
@@ -505,8 +507,16 @@ def measure_gate_up(shape, name: str, tokens: int, plan, active: int, calls: int
     medians = checked_medians(sides, graph_calls, f"{name} T={tokens} gate+up", views, ncu)
     if medians is None:
         return []
-    return result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
+    rows = result_rows(name, tokens, "gate+up", out_dims, in_dims, shape, active, medians,
                        touched / (bandwidth * 1e3), busiest, launches, form)
+    # The side a layer runs by the backend's rule (GroupedExperts._fuses_gate_up),
+    # whose layer line `layer_rows` repeats as the layer's default.
+    fuses = gpu.grouped_qmm_fuses(num_experts=shape.experts, in_dims=in_dims, out_dims=out_dims,
+                                  capacity=plan.capacity, bits=form.bits,
+                                  group_size=form.group_size)
+    for row in rows:
+        row["layer_default"] = row["tiling"] == ("fused" if fuses else "unfused")
+    return rows
 
 
 def layer_rows(lines: list[dict]) -> list[dict]:
@@ -517,7 +527,9 @@ def layer_rows(lines: list[dict]) -> list[dict]:
     kernels and the default's down, MLX's tiles their gate+up and down; a
     ceiling's, its gate's twice and its down, the same work in dense GEMMs.
     The reference's times and the floors add up alike; the rest is the down's
-    line's (the shape's routing)."""
+    line's (the shape's routing). The side the layer runs by its rule (its
+    gate+up line's `layer_default`: fused, or unfused where the rule leaves
+    gate and up apart) has its layer line twice, the second as "default"."""
     by_side = {(line["projection"], line["tiling"]): line for line in lines}
     first_halves = {}
     for (projection, side), line in by_side.items():
@@ -542,6 +554,8 @@ def layer_rows(lines: list[dict]) -> list[dict]:
                        "floor_us": sum(part["floor_us"] for part in parts),
                        "tflops": flops / ours_us / 1e6,
                        "gather_qmm_tflops": flops / reference_us / 1e6, "launch": ""})
+        if halves[0].get("layer_default"):
+            layers.append({**layers[-1], "tiling": "default"})
     return layers
 
 

@@ -446,13 +446,19 @@ def grouped_qmm_on_cpu(monkeypatch):
     from mlx_moe_plan import _backend, _gpu
 
     class StandIn:
+        fuses = True  # the layer's rule, as a test sets it
+
         def grouped_qmm(self, *arrays, stream, **options):
             return grouped_qmm_by_mlx_ops(*arrays, **options)
+
+        def grouped_qmm_fuses(self, **layer):
+            return self.fuses
 
     cpu_stream = mx.default_stream(mx.cpu)
     monkeypatch.setattr(mx, "default_stream", lambda device: cpu_stream)
     monkeypatch.setattr(_backend, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(_gpu, "for_backend", lambda backend: StandIn())
+    stand_in = StandIn()
+    monkeypatch.setattr(_gpu, "for_backend", lambda backend: stand_in)
     shape = dataclasses.replace(LAYER_SHAPES["qwen3-30b-a3b"], hidden=128, intermediate=64,
                                 experts=16)
     monkeypatch.setitem(bench_qmm.LAYER_SHAPES, "small", shape)
@@ -493,6 +499,15 @@ def test_grouped_qmm_benchmark_lines(monkeypatch):
         in_dims = 64 if line["projection"] == "down" else 128
         assert line["floor_us"] == pytest.approx(
             projections * active * line["out"] * bench_qmm.column_bytes(in_dims) / 4.8e6)
+    # the layer's default: the side its backend's rule runs, fused or apart
+    from mlx_moe_plan import _gpu
+
+    layers = {line["tiling"]: line for line in bench_qmm.layer_rows(lines)}
+    assert layers["default"] == {**layers["fused"], "tiling": "default"}
+    _gpu.for_backend("cuda").fuses = False
+    layers = {line["tiling"]: line
+              for line in bench_qmm.layer_rows(bench_qmm.measure("small", 3, 4, 4800.0, [{}]))}
+    assert layers["default"] == {**layers["unfused"], "tiling": "default"}
 
 
 def test_grouped_qmm_ncu_profiles_each_side_after_its_marker(monkeypatch, capsys):
@@ -546,7 +561,9 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys, tmp_path):
             projections * active * line["out"] * (in_dims + in_dims // 32 * 4) / 4.8e6)
     # the layer's GEMMs, each side's gate and up then down, its work three projections'
     layers = {line["tiling"]: line for line in bench_qmm.layer_rows(lines)}
-    assert set(layers) == {"mlx,tile_m=4", "unfused", "fused", "matmul_fp16", "qmm_dense"}
+    assert set(layers) == {"mlx,tile_m=4", "unfused", "fused", "default", "matmul_fp16",
+                           "qmm_dense"}
+    assert layers["default"] == {**layers["fused"], "tiling": "default"}  # the rule's side
     by_side = {(line["projection"], line["tiling"]): line for line in lines}
     for side, halves, down in (("fused", [("gate+up", "fused")], "default"),
                                ("unfused", [("gate+up", "unfused")], "default"),
@@ -582,9 +599,9 @@ def test_grouped_qmm_weight_formats(monkeypatch, capsys, tmp_path):
                            "--json", str(written)]) == 0
     printed = [line.split() for line in capsys.readouterr().out.splitlines()
                if line.startswith("small")]
-    assert [line[2] for line in printed][-4:] == ["layer"] * 4
+    assert [line[2] for line in printed][-5:] == ["layer"] * 5
     assert [line[3] for line in printed if line[2] == "layer"] == \
-        ["unfused", "fused", "matmul_fp16", "qmm_dense"]
+        ["unfused", "fused", "default", "matmul_fp16", "qmm_dense"]
     rows = json.loads(written.read_text())["rows"]
     assert [bench_qmm.format_row(row).split() for row in rows] == printed
 
