@@ -937,15 +937,16 @@ TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS = 2880
 
 def fuses_gate_up(num_experts: int, in_dims: int, out_dims: int, capacity: int, bits: int,
                   quant_group: int, *, backend: str, warpgroup: bool = False) -> bool:
-    """Whether a layer's gate and up projections, each `num_experts` experts of
-    `out_dims` by `in_dims`, over a plan of `capacity` rows, run as one gated
+    """Whether a layer's gate and up projections (each `num_experts` experts of
+    `out_dims` by `in_dims`, over a plan of `capacity` rows) run as one gated
     launch (`grouped_qmm_launch`'s `gated`), in the tiling of an enclosing
-    `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`: False, two
-    launches over the gathered rows and the activation apart, where the
-    gated launch's made weights take a block of fewer rows than one
-    projection's (`block_gated_apart`): where an expert holds enough rows
-    for the tallest block but the gated launch's inputs are too long for it
-    (TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS), Mixtral's from T = 2048.
+    `grouped_qmm_tiling` block, else `GROUPED_QMM_TILING`. False, by
+    `block_gated_apart`, where the gated launch's made weights take a block
+    of fewer rows than one projection's: an expert holds rows enough for the
+    tallest block, but the gated launch's inputs are too long for it
+    (TALLEST_GATED_MADE_WEIGHTS_UP_TO_IN_DIMS; Mixtral's from T = 2048). The
+    layer then runs a launch a projection over the gathered rows, and the
+    activation apart.
 
     There, on an H100, medians of three processes, the pair apart (gate and
     up each in 192-row blocks of the rule's five stages, the gather, MLX's
@@ -955,7 +956,9 @@ def fuses_gate_up(num_experts: int, in_dims: int, out_dims: int, capacity: int, 
     processes (1.01x to 1.09x); where both take the same block (DeepSeek-V3's
     160 rows at T = 8192, Qwen3-30B-A3B's and gpt-oss-20b's 192) the fused
     launch ran 1.13x to 1.19x faster (benchmarks/RESULTS.md, "Every shape's
-    layer, medians of three processes")."""
+    layer, medians of three processes"). The same blocks' sizes not timed
+    apart take the rule too: Mixtral's T = 4096 and 16384, DeepSeek-V3's
+    16384 (7168 values, 512 rows an expert)."""
     tiling = _grouped_qmm_tiling.get()
     # A layer asks at every call, and the tilings below cost it about 10 us:
     # first what they need, the gated launch in the made weights, and its
