@@ -242,6 +242,12 @@
 #               before it), in blocks of 192 rows: Qwen3-30B-A3B at T = 8192,
 #               uniform and skewed (--skew 1), gpt-oss-20b at 8192 and Mixtral
 #               at 2048, twice, the second in the other order.
+#   gate-up-apart (not in `bench`) a layer's gate and up apart where the
+#               fused launch's made weights take a shorter block than one
+#               projection's (launch.fuses_gate_up): its layer test, then the
+#               sizes the rule takes untimed, Mixtral at T = 4096 and 16384 and
+#               DeepSeek-V3 at 16384, fused against unfused (the "layer
+#               default" line is the rule's), uniform and skewed.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -1033,6 +1039,17 @@ if wanted made-weights-stages; then
         --calls 4 --no-sorted --sides kernel --tilings "$order"
     done
     grouped_qmm_each "made-weights-stages-$turn" "gpt-oss-20b 8192 $order" "mixtral 2048 $order"
+  done
+fi
+if wanted gate-up-apart; then
+  logged "$results/gate-up-apart-pytest.log" python3 -m pytest -q -x tests/test_nn.py \
+    -k apart_where -p no:cacheprovider
+  for shape in "mixtral 4096,16384" "deepseek-v3 16384"; do
+    read -r name tokens <<<"$shape"
+    for skew in 0 1; do
+      logged "$results/gate-up-apart-$name-skew$skew.log" python3 -m benchmarks.grouped_qmm \
+        --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --skew "$skew"
+    done
   done
 fi
 if wanted one-warpgroup-rule; then
