@@ -107,11 +107,13 @@ class GroupedExperts:
                 and (gate.bits, gate.group_size, gate.weight.shape)
                 == (up.bits, up.group_size, up.weight.shape))
 
-    def _fuses_gate_up(self, in_dims: int, capacity: int) -> bool:
-        """Whether the backend's rule computes the gate and up projections of
-        rows of `in_dims` values over `capacity` plan rows in one launch
-        (`_backend.Backend.grouped_qmm_fuses`), where `_gates_in_kernel` says it can."""
-        gate = self.gate_proj
+    @staticmethod
+    def _fuses_gate_up(gate: nn.Module, in_dims: int, capacity: int) -> bool:
+        """Whether the backend's rule computes the gate projection `gate` and
+        the up projection of rows of `in_dims` values over `capacity` plan rows
+        in one launch (`_backend.Backend.grouped_qmm_fuses`), where
+        `_gates_in_kernel` says it can. (The layer hands its gate in: each
+        attribute of a module read costs about a microsecond, a layer's call.)"""
         num_experts, out_dims, _ = gate.weight.shape
         return _backend.implementation(_backend.resolve_stream(None)).grouped_qmm_fuses(
             num_experts=num_experts, in_dims=in_dims, out_dims=out_dims, capacity=capacity,
@@ -141,7 +143,9 @@ class GroupedExperts:
         sync either. `rows`: those rows gathered already (given where
         `first_row` is past the first row). `[capacity - first_row, D]`."""
         plan_rows = _PlanRows(plan, first_row)
-        if self._gates_in_kernel(x.dtype) and self._fuses_gate_up(x.shape[-1], plan_rows.count):
+        gate = self.gate_proj
+        if self._gates_in_kernel(x.dtype) and self._fuses_gate_up(gate, x.shape[-1],
+                                                                  plan_rows.count):
             # One launch reads the tokens through the plan and gives the
             # activation of gate and up: no gathered rows, no separate
             # activation, no biases added apart.
@@ -151,16 +155,16 @@ class GroupedExperts:
             # shape (a caller's tokens given as rows [T, D]), but does for one
             # with -1.
             tokens = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-            hidden = grouped_kernel(self.gate_proj, tokens, plan_rows,
+            hidden = grouped_kernel(gate, tokens, plan_rows,
                                     row_tokens=plan_rows.row_tokens,
                                     up=(up.weight, up.scales, up.biases),
-                                    bias=_backend.kernel_bias(self.gate_proj, x.dtype),
+                                    bias=_backend.kernel_bias(gate, x.dtype),
                                     up_bias=_backend.kernel_bias(up, x.dtype),
                                     clamped_swiglu=_mlx_lm.clamped_swiglu(self.activation))
         else:
             if rows is None:
                 rows = moe_gather(x, plan)
             x_up = self._grouped_projection(self.up_proj, rows, plan_rows)
-            x_gate = self._grouped_projection(self.gate_proj, rows, plan_rows)
+            x_gate = self._grouped_projection(gate, rows, plan_rows)
             hidden = self.activation(x_up, x_gate)
         return self._grouped_projection(self.down_proj, hidden, plan_rows)

@@ -954,11 +954,13 @@ def test_gate_and_up_apart_where_the_rule_says(monkeypatch):
         stand_in.setattr(moe_nn._backend, "implementation",
                          lambda stream: _gpu.GpuBackend("cuda"))
         stand_in.setattr(_gpu, "warpgroup_mma", lambda: True)
-        assert not ours._fuses_gate_up(4096, 2 * 512) and ours._fuses_gate_up(4096, 2 * 256)
+        gate = ours.gate_proj
+        assert not ours._fuses_gate_up(gate, 4096, 2 * 512)
+        assert ours._fuses_gate_up(gate, 4096, 2 * 256)
         with launch.grouped_qmm_tiling(block_gated_apart=0):
-            assert ours._fuses_gate_up(4096, 2 * 512)
+            assert ours._fuses_gate_up(gate, 4096, 2 * 512)
         stand_in.setattr(_gpu, "warpgroup_mma", lambda: False)
-        assert ours._fuses_gate_up(4096, 2 * 512)
+        assert ours._fuses_gate_up(gate, 4096, 2 * 512)
     if not (mx.default_device().type == mx.gpu and moe_nn._backend.gpu_backend() == "cuda"):
         return  # (the grouped path is the GPU's; mlx-lm's CPU GEMMs take minutes here)
     gated_calls = []
