@@ -112,8 +112,8 @@ class GroupedExperts:
         """Whether the backend's rule computes the gate projection `gate` and
         the up projection of rows of `in_dims` values over `capacity` plan rows
         in one launch (`_backend.Backend.grouped_qmm_fuses`), where
-        `_gates_in_kernel` says it can. (The layer hands its gate in: each
-        attribute of a module read costs about a microsecond, a layer's call.)"""
+        `_gates_in_kernel` says it can. (The layer hands in the gate it has
+        read: each read of a module's attribute costs about a microsecond.)"""
         num_experts, out_dims, _ = gate.weight.shape
         return _backend.implementation(_backend.resolve_stream(None)).grouped_qmm_fuses(
             num_experts=num_experts, in_dims=in_dims, out_dims=out_dims, capacity=capacity,
