@@ -718,8 +718,9 @@ def grouped_qmm_launch(
 # 48 rows ran 0.62x to 0.80x the warps' own, so no rule takes them:
 # benchmarks/RESULTS.md, "The made weights in 48 rows"). Their gated sums take a
 # register a row a thread: nvcc 13.0, as the launch builds them (16-byte and
-# plain copies both), spills none up to 20 (255 registers there); at 24, 92
-# bytes, 10 loads of them a stage in the stage loop.
+# plain copies both), spills none up to 20 (255 registers there); at 24, 48
+# bytes, loaded at an item's beginning, none in the stage loop (92 bytes and 9
+# loads a stage in it before tiles_weights.h took one place a run's stores).
 WARPGROUP_ROW_TILES = (8, 16)
 SHARED_WEIGHTS_ROW_TILES = (6, 8, 10, 12, 16, 20, 24)
 

@@ -24,6 +24,12 @@ for (int i0 = 0; i0 < ITEMS; i0 += THREADS) {
     const unsigned scale_pair = stage_scales[made_scales_at + column * STAGE_GROUPS + group];
     const unsigned bias_pair = stage_scales[made_scales_at + STAGE_SCALES
                                             + column * STAGE_GROUPS + group];
+    // Where the run's chunk c lands: its first chunk's place XOR 4 c. The
+    // swizzle XORs a chunk's index (word bits 2 to 4) with its row's (bits 5
+    // to 7), and the run's 4 chunks differ in bits 2 and 3 alone; so one
+    // place an item, not four: nvcc kept the four of each item across the
+    // stage loop, and spilled them in the fused 192-row block.
+    const int run_at = (run / 2) * WEIGHT_SLAB_WORDS + SWIZZLE128(column * 32 + (run % 2) * 16);
     // The run's words: 4 at 4 bits, 8 at 8.
     unsigned run_words[32 / VALUES];
 UNROLL
@@ -47,9 +53,7 @@ UNROLL
         // include: qmm_fields
         made[p] = PAIR_FMA(field_pair, scale_pair, bias_pair);
       }
-      const int chunk = run * 4 + c;
-      ((SHARED_SPACE uint4*)(stage_weights + made_at + (chunk / 8) * WEIGHT_SLAB_WORDS
-                             + SWIZZLE128(column * 32 + (chunk % 8) * 4)))[0] =
+      ((SHARED_SPACE uint4*)(stage_weights + made_at + (run_at ^ (4 * c))))[0] =
           VEC16(made[0], made[1], made[2], made[3]);
     }
   }
