@@ -99,6 +99,9 @@ def test_static_share_computes_every_row(monkeypatch, kind, share, compiled):
 
     monkeypatch.setattr(_grouped, "grouped_kernel", grouped_by_mlx_ops)
     monkeypatch.setattr(SwitchGLU, "_can_group", lambda self, dtype: True)
+    # the GPU's rule at these sizes: gate and up in one launch where it can
+    monkeypatch.setattr(SwitchGLU, "_fuses_gate_up",
+                        staticmethod(lambda gate, in_dims, capacity: True))
     monkeypatch.setattr(SwitchGLU, "_used_rows", no_sync)
     mx.random.seed(8)
     # Unfused: an activation the kernel does not mirror (a subclass of
