@@ -244,10 +244,13 @@
 #               at 2048, twice, the second in the other order.
 #   gate-up-apart (not in `bench`) a layer's gate and up apart where the
 #               fused launch's made weights take a shorter block than one
-#               projection's (launch.fuses_gate_up): its layer test, then the
-#               sizes the rule takes untimed, Mixtral at T = 4096 and 16384 and
+#               projection's (launch.fuses_gate_up): its layer test, then
+#               every size the rule takes, Mixtral at T = 2048 to 16384 and
 #               DeepSeek-V3 at 16384, fused against unfused (the "layer
-#               default" line is the rule's), uniform and skewed.
+#               default" line is the rule's), uniform and skewed, the fused
+#               launch also in the 192-row block its long inputs are kept
+#               from (block_shared_row_tiles=24), whose spills the stage loop
+#               no longer loads (tiles_weights.h).
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -1044,11 +1047,12 @@ fi
 if wanted gate-up-apart; then
   logged "$results/gate-up-apart-pytest.log" python3 -m pytest -q -x tests/test_nn.py \
     -k apart_where -p no:cacheprovider
-  for shape in "mixtral 4096,16384" "deepseek-v3 16384"; do
+  for shape in "mixtral 2048,8192,4096,16384" "deepseek-v3 16384"; do
     read -r name tokens <<<"$shape"
     for skew in 0 1; do
       logged "$results/gate-up-apart-$name-skew$skew.log" python3 -m benchmarks.grouped_qmm \
-        --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --skew "$skew"
+        --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --skew "$skew" \
+        --tilings "default;block_shared_row_tiles=24"
     done
   done
 fi
