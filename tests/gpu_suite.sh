@@ -488,6 +488,20 @@ grouped_qmm_each() {
       --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --tilings "$tilings"
   done
 }
+# grouped_qmm_skews PREFIX TILINGS "NAME TOKENS"...: the expert GEMMs of each
+# shape in TILINGS, uniform and skewed routing (--skew 0 and 1), one log each
+grouped_qmm_skews() {
+  local prefix=$1 tilings=$2 shape name tokens skew
+  shift 2
+  for shape in "$@"; do
+    read -r name tokens <<<"$shape"
+    for skew in 0 1; do
+      logged "$results/$prefix-$name-skew$skew.log" python3 -m benchmarks.grouped_qmm \
+        --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --skew "$skew" \
+        --tilings "$tilings"
+    done
+  done
+}
 # grouped_qmm_both_orders PREFIX TILINGS: every shape's expert GEMMs at T =
 # 2048 and 8192 in TILINGS (";"-separated), then again in the reverse order,
 # so that drift over the run hits each tiling early once: PREFIX-1.log, -2.log
@@ -960,14 +974,8 @@ if wanted fitted-rows; then
   # the rule's fitted blocks against 64 rows where the tiles start (32 rows an
   # expert: DeepSeek-V3's T = 1024, Mixtral's 128, Qwen3-30B-A3B's 512) and at
   # Qwen3-Next's 40, uniform and skewed; then its blocks under the sanitizers
-  for shape in "deepseek-v3 1024" "mixtral 128" "qwen3-30b-a3b 512" "qwen3-next 2048"; do
-    read -r name tokens <<<"$shape"
-    for skew in 0 1; do
-      logged "$results/fitted-rows-$name-skew$skew.log" python3 -m benchmarks.grouped_qmm \
-        --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --skew "$skew" \
-        --tilings "default;block_fitted_rows=0"
-    done
-  done
+  grouped_qmm_skews fitted-rows "default;block_fitted_rows=0" "deepseek-v3 1024" "mixtral 128" \
+    "qwen3-30b-a3b 512" "qwen3-next 2048"
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck synccheck; do
       logged "$results/fitted-rows-sanitizer-$tool.log" sanitized "$tool" \
@@ -1047,14 +1055,8 @@ fi
 if wanted gate-up-apart; then
   logged "$results/gate-up-apart-pytest.log" python3 -m pytest -q -x tests/test_nn.py \
     -k apart_where -p no:cacheprovider
-  for shape in "mixtral 2048,8192,4096,16384" "deepseek-v3 16384"; do
-    read -r name tokens <<<"$shape"
-    for skew in 0 1; do
-      logged "$results/gate-up-apart-$name-skew$skew.log" python3 -m benchmarks.grouped_qmm \
-        --shapes "$name" --tokens "$tokens" --calls 4 --no-sorted --sides kernel --skew "$skew" \
-        --tilings "default;block_shared_row_tiles=24"
-    done
-  done
+  grouped_qmm_skews gate-up-apart "default;block_shared_row_tiles=24" \
+    "mixtral 2048,8192,4096,16384" "deepseek-v3 16384"
 fi
 if wanted one-warpgroup-rule; then
   grouped_qmm_each one-warpgroup-rule-1 "qwen3-next 8192 default;block_one_warpgroup=0" \
