@@ -464,10 +464,12 @@ def test_barriers_in_uniform_control_flow(name):
     BARRIER() may sit at the top level, in `for` loops whose header does not
     depend on the thread (no LOCAL_ID), or under an `if` on template
     constants alone (upper-case names and numbers: the same in every
-    thread), never under any other if/else/while."""
+    thread), never under any other if/else/while; but for code under `if
+    (... && 0)`, which never runs: grouped_qmm_tiles.h's roles apart (`&&
+    ROLES_APART`, 0 in Metal's prelude, whose threads take every role)."""
     body = _body(name)
     for m in re.finditer(r"\bBARRIER\s*\(", body):
-        depth = 0
+        depth, headers = 0, []
         for position in range(m.start() - 1, -1, -1):  # walk out through the enclosing blocks
             char = body[position]
             if char == "}":
@@ -475,12 +477,15 @@ def test_barriers_in_uniform_control_flow(name):
             elif char == "{" and depth:
                 depth -= 1
             elif char == "{":
-                header = _block_header(body, position)
-                if header.startswith("if "):
-                    assert re.fullmatch(r"if \(([A-Z_][A-Z0-9_]*|\d+|[\s<>=!&|()+*/-])*\)",
-                                        header), header
-                else:
-                    assert header.startswith("for") and "LOCAL_ID" not in header, header
+                headers.append(_block_header(body, position))
+        if any(re.fullmatch(r"if \(.*&& 0\)", header) for header in headers):
+            continue
+        for header in headers:
+            if header.startswith("if "):
+                assert re.fullmatch(r"if \(([A-Z_][A-Z0-9_]*|\d+|[\s<>=!&|()+*/-])*\)",
+                                    header), header
+            else:
+                assert header.startswith("for") and "LOCAL_ID" not in header, header
 
 
 def _block_header(text: str, brace: int) -> str:
@@ -647,8 +652,9 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
     ("grouped_qmm", "qmm_fields", 1), ("tiles_products", "qmm_fields", 2),
     ("grouped_qmm", "qmm_params", 1), ("grouped_qmm_tiles", "qmm_params", 1),
     ("grouped_qmm", "qmm_store", 1), ("tiles_end", "qmm_store", 1),
-    ("grouped_qmm_tiles", "tiles_products", 2), ("grouped_qmm_tiles", "tiles_weights", 2),
-    ("grouped_qmm_tiles", "tiles_begin", 2), ("grouped_qmm_tiles", "tiles_end", 1),
+    ("grouped_qmm_tiles", "tiles_run", 3), ("tiles_run", "tiles_products", 2),
+    ("tiles_run", "tiles_weights", 2), ("tiles_run", "tiles_begin", 2),
+    ("tiles_run", "tiles_end", 1),
     ("tiles_weights", "qmm_fields", 1),
     ("plan", "group_scan", 1), ("grouped_qmm", "group_scan", 1),
     ("grouped_qmm_tiles", "group_scan", 1)])
@@ -659,12 +665,13 @@ def test_bodies_include_their_shared_texts(name, included, times):
 
 
 def test_block_tiles_products_twice_with_their_fields():
-    """grouped_qmm_tiles.h multiplies all its row tiles or half of them: the
-    products' text twice, each with the field pairs it includes (once for the
-    warpgroup's multiply-adds, once for the warps' own), and twice more where
-    the group makes a stage's weights in shared memory (SHARED_WEIGHTS: before
-    the stage's multiply-adds, or with WEIGHTS_AHEAD a step before)."""
-    source = kernels.source("grouped_qmm_tiles")
+    """grouped_qmm_tiles.h's run (tiles_run.h) multiplies all its row tiles
+    or half of them: the products' text twice, each with the field pairs it
+    includes (once for the warpgroup's multiply-adds, once for the warps'
+    own), and twice more where the group makes a stage's weights in shared
+    memory (SHARED_WEIGHTS: before the stage's multiply-adds, or with
+    WEIGHTS_AHEAD a step before)."""
+    source = kernels.source("tiles_run")
     assert source.count(kernels.text("qmm_fields")) == 6
     assert source.count("const int product_row_tiles = ROW_TILES;") == 1
     assert source.count("const int product_row_tiles = ROW_TILES / 2;") == 1

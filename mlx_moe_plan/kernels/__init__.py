@@ -71,6 +71,13 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     `launch._shared_weights_tiling` takes it), which grouped_qmm_tiles.h
     includes twice, over all of a warp's row tiles and over half (`INCLUDED`)
 
+`tiles_run.h` -- not a body: a group's run over its block tiles' items, each
+    a row block by a column block over the stages, in the roles the including
+    place gives (copying and making the weights, multiplying, storing), which
+    grouped_qmm_tiles.h includes once for all roles, or once a role where
+    warpgroups make the weights apart from those that multiply
+    (`launch.GroupedQmmTiling.block_specialized`) (`INCLUDED`)
+
 `tiles_weights.h` -- not a body: with SHARED_WEIGHTS, a stage's weights made
     16-bit by the whole group into group memory, which grouped_qmm_tiles.h
     includes before the stage's multiply-adds or, with WEIGHTS_AHEAD
@@ -149,7 +156,8 @@ DIALECT_NAMES = (
     "SHARED_WORDS",
     "ASYNC_COPY16", "ASYNC_COMMIT", "ASYNC_WAIT", "WARP_BARRIER", "WARPGROUP_MMA",
     "WARPGROUP_MMA_SS", "WARPGROUP_FENCE", "WARPGROUP_COMMIT", "WARPGROUP_WAIT",
-    "SHARED_PROXY_FENCE", "SWIZZLE128", "SHARED_ALIGN1024",
+    "SHARED_PROXY_FENCE", "SWIZZLE128", "SHARED_ALIGN1024", "ROLE_BARRIER", "ROLES_APART",
+    "WARP_REGISTERS",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
 
@@ -167,7 +175,7 @@ def text(name: str) -> str:
 # text reads and declares variables of the body around it, as its own comment
 # says).
 INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products",
-            "tiles_weights", "tiles_begin", "tiles_end")
+            "tiles_weights", "tiles_begin", "tiles_end", "tiles_run")
 
 
 def source(name: str, _including: tuple[str, ...] = ()) -> str:

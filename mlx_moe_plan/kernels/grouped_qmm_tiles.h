@@ -82,8 +82,30 @@
 // after they were issued. Needs STAGES of 3 or more, STAGE_VALUES a
 // multiple of 64; takes ROW_TILES 6, 10, 12, 20 and 24 too (N of 48, 80, 96,
 // 160 and 192: blocks that an expert of about as many rows fills once).
+// PRODUCER_WARPGROUPS (SPECIALIZED, with SHARED_WEIGHTS; not WEIGHTS_AHEAD,
+// ACROSS_ITEMS or INPUT_SPLITS): that many warpgroups more, after the
+// multiplying ones, copy the stages and make their weights, and the
+// multiplying warps only multiply and store. Where the same warps made a
+// stage's weights and issued its multiply-adds, the making of the next stage
+// waited behind the issue, which waits for the tensor cores: the two ran one
+// after the other. Apart, the roles meet at two named barriers a step
+// (ROLE_BARRIER: where ROLES_APART, one role waits there while the other
+// only arrives): the multiplying warps arrive at EMPTY_BARRIER once the
+// stage two back is multiplied, the making warps arrive at FULL_BARRIER once
+// the stage is made. Where the prelude runs the group in lock-step
+// (emulations: ROLES_APART 0) both are the group's barrier, and every warp
+// runs the multiply-adds (the emulated ones meet barriers), the making
+// warpgroups' sums thrown away.
 // include: qmm_params
 const int COLUMN_TILES = GATED ? TILES / 2 : TILES;
+// The warps that multiply (all but SPECIALIZED's making ones), and those that
+// copy the stages and make their weights: all where not SPECIALIZED, as the
+// thread copy_thread of COPY_THREADS.
+const bool SPECIALIZED = PRODUCER_WARPGROUPS > 0;
+const int MMA_THREADS = THREADS - 128 * PRODUCER_WARPGROUPS;
+const int COPY_THREADS = SPECIALIZED ? 128 * PRODUCER_WARPGROUPS : THREADS;
+const int copy_thread = SPECIALIZED ? max((int)LOCAL_ID - MMA_THREADS, 0) : (int)LOCAL_ID;
+const int EMPTY_BARRIER = 1, FULL_BARRIER = 2;
 const int MATRICES = GATED ? 2 : 1;
 const int STAGE_VALUES = STAGE_GROUPS * QUANT_GROUP;
 const int GROUP_WORDS = QUANT_GROUP / VALUES;  // a column's words of a group
@@ -92,16 +114,18 @@ const int ROW_CHUNKS = STAGE_VALUES / 8;  // 16-byte chunks of a row a stage
 // pad after each (ROW_STRIDE is a row's share of them).
 const int CORE_WORDS = ROW_STRIDE * 8 / ROW_CHUNKS;
 const int COLUMN_CHUNKS = STAGE_GROUPS * GROUP_WORDS / 4;  // of a column a stage
-const int ROW_COPIES = (BLOCK_ROWS * ROW_CHUNKS + THREADS - 1) / THREADS;
-// A thread's row copies are ROW_STEP rows apart where THREADS is a multiple
-// of a row's chunks (below: used where it is a multiple of 8 rows'), and
-// their places in each layout ROW_TARGET_STEP words.
-const int ROW_STEP = THREADS % ROW_CHUNKS == 0 ? THREADS / ROW_CHUNKS : 1;
+const int ROW_COPIES = (BLOCK_ROWS * ROW_CHUNKS + COPY_THREADS - 1) / COPY_THREADS;
+// A thread's row copies are ROW_STEP rows apart where COPY_THREADS is a
+// multiple of a row's chunks (below: used where it is a multiple of 8 rows'),
+// and their places in each layout ROW_TARGET_STEP words.
+const int ROW_STEP = COPY_THREADS % ROW_CHUNKS == 0 ? COPY_THREADS / ROW_CHUNKS : 1;
 const int ROW_TARGET_STEP = SHARED_WEIGHTS ? ROW_STEP * 32
                             : WARPGROUP ? ROW_STEP / 8 * ROW_CHUNKS * CORE_WORDS
                                         : ROW_STEP * ROW_STRIDE;
-const int WORD_COPIES = (MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS + THREADS - 1) / THREADS;
-const int SCALE_COPIES = (MATRICES * BLOCK_COLUMNS * STAGE_GROUPS + THREADS - 1) / THREADS;
+const int WORD_COPIES = (MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS + COPY_THREADS - 1)
+                        / COPY_THREADS;
+const int SCALE_COPIES = (MATRICES * BLOCK_COLUMNS * STAGE_GROUPS + COPY_THREADS - 1)
+                         / COPY_THREADS;
 const int STAGE_SCALES = MATRICES * BLOCK_COLUMNS * STAGE_GROUPS;
 // Stages of copies in flight while one is multiplied (SHARED_WEIGHTS above).
 const int AHEAD = SHARED_WEIGHTS ? STAGES - 2 : STAGES - 1;
@@ -148,24 +172,28 @@ SHARED int item_places[3 * (STAGES + 1)];  // 3 * ITEM_RING
 SHARED int group_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 const int warp_exchange = warp * 32 * 6;
-// The warp's place among the block's warps, and its warpgroup (WARPGROUP),
-// each said the same in all its lanes (WARP_UNIFORM): wgmma's descriptors,
-// which follow from them, are then computed in uniform registers.
-const int row_warp = WARP_UNIFORM(warp / COLUMN_WARPS);
-const int column_warp = WARP_UNIFORM(warp % COLUMN_WARPS);
-const int warpgroup = WARP_UNIFORM(warp / 4);
+// The warp's place among the block's multiplying warps (a making warp's,
+// which multiplies only in lock-step emulations, that of the one 4
+// warpgroups before it), and its warpgroup (WARPGROUP), each said the same
+// in all its lanes (WARP_UNIFORM): wgmma's descriptors, which follow from
+// them, are then computed in uniform registers.
+const int mma_warp = SPECIALIZED ? warp % (MMA_THREADS / 32) : warp;
+const int row_warp = WARP_UNIFORM(mma_warp / COLUMN_WARPS);
+const int column_warp = WARP_UNIFORM(mma_warp % COLUMN_WARPS);
+const int warpgroup = WARP_UNIFORM(mma_warp / 4);
 
-// Each expert's row blocks, scanned: thread t counts experts [t *
-// MAX_EXPERTS / THREADS, ...), as grouped_qmm.h lists its experts. Offsets
+// Each expert's row blocks, scanned: thread t of the first MMA_THREADS (a
+// divisor of MAX_EXPERTS) counts experts [t * MAX_EXPERTS / MMA_THREADS,
+// ...), as grouped_qmm.h lists its experts. Offsets
 // out of [0, capacity] would come from a broken plan; clamped here and
 // below, no row outside out is ever touched.
 int own_blocks = 0;
-int blocks_of[MAX_EXPERTS / THREADS];  // this thread's experts' row blocks
+int blocks_of[MAX_EXPERTS / MMA_THREADS];  // this thread's experts' row blocks
 UNROLL
-for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
-  const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+for (int k = 0; k < MAX_EXPERTS / MMA_THREADS; ++k) {
+  const int expert = LOCAL_ID * (MAX_EXPERTS / MMA_THREADS) + k;
   blocks_of[k] = 0;
-  if (expert < num_experts) {
+  if ((!SPECIALIZED || (int)LOCAL_ID < MMA_THREADS) && expert < num_experts) {
     const int first = min(max(expert_offsets[expert], 0), capacity);
     const int last = min(max(expert_offsets[expert + 1], first), capacity);
     blocks_of[k] = (last - first + BLOCK_ROWS - 1) / BLOCK_ROWS;
@@ -173,18 +201,18 @@ for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
   own_blocks += blocks_of[k];
 }
 const int scan_value = own_blocks;
-const int scan_threads = THREADS;
+const int scan_threads = MMA_THREADS;
 // include: group_scan
 int blocks_before = group_scan[LOCAL_ID] - own_blocks;
 UNROLL
-for (int k = 0; k < MAX_EXPERTS / THREADS; ++k) {
-  const int expert = LOCAL_ID * (MAX_EXPERTS / THREADS) + k;
+for (int k = 0; k < MAX_EXPERTS / MMA_THREADS; ++k) {
+  const int expert = LOCAL_ID * (MAX_EXPERTS / MMA_THREADS) + k;
   blocks_before += blocks_of[k];
-  if (expert < num_experts) {
+  if ((!SPECIALIZED || (int)LOCAL_ID < MMA_THREADS) && expert < num_experts) {
     expert_blocks[expert] = blocks_before;
   }
 }
-const int expert_row_blocks = group_scan[THREADS - 1];
+const int expert_row_blocks = group_scan[MMA_THREADS - 1];
 const int tail_first = min(max(expert_offsets[num_experts], 0), capacity);
 const int tail_blocks = (capacity - tail_first + BLOCK_ROWS - 1) / BLOCK_ROWS;
 BARRIER();
@@ -202,7 +230,7 @@ const int all_stages = row_groups / STAGE_GROUPS;
 // With WARPGROUP, core matrices (CORE_WORDS apart): the 8 lanes of one
 // 16-byte copy's pass take 8 chunks of a row, each in its own core matrix,
 // which the pad after each puts in other banks. With SHARED_WEIGHTS,
-// swizzled slabs. Where THREADS is a multiple of 8 rows' chunks, copy i is
+// swizzled slabs. Where COPY_THREADS is a multiple of 8 rows' chunks, copy i is
 // ROW_STEP rows past copy 0, at the same chunk, and every layout repeats
 // each 8 rows: its place is copy 0's plus a constant, so the compiler keeps
 // one register for all the copies, not one a copy or each place computed
@@ -211,7 +239,7 @@ GLOBAL const unsigned short* row_sources[ROW_COPIES];
 int row_targets[ROW_COPIES];
 UNROLL
 for (int i = 0; i < ROW_COPIES; ++i) {
-  const int chunk = min((int)LOCAL_ID + i * THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
+  const int chunk = min(copy_thread + i * COPY_THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
   const int block_row = chunk / ROW_CHUNKS;
   const int row_chunk = chunk % ROW_CHUNKS;
   row_targets[i] = i > 0 && ROW_STEP % 8 == 0 ? row_targets[0] + i * ROW_TARGET_STEP
@@ -225,11 +253,11 @@ GLOBAL const unsigned* word_sources[WORD_COPIES];
 int word_targets[WORD_COPIES];
 UNROLL
 for (int i = 0; i < WORD_COPIES; ++i) {
-  const int chunk = min((int)LOCAL_ID + i * THREADS,
+  const int chunk = min(copy_thread + i * COPY_THREADS,
                         MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS - 1);
-  // As the rows', where THREADS is a multiple of a column's chunks.
-  word_targets[i] = i > 0 && THREADS % COLUMN_CHUNKS == 0
-                        ? word_targets[0] + i * (THREADS / COLUMN_CHUNKS) * WORD_STRIDE
+  // As the rows', where COPY_THREADS is a multiple of a column's chunks.
+  word_targets[i] = i > 0 && COPY_THREADS % COLUMN_CHUNKS == 0
+                        ? word_targets[0] + i * (COPY_THREADS / COLUMN_CHUNKS) * WORD_STRIDE
                         : chunk / COLUMN_CHUNKS * WORD_STRIDE + (chunk % COLUMN_CHUNKS) * 4;
 }
 GLOBAL const unsigned short* scale_sources[SCALE_COPIES];
@@ -244,233 +272,40 @@ float sums[TILES * ROW_TILES * 4];
 unsigned pending_scales[SCALE_COPIES];
 unsigned pending_biases[SCALE_COPIES];
 
-// The group's items GROUP_ID, GROUP_ID + NUM_GROUPS, ... in runs of stages:
-// each item a run of its own, or with ACROSS_ITEMS (INPUT_SPLITS 1) all
-// the group's items of the experts' rows one run, begun at its first item,
-// so that an item's first stages are copied while the item before is
-// multiplied and stored (the launch then takes a group or so an SM, each
-// of many items). The tail rows' items store zeros.
-for (int run_item = GROUP_ID; run_item < block_items * INPUT_SPLITS; run_item += NUM_GROUPS) {
-  if (run_item % block_items >= expert_items) {  // the tail rows: zeros
-    const int input_split = run_item / block_items;
-    const int row_block = run_item % block_items / column_blocks;
-    const int column0 = (run_item % column_blocks) * BLOCK_COLUMNS;
-    const int row0 = tail_first + (row_block - expert_row_blocks) * BLOCK_ROWS;
-    for (int i = LOCAL_ID; i < BLOCK_ROWS * BLOCK_COLUMNS; i += THREADS) {
-      const int row = row0 + i / BLOCK_COLUMNS;
-      const int column = column0 + i % BLOCK_COLUMNS;
-      if (row < capacity && column < out_dims) {
-        STORE_OUT(out, ((i64)input_split * capacity + row) * out_dims + column, 0.0f);
-      }
+// SPECIALIZED's launch runs one group an SM (Launch.min_groups), a thread's
+// registers then an SM's 65536 over its threads, 8 at a time; where those are
+// too few for the multiplying warps' sums (MMA_REGISTERS, else 0), each role
+// takes what launch.py gives it (WARP_REGISTERS: more, or fewer).
+const int LAUNCH_REGISTERS = 65536 / THREADS / 8 * 8;
+// The run, in the roles each thread takes (tiles_run.h): every one where
+// not SPECIALIZED, and in the lock-step emulations, where each multiplies and
+// a making thread's sums are thrown away; else each role its own copy of the
+// text, whose registers the compiler then allocates for that role alone (a
+// making warp holds no sums, a multiplying one no copies' sources).
+if (!SPECIALIZED || !ROLES_APART) {
+  const bool makes = !SPECIALIZED || (int)LOCAL_ID >= MMA_THREADS;
+  const bool multiplies = true;
+  const bool stores = !SPECIALIZED || (int)LOCAL_ID < MMA_THREADS;
+  // include: tiles_run
+}
+// Apart, each role's warps meet the group's barriers at their own copy's
+// (barrier 0 counts warps, not places), the named ones likewise.
+if (SPECIALIZED && ROLES_APART) {
+  if ((int)LOCAL_ID >= MMA_THREADS) {
+    if (MMA_REGISTERS) {
+      WARP_REGISTERS(MAKING_REGISTERS, MAKING_REGISTERS > LAUNCH_REGISTERS);
     }
-    continue;
-  }
-  if (ACROSS_ITEMS && run_item != GROUP_ID) {
-    continue;  // multiplied in the group's run
-  }
-  // The run's items and their stages, one after another: an item's are
-  // [first_stage, first_stage + num_stages) of the row's, its split's
-  // (STAGE_GROUPS divides the row; the launch gives each split one or more).
-  const int run_items = ACROSS_ITEMS ? (expert_items - GROUP_ID + NUM_GROUPS - 1) / NUM_GROUPS
-                                     : 1;
-  const int input_split = run_item / block_items;
-  const int first_stage = input_split * all_stages / INPUT_SPLITS;
-  const int num_stages = (input_split + 1) * all_stages / INPUT_SPLITS - first_stage;
-  const int run_stages = run_items * num_stages;
-  int product_live_row_tiles = 0;  // the multiplied item's
-UNROLL
-  for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
-    sums[i] = 0.0f;
-  }
-  BARRIER();  // the previous run's last stage and places are read by every warp
-  if (!ACROSS_ITEMS) {  // a run of one item: its beginning before its steps
-    const int begun_index = 0;
-    const int item = run_item;
-    // include: tiles_begin
-    product_live_row_tiles = (min(last - row0, BLOCK_ROWS) + 7) / 8;
-  }
-  // Step s copies stage s (while there is one) and computes stage s - AHEAD:
-  // AHEAD stages are in flight while one is multiplied. With WEIGHTS_AHEAD,
-  // step s makes stage s - AHEAD's weights and multiplies the stage before.
-  // An item's steps multiply its stages (the first item's also those before,
-  // which only copy) and meanwhile copy the stages AHEAD on, the next item's
-  // first among them; its sums are stored after them, outside the step loop:
-  // a warpgroup's sums read inside it make ptxas wait for every batch at
-  // each step's end (its C7517), and zeros written there serialize them all.
-  for (int item_index = 0; item_index < run_items; ++item_index) {
-    const int end_step = (item_index + 1) * num_stages + AHEAD + LAG;
-    for (int step = ACROSS_ITEMS && item_index > 0 ? end_step - num_stages : 0; step < end_step;
-         ++step) {
-      const int stage = step - AHEAD;
-      const int product_stage = stage - LAG;
-      if (step > 0 && step - 1 < run_stages) {  // the last step's scales, arrived by now
-        const int into = ((step - 1) % STAGES) * 2 * STAGE_SCALES;
-UNROLL
-        for (int i = 0; i < SCALE_COPIES; ++i) {
-          const int entry = (int)LOCAL_ID + i * THREADS;
-          if (entry < STAGE_SCALES) {
-            // The pair (value, value), made here: an operation on a loaded
-            // value right after its load would wait for it there.
-            stage_scales[into + entry] = pending_scales[i] | (pending_scales[i] << 16);
-            stage_scales[into + STAGE_SCALES + entry] =
-                pending_biases[i] | (pending_biases[i] << 16);
-          }
-        }
-      }
-      // Stage `stage`'s copies have landed (this thread's; none are waited for
-      // while stage < 0), then every thread's, and the buffers this step
-      // copies into are free: stage - 1's (its warpgroup multiply-adds done:
-      // they read the rows until then), with SHARED_WEIGHTS stage - 2's (each
-      // warpgroup waited for them in the last step).
-      if (WARPGROUP && !SHARED_WEIGHTS) {
-        WARPGROUP_WAIT(0, sums, 0);
-      }
-      ASYNC_WAIT(AHEAD - 1);
-      if (WARPGROUP) {
-        SHARED_PROXY_FENCE();
-      }
-      BARRIER();
-      if (step < run_stages) {
-        if (ACROSS_ITEMS && step % num_stages == 0) {  // an item's first stage
-          const int begun_index = step / num_stages;
-          const int item = run_item + begun_index * NUM_GROUPS;
-          // include: tiles_begin
-        }
-        const int buffer = step % STAGES;
-        SHARED_SPACE unsigned* rows_into = stage_rows + buffer * BLOCK_ROWS * ROW_STRIDE;
-        SHARED_SPACE unsigned* words_into = stage_words
-                                            + buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
-        // One branch a stage, not one a copy: the copies then issue back to
-        // back, and a count that THREADS divides needs no bound check.
-        if (vectors) {
-UNROLL
-          for (int i = 0; i < ROW_COPIES; ++i) {
-            if (ROW_COPIES * THREADS == BLOCK_ROWS * ROW_CHUNKS
-                || (int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
-              ASYNC_COPY16(rows_into + row_targets[i], row_sources[i]);
-            }
-          }
-UNROLL
-          for (int i = 0; i < WORD_COPIES; ++i) {
-            if (WORD_COPIES * THREADS == MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS
-                || (int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
-              ASYNC_COPY16(words_into + word_targets[i], word_sources[i]);
-            }
-          }
-        } else {
-          for (int i = 0; i < ROW_COPIES; ++i) {
-            if ((int)LOCAL_ID + i * THREADS < BLOCK_ROWS * ROW_CHUNKS) {
-UNROLL
-              for (int j = 0; j < 4; ++j) {
-                rows_into[row_targets[i] + j] =
-                    (unsigned)row_sources[i][2 * j]
-                    | ((unsigned)row_sources[i][2 * j + 1] << 16);
-              }
-            }
-          }
-          for (int i = 0; i < WORD_COPIES; ++i) {
-            if ((int)LOCAL_ID + i * THREADS < MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS) {
-UNROLL
-              for (int j = 0; j < 4; ++j) {
-                words_into[word_targets[i] + j] = word_sources[i][j];
-              }
-            }
-          }
-        }
-UNROLL
-        for (int i = 0; i < SCALE_COPIES; ++i) {
-          pending_scales[i] = scale_sources[i][0];
-          pending_biases[i] = bias_sources[i][0];
-        }
-        // The next stage's.
-UNROLL
-        for (int i = 0; i < ROW_COPIES; ++i) {
-          row_sources[i] += STAGE_VALUES;
-        }
-UNROLL
-        for (int i = 0; i < WORD_COPIES; ++i) {
-          word_sources[i] += STAGE_GROUPS * GROUP_WORDS;
-        }
-UNROLL
-        for (int i = 0; i < SCALE_COPIES; ++i) {
-          scale_sources[i] += STAGE_GROUPS;
-          bias_sources[i] += STAGE_GROUPS;
-        }
-      }
-      ASYNC_COMMIT();
-      // The buffers of the stage multiplied this step (while product_stage >= 0).
-      const int buffer = max(product_stage, 0) % STAGES;
-      const int rows_at = buffer * BLOCK_ROWS * ROW_STRIDE
-                          + row_warp * 8 * ROW_TILES * ROW_STRIDE;
-      const int words_at = buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE;
-      const int scales_at = buffer * 2 * STAGE_SCALES;
-      const int warp_column = column_warp * 16 * COLUMN_TILES;
-      const int weights_at = max(product_stage, 0) % 2 * WEIGHT_WORDS;
-      // The weights of the stage `stage`, made into its buffers (stage_words,
-      // stage_scales at made_words_at, made_scales_at; stage_weights at
-      // made_at): then a barrier shows them to the products of the same step,
-      // or with WEIGHTS_AHEAD the next step's one barrier does, the products of
-      // the stage before them issued first to run meanwhile and waited for
-      // after. Without it they are the products' offsets, named once: computed
-      // twice, nvcc kept both (13 more instructions a stage).
-      const int made_buffer = max(stage, 0) % STAGES;
-      const int made_words_at = LAG ? made_buffer * MATRICES * BLOCK_COLUMNS * WORD_STRIDE
-                                    : words_at;
-      const int made_scales_at = LAG ? made_buffer * 2 * STAGE_SCALES : scales_at;
-      const int made_at = LAG ? max(stage, 0) % 2 * WEIGHT_WORDS : weights_at;
-      if (SHARED_WEIGHTS && !WEIGHTS_AHEAD) {
-        if (stage >= 0) {
-          // include: tiles_weights
-        }
-        // Made for every thread, and for the multiply-adds' reads (the async
-        // proxy's).
-        SHARED_PROXY_FENCE();
-        BARRIER();
-      }
-      if (ACROSS_ITEMS && product_stage >= 0 && product_stage % num_stages == 0) {
-        // An item's first product: the block's 8-row tiles that hold rows of
-        // its expert.
-        const int slot = 3 * (product_stage / num_stages % ITEM_RING);
-        product_live_row_tiles = (min(item_places[slot + 2] - item_places[slot + 1], BLOCK_ROWS)
-                                  + 7) / 8;
-      }
-      if (product_stage >= 0) {
-        // An expert's last block is part empty (most are, at prefill sizes and
-        // under skewed routing): where its rows fill half a warp's row tiles
-        // or fewer (ROW_TILES / 2, all in the first warp row), every warp
-        // multiplies that half only; the bound is the same for the whole
-        // group (the emulated MMA_16x8x16 meets a barrier). The products'
-        // text twice, not a bound a row tile: a branch inside the unrolled
-        // loop kept its loads and multiply-adds from overlapping and slowed
-        // full blocks. One copy for a warp of one row tile (no half) and of
-        // more than 8 (the tall blocks, from 512 rows an expert, whose last
-        // blocks are a small share of the work: the second copy slowed them).
-        if (ROW_TILES < 2 || ROW_TILES > 8 || product_live_row_tiles > ROW_TILES / 2) {
-          const int product_row_tiles = ROW_TILES;
-          // include: tiles_products
-        } else {
-          const int product_row_tiles = ROW_TILES / 2;
-          // include: tiles_products
-        }
-      }
-      if (SHARED_WEIGHTS && WEIGHTS_AHEAD) {
-        if (stage >= 0 && stage < run_stages) {
-          // include: tiles_weights
-        }
-        WARPGROUP_WAIT(0, sums, 0);
-      }
+    const bool makes = true;
+    const bool multiplies = false;
+    const bool stores = false;
+    // include: tiles_run
+  } else {
+    if (MMA_REGISTERS) {
+      WARP_REGISTERS(MMA_REGISTERS, MMA_REGISTERS > LAUNCH_REGISTERS);
     }
-    // Its sums, finished, stored; the next item's from zero.
-    {
-      const int item = run_item + (ACROSS_ITEMS ? item_index * NUM_GROUPS : 0);
-      const int slot = ACROSS_ITEMS ? 3 * (item_index % ITEM_RING) : 0;
-      // include: tiles_end
-    }
-    if (item_index + 1 < run_items) {
-UNROLL
-      for (int i = 0; i < TILES * ROW_TILES * 4; ++i) {
-        sums[i] = 0.0f;
-      }
-    }
+    const bool makes = false;
+    const bool multiplies = true;
+    const bool stores = true;
+    // include: tiles_run
   }
 }

@@ -15,9 +15,9 @@
 const int RUNS = STAGE_VALUES / 32;  // a column's items a stage
 const int ITEMS = MATRICES * BLOCK_COLUMNS * RUNS;
 UNROLL
-for (int i0 = 0; i0 < ITEMS; i0 += THREADS) {
-  const int item = i0 + (int)LOCAL_ID;
-  if (ITEMS % THREADS == 0 || item < ITEMS) {
+for (int i0 = 0; i0 < ITEMS; i0 += COPY_THREADS) {
+  const int item = i0 + copy_thread;
+  if (ITEMS % COPY_THREADS == 0 || item < ITEMS) {
     const int column = (item / (8 * RUNS)) * 8 + item % 8;  // among the matrices'
     const int run = item / 8 % RUNS;
     const int group = run * 32 / QUANT_GROUP;
