@@ -16,6 +16,7 @@ import itertools
 import re
 import shutil
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -61,11 +62,10 @@ class Launch:
         return re.search(r"\[\[kernel\]\] void custom_kernel_moe_(\w+)", self.source()).group(1)
 
 
-def record_launches(backend: str = "metal") -> list[Launch]:
-    """Every launch the GPU backend makes for `backend` over the shapes below,
-    its kernels replaced by a recorder, repeats included."""
-    launches = []
-
+@contextmanager
+def recording(launches: list[Launch]):
+    """Within the block, the GPU backend's kernels replaced by a recorder that
+    appends each launch to `launches` and returns zeros."""
     def fake_kernel(backend, name, shared_bytes=0, launch_bounds=None):
         def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
             metas = tuple((a.dtype, tuple(a.shape)) for a in inputs)
@@ -74,12 +74,20 @@ def record_launches(backend: str = "metal") -> list[Launch]:
             return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return call
 
-    gpu = _gpu.GpuBackend(backend)
     # The glues that bind their launches once a size keep them in caches of
     # their own: fresh ones while the recorder stands in, dropped after it.
     steps = {name: getattr(_gpu, name).fresh()
              for name in ("_decode_attention_step", "_head_norm_rope_step", "_add_rms_norm_step")}
     with mock.patch.object(_gpu, "_kernel", fake_kernel), mock.patch.multiple(_gpu, **steps):
+        yield
+
+
+def record_launches(backend: str = "metal") -> list[Launch]:
+    """Every launch the GPU backend makes for `backend` over the shapes below,
+    its kernels replaced by a recorder, repeats included."""
+    launches = []
+    gpu = _gpu.GpuBackend(backend)
+    with recording(launches):
         # plan: tiny arrays (constant address space) up to the expert limit;
         # int32 ids, and uint32 ones as routers give them.
         for entries, experts, tile_m, top_k in [(1, 1, 1, 1), (6, 3, 2, 2), (3000, 1024, 128, 2),
