@@ -56,7 +56,8 @@
 // TILES / (1 + GATED)), STAGE_GROUPS (dividing in_dims / QUANT_GROUP), STAGES
 // (at least 2), ROW_STRIDE, WORD_STRIDE (above), INPUT_SPLITS (at most the
 // stages; 1 when GATED), WARPGROUP (below), ACROSS_ITEMS (with INPUT_SPLITS
-// 1 only: the runs of items, below).
+// 1 only: the runs of items, below), PRODUCER_WARPGROUPS, MMA_REGISTERS and
+// MAKING_REGISTERS (below).
 // WARPGROUP: the block's four warps multiply as one warpgroup
 // (WARPGROUP_MMA, Hopper's wgmma where the prelude has it), each step of 16
 // input values one multiply-add of all BLOCK_ROWS rows by a tile of each
