@@ -1068,6 +1068,33 @@ def test_grouped_qmm_tiles_specialized(row_tiles, stages, column_warps, max_grou
     with pytest.raises(ValueError, match="block_specialized"):
         launch.GroupedQmmTiling(block_specialized=2).check()
 
+
+def test_specialized_registers_within_the_launch():
+    """Where the specialized block's roles take registers of their own
+    (MMA_REGISTERS, MAKING_REGISTERS: gated blocks of 160 and 192 rows), the
+    multiplying warps' sums and spare fit theirs, and both roles' together
+    fit what the launch gave the group (a thread's at one group an SM, 8 at
+    a time, times its threads): setmaxnreg.inc waits until other warps have
+    given back as many, so a split of more waits for ever. Elsewhere every
+    thread keeps the launch's."""
+    for row_tiles in launch.SHARED_WEIGHTS_ROW_TILES:
+        for gated in (False, True):
+            tiling = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
+                          block_gated_row_tiles=row_tiles, block_specialized=1)
+            with launch.grouped_qmm_tiling(tiles_from_rows=0, **tiling):
+                made = launch.grouped_qmm_launch(128, 2048, 768, 65536, 4, 64, "bfloat16",
+                                                 backend="cuda", gated=gated, warpgroup=True)
+            template = dict(made.template)
+            threads, mma_threads = template["THREADS"], template["THREADS"] - 128
+            launch_registers = 65536 // threads // 8 * 8
+            sums = (2 if gated else 1) * 8 * row_tiles // 2
+            mma, making = template["MMA_REGISTERS"], template["MAKING_REGISTERS"]
+            assert bool(mma) == (sums + launch.MMA_SPARE_REGISTERS > launch_registers)
+            if mma:
+                assert mma >= sums + launch.MMA_SPARE_REGISTERS and mma % 8 == making % 8 == 0
+                assert mma * mma_threads + making * 128 <= launch_registers * threads
+                assert 24 <= making < launch_registers < mma <= 248
+
 def test_min_groups_bound_the_warps_own_block():
     """`block_min_groups` reaches the warps' own block's launches of experts
     (`Launch.min_groups`, which the GPU glue compiles as CUDA's launch

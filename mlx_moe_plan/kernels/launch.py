@@ -1338,14 +1338,21 @@ def _role_registers(mma_threads: int, producers: int, sums: int) -> tuple[int, i
     of the multiplying warps (`mma_threads`, `sums` sums each) and of the
     `producers` making warpgroups take (WARP_REGISTERS) where one group an
     SM of both leaves a thread fewer than the multiplying warps need, their
-    sums and MMA_SPARE_REGISTERS: those, and the making ones the rest; else
-    (0, 0), the launch's own."""
-    launch_registers = REGISTER_FILE // (mma_threads + 128 * producers) // 8 * 8
+    sums and MMA_SPARE_REGISTERS: those, and the making ones the rest of what
+    the launch gave the group; else (0, 0), the launch's own.
+
+    The rest of the group's, not of the SM's: a warp that asks for more
+    (setmaxnreg.inc) waits until others have given back as many, and the
+    group holds only what it was launched with (a thread's registers at
+    launch, 8 at a time, times its threads; 64512 of 384 threads). Split from
+    the SM's 65536, the multiplying warps waited for ever (on an H100)."""
+    threads = mma_threads + 128 * producers
+    launch_registers = REGISTER_FILE // threads // 8 * 8
     mma = min(MOST_REGISTERS, _round_up(sums + MMA_SPARE_REGISTERS, 8))
     if not producers or mma <= launch_registers:
         return 0, 0
-    return mma, min(MOST_REGISTERS,
-                    (REGISTER_FILE - mma_threads * mma) // (128 * producers) // 8 * 8)
+    return mma, min(MOST_REGISTERS, (launch_registers * threads - mma_threads * mma)
+                    // (128 * producers) // 8 * 8)
 
 
 # The weights' bits whose launches `block_min_groups` binds: those it was timed at.
