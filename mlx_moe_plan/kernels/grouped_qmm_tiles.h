@@ -175,8 +175,9 @@ SHARED int group_scan[THREADS];
 SHARED unsigned mma_exchange[THREADS * 6];  // the emulated MMA_16x8x16's (OpenCL)
 const int warp_exchange = warp * 32 * 6;
 // The warp's place among the block's multiplying warps (a making warp's,
-// which multiplies only in lock-step emulations, that of the one 4
-// warpgroups before it), and its warpgroup (WARPGROUP), each said the same
+// which multiplies only in lock-step emulations, that of the multiplying
+// warp as many warps before it as multiply), and its warpgroup (WARPGROUP),
+// each said the same
 // in all its lanes (WARP_UNIFORM): wgmma's descriptors, which follow from
 // them, are then computed in uniform registers.
 const int mma_warp = SPECIALIZED ? warp % (MMA_THREADS / 32) : warp;
@@ -290,8 +291,11 @@ if (!SPECIALIZED || !ROLES_APART) {
   const bool stores = !SPECIALIZED || (int)LOCAL_ID < MMA_THREADS;
   // include: tiles_run
 }
-// Apart, each role's warps meet the group's barriers at their own copy's
-// (barrier 0 counts warps, not places), the named ones likewise.
+// Apart, each role's warps meet the group's barriers (an item's first,
+// BARRIER) at their own copy's place. CUDA's __syncthreads is the aligned
+// bar.sync 0, which PTX defines for threads at one place; the hardware counts
+// the warps that arrive, wherever, and the GPU tests pass, but the
+// non-aligned barrier.sync is the form PTX defines for two places (to do).
 if (SPECIALIZED && ROLES_APART) {
   if ((int)LOCAL_ID >= MMA_THREADS) {
     if (MMA_REGISTERS) {

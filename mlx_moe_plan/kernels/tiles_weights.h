@@ -1,5 +1,6 @@
 // tiles_weights: a text grouped_qmm_tiles.h includes, not a body. With
-// SHARED_WEIGHTS, a stage's weights made 16-bit by the whole group into group
+// SHARED_WEIGHTS, a stage's weights made 16-bit by the group's making threads
+// (COPY_THREADS: all of them, or SPECIALIZED's making warpgroup) into group
 // memory, where the warpgroups' multiply-adds (tiles_products.h) read them.
 // It reads the stage's packed words and scale pairs (`stage_words` at
 // `made_words_at`, `stage_scales` at `made_scales_at`) and writes the made
