@@ -167,7 +167,10 @@ def record_launches(backend: str = "metal") -> list[Launch]:
                              "block_gated_row_tiles": row_tiles}
                             for row_tiles in OTHER_MADE_WEIGHTS_ROW_TILES),
                           {**SHARED_WEIGHTS_BLOCK, "block_weights_ahead": 1},
-                          {**SHARED_WEIGHTS_BLOCK, "block_across_items": 1})
+                          {**SHARED_WEIGHTS_BLOCK, "block_across_items": 1},
+                          # a warpgroup that only makes the weights
+                          # (grouped_qmm_roles.h)
+                          {**SHARED_WEIGHTS_BLOCK, "block_specialized": 1})
                 # The warps' own block compiled for 3 groups an SM
                 # (`block_min_groups`: CUDA's launch bounds) at every size,
                 # not only where the tiling's bounds take it.
@@ -244,7 +247,9 @@ launch_params = pytest.mark.parametrize("launch", LAUNCHES, ids=[launch.id for l
 
 def test_every_kernel_and_configuration_is_covered():
     seen = {launch.name for launch in LAUNCHES}
-    assert seen == set(INPUTS_OUTPUTS)
+    # but grouped_qmm_roles.h: its block, the made weights', is more than Metal's
+    # 32 KB of threadgroup memory (it runs on CUDA; its text is checked here)
+    assert seen == set(INPUTS_OUTPUTS) - {"grouped_qmm_roles"}
     templates = {(launch.name, launch.template) for launch in LAUNCHES}
     for has_weights in (False, True):
         for name in ("plan", "combine"):
@@ -469,12 +474,13 @@ def test_barrier_is_a_threadgroup_barrier():
 @pytest.mark.parametrize("name", BODIES)
 def test_barriers_in_uniform_control_flow(name):
     """Every thread of the group must reach each barrier (MSL 6.9.1): a
-    BARRIER() may sit at the top level, in `for` loops whose header does not
+    BARRIER() may sit at the top level or in a bare block, in `for` loops whose header does not
     depend on the thread (no LOCAL_ID), or under an `if` on template
     constants alone (upper-case names and numbers: the same in every
     thread), never under any other if/else/while; but for code under `if
-    (... && 0)`, which never runs: grouped_qmm_tiles.h's roles apart (`&&
-    ROLES_APART`, 0 in Metal's prelude, whose threads take every role)."""
+    (0)` or `if (... && 0)`, which never runs: grouped_qmm_roles.h's roles
+    apart (`ROLES_APART`, 0 in Metal's prelude, whose threads take every
+    role)."""
     body = _body(name)
     for m in re.finditer(r"\bBARRIER\s*\(", body):
         depth, headers = 0, []
@@ -486,13 +492,13 @@ def test_barriers_in_uniform_control_flow(name):
                 depth -= 1
             elif char == "{":
                 headers.append(_block_header(body, position))
-        if any(re.fullmatch(r"if \(.*&& 0\)", header) for header in headers):
+        if any(re.fullmatch(r"if \((.*&& )?0\)", header) for header in headers):
             continue
         for header in headers:
             if header.startswith("if "):
                 assert re.fullmatch(r"if \(([A-Z_][A-Z0-9_]*|\d+|[\s<>=!&|()+*/-])*\)",
                                     header), header
-            else:
+            elif header.strip():  # else a bare block: a scope, every thread's
                 assert header.startswith("for") and "LOCAL_ID" not in header, header
 
 
@@ -658,14 +664,16 @@ def test_included_texts_take_the_place_of_their_line(monkeypatch):
 
 @pytest.mark.parametrize("name, included, times", [
     ("grouped_qmm", "qmm_fields", 1), ("tiles_products", "qmm_fields", 2),
-    ("grouped_qmm", "qmm_params", 1), ("grouped_qmm_tiles", "qmm_params", 1),
+    ("grouped_qmm", "qmm_params", 1), ("tiles_setup", "qmm_params", 1),
     ("grouped_qmm", "qmm_store", 1), ("tiles_end", "qmm_store", 1),
-    ("grouped_qmm_tiles", "tiles_run", 3), ("tiles_run", "tiles_products", 2),
+    ("grouped_qmm_tiles", "tiles_setup", 1), ("grouped_qmm_roles", "tiles_setup", 1),
+    ("grouped_qmm_tiles", "tiles_run", 1), ("grouped_qmm_roles", "tiles_run", 3),
+    ("tiles_run", "tiles_products", 2),
     ("tiles_run", "tiles_weights", 2), ("tiles_run", "tiles_begin", 2),
     ("tiles_run", "tiles_end", 1),
     ("tiles_weights", "qmm_fields", 1),
     ("plan", "group_scan", 1), ("grouped_qmm", "group_scan", 1),
-    ("grouped_qmm_tiles", "group_scan", 1)])
+    ("tiles_setup", "group_scan", 1)])
 def test_bodies_include_their_shared_texts(name, included, times):
     assert kernels.text(name).count(f"// include: {included}") == times
     # the included text's longest line: its last may be a brace every text has

@@ -71,12 +71,18 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     `launch._shared_weights_tiling` takes it), which grouped_qmm_tiles.h
     includes twice, over all of a warp's row tiles and over half (`INCLUDED`)
 
-`tiles_run.h` -- not a body: a group's run over its block tiles' items, each
-    a row block by a column block over the stages, in the roles the including
-    place gives (copying and making the weights, multiplying, storing), which
-    grouped_qmm_tiles.h includes once for all roles, or once a role where
-    warpgroups make the weights apart from those that multiply
-    (`launch.GroupedQmmTiling.block_specialized`) (`INCLUDED`)
+`grouped_qmm_roles.h` -- grouped_qmm_tiles.h's made weights' block with a
+    warpgroup that only copies and makes the weights
+    (`launch.GroupedQmmTiling.block_specialized`, PRODUCER_WARPGROUPS), the
+    launch's body there (`Launch.body`), the rest as grouped_qmm_tiles.h's
+
+`tiles_setup.h`, `tiles_run.h` -- not bodies: the block tiles' constants,
+    group memory, scan and copies' places, and a group's run over its items
+    (each a row block by a column block over the stages) in the roles the
+    including place gives (copying and making the weights, multiplying,
+    storing): grouped_qmm_tiles.h includes both, the run once for all roles;
+    grouped_qmm_roles.h the run once for all (the lock-step emulations) and
+    once a role (CUDA) (`INCLUDED`)
 
 `tiles_weights.h` -- not a body: with SHARED_WEIGHTS, a stage's weights made
     16-bit by the whole group into group memory, which grouped_qmm_tiles.h
@@ -143,7 +149,8 @@ from functools import cache
 from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
-BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "argsort_slice",
+BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "grouped_qmm_roles",
+          "argsort_slice",
           "head_norm_rope", "decode_attention", "decode_attention_merge", "add_rms_norm")
 
 # Every prelude defines these; the prologues declare the last four.
@@ -175,7 +182,7 @@ def text(name: str) -> str:
 # text reads and declares variables of the body around it, as its own comment
 # says).
 INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products",
-            "tiles_weights", "tiles_begin", "tiles_end", "tiles_run")
+            "tiles_weights", "tiles_begin", "tiles_end", "tiles_run", "tiles_setup")
 
 
 def source(name: str, _including: tuple[str, ...] = ()) -> str:

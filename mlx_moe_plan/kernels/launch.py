@@ -71,6 +71,7 @@ INPUTS_OUTPUTS = {
     "combine": (("src", "index", "weights", "params"), ("out",)),
     "grouped_qmm": _GROUPED_QMM_ARGUMENTS,
     "grouped_qmm_tiles": _GROUPED_QMM_ARGUMENTS,  # grouped_qmm.h's GEMM in block tiles
+    "grouped_qmm_roles": _GROUPED_QMM_ARGUMENTS,  # the same, its making warpgroup apart
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
     "head_norm_rope": (("queries_in", "keys_in", "q_weight", "k_weight", "offsets", "params"),
                        ("queries", "keys")),
@@ -504,6 +505,7 @@ class AddRmsNormParams(NamedTuple):
 
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
           "grouped_qmm": GroupedQmmParams, "grouped_qmm_tiles": GroupedQmmParams,
+          "grouped_qmm_roles": GroupedQmmParams,
           "argsort_slice": ArgsortSliceParams, "head_norm_rope": HeadNormRopeParams,
           "decode_attention": DecodeAttentionParams,
           "decode_attention_merge": DecodeAttentionParams, "add_rms_norm": AddRmsNormParams}
@@ -1296,7 +1298,8 @@ def _grouped_qmm_tiles_launch(
     out = ((capacity, out_dims), dtype) if splits == 1 else \
         ((splits, capacity, out_dims), "float32")
     return Launch(
-        "grouped_qmm_tiles", min(splits * row_blocks * column_blocks, tiling.block_max_groups),
+        "grouped_qmm_roles" if producers else "grouped_qmm_tiles",
+        min(splits * row_blocks * column_blocks, tiling.block_max_groups),
         threads + 128 * producers,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
                          capacity=capacity, column_blocks=column_blocks,
