@@ -211,7 +211,7 @@ def launch_text(experts: int, in_dims: int, out_dims: int, capacity: int,
     run = launched(changes)
     default = ", the default's launch" if changes and run == launched({}) else ""
     template = dict(run.template)
-    if run.body == "grouped_qmm_tiles":
+    if run.body in ("grouped_qmm_tiles", "grouped_qmm_roles"):
         multiply_adds = (", weights made in shared memory" if template["SHARED_WEIGHTS"]
                          else ", wgmma" if template["WARPGROUP"] else "")
         runs = f", each of {run.groups} groups' items one run" if template["ACROSS_ITEMS"] else ""

@@ -251,6 +251,13 @@
 #               launch also in the 192-row block its long inputs are kept
 #               from (block_shared_row_tiles=24), whose spills the stage loop
 #               no longer loads (tiles_weights.h).
+#   specialized (not in `bench`) the made weights with a warpgroup that only
+#               copies and makes them (block_specialized=1): its GPU tests,
+#               then under compute-sanitizer memcheck, racecheck and synccheck
+#               (its named barriers, its roles' registers), then Qwen3-30B-A3B
+#               at T = 2048 and 8192 and Qwen3-Next at 8192 against the
+#               default, in the rule's rows and in 128 (no roles' registers),
+#               uniform and skewed.
 #   made-weights-rule (not in `bench`) the rule's made-weights blocks against
 #               the rule before them: 128 rows at every size
 #               (block_shared_row_tiles=16), one projection's from 256 rows an
@@ -1057,6 +1064,19 @@ if wanted gate-up-apart; then
     -k apart_where -p no:cacheprovider
   grouped_qmm_skews gate-up-apart "default;block_shared_row_tiles=24" \
     "mixtral 2048,8192,4096,16384" "deepseek-v3 16384"
+fi
+if wanted specialized; then
+  logged "$results/specialized-pytest.log" python3 -m pytest -q -rf -m gpu \
+    tests/test_grouped_qmm.py -k specialized -p no:cacheprovider
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      logged "$results/specialized-$tool.log" sanitized "$tool" python3 -m pytest -q -x -m gpu \
+        tests/test_grouped_qmm.py -k "specialized_made_weights and bfloat16" -p no:cacheprovider
+    done
+  fi
+  grouped_qmm_skews specialized \
+    "default;block_specialized=1;block_specialized=1,block_shared_row_tiles=16" \
+    "qwen3-30b-a3b 8192,2048" "qwen3-next 8192"
 fi
 if wanted one-warpgroup-rule; then
   grouped_qmm_each one-warpgroup-rule-1 "qwen3-next 8192 default;block_one_warpgroup=0" \

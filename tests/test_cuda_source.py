@@ -23,15 +23,16 @@ import re
 import shutil
 import subprocess
 from functools import cache
+from unittest import mock
 
 import mlx.core as mx
 import pytest
 from conftest import OTHER_MADE_WEIGHTS_ROW_TILES
-from test_metal_source import LAUNCHES, record_launches, unique_launches
+from test_metal_source import LAUNCHES, record_launches, recording, unique_launches
 
-from mlx_moe_plan import kernels
+from mlx_moe_plan import _gpu, kernels
 from mlx_moe_plan.kernels.launch import (INPUTS_OUTPUTS, SHARED_WEIGHTS_ROW_TILES,
-                                         WARPGROUP_ROW_TILES)
+                                         WARPGROUP_ROW_TILES, grouped_qmm_tiling)
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
@@ -147,6 +148,51 @@ def test_launch_bounds_hold_the_registers(tmp_path):
     # and a bound below what the compiler takes unbounded holds as well
     assert registers(kernels.launch_bounds(threads, 4)) <= most(4) < registers("")
 
+
+
+def test_nvcc_compiles_the_specialized_block(tmp_path):
+    """The made weights with a warpgroup that only copies and makes them
+    (`block_specialized`), at Qwen3-30B-A3B's T = 8192: its fused gate and up
+    and its down projection in the rule's blocks of 192 rows, and the fused
+    ones in 128. Compiled for one group of 384 threads an SM (the launch's
+    bounds, as the glue asks), a thread takes at most 168 registers at
+    launch; where the multiplying warps' sums need more (the gated 192 rows),
+    each role's warps take their own (setmaxnreg: MMA_REGISTERS,
+    MAKING_REGISTERS), and nowhere else."""
+    experts, in_dims, out_dims, capacity, tokens = 128, 2048, 768, 65536, 8192
+    matrices = [(mx.zeros((experts, rows, columns * 4 // 32), mx.uint32),
+                 mx.zeros((experts, rows, columns // 64), mx.bfloat16),
+                 mx.zeros((experts, rows, columns // 64), mx.bfloat16))
+                for rows, columns in ((out_dims, in_dims), (in_dims, out_dims))]
+    plan_arrays = (mx.zeros((experts + 1,), mx.int32), mx.zeros((capacity,), mx.int32))
+    launches = []
+    gpu = _gpu.GpuBackend("cuda")
+    with recording(launches), mock.patch.object(_gpu, "warpgroup_mma", lambda: True):
+        for tiling in (dict(block_specialized=1),
+                       dict(block_specialized=1, block_shared_row_tiles=16)):
+            with grouped_qmm_tiling(**tiling):
+                gpu.grouped_qmm(mx.zeros((tokens, in_dims), mx.bfloat16), *matrices[0],
+                                *plan_arrays, bits=4, group_size=64, stream=None,
+                                row_tokens=mx.zeros((capacity,), mx.int32), up=matrices[0])
+                if len(launches) == 1:
+                    gpu.grouped_qmm(mx.zeros((capacity, out_dims), mx.bfloat16), *matrices[1],
+                                    *plan_arrays, bits=4, group_size=64, stream=None)
+    forms = [(dict(launch.template), launch) for launch in launches]
+    assert [(t["GATED"], t["BLOCK_ROWS"], t["PRODUCER_WARPGROUPS"], bool(t["MMA_REGISTERS"]),
+             launch.launch_bounds) for t, launch in forms] == [
+        (True, 192, 1, True, (384, 1)), (False, 192, 1, False, (384, 1)),
+        (True, 128, 1, False, (384, 1))]
+    for i, (template, launch) in enumerate(forms):
+        path = tmp_path / f"specialized_{i}.cu"
+        messages = assert_nvcc_compiles(
+            [cuda_function(launch, f"custom_kernel_moe_specialized_{i}")], path,
+            suppress=("177",), body_name=launch.name, header=kernels.launch_bounds(384, 1),
+            flags=("-Xptxas", "-v", "-keep", "-keep-dir", str(tmp_path)))
+        # exactly the launch's 168: the roles' split (`_role_registers`) counts on
+        # them, and setmaxnreg.inc would wait for ever for registers never given
+        assert int(re.search(r"Used (\d+) registers", messages).group(1)) == 168
+        ptx = (tmp_path / f"specialized_{i}.compute_90a.ptx").read_text()
+        assert ptx.count("setmaxnreg") == (2 if template["MMA_REGISTERS"] else 0)
 
 def test_nvcc_compiles_every_warpgroup_width(tmp_path):
     """Each wgmma width the CUDA prelude spells (`WGMMA_BY_N`: N = 8 * row

@@ -172,7 +172,12 @@ WARPGROUP_FORMS = {**WARPGROUP_BLOCKS,
                      # the grid of the fewest items a plan makes (block_least_groups)
                      "shared-least": dict(launch.SHARED_WEIGHTS_TILING, block_least_groups=1),
                      # the rule's one-warpgroup block, bound to 3 groups an SM
-                     "one-warpgroup": launch.ONE_WARPGROUP_TILING}
+                     "one-warpgroup": launch.ONE_WARPGROUP_TILING,
+                     # a warpgroup more that copies and makes the weights
+                     # (PRODUCER_WARPGROUPS), for one multiplying warpgroup or two
+                     "specialized": dict(launch.SHARED_WEIGHTS_TILING, block_specialized=1),
+                     "specialized-one": dict(launch.SHARED_WEIGHTS_TILING, block_specialized=1,
+                                             block_column_warps=4)}
 
 
 @needs_warpgroup
@@ -184,6 +189,32 @@ def test_warpgroup_tiles_match_reference(form, case):
     seed, *arguments = case
     with launch.grouped_qmm_tiling(tiles_from_rows=0, **WARPGROUP_FORMS[form]):
         check_grouped_qmm(_run, np.random.default_rng(seed), *arguments)
+
+
+@needs_warpgroup
+@pytest.mark.parametrize("rows", [128, 160, 192])
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_specialized_made_weights(rows, name):
+    """The made weights with a warpgroup that only copies and makes them
+    (`block_specialized`), in blocks of 128 rows (every thread's registers
+    the launch's) and of 160 and 192 (each role's its own, WARP_REGISTERS), at
+    Qwen3-30B-A3B's shapes as test_warpgroup_tiles_made_weights_forms takes
+    them: its down projection and its fused gate and up from tokens, experts
+    of 1 to 400 rows, full and part-empty blocks, against the reference."""
+    rng = np.random.default_rng(73)
+    tiling = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=rows // 8,
+                  block_gated_row_tiles=rows // 8, block_specialized=1)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **tiling):
+        for gated, in_dims in ((False, 768), (True, 2048)):
+            made = launch.grouped_qmm_launch(6, in_dims, 2048, 1000, 4, 64, name, backend="cuda",
+                                             gated=gated, warpgroup=True)
+            template = dict(made.template)
+            assert template["PRODUCER_WARPGROUPS"] == 1 and template["BLOCK_ROWS"] == rows
+            assert made.group_size == 384 and made.min_groups == 1
+            assert bool(template["MMA_REGISTERS"]) == (gated and rows > 128)
+        counts = [rows, 1, 0, rows - 1, 400, 130]
+        check_grouped_qmm(_run, rng, counts, 2048, 768, 4, 64, name, 3)
+        _check_fused_from_tokens(rng, counts, 768, 2048, name)
 
 
 @needs_warpgroup

@@ -1026,6 +1026,75 @@ def test_grouped_qmm_tiles_made_weights_forms(row_tiles, stages, max_groups, ahe
         launch.GroupedQmmTiling(block_weights_ahead=2).check()
 
 
+
+@pytest.mark.parametrize("row_tiles, stages, column_warps, max_groups", [
+    (16, 3, 8, 4096), (24, 3, 8, 2), (10, 4, 8, 4096), (12, 3, 4, 2), (6, 5, 4, 4096)])
+def test_grouped_qmm_tiles_specialized(row_tiles, stages, column_warps, max_groups):
+    """The made weights with a warpgroup that only copies the stages and
+    makes their weights (`block_specialized`, PRODUCER_WARPGROUPS): here in
+    lock-step, each role's steps in turn between the group's barriers (the
+    emulation's ROLE_BARRIER), the making warpgroup's copies and weights for
+    one or two multiplying warpgroups, blocks of 48 to 192 rows, 3 to 5
+    stages, a group taking one block or several; part-empty, full and empty
+    experts, one projection and the fused gate and up, against the
+    reference. The launch: a warpgroup more, compiled for one group an SM;
+    none beside WEIGHTS_AHEAD, the runs across items or the warps' own
+    block."""
+    rng = np.random.default_rng(97)
+    rows = 8 * row_tiles
+    block = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
+                 block_gated_row_tiles=row_tiles, block_stage_values=64, block_stages=stages,
+                 block_column_warps=column_warps, block_max_groups=max_groups,
+                 block_specialized=1)
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, **block):
+        for gated in (False, True):
+            made = launch.grouped_qmm_launch(6, 640, 40, 900, 4, 64, "bfloat16", backend="cuda",
+                                             gated=gated, warpgroup=True)
+            template = dict(made.template)
+            assert template["SHARED_WEIGHTS"] and template["PRODUCER_WARPGROUPS"] == 1
+            assert made.group_size == template["THREADS"] == 32 * column_warps + 128
+            assert made.min_groups == 1 and template["INPUT_SPLITS"] == 1
+            assert template["BLOCK_ROWS"] == rows and template["STAGES"] == stages
+        check_grouped_qmm(_grouped_qmm, rng, [rows + 20, 0, rows // 2 - 3, rows + rows // 2 + 5,
+                                              rows - 1, 2 * rows], 40, 640, 4, 64, "bfloat16", 3)
+        _check_fused(rng, [rows + 1, 70, 0, rows // 2, 1, rows], 24, 640, 4, 64, "float16", 2, 5,
+                     True, True)
+    for others in (dict(block_weights_ahead=1), dict(block_across_items=1),
+                   dict(block_warpgroup=0)):
+        with launch.grouped_qmm_tiling(tiles_from_rows=0, **dict(block, **others)):
+            template = dict(launch.grouped_qmm_launch(6, 640, 40, 900, 4, 64, "bfloat16",
+                                                      backend="opencl").template)
+            assert template["PRODUCER_WARPGROUPS"] == 0
+    with pytest.raises(ValueError, match="block_specialized"):
+        launch.GroupedQmmTiling(block_specialized=2).check()
+
+
+def test_specialized_registers_within_the_launch():
+    """Where the specialized block's roles take registers of their own
+    (MMA_REGISTERS, MAKING_REGISTERS: gated blocks of 160 and 192 rows), the
+    multiplying warps' sums and spare fit theirs, and both roles' together
+    fit what the launch gave the group (a thread's at one group an SM, 8 at
+    a time, times its threads): setmaxnreg.inc waits until other warps have
+    given back as many, so a split of more waits for ever. Elsewhere every
+    thread keeps the launch's."""
+    for row_tiles in launch.SHARED_WEIGHTS_ROW_TILES:
+        for gated in (False, True):
+            tiling = dict(launch.SHARED_WEIGHTS_TILING, block_row_tiles=row_tiles,
+                          block_gated_row_tiles=row_tiles, block_specialized=1)
+            with launch.grouped_qmm_tiling(tiles_from_rows=0, **tiling):
+                made = launch.grouped_qmm_launch(128, 2048, 768, 65536, 4, 64, "bfloat16",
+                                                 backend="cuda", gated=gated, warpgroup=True)
+            template = dict(made.template)
+            threads, mma_threads = template["THREADS"], template["THREADS"] - 128
+            launch_registers = 65536 // threads // 8 * 8
+            sums = (2 if gated else 1) * 8 * row_tiles // 2
+            mma, making = template["MMA_REGISTERS"], template["MAKING_REGISTERS"]
+            assert bool(mma) == (sums + launch.MMA_SPARE_REGISTERS > launch_registers)
+            if mma:
+                assert mma >= sums + launch.MMA_SPARE_REGISTERS and mma % 8 == making % 8 == 0
+                assert mma * mma_threads + making * 128 <= launch_registers * threads
+                assert 24 <= making < launch_registers < mma <= 248
+
 def test_min_groups_bound_the_warps_own_block():
     """`block_min_groups` reaches the warps' own block's launches of experts
     (`Launch.min_groups`, which the GPU glue compiles as CUDA's launch

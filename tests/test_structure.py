@@ -315,7 +315,7 @@ def test_plan_fields_are_the_plans_attributes():
 
 
 @pytest.mark.parametrize("name", ["plan", "gather", "combine", "grouped_qmm",
-                                  "grouped_qmm_tiles"])
+                                  "grouped_qmm_tiles", "grouped_qmm_roles"])
 def test_bodies_read_params_in_launch_order(name):
     # A body reads its `params` array by position, each value into a constant
     # named as launch.py names it: `const int hidden = params[1];`. Those lines
@@ -347,6 +347,10 @@ def test_launches_carry_their_bodys_params():
                 "add_rms_norm": launch.add_rms_norm_launch(8, 2048, 1e-6, "bfloat16")}
     launches["decode_attention"], launches["decode_attention_merge"] = \
         launch.decode_attention_launches(8, 32, 4, 128, False, 128 ** -0.5, "bfloat16")
+    with launch.grouped_qmm_tiling(tiles_from_rows=0, block_specialized=1,
+                                   **launch.SHARED_WEIGHTS_TILING):
+        launches["grouped_qmm_roles"] = launch.grouped_qmm_launch(
+            4, 64, 24, 900, 4, 64, "bfloat16", backend="cuda", warpgroup=True)
     assert set(launches) == set(launch.PARAMS) == set(launch.INPUTS_OUTPUTS)
     for name, kernel_launch in launches.items():
         assert kernel_launch.body == name

@@ -71,6 +71,19 @@ and tested (paths from the repository root; docs/DESIGN.md has the full map):
     `launch._shared_weights_tiling` takes it), which grouped_qmm_tiles.h
     includes twice, over all of a warp's row tiles and over half (`INCLUDED`)
 
+`grouped_qmm_roles.h` -- grouped_qmm_tiles.h's made weights' block with a
+    warpgroup that only copies and makes the weights
+    (`launch.GroupedQmmTiling.block_specialized`, PRODUCER_WARPGROUPS), the
+    launch's body there (`Launch.body`), the rest as grouped_qmm_tiles.h's
+
+`tiles_setup.h`, `tiles_run.h` -- not bodies: the block tiles' constants,
+    group memory, scan and copies' places, and a group's run over its items
+    (each a row block by a column block over the stages) in the roles the
+    including place gives (copying and making the weights, multiplying,
+    storing): grouped_qmm_tiles.h includes both, the run once for all roles;
+    grouped_qmm_roles.h the run once for all (the lock-step emulations) and
+    once a role (CUDA) (`INCLUDED`)
+
 `tiles_weights.h` -- not a body: with SHARED_WEIGHTS, a stage's weights made
     16-bit by the whole group into group memory, which grouped_qmm_tiles.h
     includes before the stage's multiply-adds or, with WEIGHTS_AHEAD
@@ -136,7 +149,8 @@ from functools import cache
 from pathlib import Path
 
 BACKENDS = ("metal", "cuda", "opencl")
-BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "argsort_slice",
+BODIES = ("plan", "gather", "combine", "grouped_qmm", "grouped_qmm_tiles", "grouped_qmm_roles",
+          "argsort_slice",
           "head_norm_rope", "decode_attention", "decode_attention_merge", "add_rms_norm")
 
 # Every prelude defines these; the prologues declare the last four.
@@ -149,7 +163,8 @@ DIALECT_NAMES = (
     "SHARED_WORDS",
     "ASYNC_COPY16", "ASYNC_COMMIT", "ASYNC_WAIT", "WARP_BARRIER", "WARPGROUP_MMA",
     "WARPGROUP_MMA_SS", "WARPGROUP_FENCE", "WARPGROUP_COMMIT", "WARPGROUP_WAIT",
-    "SHARED_PROXY_FENCE", "SWIZZLE128", "SHARED_ALIGN1024",
+    "SHARED_PROXY_FENCE", "SWIZZLE128", "SHARED_ALIGN1024", "ROLE_BARRIER", "ROLES_APART",
+    "WARP_REGISTERS",
 )
 THREAD_NAMES = ("LOCAL_ID", "GROUP_ID", "GROUP_SIZE", "NUM_GROUPS")
 
@@ -167,7 +182,7 @@ def text(name: str) -> str:
 # text reads and declares variables of the body around it, as its own comment
 # says).
 INCLUDED = ("qmm_params", "qmm_fields", "qmm_store", "group_scan", "tiles_products",
-            "tiles_weights", "tiles_begin", "tiles_end")
+            "tiles_weights", "tiles_begin", "tiles_end", "tiles_run", "tiles_setup")
 
 
 def source(name: str, _including: tuple[str, ...] = ()) -> str:

@@ -41,6 +41,7 @@ MAX_ROW_GROUP = 512
 # Threads an SM runs at once at most (compute capability 8.0 and 9.0; fewer
 # on others): a launch bound past it, ptxas ignores.
 MAX_SM_THREADS = 2048
+REGISTER_FILE = 65536  # an SM's 32-bit registers (CUDA)
 # SMs of the GPUs the bounds in groups an SM were timed on (an H100's or
 # H200's): a GPU of other SMs takes the same groups, not timed there.
 TIMED_GPU_SMS = 132
@@ -70,6 +71,7 @@ INPUTS_OUTPUTS = {
     "combine": (("src", "index", "weights", "params"), ("out",)),
     "grouped_qmm": _GROUPED_QMM_ARGUMENTS,
     "grouped_qmm_tiles": _GROUPED_QMM_ARGUMENTS,  # grouped_qmm.h's GEMM in block tiles
+    "grouped_qmm_roles": _GROUPED_QMM_ARGUMENTS,  # the same, its making warpgroup apart
     "argsort_slice": (("values", "params"), ("indices", "slice_values")),
     "head_norm_rope": (("queries_in", "keys_in", "q_weight", "k_weight", "offsets", "params"),
                        ("queries", "keys")),
@@ -301,6 +303,15 @@ class GroupedQmmTiling:
     # the fused launch's made weights take a block of fewer rows than one
     # projection's (`fuses_gate_up`); 0: fused wherever the layer can be.
     block_gated_apart: int = 1
+    # 1: the made weights' block (SHARED_WEIGHTS) with a warpgroup more that
+    # only copies the stages and makes their weights while the block's
+    # warpgroups only multiply (PRODUCER_WARPGROUPS: the making of a stage no
+    # longer waits behind the issue of the last one's multiply-adds), not
+    # with block_weights_ahead or block_across_items, its input never split;
+    # compiled for one group an SM (`Launch.min_groups`), a thread's registers
+    # then at most 65536 / the group's threads. 0: the same warps make and
+    # multiply.
+    block_specialized: int = 0
 
     def check(self) -> None:
         """Raises ValueError where grouped_qmm.h could not run this tiling."""
@@ -348,11 +359,12 @@ class GroupedQmmTiling:
                 or self.block_warpgroup not in (None, 0, 1, 2) \
                 or self.block_weights_ahead not in (0, 1) or self.block_across_items not in (0, 1) \
                 or self.block_fitted_rows not in (0, 1) or self.block_least_groups not in (0, 1) \
-                or self.block_one_warpgroup not in (0, 1) or self.block_gated_apart not in (0, 1):
+                or self.block_one_warpgroup not in (0, 1) or self.block_gated_apart not in (0, 1) \
+                or self.block_specialized not in (0, 1):
             raise ValueError(f"grouped_qmm tiling: wide_loads, loads_ahead, block_weights_ahead, "
                              f"block_across_items, block_fitted_rows, block_least_groups, "
-                             f"block_one_warpgroup and block_gated_apart are 0 or 1, "
-                             f"block_warpgroup None, 0, 1 or 2: {self}")
+                             f"block_one_warpgroup, block_gated_apart and block_specialized "
+                             f"are 0 or 1, block_warpgroup None, 0, 1 or 2: {self}")
         if self.block_shared_row_tiles not in (None, *SHARED_WEIGHTS_ROW_TILES):
             raise ValueError(f"grouped_qmm tiling: block_shared_row_tiles is None or one of "
                              f"{SHARED_WEIGHTS_ROW_TILES}: {self}")
@@ -493,6 +505,7 @@ class AddRmsNormParams(NamedTuple):
 
 PARAMS = {"plan": PlanParams, "gather": GatherParams, "combine": CombineParams,
           "grouped_qmm": GroupedQmmParams, "grouped_qmm_tiles": GroupedQmmParams,
+          "grouped_qmm_roles": GroupedQmmParams,
           "argsort_slice": ArgsortSliceParams, "head_norm_rope": HeadNormRopeParams,
           "decode_attention": DecodeAttentionParams,
           "decode_attention_merge": DecodeAttentionParams, "add_rms_norm": AddRmsNormParams}
@@ -1200,11 +1213,16 @@ def _grouped_qmm_tiles_launch(
     stage_groups = _stage_groups(row_groups, groups_wanted)
     groups_up_to_wanted = _most_groups_dividing(row_groups, groups_wanted)
     threads = 32 * tiling.block_row_warps * tiling.block_column_warps
+    # SPECIALIZED's making warpgroups, where the made weights' block may be
+    # taken (else none, below)
+    producers = tiling.block_specialized if (
+        warpgroup == 2 and not tiling.block_weights_ahead and not tiling.block_across_items) \
+        else 0
     matrices = 2 if gated else 1
     # Stages first, then their values, then the block's columns, then its
     # rows, until the shared memory fits (expert_blocks, group_scan, and the
     # emulated multiply-add's exchange where a prelude uses it).
-    fixed = _scan_memory_bytes(threads, exchange)
+    fixed = _scan_memory_bytes(threads + 128 * producers, exchange)
     column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles
     row_tiles = tiling.block_gated_row_tiles if tall else tiling.block_row_tiles
     if halved:
@@ -1263,6 +1281,8 @@ def _grouped_qmm_tiles_launch(
             row_tiles //= 2
         else:  # Metal's 32 KB, 8 bits in groups of 128: grouped_qmm.h runs it
             return None
+    if not shared_weights:
+        producers = 0
     column_blocks = -(-out_dims // block_columns)
     # Row blocks at least (every row in one), and at most: a plan's spans and
     # its tail are E + 1 runs of rows summing to the capacity, and each run
@@ -1273,19 +1293,21 @@ def _grouped_qmm_tiles_launch(
     least_row_blocks = -(-capacity // block_rows)
     row_blocks = least_row_blocks if tiling.block_least_groups else \
         least_row_blocks + min(num_experts, capacity - 1)
-    splits = 1 if not splits_input else _input_splits(
+    splits = 1 if not splits_input or producers else _input_splits(
         dense, least_row_blocks * column_blocks, row_groups // stage_groups, tiling)
     out = ((capacity, out_dims), dtype) if splits == 1 else \
         ((splits, capacity, out_dims), "float32")
     return Launch(
-        "grouped_qmm_tiles", min(splits * row_blocks * column_blocks, tiling.block_max_groups),
-        threads,
+        "grouped_qmm_roles" if producers else "grouped_qmm_tiles",
+        min(splits * row_blocks * column_blocks, tiling.block_max_groups),
+        threads + 128 * producers,
         GroupedQmmParams(num_experts=num_experts, in_dims=in_dims, out_dims=out_dims,
                          capacity=capacity, column_blocks=column_blocks,
                          num_rows=capacity if num_rows is None else num_rows),
         (("InT", dtype), ("OutT", out[1]), ("IN_KIND", ROW_KINDS.index(dtype)),
          ("BITS", bits), ("VALUES", values), ("QUANT_GROUP", quant_group),
-         ("LANE_WORDS", lane_words), ("THREADS", threads), ("MAX_EXPERTS", MAX_EXPERTS),
+         ("LANE_WORDS", lane_words), ("THREADS", threads + 128 * producers),
+         ("MAX_EXPERTS", MAX_EXPERTS),
          ("TILES", column_tiles * matrices), ("ROW_TILES", row_tiles),
          ("GATED", gated), ("TOKEN_ROWS", num_rows is not None),
          ("ROW_WARPS", tiling.block_row_warps), ("COLUMN_WARPS", tiling.block_column_warps),
@@ -1295,12 +1317,45 @@ def _grouped_qmm_tiles_launch(
          ("SHARED_WEIGHTS", shared_weights),
          ("WEIGHTS_AHEAD", shared_weights and bool(tiling.block_weights_ahead)),
          ("ACROSS_ITEMS", splits == 1 and bool(tiling.block_across_items)),
+         ("PRODUCER_WARPGROUPS", producers),
+         *zip(("MMA_REGISTERS", "MAKING_REGISTERS"),
+              _role_registers(threads, producers, column_tiles * matrices * row_tiles * 4)),
          *_store_template(store)),
         (out,),
         _dynamic_shared_bytes(fixed + ring_bytes, stages * stage_bytes + made_bytes),
-        _min_groups(tiling, block_rows, in_dims, bits, shared_weights,
-                    dense or by_warpgroup or tall),
+        1 if producers else _min_groups(tiling, block_rows, in_dims, bits, shared_weights,
+                                        dense or by_warpgroup or tall),
     )
+
+
+# SPECIALIZED's multiplying warps' registers a thread beyond their sums (a
+# register a sum: wgmma's accumulators), for its descriptors, places and the
+# store's work: at 224 (192 rows, gated) and at 192 (160) nvcc 13.0 spilled
+# none of theirs.
+MMA_SPARE_REGISTERS = 32
+MOST_REGISTERS = 248  # of a thread that WARP_REGISTERS gives (255 at most, 8 at a time)
+
+
+def _role_registers(mma_threads: int, producers: int, sums: int) -> tuple[int, int]:
+    """SPECIALIZED's (MMA_REGISTERS, MAKING_REGISTERS): the registers a thread
+    of the multiplying warps (`mma_threads`, `sums` sums each) and of the
+    `producers` making warpgroups take (WARP_REGISTERS) where one group an
+    SM of both leaves a thread fewer than the multiplying warps need, their
+    sums and MMA_SPARE_REGISTERS: those, and the making ones the rest of what
+    the launch gave the group; else (0, 0), the launch's own.
+
+    The rest of the group's, not of the SM's: a warp that asks for more
+    (setmaxnreg.inc) waits until others have given back as many, and the
+    group holds only what it was launched with (a thread's registers at
+    launch, 8 at a time, times its threads; 64512 of 384 threads). Split from
+    the SM's 65536, the multiplying warps waited for ever (on an H100)."""
+    threads = mma_threads + 128 * producers
+    launch_registers = REGISTER_FILE // threads // 8 * 8
+    mma = min(MOST_REGISTERS, _round_up(sums + MMA_SPARE_REGISTERS, 8))
+    if not producers or mma <= launch_registers:
+        return 0, 0
+    return mma, min(MOST_REGISTERS, (launch_registers * threads - mma_threads * mma)
+                    // (128 * producers) // 8 * 8)
 
 
 # The weights' bits whose launches `block_min_groups` binds: those it was timed at.

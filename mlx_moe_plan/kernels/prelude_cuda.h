@@ -290,6 +290,34 @@ __device__ __forceinline__ void warpgroup_wait(float* d, int count) {
 #define WARPGROUP_MMA(d, a, b, row_tiles, lbo, sbo, exchange, lane) warpgroup_mma<IN_KIND, (row_tiles)>((d), (a), (b), (lbo), (sbo))
 #define WARPGROUP_WAIT(n, d, count) warpgroup_wait<(n)>((d), (count))
 #define WARPGROUP_MMA_SS(d, a, a_at, b, b_at, row_tiles, exchange, lane, warp) warpgroup_mma_ss<IN_KIND, (row_tiles)>((d), (a), (a_at), (b), (b_at))
+// defines: ROLE_BARRIER ROLES_APART WARP_REGISTERS role_barrier
+// ROLE_BARRIER(id, waits, count): named barrier `id` (1 to 15; 0 is
+// BARRIER's) of `count` threads (a multiple of 32), where a thread that
+// `waits` (bar.sync) holds until all `count` have come and one that does not
+// only arrives (bar.arrive) and goes on; each warp's lanes alike. Both order
+// memory: what a thread wrote before it is a waiting thread's after. So
+// warps of two roles pass work one way without holding the other role
+// (ROLES_APART: the roles' warps run apart; 0 in the lock-step emulations,
+// whose ROLE_BARRIER is the group's barrier).
+#define ROLES_APART 1
+template <int ID, int COUNT>
+__device__ __forceinline__ void role_barrier(bool waits) {
+  if (waits) {
+    asm volatile("bar.sync %0, %1;" :: "n"(ID), "n"(COUNT) : "memory");
+  } else {
+    asm volatile("bar.arrive %0, %1;" :: "n"(ID), "n"(COUNT) : "memory");
+  }
+}
+#define ROLE_BARRIER(id, waits, count) role_barrier<(id), (count)>(waits)
+// WARP_REGISTERS(n, more): the warp's registers a thread become n (a
+// multiple of 8, 24 to 256), more (`more`) or fewer than the launch gave it
+// (setmaxnreg, sm_90a; every warp of the warpgroup alike): a role whose work
+// needs many takes them from one that needs few.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WARP_REGISTERS(n, more) do { if (more) { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(n)); } else { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(n)); } } while (0)
+#else
+#define WARP_REGISTERS(n, more) ((void)0)
+#endif
 // defines: WARP_XOR
 // WARP_XOR(value, mask, exchange, lane): the float `value` of lane `lane ^
 // mask` of the warp (every lane takes part; `exchange` is the emulations').

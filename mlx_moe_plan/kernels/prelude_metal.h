@@ -152,6 +152,13 @@ inline void warpgroup_mma_ss(thread float* d, threadgroup const uint* a, int a_a
 #define WARPGROUP_COMMIT() ((void)0)
 #define WARPGROUP_WAIT(n, d, count) ((void)0)
 #define SHARED_PROXY_FENCE() ((void)0)
+// defines: ROLE_BARRIER ROLES_APART WARP_REGISTERS
+// ROLE_BARRIER (prelude_cuda.h says what it does), here the group's barrier:
+// every thread takes every role's steps (ROLES_APART 0), as the emulated
+// multiply-adds, which meet the group's barriers, need.
+#define ROLES_APART 0
+#define ROLE_BARRIER(id, waits, count) BARRIER()
+#define WARP_REGISTERS(n, more) ((void)0)
 // defines: WARP_XOR
 // WARP_XOR(value, mask, exchange, lane): the float `value` of lane `lane ^
 // mask` of the SIMD group (every lane takes part; `exchange` is OpenCL's).

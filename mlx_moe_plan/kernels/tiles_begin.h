@@ -36,7 +36,7 @@ if (LOCAL_ID == 0) {
 }
 UNROLL
 for (int i = 0; i < ROW_COPIES; ++i) {
-  const int chunk = min((int)LOCAL_ID + i * THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
+  const int chunk = min(copy_thread + i * COPY_THREADS, BLOCK_ROWS * ROW_CHUNKS - 1);
   const int row = min(row0 + chunk / ROW_CHUNKS, last - 1);
   const int source = TOKEN_ROWS ? min(max(row_tokens[row], 0), num_rows - 1) : row;
   row_sources[i] = (GLOBAL const unsigned short*)rows + (i64)source * in_dims
@@ -44,7 +44,7 @@ for (int i = 0; i < ROW_COPIES; ++i) {
 }
 UNROLL
 for (int i = 0; i < WORD_COPIES; ++i) {
-  const int chunk = min((int)LOCAL_ID + i * THREADS,
+  const int chunk = min(copy_thread + i * COPY_THREADS,
                         MATRICES * BLOCK_COLUMNS * COLUMN_CHUNKS - 1);
   const int column = chunk / COLUMN_CHUNKS;  // matrix column / BLOCK_COLUMNS
   const i64 column_row = (i64)expert * out_dims
@@ -55,7 +55,7 @@ for (int i = 0; i < WORD_COPIES; ++i) {
 }
 UNROLL
 for (int i = 0; i < SCALE_COPIES; ++i) {
-  const int entry = min((int)LOCAL_ID + i * THREADS, STAGE_SCALES - 1);
+  const int entry = min(copy_thread + i * COPY_THREADS, STAGE_SCALES - 1);
   const int column = entry / STAGE_GROUPS;
   const i64 column_row = (i64)expert * out_dims
                          + min(column0 + column % BLOCK_COLUMNS, out_dims - 1);

@@ -1,5 +1,6 @@
 // tiles_weights: a text grouped_qmm_tiles.h includes, not a body. With
-// SHARED_WEIGHTS, a stage's weights made 16-bit by the whole group into group
+// SHARED_WEIGHTS, a stage's weights made 16-bit by the group's making threads
+// (COPY_THREADS: all of them, or SPECIALIZED's making warpgroup) into group
 // memory, where the warpgroups' multiply-adds (tiles_products.h) read them.
 // It reads the stage's packed words and scale pairs (`stage_words` at
 // `made_words_at`, `stage_scales` at `made_scales_at`) and writes the made
@@ -15,9 +16,9 @@
 const int RUNS = STAGE_VALUES / 32;  // a column's items a stage
 const int ITEMS = MATRICES * BLOCK_COLUMNS * RUNS;
 UNROLL
-for (int i0 = 0; i0 < ITEMS; i0 += THREADS) {
-  const int item = i0 + (int)LOCAL_ID;
-  if (ITEMS % THREADS == 0 || item < ITEMS) {
+for (int i0 = 0; i0 < ITEMS; i0 += COPY_THREADS) {
+  const int item = i0 + copy_thread;
+  if (ITEMS % COPY_THREADS == 0 || item < ITEMS) {
     const int column = (item / (8 * RUNS)) * 8 + item % 8;  // among the matrices'
     const int run = item / 8 % RUNS;
     const int group = run * 32 / QUANT_GROUP;
