@@ -89,8 +89,8 @@
 // multiplying ones, copy the stages and make their weights, and the
 // multiplying warps only multiply and store. Where the same warps made a
 // stage's weights and issued its multiply-adds, the making of the next stage
-// waited behind the issue, which waits for the tensor cores: the two ran one
-// after the other. Apart, the roles meet at two named barriers a step
+// waited while those warps issued the wgmma instructions, whose issuing waits
+// for the tensor cores: the two ran one after the other. Apart, the roles meet at two named barriers a step
 // (ROLE_BARRIER: where ROLES_APART, one role waits there while the other
 // only arrives): the multiplying warps arrive at EMPTY_BARRIER once the
 // stage two back is multiplied, the making warps arrive at FULL_BARRIER once

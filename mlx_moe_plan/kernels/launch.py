@@ -306,7 +306,7 @@ class GroupedQmmTiling:
     # 1: the made weights' block (SHARED_WEIGHTS) with a warpgroup more that
     # only copies the stages and makes their weights while the block's
     # warpgroups only multiply (PRODUCER_WARPGROUPS: the making of a stage no
-    # longer waits behind the issue of the last one's multiply-adds), not
+    # longer waits while the same warps issue the last one's wgmma), not
     # with block_weights_ahead or block_across_items, its input never split;
     # compiled for one group an SM (`Launch.min_groups`), a thread's registers
     # then at most 65536 / the group's threads. 0: the same warps make and
