@@ -1221,8 +1221,8 @@ def _grouped_qmm_tiles_launch(
     matrices = 2 if gated else 1
     # Stages first, then their values, then the block's columns, then its
     # rows, until the shared memory fits (expert_blocks, group_scan, and the
-    # emulated multiply-add's exchange where a prelude uses it).
-    fixed = _scan_memory_bytes(threads + 128 * producers, exchange)
+    # emulated multiply-add's exchange where a prelude uses it, of the making
+    # warpgroup's threads too where the block is the made weights').
     column_tiles = tiling.block_gated_tiles if gated else tiling.block_tiles
     row_tiles = tiling.block_gated_row_tiles if tall else tiling.block_row_tiles
     if halved:
@@ -1234,6 +1234,8 @@ def _grouped_qmm_tiles_launch(
                           and tiling.block_column_warps in (4, 8) and column_tiles == 1
                           and row_tiles in SHARED_WEIGHTS_ROW_TILES and stages >= 3
                           and stage_values % 64 == 0)
+        fixed = _scan_memory_bytes(threads + (128 * producers if shared_weights else 0),
+                                   exchange)
         by_warpgroup = shared_weights or (
             warpgroup == 1 and (tiling.block_row_warps, tiling.block_column_warps) == (1, 4)
             and row_tiles in WARPGROUP_ROW_TILES)
